@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Runs a SecantusDB server for tally's tests, demo and benchmarks.
+
+Prints ``listening <port>`` once the server accepts connections, then runs
+until its standard input closes (the parent exited, however it exited) or it
+receives SIGTERM/SIGINT. A data directory it created itself is removed at
+exit; one given with --storage-path is kept, so a test can restart a server
+on the same data.
+"""
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+from secantus.server import SecantusDBServer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--storage-path", help="data directory to keep (default: a temporary one)")
+    parser.add_argument("--idle-timeout", type=float, default=300.0,
+                        help="seconds after which idle client connections are closed")
+    parser.add_argument("--oplog-max-entries", type=int, default=100_000)
+    parser.add_argument("--noop-heartbeat-seconds", type=float, default=0.0)
+    parser.add_argument("--auth", action="store_true", help="require SCRAM authentication")
+    parser.add_argument("--standalone", action="store_true",
+                        help="advertise a standalone server instead of a one-node replica set")
+    args = parser.parse_args()
+
+    temporary = None
+    storage = args.storage_path
+    if storage is None:
+        temporary = tempfile.mkdtemp(prefix="tally-secantus-")
+        storage = temporary
+
+    server = SecantusDBServer(
+        host="127.0.0.1",
+        port=args.port,
+        storage_path=storage,
+        replica_set_name=None if args.standalone else "secantus",
+        require_auth=args.auth,
+        enable_test_commands=True,
+        client_idle_timeout_s=args.idle_timeout,
+        oplog_max_entries=args.oplog_max_entries,
+        noop_heartbeat_seconds=args.noop_heartbeat_seconds,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def watch_parent() -> None:
+        # read() returns at end of file: the parent closed the pipe or died.
+        sys.stdin.read()
+        stop.set()
+
+    server.start()
+    print(f"listening {server.port}", flush=True)
+    threading.Thread(target=watch_parent, daemon=True).start()
+    stop.wait()
+    try:
+        server.stop()
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+//! The `tallyd` command line: each command is a thin layer over the library.
+//!
+//! Exit codes follow `sysexits.h` where one fits: 0 done, 1 failed or
+//! refused, 75 (`EX_TEMPFAIL`) pending or unknown — try again later,
+//! 78 (`EX_CONFIG`) bad configuration.
+
+mod increment;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{CollectionConfig, Config};
+use crate::redact::Secrets;
+
+pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+
+/// Exit status: success.
+pub const EXIT_OK: u8 = 0;
+/// Exit status: the operation failed, or was refused; nothing more will
+/// happen on its own.
+pub const EXIT_FAILED: u8 = 1;
+/// Exit status: the outcome is pending or unknown; settle it later
+/// (`EX_TEMPFAIL`).
+pub const EXIT_TEMPFAIL: u8 = 75;
+pub use crate::config::EXIT_CONFIG;
+
+/// `tallyd`: exact counters in MongoDB.
+#[derive(Debug, Parser)]
+#[command(name = "tallyd", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Configuration file. Default: /etc/tally/tallyd.toml, which may be
+    /// absent when the environment (TALLYD__SECTION__KEY) sets everything.
+    #[arg(long, short, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Check the configuration and print the effective settings, secrets
+    /// masked. Exits 78 naming every bad key.
+    CheckConfig,
+    /// Add to a counter with the two-step increment and say exactly what
+    /// happened.
+    Incr(IncrArgs),
+    /// Count a pending token (step 2 only): safe at any age.
+    Complete(CompleteArgs),
+    /// Settle a token an increment reported as unknown.
+    Resume(ResumeArgs),
+}
+
+/// Options shared by the commands that work on one collection.
+#[derive(Debug, Clone, Args)]
+pub struct TargetArgs {
+    /// The counter collection. A collection not listed in the configuration
+    /// uses the default field names. May be omitted when exactly one
+    /// collection is configured.
+    #[arg(long, value_name = "NAME")]
+    pub collection: Option<String>,
+
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl TargetArgs {
+    /// The collection the command works on.
+    fn resolve(&self, config: &Config) -> Result<CollectionConfig, String> {
+        match (&self.collection, config.collections.as_slice()) {
+            (Some(name), _) => Ok(config.collection(name)),
+            (None, [only]) => Ok(only.clone()),
+            (None, listed) => Err(format!(
+                "name the collection with --collection ({} configured)",
+                listed.len()
+            )),
+        }
+    }
+}
+
+/// Runs a command against a loaded configuration.
+pub async fn run(cli: Cli, config: Config) -> ExitCode {
+    match cli.command {
+        Command::CheckConfig => {
+            print!("{}", config.to_redacted_toml());
+            eprintln!("configuration is valid");
+            ExitCode::from(EXIT_OK)
+        }
+        Command::Incr(args) => increment::incr(args, &config).await,
+        Command::Complete(args) => increment::complete(args, &config).await,
+        Command::Resume(args) => increment::resume(args, &config).await,
+    }
+}
+
+/// Prints a failure that happened before any outcome was known.
+fn fail(json: bool, message: &str, secrets: &Secrets) -> ExitCode {
+    let message = secrets.scrub(message);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "outcome": "error", "error": message })
+        );
+    } else {
+        eprintln!("error: {message}");
+    }
+    ExitCode::from(EXIT_FAILED)
+}

@@ -1,0 +1,797 @@
+//! Configuration: one TOML file plus `TALLYD__SECTION__KEY` environment
+//! overrides, checked as a whole.
+//!
+//! Loading has two steps. The file and the environment are merged by the
+//! `config` crate and deserialized into a raw shape whose leaves are untyped
+//! ([`raw`]); validation then converts every key into the typed [`Config`],
+//! collecting **every** problem (unknown keys, wrong types, bad values,
+//! duplicates) into one [`ConfigErrors`] instead of stopping at the first.
+//! The binary exits with [`EXIT_CONFIG`] (78, `EX_CONFIG`) when there is any.
+
+mod field;
+mod raw;
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mongodb::options::{ClientOptions, ConnectionString};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::redact::{SecretString, Secrets, redact_uri};
+use field::Issues;
+use raw::{RawCollection, RawConfig};
+
+/// Where `tallyd` looks for its file when `--config` is not given. A missing
+/// file there is not an error (the environment may carry everything); a
+/// missing file named with `--config` is.
+pub const DEFAULT_PATH: &str = "/etc/tally/tallyd.toml";
+
+/// Exit code for a bad configuration (`EX_CONFIG` from `sysexits.h`);
+/// systemd units use it to stop restarting a daemon that cannot start.
+pub const EXIT_CONFIG: u8 = 78;
+
+pub(crate) const ENV_PREFIX: &str = "TALLYD";
+pub(crate) const ENV_SEPARATOR: &str = "__";
+
+/// Default name of the field holding a counter's value.
+pub const DEFAULT_COUNTER_FIELD: &str = "counter";
+/// Default name of the field holding a counter's pending entries.
+pub const DEFAULT_PENDING_FIELD: &str = "pending";
+
+/// The validated configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// `[mongodb]`: how to reach the server.
+    pub mongodb: MongoConfig,
+    /// `[[collections]]`: the counter collections tally works on.
+    pub collections: Vec<CollectionConfig>,
+    /// `[writer]`: how the library's increments behave.
+    pub writer: WriterConfig,
+    /// `[log]`: what is logged and how.
+    pub log: LogConfig,
+}
+
+/// `[mongodb]`: how to reach the server. Values set here override the same
+/// options in the URI; options not set here keep the URI's value, then
+/// tally's default.
+#[derive(Debug, Clone, Serialize)]
+pub struct MongoConfig {
+    /// The connection string (`mongodb://` or, in builds with the `srv`
+    /// feature, `mongodb+srv://`). Required. Its password never appears in
+    /// logs, errors or output.
+    #[serde(serialize_with = "serialize_uri")]
+    pub uri: SecretString,
+    /// The database holding the counter collections and tally's own state.
+    /// Default: the URI's database; one of the two is required.
+    pub database: String,
+    /// The application name the server sees (`appName`). Default: `tallyd`.
+    pub app_name: String,
+    /// How long to wait for a TCP connection (`connectTimeoutMS`).
+    /// Default: 10s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub connect_timeout: Duration,
+    /// How long an operation waits for a usable server before failing
+    /// (`serverSelectionTimeoutMS`). Default: 30s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub server_selection_timeout: Duration,
+    /// Connections idle for longer are closed by the driver
+    /// (`maxIdleTimeMS`). Default: 4m, below the 5 minutes after which many
+    /// servers and firewalls cut idle connections.
+    #[serde(serialize_with = "serialize_duration")]
+    pub max_idle_time: Duration,
+}
+
+impl MongoConfig {
+    /// The secrets to scrub from messages that mention this connection.
+    pub fn secrets(&self) -> Secrets {
+        Secrets::new(self.uri.expose(), [])
+    }
+
+    /// Applies this section's settings to options parsed from the URI.
+    pub fn apply_to(&self, options: &mut ClientOptions) {
+        options.app_name = Some(self.app_name.clone());
+        options.connect_timeout = Some(self.connect_timeout);
+        options.server_selection_timeout = Some(self.server_selection_timeout);
+        options.max_idle_time = Some(self.max_idle_time);
+    }
+}
+
+/// One `[[collections]]` entry: a counter collection and its field names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CollectionConfig {
+    /// The collection's name.
+    pub name: String,
+    /// The field holding the counter's value. Default: `counter`.
+    pub counter_field: String,
+    /// The field holding the pending entries. Default: `pending`.
+    pub pending_field: String,
+}
+
+impl CollectionConfig {
+    /// A collection with the default field names.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            counter_field: DEFAULT_COUNTER_FIELD.into(),
+            pending_field: DEFAULT_PENDING_FIELD.into(),
+        }
+    }
+
+    /// The same collection with other field names.
+    pub fn with_fields(mut self, counter: impl Into<String>, pending: impl Into<String>) -> Self {
+        self.counter_field = counter.into();
+        self.pending_field = pending.into();
+        self
+    }
+}
+
+/// `[writer]`: how the library's increments behave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct WriterConfig {
+    /// Step 1 of an increment is never (re)sent for a token older than this,
+    /// so a token can never be re-added after the daemon may have folded it.
+    /// Must stay below the daemon's `grace`. Default: 60s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub retry_horizon: Duration,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self {
+            retry_horizon: DEFAULT_RETRY_HORIZON,
+        }
+    }
+}
+
+/// Default retry horizon.
+pub const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
+/// The shortest retry horizon: a token's timestamp has one-second
+/// resolution, so a fresh token may already look a second old.
+pub const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
+
+/// `[log]`: what is logged and how. Logs go to standard error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LogConfig {
+    /// A tracing filter: a level (`info`) or directives
+    /// (`info,tally::reconcile=debug`). `RUST_LOG`, when set, wins.
+    /// Default: `info`.
+    pub level: String,
+    /// `text` (readable on a terminal) or `json` (one object per line).
+    /// Default: `text`.
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines, coloured on a terminal.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// One problem with the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigIssue {
+    /// The dotted key (`mongodb.uri`, `collections[1].name`), or `--config`
+    /// for the file itself.
+    pub key: String,
+    /// What is wrong and, where it helps, how to fix it.
+    pub message: String,
+}
+
+/// Every problem found in a configuration.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigErrors {
+    /// The problems, in the order of the file's sections.
+    pub issues: Vec<ConfigIssue>,
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.issues.len();
+        write!(
+            f,
+            "invalid configuration ({n} problem{}):",
+            if n == 1 { "" } else { "s" }
+        )?;
+        for issue in &self.issues {
+            write!(f, "\n  {}: {}", issue.key, issue.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigErrors {
+    fn single(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            issues: vec![ConfigIssue {
+                key: key.into(),
+                message: message.into(),
+            }],
+        }
+    }
+}
+
+impl Config {
+    /// Loads the file (`None`: [`DEFAULT_PATH`], which may be missing) and
+    /// applies `TALLYD__…` overrides from `env` (pass `std::env::vars()`;
+    /// tests pass their own).
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigErrors> {
+        let (path, required): (PathBuf, bool) = match path {
+            Some(p) => (p.to_owned(), true),
+            None => (PathBuf::from(DEFAULT_PATH), false),
+        };
+        let file = match std::fs::read_to_string(&path) {
+            Ok(text) => Some(text),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !required => None,
+            Err(err) => {
+                return Err(ConfigErrors::single(
+                    "--config",
+                    format!("cannot read {}: {err}", path.display()),
+                ));
+            }
+        };
+        Self::from_sources(file.as_deref(), &path.display().to_string(), env)
+    }
+
+    /// Builds the configuration from TOML text and environment overrides.
+    pub fn from_toml(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigErrors> {
+        Self::from_sources(Some(text), "(inline)", env)
+    }
+
+    fn from_sources(
+        text: Option<&str>,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigErrors> {
+        let prefix = format!("{ENV_PREFIX}{ENV_SEPARATOR}");
+        let env: HashMap<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .collect();
+        let from_env: BTreeSet<String> = env
+            .keys()
+            .map(|k| k[prefix.len()..].to_lowercase().replace(ENV_SEPARATOR, "."))
+            .collect();
+        let mut builder = config::Config::builder();
+        if let Some(text) = text {
+            builder = builder.add_source(config::File::from_str(text, config::FileFormat::Toml));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator(ENV_SEPARATOR)
+                .separator(ENV_SEPARATOR)
+                .source(Some(env.into_iter().collect())),
+        );
+        let merged = builder
+            .build()
+            .map_err(|err| ConfigErrors::single(origin, format!("cannot parse: {err}")))?;
+        let raw: RawConfig = merged
+            .try_deserialize()
+            .map_err(|err| ConfigErrors::single(origin, format!("cannot read: {err}")))?;
+        let mut issues = Issues::new(from_env);
+        let config = validate(raw, &mut issues);
+        if issues.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigErrors {
+                issues: issues.into_list(),
+            })
+        }
+    }
+
+    /// The settings for a collection: its `[[collections]]` entry, or the
+    /// default field names for a collection not listed.
+    pub fn collection(&self, name: &str) -> CollectionConfig {
+        self.collections
+            .iter()
+            .find(|c| c.name == name)
+            .cloned()
+            .unwrap_or_else(|| CollectionConfig::new(name))
+    }
+
+    /// The effective configuration as TOML, with every secret masked.
+    pub fn to_redacted_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|err| format!("# cannot render: {err}\n"))
+    }
+
+    /// Every secret value in the configuration.
+    pub fn secrets(&self) -> Secrets {
+        self.mongodb.secrets()
+    }
+}
+
+fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
+    issues.unknown_keys("", &raw.unknown);
+    let mongodb = validate_mongodb(issues.table("mongodb", raw.mongodb), issues);
+    let collections = validate_collections(raw.collections, issues);
+    let writer = issues.table("writer", raw.writer);
+    issues.unknown_keys("writer", &writer.unknown);
+    let retry_horizon = issues.duration(
+        "writer.retry_horizon",
+        writer.retry_horizon,
+        DEFAULT_RETRY_HORIZON,
+    );
+    if retry_horizon < MIN_RETRY_HORIZON {
+        issues.push(
+            "writer.retry_horizon",
+            format!(
+                "must be at least {}: a token's time has one-second resolution",
+                humantime::format_duration(MIN_RETRY_HORIZON)
+            ),
+        );
+    }
+    let writer = WriterConfig { retry_horizon };
+    let log = validate_log(issues.table("log", raw.log), issues);
+    Config {
+        mongodb,
+        collections,
+        writer,
+        log,
+    }
+}
+
+fn validate_mongodb(raw: raw::RawMongo, issues: &mut Issues) -> MongoConfig {
+    issues.unknown_keys("mongodb", &raw.unknown);
+    let uri = issues.required_string("mongodb.uri", raw.uri);
+    let parsed = uri.as_deref().and_then(|uri| parse_uri(uri, issues));
+    let from_uri = |f: fn(&ConnectionString) -> Option<Duration>| parsed.as_ref().and_then(f);
+
+    let database = issues
+        .string("mongodb.database", raw.database)
+        .or_else(|| parsed.as_ref().and_then(|p| p.default_database.clone()));
+    match &database {
+        Some(name) => check_database_name(name, issues),
+        None if parsed.is_some() => issues.push(
+            "mongodb.database",
+            "missing (set it, or name a database in the URI's path)",
+        ),
+        None => {}
+    }
+    let app_name = issues
+        .string("mongodb.app_name", raw.app_name)
+        .or_else(|| parsed.as_ref().and_then(|p| p.app_name.clone()))
+        .unwrap_or_else(|| "tallyd".into());
+    if app_name.is_empty() {
+        issues.push("mongodb.app_name", "must not be empty");
+    }
+    let connect_timeout = issues.duration(
+        "mongodb.connect_timeout",
+        raw.connect_timeout,
+        from_uri(|p| p.connect_timeout).unwrap_or(Duration::from_secs(10)),
+    );
+    let server_selection_timeout = issues.duration(
+        "mongodb.server_selection_timeout",
+        raw.server_selection_timeout,
+        from_uri(|p| p.server_selection_timeout).unwrap_or(Duration::from_secs(30)),
+    );
+    let max_idle_time = issues.duration(
+        "mongodb.max_idle_time",
+        raw.max_idle_time,
+        from_uri(|p| p.max_idle_time).unwrap_or(Duration::from_secs(240)),
+    );
+    MongoConfig {
+        uri: SecretString::new(uri.unwrap_or_default()),
+        database: database.unwrap_or_default(),
+        app_name,
+        connect_timeout,
+        server_selection_timeout,
+        max_idle_time,
+    }
+}
+
+/// Parses the URI without any I/O, reporting problems with the password
+/// scrubbed.
+fn parse_uri(uri: &str, issues: &mut Issues) -> Option<ConnectionString> {
+    if uri.starts_with("mongodb+srv://") && !cfg!(feature = "srv") {
+        issues.push(
+            "mongodb.uri",
+            "mongodb+srv:// needs DNS SRV support: build tallyd with `--features srv`, or list \
+             the hosts with mongodb://",
+        );
+        return None;
+    }
+    match ConnectionString::parse(uri) {
+        Ok(parsed) => Some(parsed),
+        Err(err) => {
+            let secrets = Secrets::new(uri, []);
+            let reason = match err.kind.as_ref() {
+                mongodb::error::ErrorKind::InvalidArgument { message, .. } => message.clone(),
+                _ => err.to_string(),
+            };
+            issues.push(
+                "mongodb.uri",
+                format!(
+                    "malformed connection string {}: {}",
+                    redact_uri(uri),
+                    secrets.scrub(&reason)
+                ),
+            );
+            None
+        }
+    }
+}
+
+fn check_database_name(name: &str, issues: &mut Issues) {
+    const ILLEGAL: &[char] = &[
+        '/', '\\', '.', ' ', '"', '$', '*', '<', '>', ':', '|', '?', '\0',
+    ];
+    if name.is_empty() {
+        issues.push("mongodb.database", "must not be empty");
+    } else if let Some(c) = name.chars().find(|c| ILLEGAL.contains(c)) {
+        issues.push(
+            "mongodb.database",
+            format!("{name:?} contains {c:?}, which database names cannot"),
+        );
+    } else if name.len() > 63 {
+        issues.push("mongodb.database", "longer than 63 bytes");
+    }
+}
+
+fn validate_collections(raw: Option<Value>, issues: &mut Issues) -> Vec<CollectionConfig> {
+    let entries = match raw {
+        None => return Vec::new(),
+        Some(Value::Array(entries)) => entries,
+        Some(other) => {
+            issues.push(
+                "collections",
+                format!(
+                    "expected [[collections]] tables, found {}",
+                    field::describe(&other)
+                ),
+            );
+            return Vec::new();
+        }
+    };
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.into_iter().enumerate() {
+        let key = format!("collections[{i}]");
+        let raw: RawCollection = match entry {
+            Value::Object(_) => match serde_json::from_value(entry) {
+                Ok(raw) => raw,
+                Err(err) => {
+                    issues.push(key, format!("cannot read: {err}"));
+                    continue;
+                }
+            },
+            other => {
+                issues.push(
+                    key,
+                    format!("expected a table, found {}", field::describe(&other)),
+                );
+                continue;
+            }
+        };
+        issues.unknown_keys(&key, &raw.unknown);
+        let name = issues.required_string(&format!("{key}.name"), raw.name);
+        if let Some(name) = &name {
+            check_collection_name(&format!("{key}.name"), name, issues);
+            if let Some(first) = seen.insert(name.clone(), i) {
+                issues.push(
+                    format!("{key}.name"),
+                    format!("duplicate collection {name:?} (also collections[{first}])"),
+                );
+            }
+        }
+        let counter_field = issues
+            .string(&format!("{key}.counter_field"), raw.counter_field)
+            .unwrap_or_else(|| DEFAULT_COUNTER_FIELD.into());
+        let pending_field = issues
+            .string(&format!("{key}.pending_field"), raw.pending_field)
+            .unwrap_or_else(|| DEFAULT_PENDING_FIELD.into());
+        check_field_name(&format!("{key}.counter_field"), &counter_field, issues);
+        check_field_name(&format!("{key}.pending_field"), &pending_field, issues);
+        if counter_field == pending_field {
+            issues.push(
+                format!("{key}.pending_field"),
+                format!("must differ from counter_field (both are {counter_field:?})"),
+            );
+        }
+        out.push(CollectionConfig {
+            name: name.unwrap_or_default(),
+            counter_field,
+            pending_field,
+        });
+    }
+    out
+}
+
+fn check_collection_name(key: &str, name: &str, issues: &mut Issues) {
+    if name.is_empty() {
+        issues.push(key, "must not be empty");
+    } else if name.contains('$') || name.contains('\0') {
+        issues.push(
+            key,
+            format!("{name:?}: collection names cannot contain '$' or NUL"),
+        );
+    } else if name.starts_with("system.") {
+        issues.push(
+            key,
+            format!("{name:?}: system collections are not counter collections"),
+        );
+    }
+}
+
+/// Field names are used as top-level paths in updates, so they cannot be
+/// operators, dotted paths, or `_id`.
+fn check_field_name(key: &str, name: &str, issues: &mut Issues) {
+    if name.is_empty() {
+        issues.push(key, "must not be empty");
+    } else if name.starts_with('$') {
+        issues.push(
+            key,
+            format!("{name:?} starts with '$', which field names cannot"),
+        );
+    } else if name.contains('.') {
+        issues.push(
+            key,
+            format!("{name:?} contains '.'; give a top-level field name"),
+        );
+    } else if name.contains('\0') {
+        issues.push(key, "contains NUL");
+    } else if name == "_id" {
+        issues.push(key, "cannot be _id");
+    }
+}
+
+fn validate_log(raw: raw::RawLog, issues: &mut Issues) -> LogConfig {
+    issues.unknown_keys("log", &raw.unknown);
+    let level = issues
+        .string("log.level", raw.level)
+        .unwrap_or_else(|| "info".into());
+    if let Err(err) = tracing_subscriber::EnvFilter::builder().parse(&level) {
+        issues.push(
+            "log.level",
+            format!("not a level or filter ({err}): {level:?}"),
+        );
+    }
+    let format = match issues.string("log.format", raw.format).as_deref() {
+        None | Some("text") => LogFormat::Text,
+        Some("json") => LogFormat::Json,
+        Some(other) => {
+            issues.push(
+                "log.format",
+                format!("expected \"text\" or \"json\", found {other:?}"),
+            );
+            LogFormat::Text
+        }
+    };
+    LogConfig { level, format }
+}
+
+fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&humantime::format_duration(*d).to_string())
+}
+
+fn serialize_uri<S: serde::Serializer>(uri: &SecretString, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_uri(uri.expose()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const MINIMAL: &str = r#"
+        [mongodb]
+        uri = "mongodb://localhost:27017"
+        database = "app"
+    "#;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let config = Config::from_toml(MINIMAL, []).unwrap();
+        assert_eq!(config.mongodb.database, "app");
+        assert_eq!(config.mongodb.app_name, "tallyd");
+        assert_eq!(config.mongodb.max_idle_time, Duration::from_secs(240));
+        assert_eq!(config.writer.retry_horizon, Duration::from_secs(60));
+        assert_eq!(config.log.format, LogFormat::Text);
+        assert!(config.collections.is_empty());
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let config = Config::from_toml(
+            MINIMAL,
+            env(&[
+                ("TALLYD__MONGODB__URI", "mongodb://other:27018/"),
+                ("TALLYD__MONGODB__DATABASE", "metrics"),
+                ("TALLYD__WRITER__RETRY_HORIZON", "30s"),
+                ("TALLYD_WEBHOOK_TOKEN", "not a config key"),
+                ("PATH", "/bin"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.mongodb.uri.expose(), "mongodb://other:27018/");
+        assert_eq!(config.mongodb.database, "metrics");
+        assert_eq!(config.writer.retry_horizon, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn environment_alone_is_enough() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("TALLYD__MONGODB__URI", "mongodb://h/"),
+                ("TALLYD__MONGODB__DATABASE", "d"),
+            ]),
+        );
+        // The default file is normally absent on build machines; if it is
+        // there it must at least not break this.
+        if !Path::new(DEFAULT_PATH).exists() {
+            assert_eq!(config.unwrap().mongodb.database, "d");
+        }
+    }
+
+    #[test]
+    fn the_database_may_come_from_the_uri() {
+        let config = Config::from_toml("[mongodb]\nuri = \"mongodb://h/fromuri\"\n", []).unwrap();
+        assert_eq!(config.mongodb.database, "fromuri");
+    }
+
+    #[test]
+    fn uri_options_are_kept_unless_overridden() {
+        let config = Config::from_toml(
+            "[mongodb]\nuri = \"mongodb://h/d?appName=web&maxIdleTimeMS=1000\"\n",
+            [],
+        )
+        .unwrap();
+        assert_eq!(config.mongodb.app_name, "web");
+        assert_eq!(config.mongodb.max_idle_time, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_named_file_must_exist() {
+        let err = Config::load(Some(Path::new("/nonexistent/tallyd.toml")), []).unwrap_err();
+        assert_eq!(err.issues[0].key, "--config");
+    }
+
+    #[test]
+    fn every_bad_key_is_reported_at_once() {
+        let text = r#"
+            surprise = 1
+            [mongodb]
+            database = "bad.name"
+            connect_timeout = 10
+            server_selection_timeout = "0s"
+            max_idle_time = "-5s"
+            colour = "blue"
+            [writer]
+            retry_horizon = "soon"
+            [log]
+            format = "xml"
+            level = "loud[["
+            [[collections]]
+            name = "events"
+            counter_field = "$count"
+            pending_field = "a.b"
+            [[collections]]
+            name = "events"
+            pending_field = "_id"
+            [[collections]]
+            name = 5
+            counter_field = "same"
+            pending_field = "same"
+        "#;
+        let err = Config::from_toml(text, []).unwrap_err();
+        let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+        for expected in [
+            "surprise",
+            "mongodb.uri",
+            "mongodb.database",
+            "mongodb.connect_timeout",
+            "mongodb.server_selection_timeout",
+            "mongodb.max_idle_time",
+            "mongodb.colour",
+            "writer.retry_horizon",
+            "log.format",
+            "log.level",
+            "collections[0].counter_field",
+            "collections[0].pending_field",
+            "collections[1].name",
+            "collections[1].pending_field",
+            "collections[2].name",
+            "collections[2].pending_field",
+        ] {
+            assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+        }
+        let text = err.to_string();
+        assert!(text.starts_with("invalid configuration ("), "{text}");
+    }
+
+    #[test]
+    fn malformed_uris_are_reported_without_their_password() {
+        let text = r#"
+            [mongodb]
+            uri = "mongodb://alice:hunter2@host:notaport/db"
+        "#;
+        let err = Config::from_toml(text, []).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains("mongodb.uri"), "{message}");
+        assert!(!message.contains("hunter2"), "{message}");
+        let err =
+            Config::from_toml("[mongodb]\nuri = \"postgres://u:hunter2@h/d\"\n", []).unwrap_err();
+        assert!(!err.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn errors_name_the_environment_variable_that_caused_them() {
+        let err = Config::from_toml(
+            MINIMAL,
+            env(&[
+                ("TALLYD__WRITER__RETRY_HORIZON", "0s"),
+                ("TALLYD__WRITER__TYPO", "1"),
+            ]),
+        )
+        .unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("set by TALLYD__WRITER__RETRY_HORIZON"),
+            "{message}"
+        );
+        assert!(message.contains("writer.typo"), "{message}");
+    }
+
+    #[test]
+    fn wrong_section_types_are_reported() {
+        let err = Config::from_toml("mongodb = 5\ncollections = \"x\"\n", []).unwrap_err();
+        let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+        assert!(keys.contains(&"mongodb"), "{keys:?}");
+        assert!(keys.contains(&"collections"), "{keys:?}");
+    }
+
+    #[test]
+    fn the_effective_config_masks_the_password() {
+        let config = Config::from_toml(
+            "[mongodb]\nuri = \"mongodb://u:hunter2@h:27017/d?replicaSet=rs\"\n",
+            [],
+        )
+        .unwrap();
+        let shown = config.to_redacted_toml();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(
+            shown.contains("mongodb://u:****@h:27017/d?replicaSet=rs"),
+            "{shown}"
+        );
+        assert!(shown.contains("retry_horizon = \"1m\""), "{shown}");
+        assert!(!format!("{config:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn unlisted_collections_use_default_fields() {
+        let config = Config::from_toml(
+            &format!("{MINIMAL}\n[[collections]]\nname = \"a\"\ncounter_field = \"c\"\n"),
+            [],
+        )
+        .unwrap();
+        assert_eq!(config.collection("a").counter_field, "c");
+        assert_eq!(config.collection("b"), CollectionConfig::new("b"));
+    }
+}

@@ -1,0 +1,163 @@
+//! Turning untyped values into typed ones while collecting every problem.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::raw::{Section, Unknown};
+use super::{ConfigIssue, ENV_PREFIX, ENV_SEPARATOR};
+
+/// Collects configuration problems, each under the key it concerns.
+#[derive(Debug, Default)]
+pub(crate) struct Issues {
+    list: Vec<ConfigIssue>,
+    /// Keys (dotted, lower case) that were set by an environment variable.
+    from_env: BTreeSet<String>,
+}
+
+impl Issues {
+    pub fn new(from_env: BTreeSet<String>) -> Self {
+        Self {
+            list: Vec::new(),
+            from_env,
+        }
+    }
+
+    pub fn into_list(self) -> Vec<ConfigIssue> {
+        self.list
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Records a problem with `key`. When an environment variable set it,
+    /// the message says which.
+    pub fn push(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        let key = key.into();
+        let mut message = message.into();
+        if self.from_env.contains(&key.to_lowercase()) {
+            let var = format!(
+                "{ENV_PREFIX}{ENV_SEPARATOR}{}",
+                key.to_uppercase().replace('.', ENV_SEPARATOR)
+            );
+            message.push_str(&format!(" (set by {var})"));
+        }
+        self.list.push(ConfigIssue { key, message });
+    }
+
+    /// Reports every key of a table that is not part of the schema.
+    pub fn unknown_keys(&mut self, table: &str, unknown: &Unknown) {
+        for key in unknown.keys() {
+            let full = if table.is_empty() {
+                key.clone()
+            } else {
+                format!("{table}.{key}")
+            };
+            self.push(full, "unknown key");
+        }
+    }
+
+    /// The table at `key`, or the default after reporting that something
+    /// else stood there.
+    pub fn table<T: Default>(&mut self, key: &str, section: Option<Section<T>>) -> T {
+        match section {
+            None => T::default(),
+            Some(Section::Table(table)) => table,
+            Some(Section::NotATable(value)) => {
+                self.push(key, format!("expected a table, found {}", describe(&value)));
+                T::default()
+            }
+        }
+    }
+
+    /// A string value; `None` when absent or of the wrong type (reported).
+    pub fn string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
+        match value? {
+            Value::String(s) => Some(s),
+            other => {
+                self.push(
+                    key,
+                    format!("expected a string, found {}", describe(&other)),
+                );
+                None
+            }
+        }
+    }
+
+    /// A required string; reports its absence with a hint on how to set it.
+    pub fn required_string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
+        if value.is_none() {
+            let var = format!(
+                "{ENV_PREFIX}{ENV_SEPARATOR}{}",
+                key.to_uppercase().replace('.', ENV_SEPARATOR)
+            );
+            self.push(key, format!("missing (set it in the file or with {var})"));
+            return None;
+        }
+        self.string(key, value)
+    }
+
+    /// A duration written the usual way (`60s`, `15m`, `1h 30m`), greater
+    /// than zero.
+    pub fn duration(&mut self, key: &str, value: Option<Value>, default: Duration) -> Duration {
+        let Some(value) = value else {
+            return default;
+        };
+        let text = match value {
+            Value::String(s) => s,
+            Value::Number(n) => {
+                self.push(
+                    key,
+                    format!("expected a duration with a unit, like \"{n}s\", found the number {n}"),
+                );
+                return default;
+            }
+            other => {
+                self.push(
+                    key,
+                    format!(
+                        "expected a duration like \"60s\", found {}",
+                        describe(&other)
+                    ),
+                );
+                return default;
+            }
+        };
+        match humantime::parse_duration(text.trim()) {
+            Ok(d) if d.is_zero() => {
+                self.push(key, "must be greater than zero");
+                default
+            }
+            Ok(d) => d,
+            Err(_) if text.trim_start().starts_with('-') => {
+                self.push(key, format!("must be greater than zero, found {text:?}"));
+                default
+            }
+            Err(err) => {
+                self.push(
+                    key,
+                    format!(
+                        "not a duration ({err}): {text:?}; write e.g. \"60s\", \"15m\", \"1h\""
+                    ),
+                );
+                default
+            }
+        }
+    }
+}
+
+/// A short description of a value for error messages. Strings are quoted
+/// only when short: a long string may be a secret pasted in the wrong place.
+pub(crate) fn describe(value: &Value) -> String {
+    match value {
+        Value::Null => "nothing".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(s) if s.len() <= 40 && !s.contains("://") => format!("the string {s:?}"),
+        Value::String(_) => "a string".into(),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "a table".into(),
+    }
+}

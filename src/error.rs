@@ -1,0 +1,735 @@
+//! Error classes and the retry-once rule (DESIGN §1).
+//!
+//! Every failed attempt against the server falls into exactly one
+//! [`ErrorClass`]: *transient* (retried once, and only for idempotent
+//! operations), *duplicate key* (what it means depends on the operation) or
+//! *command* (never retried). Classification looks at the error's kind, code
+//! and labels — never at its message text — and is a pure function of
+//! [`Facts`] extracted from the driver's error, so every case is unit-tested
+//! here, including kinds the driver does not let other crates construct.
+//!
+//! Orthogonal to the class is the [`Effect`]: what the failure tells about the
+//! write it carried. "Not counted" may only be promised when the effect is
+//! [`Effect::NotApplied`].
+//!
+//! [`RetryBudget`] applies the rule inside each operation's loop and logs
+//! every retry with its class and attempt number.
+
+use std::fmt;
+use std::time::Duration;
+
+use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
+
+/// Server error codes tally names, as the server defines them.
+pub mod code {
+    /// `HostUnreachable`.
+    pub const HOST_UNREACHABLE: i32 = 6;
+    /// `HostNotFound`.
+    pub const HOST_NOT_FOUND: i32 = 7;
+    /// `NetworkTimeout`.
+    pub const NETWORK_TIMEOUT: i32 = 89;
+    /// `ShutdownInProgress`.
+    pub const SHUTDOWN_IN_PROGRESS: i32 = 91;
+    /// `PrimarySteppedDown`.
+    pub const PRIMARY_STEPPED_DOWN: i32 = 189;
+    /// `ExceededTimeLimit`.
+    pub const EXCEEDED_TIME_LIMIT: i32 = 262;
+    /// `SocketException`.
+    pub const SOCKET_EXCEPTION: i32 = 9001;
+    /// `NotWritablePrimary` (formerly `NotMaster`).
+    pub const NOT_WRITABLE_PRIMARY: i32 = 10107;
+    /// `InterruptedAtShutdown`.
+    pub const INTERRUPTED_AT_SHUTDOWN: i32 = 11600;
+    /// `InterruptedDueToReplStateChange`.
+    pub const INTERRUPTED_DUE_TO_REPL_STATE_CHANGE: i32 = 11602;
+    /// `NotPrimaryNoSecondaryOk`.
+    pub const NOT_PRIMARY_NO_SECONDARY_OK: i32 = 13435;
+    /// `NotPrimaryOrSecondary`.
+    pub const NOT_PRIMARY_OR_SECONDARY: i32 = 13436;
+    /// `DuplicateKey`.
+    pub const DUPLICATE_KEY: i32 = 11000;
+    /// `DuplicateKey` as reported by old servers for updates.
+    pub const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
+    /// `DuplicateKeyValue` (a duplicate found while building an index).
+    pub const DUPLICATE_KEY_VALUE: i32 = 12582;
+    /// `ChangeStreamHistoryLost`: a resume token fell off the oplog.
+    pub const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
+
+    /// Codes that make a failed attempt transient: the node is not (or no
+    /// longer) a writable primary, is recovering or shutting down, or the
+    /// network failed on the server's side.
+    pub const TRANSIENT: [i32; 12] = [
+        HOST_UNREACHABLE,
+        HOST_NOT_FOUND,
+        NETWORK_TIMEOUT,
+        SHUTDOWN_IN_PROGRESS,
+        PRIMARY_STEPPED_DOWN,
+        EXCEEDED_TIME_LIMIT,
+        SOCKET_EXCEPTION,
+        NOT_WRITABLE_PRIMARY,
+        INTERRUPTED_AT_SHUTDOWN,
+        INTERRUPTED_DUE_TO_REPL_STATE_CHANGE,
+        NOT_PRIMARY_NO_SECONDARY_OK,
+        NOT_PRIMARY_OR_SECONDARY,
+    ];
+
+    /// Codes that mean "a document with this unique key already exists".
+    pub const DUPLICATE_KEY_CODES: [i32; 3] =
+        [DUPLICATE_KEY, DUPLICATE_KEY_ON_UPDATE, DUPLICATE_KEY_VALUE];
+}
+
+/// The class of a failed attempt, which decides whether it is retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The attempt may not have reached the server or its reply was lost, or
+    /// the node was not able to serve it right now. Retried once, and only
+    /// when the operation is idempotent.
+    Transient,
+    /// A unique index rejected the write. Whether to retry depends on the
+    /// operation: an upsert race applied nothing and is retried; for an
+    /// insert retry it may mean the first attempt worked.
+    DuplicateKey,
+    /// Everything else: the server refused the command (auth, bad value,
+    /// validation, document too large), no server could be selected, or the
+    /// driver refused it before sending. Never retried.
+    Command,
+}
+
+impl ErrorClass {
+    /// Classifies a driver error.
+    pub fn of(err: &MongoError) -> Self {
+        Facts::of(err).class()
+    }
+
+    /// The lower-case name used in logs and JSON output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Transient => "transient",
+            Self::DuplicateKey => "duplicate_key",
+            Self::Command => "command",
+        }
+    }
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a failed attempt tells about the write it carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// The write was definitely not applied: the server refused it, no server
+    /// was selected, or the driver never sent it.
+    NotApplied,
+    /// The write may or may not have been applied (a lost reply, a reset
+    /// connection, an unreadable response).
+    MaybeApplied,
+    /// The write was applied on the primary but its write concern was not
+    /// confirmed: it may still be rolled back by a failover.
+    AppliedUnconfirmed,
+}
+
+impl Effect {
+    /// The effect of a failed write attempt.
+    pub fn of(err: &MongoError) -> Self {
+        Facts::of(err).effect()
+    }
+}
+
+/// The kind of failure, reduced to what classification needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// An I/O error: connection refused or reset, a socket timeout.
+    Io,
+    /// The connection pool was cleared while the operation waited for a
+    /// connection.
+    PoolCleared,
+    /// No suitable server was found within the selection timeout.
+    ServerSelection,
+    /// The server answered `ok: 0` with this code.
+    Command(i32),
+    /// The server reported a write error with this code.
+    Write(i32),
+    /// The server applied the write but reported a write-concern error with
+    /// this code.
+    WriteConcern(i32),
+    /// The driver refused the operation before sending it (bad argument,
+    /// serialization, authentication, client shut down).
+    ClientRefused,
+    /// Anything else the driver reports (an unreadable reply, an internal
+    /// error): the request may have been sent.
+    Other,
+}
+
+/// The facts about a driver error that classification uses: its kind, its
+/// code and whether it carries the `RetryableWriteError` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Facts {
+    /// The kind of failure, with the server's code where there is one.
+    pub kind: FailureKind,
+    /// Whether the error carries the `RetryableWriteError` label.
+    pub retryable_label: bool,
+}
+
+impl Facts {
+    /// Extracts the facts from a driver error.
+    pub fn of(err: &MongoError) -> Self {
+        let kind = match err.kind.as_ref() {
+            ErrorKind::Io(_) => FailureKind::Io,
+            ErrorKind::ConnectionPoolCleared { .. } => FailureKind::PoolCleared,
+            ErrorKind::ServerSelection { .. } => FailureKind::ServerSelection,
+            ErrorKind::Command(command) => FailureKind::Command(command.code),
+            ErrorKind::Write(WriteFailure::WriteError(write)) => FailureKind::Write(write.code),
+            ErrorKind::Write(WriteFailure::WriteConcernError(wce)) => {
+                FailureKind::WriteConcern(wce.code)
+            }
+            ErrorKind::InsertMany(insert) => {
+                match (&insert.write_errors, &insert.write_concern_error) {
+                    (Some(errors), _) if !errors.is_empty() => FailureKind::Write(errors[0].code),
+                    (_, Some(wce)) => FailureKind::WriteConcern(wce.code),
+                    _ => FailureKind::Other,
+                }
+            }
+            ErrorKind::InvalidArgument { .. }
+            | ErrorKind::Authentication { .. }
+            | ErrorKind::BsonSerialization(_)
+            | ErrorKind::InvalidTlsConfig { .. }
+            | ErrorKind::SessionsNotSupported
+            | ErrorKind::IncompatibleServer { .. }
+            | ErrorKind::DnsResolve { .. }
+            | ErrorKind::Shutdown => FailureKind::ClientRefused,
+            _ => FailureKind::Other,
+        };
+        Self {
+            kind,
+            retryable_label: err.contains_label(RETRYABLE_WRITE_ERROR),
+        }
+    }
+
+    /// The error class (DESIGN §1).
+    pub fn class(self) -> ErrorClass {
+        let transient_code = |c: i32| code::TRANSIENT.contains(&c) || self.retryable_label;
+        let duplicate_code = |c: i32| code::DUPLICATE_KEY_CODES.contains(&c);
+        match self.kind {
+            FailureKind::Io | FailureKind::PoolCleared => ErrorClass::Transient,
+            // An outage longer than the selection timeout is not transient:
+            // retrying would only wait again.
+            FailureKind::ServerSelection => ErrorClass::Command,
+            FailureKind::Command(c) | FailureKind::Write(c) if duplicate_code(c) => {
+                ErrorClass::DuplicateKey
+            }
+            FailureKind::Command(c) | FailureKind::Write(c) | FailureKind::WriteConcern(c)
+                if transient_code(c) =>
+            {
+                ErrorClass::Transient
+            }
+            FailureKind::Command(_)
+            | FailureKind::Write(_)
+            | FailureKind::WriteConcern(_)
+            | FailureKind::ClientRefused
+            | FailureKind::Other => ErrorClass::Command,
+        }
+    }
+
+    /// What the failure tells about the write it carried.
+    pub fn effect(self) -> Effect {
+        match (self.kind, self.class()) {
+            (FailureKind::WriteConcern(_), _) => Effect::AppliedUnconfirmed,
+            (FailureKind::ServerSelection | FailureKind::ClientRefused, _) => Effect::NotApplied,
+            // The server answered and refused: nothing was written.
+            (FailureKind::Command(_) | FailureKind::Write(_), ErrorClass::Command)
+            | (_, ErrorClass::DuplicateKey) => Effect::NotApplied,
+            // A lost reply, or a node that stepped down while working on it.
+            _ => Effect::MaybeApplied,
+        }
+    }
+}
+
+/// Whether a duplicate-key code is the error's own code.
+pub fn is_duplicate_key(err: &MongoError) -> bool {
+    ErrorClass::of(err) == ErrorClass::DuplicateKey
+}
+
+/// A failed attempt against the server, classified.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{operation} failed ({class} error): {source}")]
+pub struct Failure {
+    /// The operation that failed, e.g. `increment.add_token`.
+    pub operation: &'static str,
+    /// The error class of the last attempt.
+    pub class: ErrorClass,
+    /// What the last attempt tells about its write.
+    pub effect: Effect,
+    /// How many attempts were made, the failed one included.
+    pub attempts: u32,
+    /// The driver's error for the last attempt.
+    pub source: MongoError,
+}
+
+/// Errors the library returns. Each variant says what the caller can do next.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The server or the network failed; [`Failure::class`] says whether it
+    /// is worth trying again later.
+    #[error(transparent)]
+    Server(#[from] Box<Failure>),
+
+    /// `resume` was asked to re-send step 1 for a token older than the retry
+    /// horizon. Re-adding it could count twice if the daemon has already
+    /// folded it, so nothing was sent: the increment is counted at most once.
+    #[error(
+        "token {token} is {age:?} old, past the retry horizon of {horizon:?}: nothing was sent; \
+         the increment is counted at most once"
+    )]
+    RetryHorizonExceeded {
+        /// The token, as 24 hex digits.
+        token: String,
+        /// The token's age when `resume` was called.
+        age: Duration,
+        /// The configured retry horizon.
+        horizon: Duration,
+    },
+
+    /// The caller passed a value the operation cannot accept; nothing was
+    /// sent.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A document does not have the shape tally expects; it was not
+    /// modified.
+    #[error("document {id} in {collection} is malformed: {reason}")]
+    Malformed {
+        /// The collection.
+        collection: String,
+        /// The document's `_id`, as relaxed extended JSON.
+        id: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The optimistic insert loop lost every race it was allowed to run.
+    #[error("gave up after {attempts} attempts: every candidate _id was taken by another writer")]
+    InsertAttemptsExhausted {
+        /// How many inserts were tried.
+        attempts: u32,
+    },
+}
+
+impl Error {
+    /// The error class when this is a server failure.
+    pub fn class(&self) -> Option<ErrorClass> {
+        match self {
+            Self::Server(failure) => Some(failure.class),
+            _ => None,
+        }
+    }
+}
+
+/// Applies the retry-once rule inside an operation's attempt loop.
+///
+/// A transient failure earns one retry when the operation is idempotent —
+/// unless the driver has already spent it: with retryable writes on, the
+/// driver retries a labelled failure itself (and the server de-duplicates
+/// it), so tally does not add a second retry on top. Duplicate-key retries,
+/// for operations where they mean "nothing applied", have their own small
+/// budget.
+#[derive(Debug)]
+pub struct RetryBudget {
+    operation: &'static str,
+    driver_retries_writes: bool,
+    transient_left: u32,
+    duplicate_left: u32,
+    attempts: u32,
+    maybe_applied: bool,
+}
+
+/// What to do after a failed attempt.
+#[derive(Debug)]
+pub enum Next {
+    /// Send the same operation again.
+    Retry,
+    /// Stop; the failure is final.
+    GiveUp(Box<Failure>),
+}
+
+impl RetryBudget {
+    /// A budget for an idempotent operation: one transient retry.
+    pub fn idempotent(operation: &'static str, driver_retries_writes: bool) -> Self {
+        Self {
+            operation,
+            driver_retries_writes,
+            transient_left: 1,
+            duplicate_left: 0,
+            attempts: 0,
+            maybe_applied: false,
+        }
+    }
+
+    /// A budget for an operation that must not be re-sent after a transient
+    /// failure.
+    pub fn once(operation: &'static str) -> Self {
+        Self {
+            transient_left: 0,
+            ..Self::idempotent(operation, false)
+        }
+    }
+
+    /// Also retries up to `n` duplicate-key failures (for upserts, where a
+    /// duplicate key means the race applied nothing).
+    pub fn with_duplicate_key_retries(mut self, n: u32) -> Self {
+        self.duplicate_left = n;
+        self
+    }
+
+    /// Attempts made so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Whether any failed attempt so far may have applied its write.
+    pub fn maybe_applied(&self) -> bool {
+        self.maybe_applied
+    }
+
+    /// Records that an attempt is about to be sent.
+    pub fn start_attempt(&mut self) {
+        self.attempts += 1;
+    }
+
+    /// Decides what follows a failed attempt, and logs a retry.
+    pub fn after_failure(&mut self, err: MongoError) -> Next {
+        let facts = Facts::of(&err);
+        let class = facts.class();
+        let effect = facts.effect();
+        if effect != Effect::NotApplied {
+            self.maybe_applied = true;
+        }
+        let retry = match class {
+            ErrorClass::Transient => {
+                // The driver retried this one itself already.
+                let driver_retried = self.driver_retries_writes && facts.retryable_label;
+                if !driver_retried && self.transient_left > 0 {
+                    self.transient_left -= 1;
+                    true
+                } else {
+                    false
+                }
+            }
+            ErrorClass::DuplicateKey if self.duplicate_left > 0 => {
+                self.duplicate_left -= 1;
+                true
+            }
+            ErrorClass::DuplicateKey | ErrorClass::Command => false,
+        };
+        if retry {
+            tracing::warn!(
+                operation = self.operation,
+                class = %class,
+                attempt = self.attempts,
+                cause = %err,
+                "attempt failed, retrying"
+            );
+            Next::Retry
+        } else {
+            Next::GiveUp(Box::new(Failure {
+                operation: self.operation,
+                class,
+                effect,
+                attempts: self.attempts,
+                source: err,
+            }))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mongodb::bson::{deserialize_from_document as from_document, doc};
+    use mongodb::error::{CommandError, WriteConcernError, WriteError};
+    use proptest::prelude::*;
+
+    fn command_error(code: i32) -> MongoError {
+        let err: CommandError =
+            from_document(doc! { "code": code, "codeName": "X", "errmsg": "m" }).unwrap();
+        ErrorKind::Command(err).into()
+    }
+
+    fn write_error(code: i32) -> MongoError {
+        let err: WriteError = from_document(doc! { "code": code, "errmsg": "m" }).unwrap();
+        ErrorKind::Write(WriteFailure::WriteError(err)).into()
+    }
+
+    fn write_concern_error(code: i32, labels: &[&str]) -> MongoError {
+        let err: WriteConcernError = from_document(
+            doc! { "code": code, "codeName": "X", "errmsg": "m", "errorLabels": labels },
+        )
+        .unwrap();
+        ErrorKind::Write(WriteFailure::WriteConcernError(err)).into()
+    }
+
+    fn io(kind: std::io::ErrorKind) -> MongoError {
+        ErrorKind::Io(std::sync::Arc::new(kind.into())).into()
+    }
+
+    #[test]
+    fn every_listed_code_is_transient_as_a_command_error() {
+        for code in [
+            6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436,
+        ] {
+            let err = command_error(code);
+            assert_eq!(ErrorClass::of(&err), ErrorClass::Transient, "code {code}");
+            assert_eq!(Effect::of(&err), Effect::MaybeApplied, "code {code}");
+        }
+    }
+
+    #[test]
+    fn listed_codes_in_write_errors_are_transient_too() {
+        // A server interrupted at shutdown reports it as a write error.
+        assert_eq!(ErrorClass::of(&write_error(11600)), ErrorClass::Transient);
+        assert_eq!(ErrorClass::of(&write_error(10107)), ErrorClass::Transient);
+    }
+
+    #[test]
+    fn io_errors_are_transient_and_may_have_applied() {
+        for kind in [
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::UnexpectedEof,
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::ConnectionRefused,
+            std::io::ErrorKind::BrokenPipe,
+        ] {
+            let err = io(kind);
+            assert_eq!(ErrorClass::of(&err), ErrorClass::Transient, "{kind:?}");
+            assert_eq!(Effect::of(&err), Effect::MaybeApplied, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn pool_cleared_is_transient() {
+        let facts = Facts {
+            kind: FailureKind::PoolCleared,
+            retryable_label: false,
+        };
+        assert_eq!(facts.class(), ErrorClass::Transient);
+    }
+
+    #[test]
+    fn server_selection_timeout_is_not_retried_and_applied_nothing() {
+        let facts = Facts {
+            kind: FailureKind::ServerSelection,
+            retryable_label: false,
+        };
+        assert_eq!(facts.class(), ErrorClass::Command);
+        assert_eq!(facts.effect(), Effect::NotApplied);
+    }
+
+    #[test]
+    fn duplicate_keys_through_each_path() {
+        // An `update` upsert race surfaces as a write error...
+        for code in [11000, 11001, 12582] {
+            let err = write_error(code);
+            assert_eq!(
+                ErrorClass::of(&err),
+                ErrorClass::DuplicateKey,
+                "write {code}"
+            );
+            assert_eq!(Effect::of(&err), Effect::NotApplied);
+        }
+        // ...a `findAndModify` upsert race as a command error.
+        for code in [11000, 11001, 12582] {
+            let err = command_error(code);
+            assert_eq!(
+                ErrorClass::of(&err),
+                ErrorClass::DuplicateKey,
+                "command {code}"
+            );
+        }
+    }
+
+    #[test]
+    fn other_server_errors_are_command_errors_that_applied_nothing() {
+        // BadValue, Unauthorized, TypeMismatch, DocumentValidationFailure, BSONObjectTooLarge.
+        for code in [2, 13, 14, 121, 10334] {
+            let err = command_error(code);
+            assert_eq!(ErrorClass::of(&err), ErrorClass::Command, "code {code}");
+            assert_eq!(Effect::of(&err), Effect::NotApplied, "code {code}");
+            assert_eq!(ErrorClass::of(&write_error(code)), ErrorClass::Command);
+        }
+    }
+
+    #[test]
+    fn the_retryable_label_makes_a_command_error_transient() {
+        let facts = Facts {
+            kind: FailureKind::Command(2),
+            retryable_label: true,
+        };
+        assert_eq!(facts.class(), ErrorClass::Transient);
+    }
+
+    #[test]
+    fn write_concern_errors() {
+        // A listed code: treat it like a lost reply.
+        let err = write_concern_error(91, &[]);
+        assert_eq!(ErrorClass::of(&err), ErrorClass::Transient);
+        assert_eq!(Effect::of(&err), Effect::AppliedUnconfirmed);
+        // The retryable label, carried inside the write-concern error.
+        let err = write_concern_error(64, &["RetryableWriteError"]);
+        assert_eq!(ErrorClass::of(&err), ErrorClass::Transient);
+        // Otherwise (wtimeout, unsatisfiable): a command error, but applied on
+        // the primary all the same.
+        let err = write_concern_error(64, &[]);
+        assert_eq!(ErrorClass::of(&err), ErrorClass::Command);
+        assert_eq!(Effect::of(&err), Effect::AppliedUnconfirmed);
+        let err = write_concern_error(100, &[]);
+        assert_eq!(ErrorClass::of(&err), ErrorClass::Command);
+    }
+
+    #[test]
+    fn client_side_refusals_applied_nothing() {
+        let err: MongoError = MongoError::custom("x");
+        // A custom error is opaque: it may have followed a send.
+        assert_eq!(Effect::of(&err), Effect::MaybeApplied);
+        assert_eq!(ErrorClass::of(&err), ErrorClass::Command);
+        let facts = Facts {
+            kind: FailureKind::ClientRefused,
+            retryable_label: false,
+        };
+        assert_eq!(facts.class(), ErrorClass::Command);
+        assert_eq!(facts.effect(), Effect::NotApplied);
+    }
+
+    #[test]
+    fn budget_retries_a_transient_failure_once() {
+        let mut budget = RetryBudget::idempotent("t", false);
+        budget.start_attempt();
+        assert!(matches!(
+            budget.after_failure(io(std::io::ErrorKind::ConnectionReset)),
+            Next::Retry
+        ));
+        budget.start_attempt();
+        let Next::GiveUp(failure) = budget.after_failure(io(std::io::ErrorKind::ConnectionReset))
+        else {
+            panic!("second transient failure must give up");
+        };
+        assert_eq!(failure.attempts, 2);
+        assert_eq!(failure.class, ErrorClass::Transient);
+        assert!(budget.maybe_applied());
+    }
+
+    #[test]
+    fn budget_never_retries_a_command_error() {
+        let mut budget = RetryBudget::idempotent("t", false);
+        budget.start_attempt();
+        assert!(matches!(
+            budget.after_failure(command_error(2)),
+            Next::GiveUp(_)
+        ));
+        assert!(!budget.maybe_applied());
+    }
+
+    #[test]
+    fn budget_leaves_the_retry_to_the_driver_when_it_already_retried() {
+        // The driver attaches `RetryableWriteError` to failures it retries;
+        // a write-concern error carries it where tests can construct it.
+        let labelled = write_concern_error(91, &["RetryableWriteError"]);
+        let mut budget = RetryBudget::idempotent("t", true);
+        budget.start_attempt();
+        assert!(matches!(budget.after_failure(labelled), Next::GiveUp(_)));
+        // Without the label the driver did not retry: tally does, once.
+        let mut budget = RetryBudget::idempotent("t", true);
+        budget.start_attempt();
+        assert!(matches!(
+            budget.after_failure(command_error(10107)),
+            Next::Retry
+        ));
+    }
+
+    #[test]
+    fn duplicate_key_retries_have_their_own_budget() {
+        let mut budget = RetryBudget::idempotent("t", false).with_duplicate_key_retries(2);
+        for _ in 0..2 {
+            budget.start_attempt();
+            assert!(matches!(
+                budget.after_failure(write_error(11000)),
+                Next::Retry
+            ));
+        }
+        budget.start_attempt();
+        assert!(matches!(
+            budget.after_failure(write_error(11000)),
+            Next::GiveUp(_)
+        ));
+        // None of that used the transient retry, nor may have applied.
+        assert!(!budget.maybe_applied());
+        budget.start_attempt();
+        assert!(matches!(
+            budget.after_failure(io(std::io::ErrorKind::TimedOut)),
+            Next::Retry
+        ));
+    }
+
+    fn any_kind() -> impl Strategy<Value = FailureKind> {
+        let code = prop_oneof![
+            proptest::sample::select(code::TRANSIENT.to_vec()),
+            proptest::sample::select(code::DUPLICATE_KEY_CODES.to_vec()),
+            any::<i32>(),
+        ];
+        prop_oneof![
+            Just(FailureKind::Io),
+            Just(FailureKind::PoolCleared),
+            Just(FailureKind::ServerSelection),
+            Just(FailureKind::ClientRefused),
+            Just(FailureKind::Other),
+            code.clone().prop_map(FailureKind::Command),
+            code.clone().prop_map(FailureKind::Write),
+            code.prop_map(FailureKind::WriteConcern),
+        ]
+    }
+
+    proptest! {
+        /// A failure that definitely applied nothing is never reported as
+        /// "may have applied", and the reverse: a write-concern error always
+        /// applied on the primary, a lost reply always may have applied.
+        #[test]
+        fn effect_is_consistent_with_the_kind(kind in any_kind(), label in any::<bool>()) {
+            let facts = Facts { kind, retryable_label: label };
+            match kind {
+                FailureKind::WriteConcern(_) =>
+                    prop_assert_eq!(facts.effect(), Effect::AppliedUnconfirmed),
+                FailureKind::Io | FailureKind::PoolCleared | FailureKind::Other =>
+                    prop_assert_eq!(facts.effect(), Effect::MaybeApplied),
+                FailureKind::ServerSelection | FailureKind::ClientRefused =>
+                    prop_assert_eq!(facts.effect(), Effect::NotApplied),
+                FailureKind::Command(_) | FailureKind::Write(_) =>
+                    prop_assert_eq!(
+                        facts.effect() == Effect::NotApplied,
+                        facts.class() != ErrorClass::Transient
+                    ),
+            }
+        }
+
+        /// Duplicate-key codes win over labels, and the class never depends
+        /// on anything but kind, code and label.
+        #[test]
+        fn classification_is_total_and_ordered(kind in any_kind(), label in any::<bool>()) {
+            let facts = Facts { kind, retryable_label: label };
+            let class = facts.class();
+            if let FailureKind::Command(c) | FailureKind::Write(c) = kind {
+                if code::DUPLICATE_KEY_CODES.contains(&c) {
+                    prop_assert_eq!(class, ErrorClass::DuplicateKey);
+                } else if code::TRANSIENT.contains(&c) || label {
+                    prop_assert_eq!(class, ErrorClass::Transient);
+                } else {
+                    prop_assert_eq!(class, ErrorClass::Command);
+                }
+            }
+            if kind == FailureKind::ServerSelection {
+                prop_assert_eq!(class, ErrorClass::Command);
+            }
+            prop_assert_eq!(class, Facts { kind, retryable_label: label }.class());
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! tally keeps counters in MongoDB that count every event exactly once, even
+//! when the network drops replies, primaries step down and writers crash.
+//!
+//! An increment is split into two idempotent steps joined by a pending token
+//! (see [`counter`]); the caller always learns which of four outcomes
+//! happened, and a token left behind by a crashed writer is folded into its
+//! counter later by the `tallyd` daemon. Every failed attempt is classified
+//! by [`error::ErrorClass`], and only transient failures of idempotent
+//! operations are retried — once.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
+//!
+//! let client = mongodb::Client::with_uri_str("mongodb://localhost:27017").await?;
+//! let options = mongodb::options::ClientOptions::parse("mongodb://localhost:27017").await?;
+//! let store = Store::from_parts(client, &options, "app");
+//! let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
+//! match views.increment("home", 1).await {
+//!     Increment::Counted(_) => {}
+//!     Increment::Pending(token) => { let _ = views.complete(&token).await; }
+//!     Increment::Unknown(token) => { let _ = views.resume(&token).await?; }
+//!     Increment::NotCounted(not) => return Err(not.cause().clone().into()),
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//!
+//! - [`error`]: error classes, the retry-once rule, the library's error type.
+//! - [`token`]: pending tokens and the two entry forms of a `pending` array.
+//! - [`store`]: the connected handle (client, database, retry facts).
+//! - [`counter`]: the two-step increment, `complete` and `resume`.
+//! - [`config`]: the TOML file and environment overrides, validated as a whole.
+//! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
+//! - [`logging`]: tracing to standard error, as text or JSON.
+//! - [`cli`]: the `tallyd` commands, thin layers over the modules above.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod cli;
+pub mod config;
+pub mod counter;
+pub mod error;
+pub mod logging;
+pub mod redact;
+pub mod store;
+pub mod token;
+
+pub use config::{CollectionConfig, Config, WriterConfig};
+pub use counter::{
+    Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
+};
+pub use error::{Effect, Error, ErrorClass};
+pub use store::Store;
+pub use token::{Entry, Token};

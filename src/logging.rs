@@ -1,0 +1,36 @@
+//! Logging setup: tracing to standard error, readable text on a terminal or
+//! one JSON object per line, filtered by `RUST_LOG` when set, else by
+//! `[log] level`.
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::format::FmtSpan;
+
+use crate::config::{LogConfig, LogFormat};
+
+/// Installs the global subscriber. Call once, at start-up; later calls are
+/// ignored (tests install their own).
+pub fn init(config: &LogConfig) {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => {
+            EnvFilter::builder().parse_lossy(directives)
+        }
+        _ => EnvFilter::builder().parse_lossy(&config.level),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_span_events(FmtSpan::NONE);
+    let _ = match config.format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_target(false)
+            .try_init(),
+    };
+}

@@ -1,0 +1,28 @@
+//! `tallyd`: parse the command line, load the configuration, start logging,
+//! and hand over to the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tally::cli::{self, Cli};
+use tally::config::{Config, EXIT_CONFIG};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref(), std::env::vars()) {
+        Ok(config) => config,
+        Err(errors) => {
+            eprintln!("{errors}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    tally::logging::init(&config.log);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(cli::run(cli, config))
+}

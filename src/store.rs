@@ -1,0 +1,131 @@
+//! The connected handle every operation works through.
+//!
+//! A [`Store`] is a cheap-to-clone handle holding the driver's `Client`, the
+//! database tally works in, and one fact the retry rule needs: whether the
+//! driver itself retries writes (retryable writes on, and a deployment that
+//! supports them). That fact is learned from one `hello`, lazily, so a
+//! `Store` can be built while the server is still down.
+
+use std::sync::Arc;
+
+use mongodb::bson::{Document, doc};
+use mongodb::options::ClientOptions;
+use mongodb::{Client, Collection, Database};
+use tokio::sync::OnceCell;
+
+use crate::config::MongoConfig;
+use crate::error::{Error, RetryBudget};
+use crate::redact::Secrets;
+
+/// A connected handle: client, database and what the deployment supports.
+#[derive(Clone, Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    client: Client,
+    database: Database,
+    retry_writes_requested: bool,
+    load_balanced: bool,
+    driver_retries_writes: OnceCell<bool>,
+}
+
+impl Store {
+    /// Builds a client from the `[mongodb]` config. No I/O happens here
+    /// unless the URI is `mongodb+srv://` (which resolves DNS records).
+    pub async fn connect(config: &MongoConfig) -> Result<Self, ConnectError> {
+        let mut options = ClientOptions::parse(config.uri.expose())
+            .await
+            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
+        config.apply_to(&mut options);
+        let client = Client::with_options(options.clone())
+            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
+        Ok(Self::from_parts(client, &options, &config.database))
+    }
+
+    /// Wraps an existing client. `options` are the ones the client was built
+    /// with: they say whether retryable writes were requested.
+    pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
+        let database = client.database(database);
+        Self {
+            inner: Arc::new(Inner {
+                client,
+                database,
+                retry_writes_requested: options.retry_writes != Some(false),
+                load_balanced: options.load_balanced == Some(true),
+                driver_retries_writes: OnceCell::new(),
+            }),
+        }
+    }
+
+    /// The driver client.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// The database tally works in.
+    pub fn database(&self) -> &Database {
+        &self.inner.database
+    }
+
+    /// A collection of the working database.
+    pub fn collection(&self, name: &str) -> Collection<Document> {
+        self.inner.database.collection(name)
+    }
+
+    /// Whether the driver retries single-document writes itself: retryable
+    /// writes requested and a deployment that supports them (a replica set,
+    /// a sharded cluster or a load balancer; never a standalone server).
+    /// Learned from one `hello` the first time it is needed.
+    pub async fn driver_retries_writes(&self) -> Result<bool, Error> {
+        if !self.inner.retry_writes_requested {
+            return Ok(false);
+        }
+        if self.inner.load_balanced {
+            return Ok(true);
+        }
+        self.inner
+            .driver_retries_writes
+            .get_or_try_init(|| async {
+                let hello = self.hello().await?;
+                let sessions = hello.contains_key("logicalSessionTimeoutMinutes");
+                let replicated = hello.contains_key("setName")
+                    || hello.get_str("msg").is_ok_and(|m| m == "isdbgrid");
+                Ok(sessions && replicated)
+            })
+            .await
+            .copied()
+    }
+
+    /// Runs `hello` against the admin database, retrying once on a transient
+    /// failure.
+    pub async fn hello(&self) -> Result<Document, Error> {
+        let admin = self.inner.client.database("admin");
+        let mut budget = RetryBudget::idempotent("hello", false);
+        loop {
+            budget.start_attempt();
+            match admin.run_command(doc! { "hello": 1 }).await {
+                Ok(reply) => return Ok(reply),
+                Err(err) => match budget.after_failure(err) {
+                    crate::error::Next::Retry => continue,
+                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                },
+            }
+        }
+    }
+}
+
+/// The URI could not be turned into a client. The message has every secret
+/// removed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot create a MongoDB client: {0}")]
+pub struct ConnectError(String);
+
+impl ConnectError {
+    /// Builds the error from a message that may contain secrets.
+    pub fn scrubbed(message: &str, secrets: &Secrets) -> Self {
+        Self(secrets.scrub(message))
+    }
+}

@@ -1,0 +1,381 @@
+//! Pending tokens and the entries of a `pending` array (DESIGN §2).
+//!
+//! A token is a fresh client-generated ObjectId; its first four bytes are its
+//! creation time in whole seconds, which is all tally needs to know a token's
+//! age. An entry is either the bare token (`+1`, the form other clients of
+//! this technique write) or `{t: token, n: amount}` (`+n`, `n != 0`).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+
+/// Field holding the token in the `{t, n}` entry form.
+pub const TOKEN_FIELD: &str = "t";
+/// Field holding the amount in the `{t, n}` entry form.
+pub const AMOUNT_FIELD: &str = "n";
+
+/// A pending token: identifies one increment attempt (not an event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Token(ObjectId);
+
+impl Token {
+    /// A fresh token, stamped with the current time.
+    pub fn new() -> Self {
+        Self(ObjectId::new())
+    }
+
+    /// Wraps an existing ObjectId (a token another client wrote, or one read
+    /// back from a document).
+    pub fn from_object_id(oid: ObjectId) -> Self {
+        Self(oid)
+    }
+
+    /// The ObjectId.
+    pub fn object_id(&self) -> ObjectId {
+        self.0
+    }
+
+    /// When the token was created, to the second (from its first 4 bytes).
+    pub fn created_at(&self) -> SystemTime {
+        self.0.timestamp().into()
+    }
+
+    /// The token's age at `now`. The timestamp is truncated to whole seconds,
+    /// so the age is never under-estimated — which is the safe side for the
+    /// retry horizon.
+    pub fn age(&self, now: SystemTime) -> Duration {
+        now.duration_since(self.created_at())
+            .unwrap_or(Duration::ZERO)
+    }
+
+    /// The smallest ObjectId created at `time` (truncated to the second):
+    /// every token created before `time`'s second sorts below it. Used as an
+    /// index-friendly cutoff: `{pending: {$lt: Token::cutoff(t)}}`.
+    pub fn cutoff(time: SystemTime) -> ObjectId {
+        let secs = time
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
+            .min(u64::from(u32::MAX)) as u32;
+        let mut bytes = [0u8; 12];
+        bytes[..4].copy_from_slice(&secs.to_be_bytes());
+        ObjectId::from_bytes(bytes)
+    }
+
+    /// A token stamped with `time` (for tests and tools that need an old
+    /// token).
+    pub fn created_at_time(time: SystemTime) -> Self {
+        let mut bytes = ObjectId::new().bytes();
+        bytes[..4].copy_from_slice(&Self::cutoff(time).bytes()[..4]);
+        Self(ObjectId::from_bytes(bytes))
+    }
+}
+
+impl Default for Token {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0.to_hex())
+    }
+}
+
+/// A token string that is not 24 hex digits.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("a token is 24 hex digits, got {0:?}")]
+pub struct BadToken(String);
+
+impl FromStr for Token {
+    type Err = BadToken;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ObjectId::parse_str(s)
+            .map(Self)
+            .map_err(|_| BadToken(s.to_owned()))
+    }
+}
+
+/// Which of the two entry forms an entry has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryForm {
+    /// The bare ObjectId: `+1`.
+    Bare,
+    /// `{t: ObjectId, n: amount}`.
+    Tagged,
+}
+
+/// One entry of a `pending` array: a token and the amount it adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    token: Token,
+    amount: i64,
+    form: EntryForm,
+}
+
+/// Why an element of a `pending` array is not a valid entry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadEntry {
+    /// Neither an ObjectId nor a document.
+    #[error("entry is a {0}, not an ObjectId or {{t, n}}")]
+    WrongType(&'static str),
+    /// A document without an ObjectId `t`.
+    #[error("entry document has no ObjectId field `t`")]
+    MissingToken,
+    /// `n` is missing, not an integer, or zero.
+    #[error("entry amount `n` {0}")]
+    BadAmount(&'static str),
+    /// A document with fields other than `t` and `n`.
+    #[error("entry document has unexpected field {0:?}")]
+    ExtraField(String),
+}
+
+impl Entry {
+    /// The entry for an increment of `amount` with `token`: the bare form for
+    /// `+1` (what other clients of the technique write), `{t, n}` otherwise.
+    /// Returns `None` for a zero amount, which would count nothing.
+    pub fn new(token: Token, amount: i64) -> Option<Self> {
+        match amount {
+            0 => None,
+            1 => Some(Self {
+                token,
+                amount,
+                form: EntryForm::Bare,
+            }),
+            _ => Some(Self {
+                token,
+                amount,
+                form: EntryForm::Tagged,
+            }),
+        }
+    }
+
+    /// The token.
+    pub fn token(&self) -> Token {
+        self.token
+    }
+
+    /// The amount the entry adds when counted.
+    pub fn amount(&self) -> i64 {
+        self.amount
+    }
+
+    /// The entry's form.
+    pub fn form(&self) -> EntryForm {
+        self.form
+    }
+
+    /// The entry as stored in the `pending` array.
+    pub fn to_bson(&self) -> Bson {
+        match self.form {
+            EntryForm::Bare => Bson::ObjectId(self.token.0),
+            EntryForm::Tagged => Bson::Document(doc! {
+                TOKEN_FIELD: self.token.0,
+                AMOUNT_FIELD: self.amount,
+            }),
+        }
+    }
+
+    /// A query condition on the `pending` array that matches a document
+    /// holding this entry, whatever the field order or integer width another
+    /// client used.
+    pub fn array_condition(&self) -> Bson {
+        match self.form {
+            EntryForm::Bare => Bson::ObjectId(self.token.0),
+            EntryForm::Tagged => Bson::Document(doc! {
+                "$elemMatch": { TOKEN_FIELD: self.token.0, AMOUNT_FIELD: self.amount }
+            }),
+        }
+    }
+
+    /// A `$pull` condition that removes exactly this entry.
+    pub fn pull_condition(&self) -> Bson {
+        match self.form {
+            EntryForm::Bare => Bson::ObjectId(self.token.0),
+            EntryForm::Tagged => Bson::Document(doc! {
+                TOKEN_FIELD: self.token.0,
+                AMOUNT_FIELD: self.amount,
+            }),
+        }
+    }
+
+    /// Parses one element of a `pending` array.
+    pub fn parse(value: &Bson) -> Result<Self, BadEntry> {
+        match value {
+            Bson::ObjectId(oid) => Ok(Self {
+                token: Token(*oid),
+                amount: 1,
+                form: EntryForm::Bare,
+            }),
+            Bson::Document(doc) => Self::parse_tagged(doc),
+            other => Err(BadEntry::WrongType(bson_type_name(other))),
+        }
+    }
+
+    fn parse_tagged(doc: &Document) -> Result<Self, BadEntry> {
+        if let Some(extra) = doc.keys().find(|k| *k != TOKEN_FIELD && *k != AMOUNT_FIELD) {
+            return Err(BadEntry::ExtraField(extra.clone()));
+        }
+        let Some(Bson::ObjectId(oid)) = doc.get(TOKEN_FIELD) else {
+            return Err(BadEntry::MissingToken);
+        };
+        let amount = match doc.get(AMOUNT_FIELD) {
+            Some(Bson::Int32(n)) => i64::from(*n),
+            Some(Bson::Int64(n)) => *n,
+            None => return Err(BadEntry::BadAmount("is missing")),
+            Some(_) => return Err(BadEntry::BadAmount("is not an integer")),
+        };
+        if amount == 0 {
+            return Err(BadEntry::BadAmount("is zero"));
+        }
+        Ok(Self {
+            token: Token(*oid),
+            amount,
+            form: EntryForm::Tagged,
+        })
+    }
+}
+
+/// The BSON type name, as `$type` spells it.
+pub fn bson_type_name(value: &Bson) -> &'static str {
+    match value {
+        Bson::Double(_) => "double",
+        Bson::String(_) => "string",
+        Bson::Array(_) => "array",
+        Bson::Document(_) => "object",
+        Bson::Boolean(_) => "bool",
+        Bson::Null => "null",
+        Bson::RegularExpression(_) => "regex",
+        Bson::JavaScriptCode(_) | Bson::JavaScriptCodeWithScope(_) => "javascript",
+        Bson::Int32(_) => "int",
+        Bson::Int64(_) => "long",
+        Bson::Timestamp(_) => "timestamp",
+        Bson::Binary(_) => "binData",
+        Bson::ObjectId(_) => "objectId",
+        Bson::DateTime(_) => "date",
+        Bson::Symbol(_) => "symbol",
+        Bson::Decimal128(_) => "decimal",
+        Bson::Undefined => "undefined",
+        Bson::MaxKey => "maxKey",
+        Bson::MinKey => "minKey",
+        Bson::DbPointer(_) => "dbPointer",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn plus_one_is_the_bare_form() {
+        let token = Token::new();
+        let entry = Entry::new(token, 1).unwrap();
+        assert_eq!(entry.to_bson(), Bson::ObjectId(token.object_id()));
+        assert_eq!(Entry::parse(&entry.to_bson()).unwrap(), entry);
+    }
+
+    #[test]
+    fn other_amounts_are_tagged_and_zero_is_refused() {
+        let token = Token::new();
+        let entry = Entry::new(token, -3).unwrap();
+        assert_eq!(entry.form(), EntryForm::Tagged);
+        assert_eq!(Entry::parse(&entry.to_bson()).unwrap(), entry);
+        assert!(Entry::new(token, 0).is_none());
+    }
+
+    #[test]
+    fn tagged_entries_from_other_clients_parse_in_any_field_order_and_width() {
+        let oid = ObjectId::new();
+        let entry = Entry::parse(&Bson::Document(doc! { "n": 5i32, "t": oid })).unwrap();
+        assert_eq!(entry.amount(), 5);
+        assert_eq!(entry.token().object_id(), oid);
+    }
+
+    #[test]
+    fn malformed_entries_are_named() {
+        let oid = ObjectId::new();
+        let cases = [
+            (Bson::String("x".into()), BadEntry::WrongType("string")),
+            (Bson::Int32(1), BadEntry::WrongType("int")),
+            (Bson::Null, BadEntry::WrongType("null")),
+            (Bson::Document(doc! { "n": 1 }), BadEntry::MissingToken),
+            (
+                Bson::Document(doc! { "t": "x", "n": 1 }),
+                BadEntry::MissingToken,
+            ),
+            (
+                Bson::Document(doc! { "t": oid }),
+                BadEntry::BadAmount("is missing"),
+            ),
+            (
+                Bson::Document(doc! { "t": oid, "n": 1.5 }),
+                BadEntry::BadAmount("is not an integer"),
+            ),
+            (
+                Bson::Document(doc! { "t": oid, "n": 0 }),
+                BadEntry::BadAmount("is zero"),
+            ),
+            (
+                Bson::Document(doc! { "t": oid, "n": 1, "x": 1 }),
+                BadEntry::ExtraField("x".into()),
+            ),
+        ];
+        for (value, expected) in cases {
+            assert_eq!(Entry::parse(&value), Err(expected), "{value:?}");
+        }
+    }
+
+    #[test]
+    fn cutoff_orders_below_every_token_of_its_second() {
+        let now = SystemTime::now();
+        let token = Token::created_at_time(now);
+        assert!(Token::cutoff(now) <= token.object_id());
+        let earlier = Token::created_at_time(now - Duration::from_secs(1));
+        assert!(earlier.object_id() < Token::cutoff(now));
+    }
+
+    #[test]
+    fn age_is_never_underestimated() {
+        let token = Token::new();
+        let now = SystemTime::now();
+        assert!(token.age(now) <= Duration::from_secs(1));
+        let old = Token::created_at_time(now - Duration::from_secs(120));
+        assert!(old.age(now) >= Duration::from_secs(120));
+    }
+
+    #[test]
+    fn tokens_round_trip_through_hex() {
+        let token = Token::new();
+        assert_eq!(token.to_string().parse::<Token>().unwrap(), token);
+        assert!("xyz".parse::<Token>().is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn every_nonzero_amount_round_trips(amount in any::<i64>().prop_filter("nonzero", |n| *n != 0)) {
+            let entry = Entry::new(Token::new(), amount).unwrap();
+            prop_assert_eq!(Entry::parse(&entry.to_bson()).unwrap(), entry);
+        }
+
+        #[test]
+        fn parse_never_panics_and_accepts_only_valid_shapes(
+            amount in any::<i64>(), use_i32 in any::<bool>(), extra in any::<bool>()
+        ) {
+            let oid = ObjectId::new();
+            let n = if use_i32 { Bson::Int32(amount as i32) } else { Bson::Int64(amount) };
+            let effective = if use_i32 { i64::from(amount as i32) } else { amount };
+            let mut d = doc! { "t": oid, "n": n };
+            if extra { d.insert("z", 1); }
+            let parsed = Entry::parse(&Bson::Document(d));
+            prop_assert_eq!(parsed.is_ok(), effective != 0 && !extra);
+            if let Ok(entry) = parsed {
+                prop_assert_eq!(entry.amount(), effective);
+            }
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! The `tallyd` binary as a user runs it: exit codes, JSON output, config
+//! errors, and secrets kept out of everything it prints.
+
+use std::path::Path;
+use std::process::Output;
+
+use mongodb::bson::{Bson, doc};
+use serde_json::Value;
+
+use crate::common::server::repo_root;
+use crate::common::{FailPoint, TestContext, counter, pending_len};
+
+/// Runs `tallyd` with a clean environment plus `env`.
+pub async fn tallyd(args: &[&str], env: &[(&str, &str)]) -> Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .await
+        .expect("run tallyd")
+}
+
+pub fn write_config(dir: &Path, text: &str) -> String {
+    let path = dir.join("tallyd.toml");
+    std::fs::write(&path, text).expect("write config");
+    path.display().to_string()
+}
+
+fn json(output: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|err| panic!("stdout is not one JSON object ({err}): {stdout:?}"))
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+#[tokio::test]
+async fn the_example_config_passes_check_config() {
+    let path = repo_root().join("config/tallyd.toml");
+    let output = tallyd(&["--config", path.to_str().unwrap(), "check-config"], &[]).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("name = \"page_views\""), "{shown}");
+    // The example's password is masked.
+    assert!(!shown.contains("change-me"), "{shown}");
+    assert!(shown.contains("tallyd:****@"), "{shown}");
+}
+
+#[tokio::test]
+async fn a_bad_config_exits_78_naming_every_bad_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(
+        dir.path(),
+        r#"
+        unexpected = true
+        [mongodb]
+        database = "has space"
+        connect_timeout = 5
+        server_selection_timeout = "0s"
+        max_idle_time = "-1m"
+        [writer]
+        retry_horizon = "soon"
+        retry_horizonn = "1m"
+        [log]
+        format = "yaml"
+        [[collections]]
+        name = "a"
+        counter_field = "$c"
+        [[collections]]
+        name = "a"
+        pending_field = "p.q"
+        [[collections]]
+        name = 12
+        "#,
+    );
+    let output = tallyd(
+        &["--config", &path, "check-config"],
+        &[("TALLYD__LOG__LEVEL", "noisy[")],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(78));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for key in [
+        "unexpected",
+        "mongodb.uri",
+        "mongodb.database",
+        "mongodb.connect_timeout",
+        "mongodb.server_selection_timeout",
+        "mongodb.max_idle_time",
+        "writer.retry_horizon",
+        "writer.retry_horizonn",
+        "log.format",
+        "log.level",
+        "collections[0].counter_field",
+        "collections[1].name",
+        "collections[1].pending_field",
+        "collections[2].name",
+    ] {
+        assert!(
+            stderr.contains(&format!("  {key}: ")),
+            "{key} not reported:\n{stderr}"
+        );
+    }
+    assert!(stderr.contains("TALLYD__LOG__LEVEL"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_missing_named_config_file_exits_78() {
+    let output = tallyd(
+        &["--config", "/nonexistent/tallyd.toml", "check-config"],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(78));
+    assert!(text(&output).contains("--config"));
+}
+
+#[tokio::test]
+async fn incr_prints_the_outcome_and_counts() {
+    let ctx = TestContext::new("cli_incr").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let output = tallyd(
+        &[
+            "--config",
+            &path,
+            "incr",
+            "home",
+            "--collection",
+            "views",
+            "--json",
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "counted");
+    assert_eq!(out["key"], "home");
+    assert_eq!(out["collection"], "views");
+    let token = out["token"].as_str().unwrap();
+    assert_eq!(token.len(), 24);
+    assert!(token.chars().all(|c| c.is_ascii_hexdigit()));
+
+    // Text output, the environment naming the database, --by.
+    let output = tallyd(
+        &[
+            "--config",
+            &path,
+            "incr",
+            "home",
+            "--collection",
+            "views",
+            "--by",
+            "-3",
+        ],
+        &[("TALLYD__MONGODB__DATABASE", &ctx.db_name)],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    assert!(
+        text(&output).starts_with("counted: views/home -3"),
+        "{}",
+        text(&output)
+    );
+
+    let client = ctx.client(false).await;
+    assert_eq!(counter(&client.collection("views"), "home").await, -2);
+}
+
+#[tokio::test]
+async fn incr_not_counted_exits_1() {
+    let ctx = TestContext::new("cli_not_counted").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(
+        dir.path(),
+        &ctx.config_toml(false, "[[collections]]\nname = \"views\""),
+    );
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "errorCode": 2 },
+    )
+    .await;
+    // One collection configured: --collection may be left out.
+    let output = tallyd(&["--config", &path, "incr", "k", "--json"], &[]).await;
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "not_counted");
+    assert_eq!(out["error"]["class"], "command");
+}
+
+#[tokio::test]
+async fn pending_exits_75_and_complete_settles_it() {
+    let ctx = TestContext::new("cli_pending_complete").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let token = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "skip": 1, "times": 1 }),
+            doc! { "failCommands": ["update"], "errorCode": 2 },
+        )
+        .await;
+        let output = tallyd(
+            &[
+                "--config",
+                &path,
+                "incr",
+                "k",
+                "--collection",
+                "views",
+                "--json",
+            ],
+            &[],
+        )
+        .await;
+        assert_eq!(output.status.code(), Some(75), "{}", text(&output));
+        let out = json(&output);
+        assert_eq!(out["outcome"], "pending");
+        out["token"].as_str().unwrap().to_owned()
+    };
+    let client = ctx.client(false).await;
+    let views = client.collection("views");
+    assert_eq!(pending_len(&views, "k").await, 1);
+
+    let complete = [
+        "--config",
+        &path,
+        "complete",
+        "k",
+        &token,
+        "--collection",
+        "views",
+        "--json",
+    ];
+    let output = tallyd(&complete, &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    assert_eq!(json(&output)["outcome"], "counted");
+    // Again: nothing to do, said so, still exit 0.
+    let output = tallyd(&complete, &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    assert_eq!(json(&output)["outcome"], "not_pending");
+    let output = tallyd(&complete[..complete.len() - 1], &[]).await;
+    assert!(text(&output).contains("not pending"), "{}", text(&output));
+
+    assert_eq!(counter(&views, "k").await, 1);
+    assert_eq!(pending_len(&views, "k").await, 0);
+}
+
+#[tokio::test]
+async fn resume_refuses_past_the_horizon_and_settles_within_it() {
+    let ctx = TestContext::new("cli_resume").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let old = tally::Token::created_at_time(
+        std::time::SystemTime::now() - std::time::Duration::from_secs(600),
+    )
+    .to_string();
+    let output = tallyd(
+        &[
+            "--config",
+            &path,
+            "resume",
+            "k",
+            &old,
+            "--collection",
+            "views",
+            "--json",
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert_eq!(json(&output)["outcome"], "refused");
+
+    let fresh = tally::Token::new().to_string();
+    let output = tallyd(
+        &[
+            "--config",
+            &path,
+            "resume",
+            "k",
+            &fresh,
+            "--by",
+            "4",
+            "--collection",
+            "views",
+            "--json",
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    assert_eq!(json(&output)["outcome"], "counted");
+    let client = ctx.client(false).await;
+    assert_eq!(counter(&client.collection("views"), "k").await, 4);
+}
+
+#[tokio::test]
+async fn the_uri_password_never_appears() {
+    // Nothing listens on port 9: every command fails, and says why.
+    let uri = "mongodb://alice:Sup3rSecretPw@127.0.0.1:9/?serverSelectionTimeoutMS=300&connectTimeoutMS=300";
+    let env = [
+        ("TALLYD__MONGODB__URI", uri),
+        ("TALLYD__MONGODB__DATABASE", "d"),
+        ("RUST_LOG", "trace"),
+    ];
+    // No --config: the default file is absent, the environment says it all.
+    for args in [
+        vec!["check-config"],
+        vec!["incr", "k", "--collection", "c"],
+        vec!["incr", "k", "--collection", "c", "--json"],
+        vec![
+            "complete",
+            "k",
+            "0123456789abcdef01234567",
+            "--collection",
+            "c",
+        ],
+        vec![
+            "resume",
+            "k",
+            "0123456789abcdef01234567",
+            "--collection",
+            "c",
+            "--json",
+        ],
+    ] {
+        let output = tallyd(&args, &env).await;
+        let shown = text(&output);
+        assert!(!shown.is_empty(), "{args:?} printed nothing");
+        assert!(
+            !shown.contains("Sup3rSecretPw"),
+            "{args:?} leaked the password:\n{shown}"
+        );
+    }
+    // A malformed URI is reported without its password, exit 78.
+    let bad = [(
+        "TALLYD__MONGODB__URI",
+        "mongodb://alice:Sup3rSecretPw@host:notaport/d",
+    )];
+    let output = tallyd(&["check-config"], &bad).await;
+    assert_eq!(output.status.code(), Some(78));
+    let shown = text(&output);
+    assert!(
+        shown.contains("mongodb.uri") && !shown.contains("Sup3rSecretPw"),
+        "{shown}"
+    );
+}

@@ -1,0 +1,288 @@
+//! Shared test support: one server per test process (or the external one),
+//! a database per test, clients whose commands are recorded, fail points
+//! that undo themselves.
+
+pub mod server;
+
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::time::Duration;
+
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::event::EventHandler;
+use mongodb::event::command::CommandEvent;
+use mongodb::options::ClientOptions;
+use mongodb::{Client, Collection};
+use tally::Store;
+
+use server::{EXTERNAL_URI_VAR, ServerOptions, TestServer};
+
+static SHARED_SERVER: OnceLock<TestServer> = OnceLock::new();
+
+/// The URI of the server every test uses: `TALLY_TEST_MONGODB_URI` when set,
+/// else a SecantusDB started once for this test process.
+pub fn base_uri() -> String {
+    match std::env::var(EXTERNAL_URI_VAR) {
+        Ok(uri) if !uri.is_empty() => uri,
+        _ => SHARED_SERVER
+            .get_or_init(|| TestServer::start(&ServerOptions::default()))
+            .uri(),
+    }
+}
+
+/// Whether the tests run against an external server.
+pub fn external() -> bool {
+    std::env::var(EXTERNAL_URI_VAR).is_ok_and(|u| !u.is_empty())
+}
+
+/// `uri` with extra query options appended.
+pub fn with_options(uri: &str, options: &str) -> String {
+    if uri.contains('?') {
+        format!("{uri}&{options}")
+    } else if uri.ends_with('/') {
+        format!("{uri}?{options}")
+    } else {
+        format!("{uri}/?{options}")
+    }
+}
+
+/// One test's corner of the server: its own database and application name
+/// (fail points are scoped to the application name).
+pub struct TestContext {
+    pub db_name: String,
+    pub app_name: String,
+    pub uri: String,
+}
+
+impl TestContext {
+    /// A fresh database for the test `name` (dropped first if a previous run
+    /// left it behind).
+    pub async fn new(name: &str) -> Self {
+        Self::on(name, base_uri()).await
+    }
+
+    /// The same, on a given server.
+    pub async fn on(name: &str, uri: String) -> Self {
+        let short: String = name
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let db_name = format!("t_{}", &short[..short.len().min(50)]);
+        let ctx = Self {
+            app_name: format!("tally-test-{short}"),
+            db_name,
+            uri,
+        };
+        let admin = ctx.client(false).await;
+        admin
+            .client
+            .database(&ctx.db_name)
+            .drop()
+            .await
+            .expect("drop the test database");
+        ctx
+    }
+
+    /// A client for this test, recording the commands it sends.
+    pub async fn client(&self, retry_writes: bool) -> TestClient {
+        let mut options = ClientOptions::parse(&self.uri)
+            .await
+            .expect("parse test URI");
+        options.app_name = Some(self.app_name.clone());
+        options.retry_writes = Some(retry_writes);
+        options.server_selection_timeout = Some(Duration::from_secs(10));
+        let events = CommandLog::default();
+        options.command_event_handler = Some(events.handler());
+        let client = Client::with_options(options.clone()).expect("build client");
+        TestClient {
+            client,
+            options,
+            events,
+            db_name: self.db_name.clone(),
+        }
+    }
+
+    /// The URI a child process (`tallyd`) should use.
+    pub fn child_uri(&self, retry_writes: bool) -> String {
+        with_options(
+            &self.uri,
+            &format!("appName={}&retryWrites={retry_writes}", self.app_name),
+        )
+    }
+
+    /// A config file for this test: `[mongodb]` plus `extra`.
+    pub fn config_toml(&self, retry_writes: bool, extra: &str) -> String {
+        format!(
+            "[mongodb]\nuri = \"{}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"10s\"\n{extra}\n",
+            self.child_uri(retry_writes),
+            self.db_name
+        )
+    }
+}
+
+/// A client plus the log of the commands it sent.
+pub struct TestClient {
+    pub client: Client,
+    pub options: ClientOptions,
+    pub events: CommandLog,
+    db_name: String,
+}
+
+impl TestClient {
+    pub fn store(&self) -> Store {
+        Store::from_parts(self.client.clone(), &self.options, &self.db_name)
+    }
+
+    pub fn collection(&self, name: &str) -> Collection<Document> {
+        self.client.database(&self.db_name).collection(name)
+    }
+}
+
+/// A command the client started.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub name: String,
+    /// For `update`: the update operators (or `pipeline`) of the first
+    /// statement, e.g. `["$addToSet", "$setOnInsert"]`.
+    pub update_ops: Vec<String>,
+}
+
+/// Every command a client started, in order.
+#[derive(Clone, Default)]
+pub struct CommandLog(Arc<Mutex<Vec<Sent>>>);
+
+impl CommandLog {
+    fn handler(&self) -> EventHandler<CommandEvent> {
+        let log = self.0.clone();
+        EventHandler::callback(move |event| {
+            if let CommandEvent::Started(started) = event {
+                let update_ops = started
+                    .command
+                    .get_array("updates")
+                    .ok()
+                    .and_then(|u| u.first())
+                    .and_then(Bson::as_document)
+                    .map(|stmt| match stmt.get("u") {
+                        Some(Bson::Document(u)) => u.keys().cloned().collect(),
+                        Some(Bson::Array(_)) => vec!["pipeline".to_string()],
+                        _ => Vec::new(),
+                    })
+                    .unwrap_or_default();
+                log.lock().unwrap().push(Sent {
+                    name: started.command_name.clone(),
+                    update_ops,
+                });
+            }
+        })
+    }
+
+    /// How many commands named `name` were started.
+    pub fn count(&self, name: &str) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.name == name)
+            .count()
+    }
+
+    /// How many `update` commands used the operator `op`.
+    pub fn updates_with(&self, op: &str) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.name == "update" && s.update_ops.iter().any(|o| o == op))
+            .count()
+    }
+
+    /// Forgets everything recorded so far.
+    pub fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+}
+
+/// The server keeps one `failCommand` fail point at a time, so tests that
+/// set one take turns.
+static FAIL_POINT_TURN: LazyLock<Arc<tokio::sync::Mutex<()>>> =
+    LazyLock::new(|| Arc::new(tokio::sync::Mutex::new(())));
+
+/// A `failCommand` fail point scoped to one test's application name,
+/// switched off when dropped (also when the test panics).
+pub struct FailPoint {
+    uri: String,
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl FailPoint {
+    /// Sets `failCommand` with `mode` (`{times: n}`, `{skip: s, times: n}`,
+    /// `"alwaysOn"`) and `data` (`failCommands`, `errorCode`,
+    /// `closeConnection`, ...), scoped to `ctx`'s clients.
+    pub async fn set(ctx: &TestContext, mode: Bson, mut data: Document) -> Self {
+        let turn = FAIL_POINT_TURN.clone().lock_owned().await;
+        data.insert("appName", ctx.app_name.clone());
+        let admin = Client::with_uri_str(&ctx.uri).await.expect("admin client");
+        admin
+            .database("admin")
+            .run_command(doc! { "configureFailPoint": "failCommand", "mode": mode, "data": data })
+            .await
+            .expect("configureFailPoint (a real mongod needs --setParameter enableTestCommands=1)");
+        Self {
+            uri: ctx.uri.clone(),
+            _turn: turn,
+        }
+    }
+}
+
+impl Drop for FailPoint {
+    fn drop(&mut self) {
+        let uri = self.uri.clone();
+        // Drop cannot await: switch it off from a thread with its own runtime.
+        let result = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let admin = Client::with_uri_str(&uri).await?;
+                admin
+                    .database("admin")
+                    .run_command(doc! { "configureFailPoint": "failCommand", "mode": "off" })
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .join();
+        if !std::thread::panicking() {
+            result
+                .expect("fail point thread")
+                .expect("switch the fail point off");
+        }
+    }
+}
+
+/// The value of `field` in the document `_id`, or `None`.
+pub async fn field(coll: &Collection<Document>, id: impl Into<Bson>, field: &str) -> Option<Bson> {
+    coll.find_one(doc! { "_id": id.into() })
+        .await
+        .expect("find_one")
+        .and_then(|d| d.get(field).cloned())
+}
+
+/// The counter `field` as an integer (`0` when absent).
+pub async fn counter(coll: &Collection<Document>, id: impl Into<Bson>) -> i64 {
+    match field(coll, id, "counter").await {
+        None => 0,
+        Some(Bson::Int32(n)) => n.into(),
+        Some(Bson::Int64(n)) => n,
+        Some(other) => panic!("counter is not an integer: {other:?}"),
+    }
+}
+
+/// How many entries the `pending` array holds (`0` when absent).
+pub async fn pending_len(coll: &Collection<Document>, id: impl Into<Bson>) -> usize {
+    match field(coll, id, "pending").await {
+        None => 0,
+        Some(Bson::Array(a)) => a.len(),
+        Some(other) => panic!("pending is not an array: {other:?}"),
+    }
+}

@@ -1,0 +1,128 @@
+//! A SecantusDB server run by the tests themselves, or an external server
+//! named by `TALLY_TEST_MONGODB_URI`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The environment variable that points every test at an external server
+/// (for example a real MongoDB replica set) instead of a local SecantusDB.
+pub const EXTERNAL_URI_VAR: &str = "TALLY_TEST_MONGODB_URI";
+
+/// How a test server is started.
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    /// Port to listen on; 0 picks a free one.
+    pub port: u16,
+    /// Data directory to keep across restarts; default: a temporary one.
+    pub storage_path: Option<PathBuf>,
+    /// Close client connections idle this long.
+    pub idle_timeout: Option<Duration>,
+    /// Keep at most this many oplog entries.
+    pub oplog_max_entries: Option<u64>,
+    /// Require authentication.
+    pub auth: bool,
+    /// Advertise a standalone server (no replica set, no retryable writes).
+    pub standalone: bool,
+}
+
+/// A running SecantusDB process. Stopped on drop; if the test process dies
+/// instead, the server sees its standard input close and stops itself.
+pub struct TestServer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    port: u16,
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn python() -> PathBuf {
+    let python = repo_root().join(".venv/bin/python");
+    if !python.exists() {
+        panic!(
+            "the test server is not installed: run `scripts/install-test-server` \
+             (or point the tests at a server with {EXTERNAL_URI_VAR}=mongodb://...)"
+        );
+    }
+    python
+}
+
+impl TestServer {
+    /// Starts a server and waits until it listens.
+    pub fn start(options: &ServerOptions) -> Self {
+        let mut cmd = Command::new(python());
+        cmd.arg(repo_root().join("scripts/test-server.py"))
+            .arg("--port")
+            .arg(options.port.to_string());
+        if let Some(path) = &options.storage_path {
+            cmd.arg("--storage-path").arg(path);
+        }
+        if let Some(idle) = options.idle_timeout {
+            cmd.arg("--idle-timeout")
+                .arg(idle.as_secs_f64().to_string());
+        }
+        if let Some(n) = options.oplog_max_entries {
+            cmd.arg("--oplog-max-entries").arg(n.to_string());
+        }
+        if options.auth {
+            cmd.arg("--auth");
+        }
+        if options.standalone {
+            cmd.arg("--standalone");
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start scripts/test-server.py");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("the test server did not start within 60 s"));
+        let port = line
+            .trim()
+            .strip_prefix("listening ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected test server output: {line:?}"));
+        let stdin = child.stdin.take();
+        Self { child, stdin, port }
+    }
+
+    /// A URI for this server (a one-node replica set, connected directly).
+    pub fn uri(&self) -> String {
+        format!("mongodb://127.0.0.1:{}/?directConnection=true", self.port)
+    }
+
+    /// Stops the server and waits for it to exit.
+    pub fn stop(&mut self) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.flush();
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

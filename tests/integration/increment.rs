@@ -1,0 +1,466 @@
+//! The two-step increment against a real server: exact counts, and exactly
+//! the outcome DESIGN §3 promises when attempts fail.
+
+use std::time::{Duration, SystemTime};
+
+use futures::future::join_all;
+use mongodb::bson::{Bson, doc, oid::ObjectId};
+use tally::{
+    CollectionConfig, Completion, Counters, Error, ErrorClass, Increment, Token, UnknownToken,
+    WriterConfig,
+};
+
+use crate::common::server::{ServerOptions, TestServer};
+use crate::common::{FailPoint, TestContext, counter, pending_len};
+
+fn counters(client: &crate::common::TestClient, name: &str) -> Counters {
+    Counters::new(
+        &client.store(),
+        CollectionConfig::new(name),
+        WriterConfig::default(),
+    )
+}
+
+fn assert_counted(outcome: &Increment) {
+    assert!(
+        matches!(outcome, Increment::Counted(_)),
+        "expected counted, got {outcome:?}"
+    );
+}
+
+#[tokio::test]
+async fn sequential_increments_are_exact() {
+    let ctx = TestContext::new("sequential_increments_are_exact").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    for _ in 0..200 {
+        assert_counted(&views.increment("home", 1).await);
+    }
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "home").await, 200);
+    assert_eq!(pending_len(&coll, "home").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_increments_on_one_key_are_exact() {
+    let ctx = TestContext::new("concurrent_increments_on_one_key").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let writers = (0..16).map(|_| {
+        let views = views.clone();
+        tokio::spawn(async move {
+            for _ in 0..40 {
+                assert_counted(&views.increment("hot", 1).await);
+            }
+        })
+    });
+    for result in join_all(writers).await {
+        result.expect("writer panicked");
+    }
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "hot").await, 16 * 40);
+    assert_eq!(pending_len(&coll, "hot").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_increments_on_many_keys_are_exact() {
+    let ctx = TestContext::new("concurrent_increments_on_many_keys").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    // Writer w adds w+1 to keys (w + i) % 10, so every key gets a known sum.
+    let writers = (0..16i64).map(|w| {
+        let views = views.clone();
+        tokio::spawn(async move {
+            for i in 0..30i64 {
+                let key = format!("k{}", (w + i) % 10);
+                assert_counted(&views.increment(key, w + 1).await);
+            }
+        })
+    });
+    for result in join_all(writers).await {
+        result.expect("writer panicked");
+    }
+    let coll = client.collection("views");
+    for k in 0..10i64 {
+        let expected: i64 = (0..16i64)
+            .flat_map(|w| {
+                (0..30i64)
+                    .filter(move |i| (w + i) % 10 == k)
+                    .map(move |_| w + 1)
+            })
+            .sum();
+        assert_eq!(counter(&coll, format!("k{k}")).await, expected, "key k{k}");
+        assert_eq!(pending_len(&coll, format!("k{k}")).await, 0);
+    }
+}
+
+#[tokio::test]
+async fn plus_n_entries_and_negative_amounts() {
+    let ctx = TestContext::new("plus_n_entries").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("k", 5).await);
+    assert_counted(&views.increment("k", -2).await);
+    assert_counted(&views.increment("k", 1).await);
+    assert!(matches!(
+        views.increment("k", 0).await,
+        Increment::NotCounted(_)
+    ));
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "k").await, 4);
+    // New counters start as int64, the documented shape.
+    let doc = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
+    assert!(
+        matches!(doc.get("counter"), Some(Bson::Int64(4))),
+        "{doc:?}"
+    );
+}
+
+#[tokio::test]
+async fn custom_field_names() {
+    let ctx = TestContext::new("custom_field_names").await;
+    let client = ctx.client(false).await;
+    let spec = CollectionConfig::new("hits").with_fields("total", "inflight");
+    let hits = Counters::new(&client.store(), spec, WriterConfig::default());
+    assert_counted(&hits.increment("k", 3).await);
+    let doc = client
+        .collection("hits")
+        .find_one(doc! { "_id": "k" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.get_i64("total").unwrap(), 3);
+    assert!(doc.get_array("inflight").unwrap().is_empty());
+    assert!(!doc.contains_key("counter") && !doc.contains_key("pending"));
+}
+
+/// `closeConnection` on step 1 (or step 2): exactly one retry, counted once —
+/// made by tally with retryable writes off, by the driver with them on.
+async fn one_lost_connection(name: &str, retry_writes: bool, skip: i32, op: &str) {
+    let ctx = TestContext::new(name).await;
+    let client = ctx.client(retry_writes).await;
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("warmup", 1).await);
+    client.events.clear();
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "skip": skip, "times": 1 }),
+        doc! { "failCommands": ["update"], "closeConnection": true },
+    )
+    .await;
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(
+        client.events.updates_with(op),
+        2,
+        "{op} must be sent exactly twice"
+    );
+    assert_eq!(client.events.count("update"), 3, "one retry in all");
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "k").await, 1);
+    assert_eq!(pending_len(&coll, "k").await, 0);
+}
+
+#[tokio::test]
+async fn lost_connection_on_step1_retried_once_without_retryable_writes() {
+    one_lost_connection("lost_step1_rw_off", false, 0, "$addToSet").await;
+}
+
+#[tokio::test]
+async fn lost_connection_on_step1_retried_once_with_retryable_writes() {
+    one_lost_connection("lost_step1_rw_on", true, 0, "$addToSet").await;
+}
+
+#[tokio::test]
+async fn lost_connection_on_step2_retried_once_without_retryable_writes() {
+    one_lost_connection("lost_step2_rw_off", false, 1, "$pull").await;
+}
+
+#[tokio::test]
+async fn lost_connection_on_step2_retried_once_with_retryable_writes() {
+    one_lost_connection("lost_step2_rw_on", true, 1, "$pull").await;
+}
+
+#[tokio::test]
+async fn command_error_on_step1_is_not_counted_after_one_attempt() {
+    let ctx = TestContext::new("command_error_step1").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("warmup", 1).await);
+    client.events.clear();
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "errorCode": 2 },
+    )
+    .await;
+    let outcome = views.increment("k", 1).await;
+    let Increment::NotCounted(not) = &outcome else {
+        panic!("expected not counted, got {outcome:?}");
+    };
+    assert_eq!(not.cause().class(), Some(ErrorClass::Command));
+    assert_eq!(
+        client.events.count("update"),
+        1,
+        "a command error is never retried"
+    );
+    assert!(
+        client
+            .collection("views")
+            .find_one(doc! { "_id": "k" })
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn command_error_on_step2_is_pending_then_complete_counts_once() {
+    let ctx = TestContext::new("command_error_step2").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let coll = client.collection("views");
+    let pending = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "skip": 1, "times": 1 }),
+            doc! { "failCommands": ["update"], "errorCode": 2 },
+        )
+        .await;
+        match views.increment("k", 1).await {
+            Increment::Pending(pending) => pending,
+            other => panic!("expected pending, got {other:?}"),
+        }
+    };
+    assert_eq!(
+        client.events.updates_with("$pull"),
+        1,
+        "a command error is never retried"
+    );
+    assert_eq!(
+        pending_len(&coll, "k").await,
+        1,
+        "the token is in the document"
+    );
+    assert_eq!(counter(&coll, "k").await, 0);
+
+    let Completion::Counted(first) = views.complete(&pending).await else {
+        panic!("complete must count");
+    };
+    assert!(!first.settled_earlier());
+    // Completing again counts nothing more.
+    let Completion::Counted(second) = views.complete(&pending).await else {
+        panic!("a second complete must report counted");
+    };
+    assert!(second.settled_earlier());
+    assert_eq!(counter(&coll, "k").await, 1);
+    assert_eq!(pending_len(&coll, "k").await, 0);
+}
+
+#[tokio::test]
+async fn two_lost_connections_on_step1_are_unknown_and_resume_counts_once() {
+    for retry_writes in [false, true] {
+        let ctx = TestContext::new(&format!("two_lost_step1_rw_{retry_writes}")).await;
+        let client = ctx.client(retry_writes).await;
+        let views = counters(&client, "views");
+        assert_counted(&views.increment("warmup", 1).await);
+        client.events.clear();
+        let unknown = {
+            let _fail = FailPoint::set(
+                &ctx,
+                Bson::Document(doc! { "times": 2 }),
+                doc! { "failCommands": ["update"], "closeConnection": true },
+            )
+            .await;
+            match views.increment("k", 1).await {
+                Increment::Unknown(unknown) => unknown,
+                other => panic!("expected unknown, got {other:?}"),
+            }
+        };
+        assert_eq!(
+            client.events.updates_with("$addToSet"),
+            2,
+            "one retry, then give up"
+        );
+        assert_eq!(
+            client.events.updates_with("$pull"),
+            0,
+            "step 2 was never sent"
+        );
+        // The lost attempts never reached the server: resume sends both steps.
+        let outcome = views.resume(&unknown).await.expect("resume");
+        assert_counted(&outcome);
+        let coll = client.collection("views");
+        assert_eq!(counter(&coll, "k").await, 1, "retry_writes={retry_writes}");
+        assert_eq!(pending_len(&coll, "k").await, 0);
+    }
+}
+
+#[tokio::test]
+async fn unknown_whose_attempt_reached_the_server_resumes_to_counted_once() {
+    for retry_writes in [false, true] {
+        let ctx = TestContext::new(&format!("unknown_reached_rw_{retry_writes}")).await;
+        let client = ctx.client(retry_writes).await;
+        let views = counters(&client, "views");
+        assert_counted(&views.increment("warmup", 1).await);
+        // The write applies, then its write concern fails with a transient
+        // code: as good as a lost reply.
+        let unknown = {
+            let _fail = FailPoint::set(
+                &ctx,
+                Bson::Document(doc! { "times": 2 }),
+                doc! {
+                    "failCommands": ["update"],
+                    "writeConcernError": { "code": 91, "codeName": "ShutdownInProgress", "errmsg": "x" },
+                    "errorLabels": ["RetryableWriteError"],
+                },
+            )
+            .await;
+            match views.increment("k", 1).await {
+                Increment::Unknown(unknown) => unknown,
+                other => panic!("expected unknown, got {other:?}"),
+            }
+        };
+        let coll = client.collection("views");
+        assert_eq!(pending_len(&coll, "k").await, 1, "the lost attempt applied");
+        client.events.clear();
+        assert_counted(&views.resume(&unknown).await.expect("resume"));
+        assert_eq!(
+            client.events.updates_with("$addToSet"),
+            0,
+            "step 1 is not re-sent"
+        );
+        assert_eq!(counter(&coll, "k").await, 1, "retry_writes={retry_writes}");
+        assert_eq!(pending_len(&coll, "k").await, 0);
+    }
+}
+
+#[tokio::test]
+async fn resume_past_the_horizon_refuses_and_writes_nothing() {
+    let ctx = TestContext::new("resume_past_horizon").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    let unknown = UnknownToken::new("k", old, 1).unwrap();
+    client.events.clear();
+    let err = views.resume(&unknown).await.expect_err("must refuse");
+    assert!(matches!(err, Error::RetryHorizonExceeded { .. }), "{err}");
+    assert!(err.to_string().contains("at most once"), "{err}");
+    assert_eq!(client.events.count("update"), 0, "nothing was written");
+    assert!(
+        client
+            .collection("views")
+            .find_one(doc! { "_id": "k" })
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn resume_past_the_horizon_still_completes_a_token_that_is_there() {
+    let ctx = TestContext::new("resume_old_token_present").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let coll = client.collection("views");
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    coll.insert_one(
+        doc! { "_id": "k", "counter": 10i64, "pending": [{ "t": old.object_id(), "n": 3i64 }] },
+    )
+    .await
+    .unwrap();
+    // Even given the wrong amount, the stored entry is what gets counted.
+    let unknown = UnknownToken::new("k", old, 1).unwrap();
+    assert_counted(&views.resume(&unknown).await.expect("resume"));
+    assert_eq!(counter(&coll, "k").await, 13);
+    assert_eq!(pending_len(&coll, "k").await, 0);
+}
+
+#[tokio::test]
+async fn bare_tokens_written_by_other_clients_are_completed() {
+    let ctx = TestContext::new("bare_tokens_other_clients").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let coll = client.collection("views");
+    let theirs = ObjectId::new();
+    // Another client of the technique: step 1 only, bare ObjectId, int32 counter.
+    coll.update_one(
+        doc! { "_id": "k" },
+        doc! { "$set": { "counter": 7i32 }, "$addToSet": { "pending": theirs } },
+    )
+    .upsert(true)
+    .await
+    .unwrap();
+    let pending = views
+        .find_pending("k", Token::from_object_id(theirs))
+        .await
+        .unwrap()
+        .expect("the token is pending");
+    assert_eq!(pending.amount(), 1);
+    assert!(matches!(
+        views.complete(&pending).await,
+        Completion::Counted(_)
+    ));
+    let doc = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
+    assert_eq!(
+        doc.get("counter"),
+        Some(&Bson::Int32(8)),
+        "an int32 counter stays int32"
+    );
+    assert_eq!(pending_len(&coll, "k").await, 0);
+    assert!(
+        views
+            .find_pending("k", Token::from_object_id(theirs))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn the_store_learns_whether_the_driver_retries_writes() {
+    let ctx = TestContext::new("retry_fact").await;
+    assert!(
+        ctx.client(true)
+            .await
+            .store()
+            .driver_retries_writes()
+            .await
+            .unwrap()
+    );
+    assert!(
+        !ctx.client(false)
+            .await
+            .store()
+            .driver_retries_writes()
+            .await
+            .unwrap()
+    );
+}
+
+/// A standalone server has no retryable writes even when the URI asks for
+/// them: tally must make the one retry itself.
+#[tokio::test]
+async fn on_a_standalone_server_tally_makes_the_retry_itself() {
+    if crate::common::external() {
+        return; // the external deployment is what it is
+    }
+    let server = TestServer::start(&ServerOptions {
+        standalone: true,
+        ..Default::default()
+    });
+    let ctx = TestContext::on("standalone_retry", server.uri()).await;
+    let client = ctx.client(true).await;
+    assert!(!client.store().driver_retries_writes().await.unwrap());
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("warmup", 1).await);
+    client.events.clear();
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "closeConnection": true },
+    )
+    .await;
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(client.events.updates_with("$addToSet"), 2);
+    assert_eq!(counter(&client.collection("views"), "k").await, 1);
+}

@@ -1,0 +1,7 @@
+//! tally's integration tests: the real library and the real `tallyd` binary
+//! against a real server on loopback (SecantusDB, started by the tests), or
+//! against the server named by `TALLY_TEST_MONGODB_URI`.
+
+mod cli;
+mod common;
+mod increment;
