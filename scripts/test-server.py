@@ -2,8 +2,9 @@
 """Runs a SecantusDB server for tally's tests, demo and benchmarks.
 
 Prints ``listening <port>`` once the server accepts connections, then runs
-until its standard input closes (the parent exited, however it exited) or it
-receives SIGTERM/SIGINT. A data directory it created itself is removed at
+until it receives SIGTERM/SIGINT or, with --watch-stdin, until its standard
+input closes (the parent exited, however it exited: how the tests make sure
+no server outlives them). A data directory it created itself is removed at
 exit; one given with --storage-path is kept, so a test can restart a server
 on the same data.
 """
@@ -29,6 +30,8 @@ def main() -> int:
     parser.add_argument("--auth", action="store_true", help="require SCRAM authentication")
     parser.add_argument("--standalone", action="store_true",
                         help="advertise a standalone server instead of a one-node replica set")
+    parser.add_argument("--watch-stdin", action="store_true",
+                        help="stop when standard input reaches end of file")
     args = parser.parse_args()
 
     temporary = None
@@ -59,7 +62,8 @@ def main() -> int:
 
     server.start()
     print(f"listening {server.port}", flush=True)
-    threading.Thread(target=watch_parent, daemon=True).start()
+    if args.watch_stdin:
+        threading.Thread(target=watch_parent, daemon=True).start()
     stop.wait()
     try:
         server.stop()

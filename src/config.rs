@@ -82,6 +82,12 @@ pub struct MongoConfig {
     /// servers and firewalls cut idle connections.
     #[serde(serialize_with = "serialize_duration")]
     pub max_idle_time: Duration,
+    /// How long tally waits for one attempt of an operation (server
+    /// selection included) before abandoning it as a lost reply — a
+    /// transient failure, retried once where that is safe. The driver has no
+    /// socket timeout; this bounds a hung connection. Default: 30s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub attempt_timeout: Duration,
 }
 
 impl MongoConfig {
@@ -390,6 +396,11 @@ fn validate_mongodb(raw: raw::RawMongo, issues: &mut Issues) -> MongoConfig {
         raw.max_idle_time,
         from_uri(|p| p.max_idle_time).unwrap_or(Duration::from_secs(240)),
     );
+    let attempt_timeout = issues.duration(
+        "mongodb.attempt_timeout",
+        raw.attempt_timeout,
+        crate::store::DEFAULT_ATTEMPT_TIMEOUT,
+    );
     MongoConfig {
         uri: SecretString::new(uri.unwrap_or_default()),
         database: database.unwrap_or_default(),
@@ -397,6 +408,7 @@ fn validate_mongodb(raw: raw::RawMongo, issues: &mut Issues) -> MongoConfig {
         connect_timeout,
         server_selection_timeout,
         max_idle_time,
+        attempt_timeout,
     }
 }
 

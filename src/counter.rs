@@ -437,9 +437,12 @@ impl Counters {
             }
             budget.start_attempt();
             let result = self
-                .collection
-                .update_one(filter.clone(), update.clone())
-                .upsert(true)
+                .store
+                .attempt(
+                    self.collection
+                        .update_one(filter.clone(), update.clone())
+                        .upsert(true),
+                )
                 .await;
             match result {
                 Ok(_) => return Added::Yes,
@@ -471,20 +474,14 @@ impl Counters {
             "$inc": { &self.spec.counter_field: inc_operand(entry.amount()) },
         };
         let mut budget = RetryBudget::idempotent("increment.count_token", driver_retries);
-        loop {
-            budget.start_attempt();
-            match self
-                .collection
-                .update_one(filter.clone(), update.clone())
-                .await
-            {
-                Ok(result) => return Ok(result.matched_count == 0),
-                Err(err) => match budget.after_failure(err) {
-                    Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            }
-        }
+        let result = self
+            .store
+            .with_retry(&mut budget, || {
+                self.collection.update_one(filter.clone(), update.clone())
+            })
+            .await
+            .map_err(Error::Server)?;
+        Ok(result.matched_count == 0)
     }
 
     async fn read_one(
@@ -494,21 +491,14 @@ impl Counters {
         projection: Document,
     ) -> Result<Option<Document>, Error> {
         let mut budget = RetryBudget::idempotent(operation, false);
-        loop {
-            budget.start_attempt();
-            let result = self
-                .collection
-                .find_one(filter.clone())
-                .projection(projection.clone())
-                .await;
-            match result {
-                Ok(found) => return Ok(found),
-                Err(err) => match budget.after_failure(err) {
-                    Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            }
-        }
+        self.store
+            .with_retry(&mut budget, || {
+                self.collection
+                    .find_one(filter.clone())
+                    .projection(projection.clone())
+            })
+            .await
+            .map_err(Error::Server)
     }
 }
 

@@ -6,7 +6,9 @@
 //! supports them). That fact is learned from one `hello`, lazily, so a
 //! `Store` can be built while the server is still down.
 
+use std::future::IntoFuture;
 use std::sync::Arc;
+use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
 use mongodb::options::ClientOptions;
@@ -14,8 +16,13 @@ use mongodb::{Client, Collection, Database};
 use tokio::sync::OnceCell;
 
 use crate::config::MongoConfig;
-use crate::error::{Error, RetryBudget};
+use mongodb::error::Error as MongoError;
+
+use crate::error::{Error, Failure, Next, RetryBudget};
 use crate::redact::Secrets;
+
+/// Default bound on one attempt of an operation.
+pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A connected handle: client, database and what the deployment supports.
 #[derive(Clone, Debug)]
@@ -29,6 +36,7 @@ struct Inner {
     database: Database,
     retry_writes_requested: bool,
     load_balanced: bool,
+    attempt_timeout: Duration,
     driver_retries_writes: OnceCell<bool>,
 }
 
@@ -42,7 +50,8 @@ impl Store {
         config.apply_to(&mut options);
         let client = Client::with_options(options.clone())
             .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
-        Ok(Self::from_parts(client, &options, &config.database))
+        Ok(Self::from_parts(client, &options, &config.database)
+            .with_attempt_timeout(config.attempt_timeout))
     }
 
     /// Wraps an existing client. `options` are the ones the client was built
@@ -55,8 +64,68 @@ impl Store {
                 database,
                 retry_writes_requested: options.retry_writes != Some(false),
                 load_balanced: options.load_balanced == Some(true),
+                attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
                 driver_retries_writes: OnceCell::new(),
             }),
+        }
+    }
+
+    /// The same handle with another bound on each attempt (default 30s).
+    pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
+        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+            client: shared.client.clone(),
+            database: shared.database.clone(),
+            retry_writes_requested: shared.retry_writes_requested,
+            load_balanced: shared.load_balanced,
+            attempt_timeout: shared.attempt_timeout,
+            driver_retries_writes: OnceCell::new(),
+        });
+        Self {
+            inner: Arc::new(Inner {
+                attempt_timeout: timeout,
+                ..inner
+            }),
+        }
+    }
+
+    /// How long one attempt may take before it counts as a lost reply.
+    pub fn attempt_timeout(&self) -> Duration {
+        self.inner.attempt_timeout
+    }
+
+    /// Runs one attempt, bounded by the attempt timeout. An attempt that
+    /// runs out of time is abandoned — the driver closes its connection —
+    /// and reported as an I/O timeout: transient, and it may have applied.
+    pub async fn attempt<T>(
+        &self,
+        operation: impl IntoFuture<Output = Result<T, MongoError>>,
+    ) -> Result<T, MongoError> {
+        match tokio::time::timeout(self.inner.attempt_timeout, operation.into_future()).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(MongoError::from(std::io::ErrorKind::TimedOut)),
+        }
+    }
+
+    /// Runs `operation` under `budget`'s retry rule, each attempt bounded by
+    /// the attempt timeout.
+    pub async fn with_retry<T, F, Fut>(
+        &self,
+        budget: &mut RetryBudget,
+        mut operation: F,
+    ) -> Result<T, Box<Failure>>
+    where
+        F: FnMut() -> Fut,
+        Fut: IntoFuture<Output = Result<T, MongoError>>,
+    {
+        loop {
+            budget.start_attempt();
+            match self.attempt(operation()).await {
+                Ok(value) => return Ok(value),
+                Err(err) => match budget.after_failure(err) {
+                    Next::Retry => continue,
+                    Next::GiveUp(failure) => return Err(failure),
+                },
+            }
         }
     }
 
@@ -104,16 +173,9 @@ impl Store {
     pub async fn hello(&self) -> Result<Document, Error> {
         let admin = self.inner.client.database("admin");
         let mut budget = RetryBudget::idempotent("hello", false);
-        loop {
-            budget.start_attempt();
-            match admin.run_command(doc! { "hello": 1 }).await {
-                Ok(reply) => return Ok(reply),
-                Err(err) => match budget.after_failure(err) {
-                    crate::error::Next::Retry => continue,
-                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            }
-        }
+        self.with_retry(&mut budget, || admin.run_command(doc! { "hello": 1 }))
+            .await
+            .map_err(Error::Server)
     }
 }
 

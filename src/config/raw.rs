@@ -40,6 +40,7 @@ pub(crate) struct RawMongo {
     pub connect_timeout: Option<Value>,
     pub server_selection_timeout: Option<Value>,
     pub max_idle_time: Option<Value>,
+    pub attempt_timeout: Option<Value>,
     #[serde(flatten)]
     pub unknown: Unknown,
 }

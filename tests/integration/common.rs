@@ -90,6 +90,8 @@ impl TestContext {
         options.app_name = Some(self.app_name.clone());
         options.retry_writes = Some(retry_writes);
         options.server_selection_timeout = Some(Duration::from_secs(10));
+        // Recover quickly after a fault marks the server unknown.
+        options.heartbeat_freq = Some(Duration::from_millis(500));
         let events = CommandLog::default();
         options.command_event_handler = Some(events.handler());
         let client = Client::with_options(options.clone()).expect("build client");

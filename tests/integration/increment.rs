@@ -303,7 +303,10 @@ async fn unknown_whose_attempt_reached_the_server_resumes_to_counted_once() {
         let views = counters(&client, "views");
         assert_counted(&views.increment("warmup", 1).await);
         // The write applies, then its write concern fails with a transient
-        // code: as good as a lost reply.
+        // code: as good as a lost reply. No error label, so the driver does
+        // not retry it itself (the test server would answer a driver retry
+        // from its de-duplication record, without the fail point): tally's
+        // own retry is a new write and fails the same way.
         let unknown = {
             let _fail = FailPoint::set(
                 &ctx,
@@ -311,7 +314,7 @@ async fn unknown_whose_attempt_reached_the_server_resumes_to_counted_once() {
                 doc! {
                     "failCommands": ["update"],
                     "writeConcernError": { "code": 91, "codeName": "ShutdownInProgress", "errmsg": "x" },
-                    "errorLabels": ["RetryableWriteError"],
+                    "errorLabels": [],
                 },
             )
             .await;
@@ -462,5 +465,37 @@ async fn on_a_standalone_server_tally_makes_the_retry_itself() {
     .await;
     assert_counted(&views.increment("k", 1).await);
     assert_eq!(client.events.updates_with("$addToSet"), 2);
+    assert_eq!(counter(&client.collection("views"), "k").await, 1);
+}
+
+/// A reply that does not come within the attempt timeout is abandoned as a
+/// lost reply and retried once. (Step 2 is conditioned on the token, so the
+/// abandoned attempt cannot count twice when it runs late.)
+#[tokio::test]
+async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
+    let ctx = TestContext::new("attempt_timeout").await;
+    let client = ctx.client(false).await;
+    let store = client
+        .store()
+        .with_attempt_timeout(Duration::from_millis(300));
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    assert_counted(&views.increment("warmup", 1).await);
+    client.events.clear();
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "skip": 1, "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 1500 },
+    )
+    .await;
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(
+        client.events.updates_with("$pull"),
+        2,
+        "abandoned once, then retried"
+    );
     assert_eq!(counter(&client.collection("views"), "k").await, 1);
 }

@@ -56,6 +56,7 @@ impl TestServer {
     pub fn start(options: &ServerOptions) -> Self {
         let mut cmd = Command::new(python());
         cmd.arg(repo_root().join("scripts/test-server.py"))
+            .arg("--watch-stdin")
             .arg("--port")
             .arg(options.port.to_string());
         if let Some(path) = &options.storage_path {

@@ -1,0 +1,143 @@
+//! Plain `$inc` against the two-step increment, same server, same keys.
+//!
+//! Two round trips are the floor for the two-step increment, so the target
+//! is a throughput ratio of at least 0.47× (the floor is 0.5×).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use mongodb::bson::{Document, doc};
+use mongodb::options::ClientOptions;
+use mongodb::{Client, Collection};
+use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
+
+use crate::Settings;
+use crate::measure::{Run, merge, ms, server, timed};
+
+const KEYS: usize = 1000;
+
+pub async fn run(settings: &Settings) {
+    let (uri, _server) = server();
+    let mut options = ClientOptions::parse(format!("{uri}&retryWrites=false"))
+        .await
+        .expect("parse URI");
+    options.max_pool_size = Some(32);
+    let client = Client::with_options(options.clone()).expect("client");
+    let db = client.database("tally_bench_increment");
+    db.drop().await.expect("drop bench database");
+    let plain: Collection<Document> = db.collection("plain");
+    let two_step: Collection<Document> = db.collection("two_step");
+    for coll in [&plain, &two_step] {
+        let docs: Vec<Document> = (0..KEYS)
+            .map(|k| doc! { "_id": format!("k{k}"), "counter": 0i64 })
+            .collect();
+        coll.insert_many(docs).await.expect("seed keys");
+    }
+    let store = Store::from_parts(client.clone(), &options, "tally_bench_increment");
+    let counters = Arc::new(Counters::new(
+        &store,
+        CollectionConfig::new("two_step"),
+        WriterConfig::default(),
+    ));
+
+    println!(
+        "increment: plain $inc vs tally's two-step increment; {KEYS} keys, retryWrites=false, \
+         {} interleaved slices x {:?} per side",
+        settings.rounds, settings.run
+    );
+    println!(
+        "{:>7}  {:<9} {:>9} {:>9} {:>9}",
+        "writers", "kind", "ops/s", "p50 ms", "p99 ms"
+    );
+    for writers in [1usize, 16] {
+        let mut runs: [Vec<Run>; 3] = Default::default();
+        for round in 0..settings.rounds {
+            // Rotate which side goes first, so drift hits every side alike.
+            for k in 0..3 {
+                let side = (k + round) % 3;
+                let run = match side {
+                    0 => run_plain(&plain, writers, settings.run, 1).await,
+                    1 => run_plain(&plain, writers, settings.run, 2).await,
+                    _ => run_two_step(&counters, writers, settings.run).await,
+                };
+                runs[side].push(run);
+            }
+        }
+        let [plain_runs, double_runs, tally_runs] = runs;
+        let (plain_run, double, tally) = (merge(plain_runs), merge(double_runs), merge(tally_runs));
+        print_row(writers, "plain", &plain_run);
+        print_row(writers, "2x plain", &double);
+        print_row(writers, "two-step", &tally);
+        println!(
+            "{:>7}  ratio two-step / plain = {:.3}x (target >= 0.47x); two plain round trips = {:.3}x",
+            writers,
+            tally.per_second() / plain_run.per_second(),
+            double.per_second() / plain_run.per_second(),
+        );
+    }
+    let total = store
+        .collection("two_step")
+        .aggregate(vec![doc! { "$group": { "_id": null, "pending": { "$sum": { "$size": { "$ifNull": ["$pending", []] } } } } }])
+        .await;
+    if let Ok(mut cursor) = total {
+        use futures::TryStreamExt;
+        if let Ok(Some(d)) = cursor.try_next().await {
+            let left = d
+                .get_i32("pending")
+                .map(i64::from)
+                .or_else(|_| d.get_i64("pending"))
+                .unwrap_or(-1);
+            println!("tokens left pending after the runs: {left} (must be 0)");
+        }
+    }
+}
+
+fn print_row(writers: usize, kind: &str, run: &Run) {
+    println!(
+        "{:>7}  {:<9} {:>9.0} {:>9.2} {:>9.2}",
+        writers,
+        kind,
+        run.per_second(),
+        ms(run.percentile(50.0)),
+        ms(run.percentile(99.0))
+    );
+}
+
+/// Plain `$inc` upserts; `round_trips` of them make one counted operation
+/// (2: the floor for any protocol with two round trips).
+async fn run_plain(
+    coll: &Collection<Document>,
+    writers: usize,
+    duration: Duration,
+    round_trips: usize,
+) -> Run {
+    let coll = coll.clone();
+    timed(writers, duration, move |w, i| {
+        let coll = coll.clone();
+        async move {
+            let key = format!("k{}", (w * 7919 + i * 31) % KEYS);
+            for _ in 0..round_trips {
+                coll.update_one(doc! { "_id": &key }, doc! { "$inc": { "counter": 1 } })
+                    .upsert(true)
+                    .await
+                    .expect("plain $inc");
+            }
+        }
+    })
+    .await
+}
+
+async fn run_two_step(counters: &Arc<Counters>, writers: usize, duration: Duration) -> Run {
+    let counters = counters.clone();
+    timed(writers, duration, move |w, i| {
+        let counters = counters.clone();
+        async move {
+            let key = format!("k{}", (w * 7919 + i * 31) % KEYS);
+            match counters.increment(key, 1).await {
+                Increment::Counted(_) => {}
+                other => panic!("benchmark increment not counted: {other:?}"),
+            }
+        }
+    })
+    .await
+}
