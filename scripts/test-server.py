@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 
+from pymongo import MongoClient
 from secantus.server import SecantusDBServer
 
 
@@ -61,6 +62,10 @@ def main() -> int:
         stop.set()
 
     server.start()
+    # Ready means it answers `hello`, not merely that the port is open.
+    with MongoClient("127.0.0.1", server.port, directConnection=True,
+                     serverSelectionTimeoutMS=30_000) as client:
+        client.admin.command("hello")
     print(f"listening {server.port}", flush=True)
     if args.watch_stdin:
         threading.Thread(target=watch_parent, daemon=True).start()

@@ -355,3 +355,33 @@ async fn the_uri_password_never_appears() {
         "{shown}"
     );
 }
+
+#[tokio::test]
+async fn retries_are_logged_with_class_and_attempt_as_json() {
+    let ctx = TestContext::new("cli_json_logs").await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = ctx.config_toml(false, "[log]\nformat = \"json\"\nlevel = \"warn\"");
+    let path = write_config(dir.path(), &config);
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "closeConnection": true },
+    )
+    .await;
+    let output = tallyd(
+        &["--config", &path, "incr", "k", "--collection", "views"],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let retry: Value = stderr
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).expect("every log line is JSON"))
+        .find(|line| line["message"] == "attempt failed, retrying")
+        .unwrap_or_else(|| panic!("no retry logged:\n{stderr}"));
+    assert_eq!(retry["level"], "WARN");
+    assert_eq!(retry["class"], "transient");
+    assert_eq!(retry["attempt"], 1);
+    assert_eq!(retry["operation"], "increment.add_token");
+}
