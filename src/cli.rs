@@ -5,6 +5,7 @@
 //! 78 (`EX_CONFIG`) bad configuration.
 
 mod increment;
+mod sequence;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,6 +16,7 @@ use crate::config::{CollectionConfig, Config};
 use crate::redact::Secrets;
 
 pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+pub use sequence::{CurrentArgs, NextArgs, SeqCommand};
 
 /// Exit status: success.
 pub const EXIT_OK: u8 = 0;
@@ -53,6 +55,9 @@ pub enum Command {
     Complete(CompleteArgs),
     /// Settle a token an increment reported as unknown.
     Resume(ResumeArgs),
+    /// Sequences: hand out numbers from the counters collection.
+    #[command(subcommand)]
+    Seq(SeqCommand),
 }
 
 /// Options shared by the commands that work on one collection.
@@ -94,6 +99,7 @@ pub async fn run(cli: Cli, config: Config) -> ExitCode {
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,
         Command::Resume(args) => increment::resume(args, &config).await,
+        Command::Seq(command) => sequence::run(command, &config).await,
     }
 }
 

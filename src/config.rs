@@ -50,6 +50,8 @@ pub struct Config {
     pub collections: Vec<CollectionConfig>,
     /// `[writer]`: how the library's increments behave.
     pub writer: WriterConfig,
+    /// `[sequences]`: where sequences live.
+    pub sequences: SequenceConfig,
     /// `[log]`: what is logged and how.
     pub log: LogConfig,
 }
@@ -157,6 +159,35 @@ pub const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
 /// The shortest retry horizon: a token's timestamp has one-second
 /// resolution, so a fresh token may already look a second old.
 pub const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
+
+/// `[sequences]`: where sequences live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SequenceConfig {
+    /// The counters collection: one document `{_id: name, <field>: n}` per
+    /// sequence. Default: `counters`, as in MongoDB's tutorial.
+    pub collection: String,
+    /// The field holding a sequence's last number. Default: `seq`.
+    pub field: String,
+}
+
+impl Default for SequenceConfig {
+    fn default() -> Self {
+        Self {
+            collection: "counters".into(),
+            field: "seq".into(),
+        }
+    }
+}
+
+impl SequenceConfig {
+    /// Sequences in another collection, with the default field.
+    pub fn in_collection(collection: impl Into<String>) -> Self {
+        Self {
+            collection: collection.into(),
+            ..Self::default()
+        }
+    }
+}
 
 /// `[log]`: what is logged and how. Logs go to standard error.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -348,11 +379,13 @@ fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
         );
     }
     let writer = WriterConfig { retry_horizon };
+    let sequences = validate_sequences(issues.table("sequences", raw.sequences), issues);
     let log = validate_log(issues.table("log", raw.log), issues);
     Config {
         mongodb,
         collections,
         writer,
+        sequences,
         log,
     }
 }
@@ -565,6 +598,20 @@ fn check_field_name(key: &str, name: &str, issues: &mut Issues) {
     } else if name == "_id" {
         issues.push(key, "cannot be _id");
     }
+}
+
+fn validate_sequences(raw: raw::RawSequences, issues: &mut Issues) -> SequenceConfig {
+    issues.unknown_keys("sequences", &raw.unknown);
+    let defaults = SequenceConfig::default();
+    let collection = issues
+        .string("sequences.collection", raw.collection)
+        .unwrap_or(defaults.collection);
+    check_collection_name("sequences.collection", &collection, issues);
+    let field = issues
+        .string("sequences.field", raw.field)
+        .unwrap_or(defaults.field);
+    check_field_name("sequences.field", &field, issues);
+    SequenceConfig { collection, field }
 }
 
 fn validate_log(raw: raw::RawLog, issues: &mut Issues) -> LogConfig {

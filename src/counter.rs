@@ -417,7 +417,7 @@ impl Counters {
             // New counters start as int64, the documented shape.
             "$setOnInsert": { &self.spec.counter_field: 0i64 },
         };
-        let mut budget = RetryBudget::idempotent("increment.add_token", driver_retries)
+        let mut budget = RetryBudget::retry_once("increment.add_token", driver_retries)
             .with_duplicate_key_retries(UPSERT_RACE_RETRIES);
         loop {
             // Never (re)send step 1 for a token the daemon may fold: a retry
@@ -466,21 +466,16 @@ impl Counters {
     /// being there. Returns whether the token was already gone (counted
     /// earlier).
     async fn count_token(&self, key: &Bson, entry: &Entry) -> Result<bool, Error> {
-        let driver_retries = self.store.driver_retries_writes().await?;
         let pending_field = &self.spec.pending_field;
         let filter = doc! { "_id": key, pending_field: entry.array_condition() };
         let update = doc! {
             "$pull": { pending_field: entry.pull_condition() },
             "$inc": { &self.spec.counter_field: inc_operand(entry.amount()) },
         };
-        let mut budget = RetryBudget::idempotent("increment.count_token", driver_retries);
         let result = self
             .store
-            .with_retry(&mut budget, || {
-                self.collection.update_one(filter.clone(), update.clone())
-            })
-            .await
-            .map_err(Error::Server)?;
+            .update_one(&self.collection, filter, update, "increment.count_token")
+            .await?;
         Ok(result.matched_count == 0)
     }
 
@@ -490,15 +485,9 @@ impl Counters {
         filter: Document,
         projection: Document,
     ) -> Result<Option<Document>, Error> {
-        let mut budget = RetryBudget::idempotent(operation, false);
         self.store
-            .with_retry(&mut budget, || {
-                self.collection
-                    .find_one(filter.clone())
-                    .projection(projection.clone())
-            })
+            .find_one(&self.collection, filter, projection, operation)
             .await
-            .map_err(Error::Server)
     }
 }
 

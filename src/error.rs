@@ -18,6 +18,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use mongodb::bson::{Bson, Document};
 use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 /// Server error codes tally names, as the server defines them.
@@ -247,9 +248,28 @@ impl Facts {
     }
 }
 
-/// Whether a duplicate-key code is the error's own code.
-pub fn is_duplicate_key(err: &MongoError) -> bool {
-    ErrorClass::of(err) == ErrorClass::DuplicateKey
+/// For a duplicate-key error, whether the duplicate is on `_id` — a race
+/// for the same document — rather than on another unique index, which no
+/// retry can fix. Read from the `keyPattern` the server attaches (MongoDB
+/// 4.4+); `None` when the error is not a duplicate key or the server did not
+/// say.
+pub fn duplicate_on_id(err: &MongoError) -> Option<bool> {
+    if ErrorClass::of(err) != ErrorClass::DuplicateKey {
+        return None;
+    }
+    let reply = Document::try_from(err.server_response()?).ok()?;
+    let pattern = match reply.get("keyPattern") {
+        Some(Bson::Document(pattern)) => pattern.clone(),
+        _ => reply
+            .get_array("writeErrors")
+            .ok()?
+            .first()?
+            .as_document()?
+            .get_document("keyPattern")
+            .ok()?
+            .clone(),
+    };
+    Some(pattern.keys().eq(["_id"]))
 }
 
 /// A failed attempt against the server, classified.
@@ -355,8 +375,11 @@ pub enum Next {
 }
 
 impl RetryBudget {
-    /// A budget for an idempotent operation: one transient retry.
-    pub fn idempotent(operation: &'static str, driver_retries_writes: bool) -> Self {
+    /// One transient retry: for an idempotent operation, or one whose
+    /// repetition is acceptable (a sequence's `$inc`, where it may skip a
+    /// number). `driver_retries_writes` says whether the driver already
+    /// retries this operation's labelled failures itself.
+    pub fn retry_once(operation: &'static str, driver_retries_writes: bool) -> Self {
         Self {
             operation,
             driver_retries_writes,
@@ -364,15 +387,6 @@ impl RetryBudget {
             duplicate_left: 0,
             attempts: 0,
             maybe_applied: false,
-        }
-    }
-
-    /// A budget for an operation that must not be re-sent after a transient
-    /// failure.
-    pub fn once(operation: &'static str) -> Self {
-        Self {
-            transient_left: 0,
-            ..Self::idempotent(operation, false)
         }
     }
 
@@ -417,7 +431,10 @@ impl RetryBudget {
                     false
                 }
             }
-            ErrorClass::DuplicateKey if self.duplicate_left > 0 => {
+            // Only a race on the same `_id` is worth another try.
+            ErrorClass::DuplicateKey
+                if self.duplicate_left > 0 && duplicate_on_id(&err) != Some(false) =>
+            {
                 self.duplicate_left -= 1;
                 true
             }
@@ -603,7 +620,7 @@ mod tests {
 
     #[test]
     fn budget_retries_a_transient_failure_once() {
-        let mut budget = RetryBudget::idempotent("t", false);
+        let mut budget = RetryBudget::retry_once("t", false);
         budget.start_attempt();
         assert!(matches!(
             budget.after_failure(io(std::io::ErrorKind::ConnectionReset)),
@@ -621,7 +638,7 @@ mod tests {
 
     #[test]
     fn budget_never_retries_a_command_error() {
-        let mut budget = RetryBudget::idempotent("t", false);
+        let mut budget = RetryBudget::retry_once("t", false);
         budget.start_attempt();
         assert!(matches!(
             budget.after_failure(command_error(2)),
@@ -635,11 +652,11 @@ mod tests {
         // The driver attaches `RetryableWriteError` to failures it retries;
         // a write-concern error carries it where tests can construct it.
         let labelled = write_concern_error(91, &["RetryableWriteError"]);
-        let mut budget = RetryBudget::idempotent("t", true);
+        let mut budget = RetryBudget::retry_once("t", true);
         budget.start_attempt();
         assert!(matches!(budget.after_failure(labelled), Next::GiveUp(_)));
         // Without the label the driver did not retry: tally does, once.
-        let mut budget = RetryBudget::idempotent("t", true);
+        let mut budget = RetryBudget::retry_once("t", true);
         budget.start_attempt();
         assert!(matches!(
             budget.after_failure(command_error(10107)),
@@ -649,7 +666,7 @@ mod tests {
 
     #[test]
     fn duplicate_key_retries_have_their_own_budget() {
-        let mut budget = RetryBudget::idempotent("t", false).with_duplicate_key_retries(2);
+        let mut budget = RetryBudget::retry_once("t", false).with_duplicate_key_retries(2);
         for _ in 0..2 {
             budget.start_attempt();
             assert!(matches!(

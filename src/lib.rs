@@ -8,6 +8,11 @@
 //! by [`error::ErrorClass`], and only transient failures of idempotent
 //! operations are retried — once.
 //!
+//! Beside counters: [`Sequences`] hand out numbers that are never handed out
+//! twice (a counters collection, as in MongoDB's tutorial, made safe on
+//! first use), [`InsertLoop`] gives documents dense numeric ids, and
+//! [`BoundedCounters`] hand out limited units only while some are left.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
@@ -31,6 +36,10 @@
 //! - [`token`]: pending tokens and the two entry forms of a `pending` array.
 //! - [`store`]: the connected handle (client, database, retry facts).
 //! - [`counter`]: the two-step increment, `complete` and `resume`.
+//! - [`document`]: reading values out of documents tally does not own.
+//! - [`sequence`]: sequences on a counters collection (`next`, blocks, seeding).
+//! - [`insert_loop`]: the optimistic insert loop (highest `_id` + 1, bounded retries).
+//! - [`bounded`]: bounded counters: take a unit only while some are left.
 //! - [`config`]: the TOML file and environment overrides, validated as a whole.
 //! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
 //! - [`logging`]: tracing to standard error, as text or JSON.
@@ -39,19 +48,26 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod bounded;
 pub mod cli;
 pub mod config;
 pub mod counter;
+pub mod document;
 pub mod error;
+pub mod insert_loop;
 pub mod logging;
 pub mod redact;
+pub mod sequence;
 pub mod store;
 pub mod token;
 
-pub use config::{CollectionConfig, Config, WriterConfig};
+pub use bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
+pub use config::{CollectionConfig, Config, SequenceConfig, WriterConfig};
 pub use counter::{
     Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
 };
 pub use error::{Effect, Error, ErrorClass};
+pub use insert_loop::InsertLoop;
+pub use sequence::{Block, Sequences};
 pub use store::Store;
 pub use token::{Entry, Token};

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
 use mongodb::options::ClientOptions;
+use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
 use tokio::sync::OnceCell;
 
@@ -168,11 +169,47 @@ impl Store {
             .copied()
     }
 
+    /// One idempotent `updateOne`, retried once on a transient failure
+    /// (leaving the retry to the driver when it makes it).
+    pub async fn update_one(
+        &self,
+        collection: &Collection<Document>,
+        filter: Document,
+        update: Document,
+        operation: &'static str,
+    ) -> Result<UpdateResult, Error> {
+        let driver_retries = self.driver_retries_writes().await?;
+        let mut budget = RetryBudget::retry_once(operation, driver_retries);
+        self.with_retry(&mut budget, || {
+            collection.update_one(filter.clone(), update.clone())
+        })
+        .await
+        .map_err(Error::Server)
+    }
+
+    /// One `findOne` with a projection, retried once on a transient failure.
+    pub async fn find_one(
+        &self,
+        collection: &Collection<Document>,
+        filter: Document,
+        projection: Document,
+        operation: &'static str,
+    ) -> Result<Option<Document>, Error> {
+        let mut budget = RetryBudget::retry_once(operation, false);
+        self.with_retry(&mut budget, || {
+            collection
+                .find_one(filter.clone())
+                .projection(projection.clone())
+        })
+        .await
+        .map_err(Error::Server)
+    }
+
     /// Runs `hello` against the admin database, retrying once on a transient
     /// failure.
     pub async fn hello(&self) -> Result<Document, Error> {
         let admin = self.inner.client.database("admin");
-        let mut budget = RetryBudget::idempotent("hello", false);
+        let mut budget = RetryBudget::retry_once("hello", false);
         self.with_retry(&mut budget, || admin.run_command(doc! { "hello": 1 }))
             .await
             .map_err(Error::Server)

@@ -11,6 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
+use crate::document::bson_type_name;
+
 /// Field holding the token in the `{t, n}` entry form.
 pub const TOKEN_FIELD: &str = "t";
 /// Field holding the amount in the `{t, n}` entry form.
@@ -237,32 +239,6 @@ impl Entry {
             amount,
             form: EntryForm::Tagged,
         })
-    }
-}
-
-/// The BSON type name, as `$type` spells it.
-pub fn bson_type_name(value: &Bson) -> &'static str {
-    match value {
-        Bson::Double(_) => "double",
-        Bson::String(_) => "string",
-        Bson::Array(_) => "array",
-        Bson::Document(_) => "object",
-        Bson::Boolean(_) => "bool",
-        Bson::Null => "null",
-        Bson::RegularExpression(_) => "regex",
-        Bson::JavaScriptCode(_) | Bson::JavaScriptCodeWithScope(_) => "javascript",
-        Bson::Int32(_) => "int",
-        Bson::Int64(_) => "long",
-        Bson::Timestamp(_) => "timestamp",
-        Bson::Binary(_) => "binData",
-        Bson::ObjectId(_) => "objectId",
-        Bson::DateTime(_) => "date",
-        Bson::Symbol(_) => "symbol",
-        Bson::Decimal128(_) => "decimal",
-        Bson::Undefined => "undefined",
-        Bson::MaxKey => "maxKey",
-        Bson::MinKey => "minKey",
-        Bson::DbPointer(_) => "dbPointer",
     }
 }
 

@@ -7,21 +7,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
-use mongodb::options::ClientOptions;
 use mongodb::{Client, Collection};
 use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
 
 use crate::Settings;
-use crate::measure::{Run, merge, ms, server, timed};
+use crate::measure::{Run, bench_options, merge, ms, server, timed};
 
 const KEYS: usize = 1000;
 
 pub async fn run(settings: &Settings) {
     let (uri, _server) = server();
-    let mut options = ClientOptions::parse(format!("{uri}&retryWrites=false"))
-        .await
-        .expect("parse URI");
-    options.max_pool_size = Some(32);
+    let options = bench_options(&uri).await;
     let client = Client::with_options(options.clone()).expect("client");
     let db = client.database("tally_bench_increment");
     db.drop().await.expect("drop bench database");

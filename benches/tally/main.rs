@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- increment [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -24,6 +24,7 @@ mod server;
 
 mod increment;
 mod measure;
+mod sequence;
 
 use std::time::Duration;
 
@@ -72,8 +73,9 @@ fn main() {
     for section in sections {
         match section.as_str() {
             "increment" => runtime.block_on(increment::run(&settings)),
+            "sequence" => runtime.block_on(sequence::run(&settings)),
             other => {
-                eprintln!("unknown section {other:?}; sections: increment");
+                eprintln!("unknown section {other:?}; sections: increment, sequence");
                 std::process::exit(2);
             }
         }

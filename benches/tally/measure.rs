@@ -19,6 +19,18 @@ pub fn server() -> (String, Option<TestServer>) {
     }
 }
 
+/// Client options for benchmarks against `uri`: retryable writes off (the
+/// test server slows down under many retryable writes, and both sides of a
+/// comparison must pay the same), and a pool large enough for 16 writers.
+pub async fn bench_options(uri: &str) -> mongodb::options::ClientOptions {
+    let mut options = mongodb::options::ClientOptions::parse(uri)
+        .await
+        .expect("parse URI");
+    options.retry_writes = Some(false);
+    options.max_pool_size = Some(32);
+    options
+}
+
 /// What one timed run measured.
 #[derive(Debug, Clone)]
 pub struct Run {

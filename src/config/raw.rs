@@ -18,6 +18,7 @@ pub(crate) struct RawConfig {
     pub mongodb: Option<Section<RawMongo>>,
     pub collections: Option<Value>,
     pub writer: Option<Section<RawWriter>>,
+    pub sequences: Option<Section<RawSequences>>,
     pub log: Option<Section<RawLog>>,
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -59,6 +60,15 @@ pub(crate) struct RawCollection {
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWriter {
     pub retry_horizon: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[sequences]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawSequences {
+    pub collection: Option<Value>,
+    pub field: Option<Value>,
     #[serde(flatten)]
     pub unknown: Unknown,
 }

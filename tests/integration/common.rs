@@ -2,6 +2,7 @@
 //! a database per test, clients whose commands are recorded, fail points
 //! that undo themselves.
 
+pub mod proxy;
 pub mod server;
 
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
@@ -287,4 +288,17 @@ pub async fn pending_len(coll: &Collection<Document>, id: impl Into<Bson>) -> us
         Some(Bson::Array(a)) => a.len(),
         Some(other) => panic!("pending is not an array: {other:?}"),
     }
+}
+
+/// Creates a unique index on `field`.
+pub async fn create_unique_index(coll: &Collection<Document>, field: &str) {
+    let index = mongodb::IndexModel::builder()
+        .keys(doc! { field: 1 })
+        .options(
+            mongodb::options::IndexOptions::builder()
+                .unique(true)
+                .build(),
+        )
+        .build();
+    coll.create_index(index).await.expect("create unique index");
 }

@@ -11,7 +11,7 @@ use tally::{
 };
 
 use crate::common::server::{ServerOptions, TestServer};
-use crate::common::{FailPoint, TestContext, counter, pending_len};
+use crate::common::{FailPoint, TestContext, counter, create_unique_index, pending_len};
 
 fn counters(client: &crate::common::TestClient, name: &str) -> Counters {
     Counters::new(
@@ -498,4 +498,26 @@ async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
         "abandoned once, then retried"
     );
     assert_eq!(counter(&client.collection("views"), "k").await, 1);
+}
+
+/// An upsert that collides on another unique index is not a race for the
+/// counter's `_id`: no retry can fix it, so it is not counted, at once.
+#[tokio::test]
+async fn a_duplicate_on_another_unique_index_is_not_counted_without_retries() {
+    let ctx = TestContext::new("increment_secondary_unique").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    create_unique_index(&coll, "region").await;
+    // A document without `region` already holds the index's null key.
+    coll.insert_one(doc! { "_id": "other", "counter": 1 })
+        .await
+        .unwrap();
+    let views = counters(&client, "views");
+    client.events.clear();
+    let outcome = views.increment("new", 1).await;
+    let Increment::NotCounted(not) = &outcome else {
+        panic!("expected not counted, got {outcome:?}");
+    };
+    assert_eq!(not.cause().class(), Some(ErrorClass::DuplicateKey));
+    assert_eq!(client.events.count("update"), 1);
 }

@@ -2,6 +2,10 @@
 //! against a real server on loopback (SecantusDB, started by the tests), or
 //! against the server named by `TALLY_TEST_MONGODB_URI`.
 
+mod bounded;
 mod cli;
 mod common;
 mod increment;
+mod insert_loop;
+mod proxy;
+mod sequence;

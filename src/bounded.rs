@@ -1,0 +1,245 @@
+//! Bounded counters (DESIGN §5): limited stock — seats, copies, licences —
+//! handed out one unit at a time, with who holds each unit recorded in the
+//! same document (MongoDB's "copies available + checkout" pattern):
+//!
+//! ```text
+//! { _id: key, available: 3, holders: [ { token: ObjectId, holder: "joe", at: Date }, ... ] }
+//! ```
+//!
+//! A take is one atomic update that decrements `available` only while it is
+//! above zero *and* the caller's token is not already among the holders, and
+//! records the holder in the same write. The token makes a retried take
+//! recognisable: a take whose reply was lost and that is sent again finds its
+//! token and reports [`Take::AlreadyTaken`] instead of taking a second unit.
+
+use mongodb::Collection;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+
+use crate::document::{Inserted, bson_type_name, insert_if_absent, integer_value};
+use crate::error::Error;
+use crate::store::Store;
+use crate::token::Token;
+
+/// How often a take that matched nothing is tried again when the document
+/// shows units left (someone gave one back in between).
+const RACE_ROUNDS: u32 = 3;
+
+/// Where bounded counters live and how their fields are named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundedConfig {
+    /// The collection.
+    pub collection: String,
+    /// The field counting the units left. Default: `available`.
+    pub available_field: String,
+    /// The array of `{token, holder, at}` entries, one per unit taken.
+    /// Default: `holders`.
+    pub holders_field: String,
+}
+
+impl BoundedConfig {
+    /// A collection with the default field names.
+    pub fn new(collection: impl Into<String>) -> Self {
+        Self {
+            collection: collection.into(),
+            available_field: "available".into(),
+            holders_field: "holders".into(),
+        }
+    }
+
+    /// The same collection with other field names.
+    pub fn with_fields(mut self, available: impl Into<String>, holders: impl Into<String>) -> Self {
+        self.available_field = available.into();
+        self.holders_field = holders.into();
+        self
+    }
+}
+
+/// The result of [`BoundedCounters::take`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// This call took a unit.
+    Taken,
+    /// The token already holds a unit: taken by an earlier call, or by an
+    /// earlier attempt of this one whose reply was lost. Nothing more was
+    /// taken.
+    AlreadyTaken,
+    /// No unit is left.
+    NoneLeft,
+    /// There is no such bounded counter.
+    NotFound,
+}
+
+/// The result of [`BoundedCounters::give_back`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiveBack {
+    /// The unit held by the token is available again.
+    Returned,
+    /// The token holds no unit (never took one, or already gave it back).
+    NotHeld,
+}
+
+/// Bounded counters in one collection.
+#[derive(Clone, Debug)]
+pub struct BoundedCounters {
+    store: Store,
+    collection: Collection<Document>,
+    spec: BoundedConfig,
+}
+
+impl BoundedCounters {
+    /// Bounded counters as `spec` describes them.
+    pub fn new(store: &Store, spec: BoundedConfig) -> Self {
+        Self {
+            store: store.clone(),
+            collection: store.collection(&spec.collection),
+            spec,
+        }
+    }
+
+    /// Creates the counter `key` with `units` available and no holders.
+    /// Returns `false` (and changes nothing) when it already exists.
+    pub async fn create(&self, key: impl Into<Bson>, units: i64) -> Result<bool, Error> {
+        if units < 0 {
+            return Err(Error::InvalidArgument("units must not be negative".into()));
+        }
+        let document = doc! {
+            "_id": key.into(),
+            &self.spec.available_field: units,
+            &self.spec.holders_field: [],
+        };
+        let inserted =
+            insert_if_absent(&self.store, &self.collection, &document, "bounded.create").await?;
+        Ok(match inserted {
+            Inserted::New => true,
+            // After a lost reply the counter found may be our own insert.
+            Inserted::Existing { found, maybe_ours } => maybe_ours && found == document,
+        })
+    }
+
+    /// Takes one unit of `key` for `holder`, identified by `token` (make a
+    /// fresh one per take and keep it to give the unit back or to retry).
+    pub async fn take(
+        &self,
+        key: impl Into<Bson>,
+        token: Token,
+        holder: impl Into<Bson>,
+    ) -> Result<Take, Error> {
+        let key = key.into();
+        let holders = &self.spec.holders_field;
+        let available = &self.spec.available_field;
+        let filter = doc! {
+            "_id": &key,
+            available: { "$gt": 0 },
+            format!("{holders}.token"): { "$ne": token.object_id() },
+        };
+        let update = doc! {
+            "$inc": { available: -1 },
+            "$push": { holders: { "token": token.object_id(), "holder": holder.into(), "at": DateTime::now() } },
+        };
+        for _ in 0..RACE_ROUNDS {
+            // Idempotent: the filter refuses a token that already holds a unit.
+            let result = self
+                .store
+                .update_one(
+                    &self.collection,
+                    filter.clone(),
+                    update.clone(),
+                    "bounded.take",
+                )
+                .await?;
+            if result.matched_count == 1 {
+                return Ok(Take::Taken);
+            }
+            // Matched nothing: find out why.
+            let Some(state) = self.state(&key, token).await? else {
+                return Ok(Take::NotFound);
+            };
+            if state.holds_token {
+                return Ok(Take::AlreadyTaken);
+            }
+            if state.available <= 0 {
+                return Ok(Take::NoneLeft);
+            }
+        }
+        Ok(Take::NoneLeft)
+    }
+
+    /// Gives back the unit `token` holds. Idempotent: a second call reports
+    /// [`GiveBack::NotHeld`] and changes nothing.
+    pub async fn give_back(&self, key: impl Into<Bson>, token: Token) -> Result<GiveBack, Error> {
+        let holders = &self.spec.holders_field;
+        let filter = doc! { "_id": key.into(), format!("{holders}.token"): token.object_id() };
+        let update = doc! {
+            "$inc": { &self.spec.available_field: 1 },
+            "$pull": { holders: { "token": token.object_id() } },
+        };
+        let result = self
+            .store
+            .update_one(&self.collection, filter, update, "bounded.give_back")
+            .await?;
+        Ok(if result.matched_count == 1 {
+            GiveBack::Returned
+        } else {
+            GiveBack::NotHeld
+        })
+    }
+
+    /// The units left (`None` when the counter does not exist).
+    pub async fn available(&self, key: impl Into<Bson>) -> Result<Option<i64>, Error> {
+        let key = key.into();
+        let projection = doc! { &self.spec.available_field: 1 };
+        let found = self
+            .store
+            .find_one(
+                &self.collection,
+                doc! { "_id": &key },
+                projection,
+                "bounded.available",
+            )
+            .await?;
+        found.map(|d| self.available_of(&key, &d)).transpose()
+    }
+
+    async fn state(&self, key: &Bson, token: Token) -> Result<Option<State>, Error> {
+        let holders = &self.spec.holders_field;
+        let projection = doc! {
+            &self.spec.available_field: 1,
+            holders: { "$elemMatch": { "token": token.object_id() } },
+        };
+        let found = self
+            .store
+            .find_one(
+                &self.collection,
+                doc! { "_id": key },
+                projection,
+                "bounded.state",
+            )
+            .await?;
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let holds_token = matches!(found.get(holders), Some(Bson::Array(a)) if !a.is_empty());
+        Ok(Some(State {
+            available: self.available_of(key, &found)?,
+            holds_token,
+        }))
+    }
+
+    fn available_of(&self, key: &Bson, d: &Document) -> Result<i64, Error> {
+        let value = d.get(&self.spec.available_field).unwrap_or(&Bson::Null);
+        integer_value(value).ok_or_else(|| Error::Malformed {
+            collection: self.spec.collection.clone(),
+            id: key.to_string(),
+            reason: format!(
+                "field {:?} is a {}, not an integer",
+                self.spec.available_field,
+                bson_type_name(value)
+            ),
+        })
+    }
+}
+
+struct State {
+    available: i64,
+    holds_token: bool,
+}

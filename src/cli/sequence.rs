@@ -1,0 +1,115 @@
+//! `tallyd seq next NAME [--block N]`, `tallyd seq current NAME`.
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, fail};
+use crate::config::Config;
+use crate::error::{Error, ErrorClass};
+use crate::sequence::Sequences;
+use crate::store::Store;
+
+/// `tallyd seq ...`: sequences in the `[sequences]` collection.
+#[derive(Debug, Subcommand)]
+pub enum SeqCommand {
+    /// Hand out the next number (or a block of numbers) of a sequence.
+    Next(NextArgs),
+    /// Show the last number handed out, changing nothing.
+    Current(CurrentArgs),
+}
+
+/// `tallyd seq next NAME [--block N]`.
+#[derive(Debug, Args)]
+pub struct NextArgs {
+    /// The sequence's name (its `_id` in the counters collection).
+    pub name: String,
+    /// Reserve N consecutive numbers in one round trip.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub block: Option<u32>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `tallyd seq current NAME`.
+#[derive(Debug, Args)]
+pub struct CurrentArgs {
+    /// The sequence's name.
+    pub name: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
+    let secrets = config.secrets();
+    let json = match &command {
+        SeqCommand::Next(args) => args.json,
+        SeqCommand::Current(args) => args.json,
+    };
+    let store = match Store::connect(&config.mongodb).await {
+        Ok(store) => store,
+        Err(err) => return fail(json, &err.to_string(), &secrets),
+    };
+    let sequences = Sequences::new(&store, &config.sequences);
+    let result = match command {
+        SeqCommand::Next(NextArgs {
+            name,
+            block: Some(n),
+            json,
+        }) => sequences.next_block(&name, n).await.map(|block| {
+            if json {
+                json!({ "name": name, "first": block.first, "last": block.last }).to_string()
+            } else {
+                format!("{}..={}", block.first, block.last)
+            }
+        }),
+        SeqCommand::Next(NextArgs { name, json, .. }) => sequences.next(&name).await.map(|value| {
+            if json {
+                json!({ "name": name, "value": value }).to_string()
+            } else {
+                value.to_string()
+            }
+        }),
+        SeqCommand::Current(CurrentArgs { name, json }) => {
+            sequences
+                .current(&name)
+                .await
+                .map(|value| match (json, value) {
+                    (true, value) => json!({ "name": name, "value": value }).to_string(),
+                    (false, Some(value)) => value.to_string(),
+                    (false, None) => {
+                        format!("sequence {name:?} does not exist yet (next would be 1)")
+                    }
+                })
+        }
+    };
+    match result {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::from(EXIT_OK)
+        }
+        Err(err) => {
+            // A transient failure may have consumed a number (a gap); trying
+            // again later is the right move, so say so with the exit code.
+            let code = if err.class() == Some(ErrorClass::Transient) {
+                EXIT_TEMPFAIL
+            } else {
+                EXIT_FAILED
+            };
+            let _ = fail(json, &describe(&err), &secrets);
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn describe(err: &Error) -> String {
+    match err.class() {
+        Some(ErrorClass::Transient) => {
+            format!("{err} (a number may have been skipped; none was handed out twice)")
+        }
+        _ => err.to_string(),
+    }
+}

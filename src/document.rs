@@ -1,0 +1,113 @@
+//! Reading values out of documents tally does not own: counters written by
+//! other clients, sequences created in a shell, ids of existing data.
+
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc};
+
+use crate::error::{Effect, Error, ErrorClass, RetryBudget};
+use crate::store::Store;
+
+/// The result of [`insert_if_absent`].
+#[derive(Debug)]
+pub(crate) enum Inserted {
+    /// This call inserted the document.
+    New,
+    /// A document with the same `_id` exists.
+    Existing {
+        /// The document found under that `_id`.
+        found: Document,
+        /// An attempt of this call failed in a way that may have applied:
+        /// the document found may be our own.
+        maybe_ours: bool,
+    },
+}
+
+/// Inserts `document` unless one with its `_id` exists. A duplicate key is
+/// checked by reading the `_id` back (the driver does not keep the
+/// server's `keyPattern` for inserts): if nothing is there, the duplicate
+/// was on another unique index and is returned as the error it is.
+pub(crate) async fn insert_if_absent(
+    store: &Store,
+    collection: &Collection<Document>,
+    document: &Document,
+    operation: &'static str,
+) -> Result<Inserted, Error> {
+    let mut budget = RetryBudget::retry_once(operation, false);
+    let failure = match store
+        .with_retry(&mut budget, || collection.insert_one(document.clone()))
+        .await
+    {
+        Ok(_) => return Ok(Inserted::New),
+        Err(failure) if failure.effect == Effect::AppliedUnconfirmed => return Ok(Inserted::New),
+        Err(failure) if failure.class == ErrorClass::DuplicateKey => failure,
+        Err(failure) => return Err(Error::Server(failure)),
+    };
+    let id = document.get("_id").cloned().unwrap_or(Bson::Null);
+    let found = store
+        .find_one(collection, doc! { "_id": &id }, doc! {}, operation)
+        .await?;
+    match found {
+        Some(found) => Ok(Inserted::Existing {
+            found,
+            maybe_ours: budget.maybe_applied(),
+        }),
+        None => Err(Error::Server(failure)),
+    }
+}
+
+/// An integral number stored as int32, int64 or an integral double (what
+/// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
+/// including doubles with a fraction or beyond 2^53, where the value is no
+/// longer exact.
+pub fn integer_value(value: &Bson) -> Option<i64> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    match value {
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Int64(n) => Some(*n),
+        Bson::Double(d) if d.fract() == 0.0 && d.abs() <= EXACT => Some(*d as i64),
+        _ => None,
+    }
+}
+
+/// The BSON type name, as `$type` spells it.
+pub fn bson_type_name(value: &Bson) -> &'static str {
+    match value {
+        Bson::Double(_) => "double",
+        Bson::String(_) => "string",
+        Bson::Array(_) => "array",
+        Bson::Document(_) => "object",
+        Bson::Boolean(_) => "bool",
+        Bson::Null => "null",
+        Bson::RegularExpression(_) => "regex",
+        Bson::JavaScriptCode(_) | Bson::JavaScriptCodeWithScope(_) => "javascript",
+        Bson::Int32(_) => "int",
+        Bson::Int64(_) => "long",
+        Bson::Timestamp(_) => "timestamp",
+        Bson::Binary(_) => "binData",
+        Bson::ObjectId(_) => "objectId",
+        Bson::DateTime(_) => "date",
+        Bson::Symbol(_) => "symbol",
+        Bson::Decimal128(_) => "decimal",
+        Bson::Undefined => "undefined",
+        Bson::MaxKey => "maxKey",
+        Bson::MinKey => "minKey",
+        Bson::DbPointer(_) => "dbPointer",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_of_every_width_and_integral_doubles() {
+        assert_eq!(integer_value(&Bson::Int32(-4)), Some(-4));
+        assert_eq!(integer_value(&Bson::Int64(1 << 40)), Some(1 << 40));
+        assert_eq!(integer_value(&Bson::Double(12.0)), Some(12));
+        assert_eq!(integer_value(&Bson::Double(1.5)), None);
+        assert_eq!(integer_value(&Bson::Double(1e300)), None);
+        assert_eq!(integer_value(&Bson::Double(f64::NAN)), None);
+        assert_eq!(integer_value(&Bson::String("1".into())), None);
+        assert_eq!(integer_value(&Bson::Null), None);
+    }
+}

@@ -1,0 +1,142 @@
+//! Bounded counters: never more taken than there is, a retried take
+//! recognised by its token, give-backs counted once.
+
+use futures::future::join_all;
+use mongodb::bson::{Bson, doc};
+use tally::{BoundedConfig, BoundedCounters, GiveBack, Take, Token};
+
+use crate::common::{FailPoint, TestContext};
+
+fn seats(client: &crate::common::TestClient) -> BoundedCounters {
+    BoundedCounters::new(&client.store(), BoundedConfig::new("seats"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_takers_on_ten_units_take_exactly_ten() {
+    let ctx = TestContext::new("bounded_sixteen_takers").await;
+    let client = ctx.client(false).await;
+    let seats = seats(&client);
+    assert!(seats.create("show", 10).await.unwrap());
+    assert!(
+        !seats.create("show", 99).await.unwrap(),
+        "create does not overwrite"
+    );
+    let tasks = (0..16).map(|i| {
+        let seats = seats.clone();
+        tokio::spawn(async move { seats.take("show", Token::new(), format!("user{i}")).await })
+    });
+    let outcomes: Vec<Take> = join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.expect("task").expect("take"))
+        .collect();
+    assert_eq!(outcomes.iter().filter(|o| **o == Take::Taken).count(), 10);
+    assert_eq!(outcomes.iter().filter(|o| **o == Take::NoneLeft).count(), 6);
+    let doc = client
+        .collection("seats")
+        .find_one(doc! { "_id": "show" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.get_i64("available").unwrap(), 0);
+    assert_eq!(doc.get_array("holders").unwrap().len(), 10);
+    assert_eq!(
+        seats.take("nope", Token::new(), "x").await.unwrap(),
+        Take::NotFound
+    );
+}
+
+#[tokio::test]
+async fn a_take_retried_with_its_token_never_takes_twice() {
+    let ctx = TestContext::new("bounded_retried_take").await;
+    let client = ctx.client(false).await;
+    let seats = seats(&client);
+    seats.create("show", 3).await.unwrap();
+    let token = Token::new();
+    {
+        // The connection drops on the first attempt; tally retries it once.
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["update"], "closeConnection": true },
+        )
+        .await;
+        assert_eq!(seats.take("show", token, "ann").await.unwrap(), Take::Taken);
+    }
+    // The caller, unsure, sends the same take again.
+    assert_eq!(
+        seats.take("show", token, "ann").await.unwrap(),
+        Take::AlreadyTaken
+    );
+    assert_eq!(seats.available("show").await.unwrap(), Some(2));
+    let doc = client
+        .collection("seats")
+        .find_one(doc! { "_id": "show" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.get_array("holders").unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn give_back_twice_returns_once() {
+    let ctx = TestContext::new("bounded_give_back").await;
+    let client = ctx.client(false).await;
+    let seats = seats(&client);
+    seats.create("show", 1).await.unwrap();
+    let token = Token::new();
+    assert_eq!(seats.take("show", token, "bo").await.unwrap(), Take::Taken);
+    assert_eq!(
+        seats.take("show", Token::new(), "cy").await.unwrap(),
+        Take::NoneLeft
+    );
+    assert_eq!(
+        seats.give_back("show", token).await.unwrap(),
+        GiveBack::Returned
+    );
+    assert_eq!(
+        seats.give_back("show", token).await.unwrap(),
+        GiveBack::NotHeld
+    );
+    assert_eq!(seats.available("show").await.unwrap(), Some(1));
+    assert_eq!(
+        seats.give_back("show", Token::new()).await.unwrap(),
+        GiveBack::NotHeld
+    );
+    // The unit given back can be taken again.
+    assert_eq!(
+        seats.take("show", Token::new(), "cy").await.unwrap(),
+        Take::Taken
+    );
+}
+
+#[tokio::test]
+async fn custom_field_names_and_malformed_documents() {
+    let ctx = TestContext::new("bounded_custom_fields").await;
+    let client = ctx.client(false).await;
+    let copies = BoundedCounters::new(
+        &client.store(),
+        BoundedConfig::new("books").with_fields("copies", "checkout"),
+    );
+    copies.create("dune", 2).await.unwrap();
+    assert_eq!(
+        copies.take("dune", Token::new(), "ann").await.unwrap(),
+        Take::Taken
+    );
+    let doc = client
+        .collection("books")
+        .find_one(doc! { "_id": "dune" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(doc.get_i64("copies").unwrap(), 1);
+    assert_eq!(doc.get_array("checkout").unwrap().len(), 1);
+
+    client
+        .collection("books")
+        .insert_one(doc! { "_id": "odd", "copies": "many", "checkout": [] })
+        .await
+        .unwrap();
+    let err = copies.take("odd", Token::new(), "ann").await.unwrap_err();
+    assert!(err.to_string().contains("not an integer"), "{err}");
+}
