@@ -5,6 +5,7 @@
 //! 78 (`EX_CONFIG`) bad configuration.
 
 mod increment;
+mod reconcile;
 mod sequence;
 
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ use crate::config::{CollectionConfig, Config};
 use crate::redact::Secrets;
 
 pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+pub use reconcile::ReconcileArgs;
 pub use sequence::{CurrentArgs, NextArgs, SeqCommand};
 
 /// Exit status: success.
@@ -55,6 +57,10 @@ pub enum Command {
     Complete(CompleteArgs),
     /// Settle a token an increment reported as unknown.
     Resume(ResumeArgs),
+    /// Fold leftover pending tokens older than the grace into their
+    /// counters, safely on live documents (or, with --dry-run, report what
+    /// that would do). Exit 1 if any collection failed.
+    Reconcile(ReconcileArgs),
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
@@ -100,6 +106,7 @@ pub async fn run(cli: Cli, config: Config) -> ExitCode {
         Command::Complete(args) => increment::complete(args, &config).await,
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
+        Command::Reconcile(args) => reconcile::run(args, &config).await,
     }
 }
 

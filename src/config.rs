@@ -50,6 +50,8 @@ pub struct Config {
     pub collections: Vec<CollectionConfig>,
     /// `[writer]`: how the library's increments behave.
     pub writer: WriterConfig,
+    /// `[reconcile]`: how leftover pending tokens are folded.
+    pub reconcile: ReconcileConfig,
     /// `[sequences]`: where sequences live.
     pub sequences: SequenceConfig,
     /// `[log]`: what is logged and how.
@@ -116,6 +118,16 @@ pub struct CollectionConfig {
     pub counter_field: String,
     /// The field holding the pending entries. Default: `pending`.
     pub pending_field: String,
+    /// This collection's fold grace, overriding `[reconcile] grace`.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_optional_duration"
+    )]
+    pub grace: Option<Duration>,
+    /// This collection's fold batch size, overriding `[reconcile]
+    /// batch_size`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u32>,
 }
 
 impl CollectionConfig {
@@ -125,6 +137,8 @@ impl CollectionConfig {
             name: name.into(),
             counter_field: DEFAULT_COUNTER_FIELD.into(),
             pending_field: DEFAULT_PENDING_FIELD.into(),
+            grace: None,
+            batch_size: None,
         }
     }
 
@@ -159,6 +173,47 @@ pub const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
 /// The shortest retry horizon: a token's timestamp has one-second
 /// resolution, so a fresh token may already look a second old.
 pub const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
+
+/// `[reconcile]`: how leftover pending tokens are folded into their
+/// counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ReconcileConfig {
+    /// Only tokens older than this are folded; younger ones belong to
+    /// writers still between their two steps. Must exceed `[writer]
+    /// retry_horizon` by more than the clock skew between writers and the
+    /// server. Default: 15m.
+    #[serde(serialize_with = "serialize_duration")]
+    pub grace: Duration,
+    /// How many documents one fold update covers: work between two points
+    /// where a run can stop (shutdown) and report progress. Default: 100.
+    pub batch_size: u32,
+}
+
+/// Default fold grace.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
+/// Default fold batch size.
+pub const DEFAULT_BATCH_SIZE: u32 = 100;
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        Self {
+            grace: DEFAULT_GRACE,
+            batch_size: DEFAULT_BATCH_SIZE,
+        }
+    }
+}
+
+/// Everything the fold needs to know about one collection: its fields and
+/// its effective grace and batch size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoldTarget {
+    /// The collection and its field names.
+    pub spec: CollectionConfig,
+    /// Tokens older than this are folded.
+    pub grace: Duration,
+    /// Documents per fold update.
+    pub batch_size: u32,
+}
 
 /// `[sequences]`: where sequences live.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -352,6 +407,17 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_else(|err| format!("# cannot render: {err}\n"))
     }
 
+    /// The fold settings for a collection: its overrides, else
+    /// `[reconcile]`'s.
+    pub fn fold_target(&self, name: &str) -> FoldTarget {
+        let spec = self.collection(name);
+        FoldTarget {
+            grace: spec.grace.unwrap_or(self.reconcile.grace),
+            batch_size: spec.batch_size.unwrap_or(self.reconcile.batch_size),
+            spec,
+        }
+    }
+
     /// Every secret value in the configuration.
     pub fn secrets(&self) -> Secrets {
         self.mongodb.secrets()
@@ -379,14 +445,60 @@ fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
         );
     }
     let writer = WriterConfig { retry_horizon };
+    let reconcile = validate_reconcile(issues.table("reconcile", raw.reconcile), issues);
+    check_grace(
+        "reconcile.grace",
+        reconcile.grace,
+        writer.retry_horizon,
+        issues,
+    );
+    for (i, collection) in collections.iter().enumerate() {
+        if let Some(grace) = collection.grace {
+            check_grace(
+                &format!("collections[{i}].grace"),
+                grace,
+                writer.retry_horizon,
+                issues,
+            );
+        }
+    }
     let sequences = validate_sequences(issues.table("sequences", raw.sequences), issues);
     let log = validate_log(issues.table("log", raw.log), issues);
     Config {
         mongodb,
         collections,
         writer,
+        reconcile,
         sequences,
         log,
+    }
+}
+
+fn validate_reconcile(raw: raw::RawReconcile, issues: &mut Issues) -> ReconcileConfig {
+    issues.unknown_keys("reconcile", &raw.unknown);
+    ReconcileConfig {
+        grace: issues.duration("reconcile.grace", raw.grace, DEFAULT_GRACE),
+        batch_size: issues
+            .optional_integer("reconcile.batch_size", raw.batch_size, 1, MAX_BATCH_SIZE)
+            .map_or(DEFAULT_BATCH_SIZE, |n| n as u32),
+    }
+}
+
+/// The largest fold batch: keeps one update's `$in` list and its work
+/// bounded.
+const MAX_BATCH_SIZE: u64 = 10_000;
+
+/// A token must never be folded while its writer may still re-send step 1.
+fn check_grace(key: &str, grace: Duration, retry_horizon: Duration, issues: &mut Issues) {
+    if grace <= retry_horizon {
+        issues.push(
+            key,
+            format!(
+                "must be longer than [writer] retry_horizon ({}), or a token could be folded \
+                 while its writer may still re-send it",
+                humantime::format_duration(retry_horizon)
+            ),
+        );
     }
 }
 
@@ -553,10 +665,21 @@ fn validate_collections(raw: Option<Value>, issues: &mut Issues) -> Vec<Collecti
                 format!("must differ from counter_field (both are {counter_field:?})"),
             );
         }
+        let grace = issues.optional_duration(&format!("{key}.grace"), raw.grace);
+        let batch_size = issues
+            .optional_integer(
+                &format!("{key}.batch_size"),
+                raw.batch_size,
+                1,
+                MAX_BATCH_SIZE,
+            )
+            .map(|n| n as u32);
         out.push(CollectionConfig {
             name: name.unwrap_or_default(),
             counter_field,
             pending_field,
+            grace,
+            batch_size,
         });
     }
     out
@@ -641,6 +764,16 @@ fn validate_log(raw: raw::RawLog, issues: &mut Issues) -> LogConfig {
 
 fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&humantime::format_duration(*d).to_string())
+}
+
+fn serialize_optional_duration<S: serde::Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => serialize_duration(d, s),
+        None => s.serialize_none(),
+    }
 }
 
 fn serialize_uri<S: serde::Serializer>(uri: &SecretString, s: S) -> Result<S::Ok, S::Error> {

@@ -288,6 +288,21 @@ pub struct Failure {
     pub source: MongoError,
 }
 
+impl Failure {
+    /// A failure that is not retried where it happens (a cursor that broke
+    /// off mid-stream cannot be resumed): classified, one attempt.
+    pub fn once(operation: &'static str, source: MongoError) -> Box<Self> {
+        let facts = Facts::of(&source);
+        Box::new(Self {
+            operation,
+            class: facts.class(),
+            effect: facts.effect(),
+            attempts: 1,
+            source,
+        })
+    }
+}
+
 /// Errors the library returns. Each variant says what the caller can do next.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {

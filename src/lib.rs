@@ -40,6 +40,7 @@
 //! - [`sequence`]: sequences on a counters collection (`next`, blocks, seeding).
 //! - [`insert_loop`]: the optimistic insert loop (highest `_id` + 1, bounded retries).
 //! - [`bounded`]: bounded counters: take a unit only while some are left.
+//! - [`reconcile`]: the fold of leftover pending tokens, safe on live documents, and its report.
 //! - [`config`]: the TOML file and environment overrides, validated as a whole.
 //! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
 //! - [`logging`]: tracing to standard error, as text or JSON.
@@ -56,18 +57,20 @@ pub mod document;
 pub mod error;
 pub mod insert_loop;
 pub mod logging;
+pub mod reconcile;
 pub mod redact;
 pub mod sequence;
 pub mod store;
 pub mod token;
 
 pub use bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
-pub use config::{CollectionConfig, Config, SequenceConfig, WriterConfig};
+pub use config::{CollectionConfig, Config, FoldTarget, SequenceConfig, WriterConfig};
 pub use counter::{
     Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
 };
 pub use error::{Effect, Error, ErrorClass};
 pub use insert_loop::InsertLoop;
+pub use reconcile::{CollectionRun, Mode, Reconciler, Survey};
 pub use sequence::{Block, Sequences};
 pub use store::Store;
 pub use token::{Entry, Token};

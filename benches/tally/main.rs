@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -22,6 +22,7 @@
 #[allow(dead_code)]
 mod server;
 
+mod fold;
 mod increment;
 mod measure;
 mod sequence;
@@ -74,8 +75,9 @@ fn main() {
         match section.as_str() {
             "increment" => runtime.block_on(increment::run(&settings)),
             "sequence" => runtime.block_on(sequence::run(&settings)),
+            "fold" => runtime.block_on(fold::run(&settings)),
             other => {
-                eprintln!("unknown section {other:?}; sections: increment, sequence");
+                eprintln!("unknown section {other:?}; sections: increment, sequence, fold");
                 std::process::exit(2);
             }
         }

@@ -102,17 +102,20 @@ impl Issues {
     /// A duration written the usual way (`60s`, `15m`, `1h 30m`), greater
     /// than zero.
     pub fn duration(&mut self, key: &str, value: Option<Value>, default: Duration) -> Duration {
-        let Some(value) = value else {
-            return default;
-        };
-        let text = match value {
+        self.optional_duration(key, value).unwrap_or(default)
+    }
+
+    /// A duration that may be absent (`None`, also after a reported
+    /// problem).
+    pub fn optional_duration(&mut self, key: &str, value: Option<Value>) -> Option<Duration> {
+        let text = match value? {
             Value::String(s) => s,
             Value::Number(n) => {
                 self.push(
                     key,
                     format!("expected a duration with a unit, like \"{n}s\", found the number {n}"),
                 );
-                return default;
+                return None;
             }
             other => {
                 self.push(
@@ -122,18 +125,18 @@ impl Issues {
                         describe(&other)
                     ),
                 );
-                return default;
+                return None;
             }
         };
         match humantime::parse_duration(text.trim()) {
             Ok(d) if d.is_zero() => {
                 self.push(key, "must be greater than zero");
-                default
+                None
             }
-            Ok(d) => d,
+            Ok(d) => Some(d),
             Err(_) if text.trim_start().starts_with('-') => {
                 self.push(key, format!("must be greater than zero, found {text:?}"));
-                default
+                None
             }
             Err(err) => {
                 self.push(
@@ -142,7 +145,38 @@ impl Issues {
                         "not a duration ({err}): {text:?}; write e.g. \"60s\", \"15m\", \"1h\""
                     ),
                 );
-                default
+                None
+            }
+        }
+    }
+
+    /// An integer in `min..=max`, which may be absent (environment variables
+    /// arrive as text).
+    pub fn optional_integer(
+        &mut self,
+        key: &str,
+        value: Option<Value>,
+        min: u64,
+        max: u64,
+    ) -> Option<u64> {
+        let value = value?;
+        let parsed = match &value {
+            Value::Number(n) => n.as_i64().map(i128::from),
+            Value::String(s) => s.trim().parse::<i128>().ok(),
+            _ => None,
+        };
+        match parsed {
+            Some(n) if n >= i128::from(min) && n <= i128::from(max) => Some(n as u64),
+            Some(n) => {
+                self.push(key, format!("must be between {min} and {max}, found {n}"));
+                None
+            }
+            None => {
+                self.push(
+                    key,
+                    format!("expected an integer, found {}", describe(&value)),
+                );
+                None
             }
         }
     }

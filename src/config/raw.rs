@@ -19,6 +19,7 @@ pub(crate) struct RawConfig {
     pub collections: Option<Value>,
     pub writer: Option<Section<RawWriter>>,
     pub sequences: Option<Section<RawSequences>>,
+    pub reconcile: Option<Section<RawReconcile>>,
     pub log: Option<Section<RawLog>>,
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -52,6 +53,8 @@ pub(crate) struct RawCollection {
     pub name: Option<Value>,
     pub counter_field: Option<Value>,
     pub pending_field: Option<Value>,
+    pub grace: Option<Value>,
+    pub batch_size: Option<Value>,
     #[serde(flatten)]
     pub unknown: Unknown,
 }
@@ -60,6 +63,15 @@ pub(crate) struct RawCollection {
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWriter {
     pub retry_horizon: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[reconcile]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawReconcile {
+    pub grace: Option<Value>,
+    pub batch_size: Option<Value>,
     #[serde(flatten)]
     pub unknown: Unknown,
 }

@@ -6,7 +6,7 @@ pub mod proxy;
 pub mod server;
 
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::event::EventHandler;
@@ -260,6 +260,25 @@ impl Drop for FailPoint {
                 .expect("fail point thread")
                 .expect("switch the fail point off");
         }
+    }
+}
+
+/// Polls `condition` until it holds or `timeout` passes; panics with
+/// `what` on timeout.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -8,4 +8,5 @@ mod common;
 mod increment;
 mod insert_loop;
 mod proxy;
+mod reconcile;
 mod sequence;

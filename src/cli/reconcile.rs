@@ -1,0 +1,162 @@
+//! `tallyd reconcile [--dry-run] [--collection NAME]... [--json]`.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::{EXIT_FAILED, EXIT_OK, fail};
+use crate::config::{Config, FoldTarget};
+use crate::reconcile::{CollectionRun, Mode, Progress, Reconciler};
+use crate::redact::Secrets;
+use crate::store::Store;
+
+/// `tallyd reconcile`.
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    /// Change nothing; report exactly what a fold would do.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Reconcile only this collection (repeatable). Default: every
+    /// configured collection.
+    #[arg(long = "collection", value_name = "NAME")]
+    pub collections: Vec<String>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
+    let secrets = config.secrets();
+    let names: Vec<String> = if args.collections.is_empty() {
+        config.collections.iter().map(|c| c.name.clone()).collect()
+    } else {
+        args.collections.clone()
+    };
+    if names.is_empty() {
+        let message = "no collections: configure [[collections]] or name one with --collection";
+        return fail(args.json, message, &secrets);
+    }
+    let store = match Store::connect(&config.mongodb).await {
+        Ok(store) => store,
+        Err(err) => return fail(args.json, &err.to_string(), &secrets),
+    };
+    let reconciler = Reconciler::new(&store);
+    let now = match reconciler.server_time().await {
+        Ok(now) => now,
+        Err(err) => return fail(args.json, &err.to_string(), &secrets),
+    };
+    let stop = CancellationToken::new();
+    let on_interrupt = stop.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            on_interrupt.cancel();
+        }
+    });
+    let mode = if args.dry_run {
+        Mode::DryRun
+    } else {
+        Mode::Fold
+    };
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let mut runs = Vec::new();
+    for name in &names {
+        let target = config.fold_target(name);
+        let mut progress = |p: Progress| {
+            if show_progress {
+                eprint!(
+                    "\r{name}: {} documents read, {} folded   ",
+                    p.examined, p.folded
+                );
+                let _ = std::io::stderr().flush();
+            }
+        };
+        let run = reconciler
+            .reconcile(&target, mode, now, &stop, &mut progress)
+            .await;
+        if show_progress {
+            eprint!("\r\x1b[2K");
+        }
+        runs.push((target, run));
+    }
+    let ok = runs.iter().all(|(_, run)| run.succeeded());
+    if args.json {
+        print_json(&runs, args.dry_run, ok, &secrets);
+    } else {
+        print_table(&runs, args.dry_run, &secrets);
+    }
+    ExitCode::from(if ok { EXIT_OK } else { EXIT_FAILED })
+}
+
+fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, secrets: &Secrets) {
+    let collections: Vec<_> = runs.iter().map(|(_, run)| run).collect();
+    let summary = json!({ "dry_run": dry_run, "ok": ok, "collections": collections });
+    println!("{}", secrets.scrub(&summary.to_string()));
+}
+
+fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Secrets) {
+    if dry_run {
+        println!("dry run: nothing was changed; the numbers say what a fold would do");
+    }
+    let verb = if dry_run { "would fold" } else { "folded" };
+    println!(
+        "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9}  result",
+        "collection",
+        "scanned",
+        "stale",
+        verb,
+        "tokens",
+        "amount",
+        "malformed",
+        "oldest stale",
+        "seconds"
+    );
+    for (target, run) in runs {
+        let oldest = run
+            .oldest_stale_age_seconds
+            .map(|s| humantime::format_duration(Duration::from_secs(s)).to_string())
+            .unwrap_or_else(|| "-".into());
+        let result = match (&run.error, run.interrupted) {
+            (Some(err), _) => format!("FAILED: {}", secrets.scrub(&err.to_string())),
+            (None, true) => "interrupted".into(),
+            (None, false) if run.concurrent_changes > 0 => format!(
+                "ok ({} changed by writers meanwhile)",
+                run.concurrent_changes
+            ),
+            (None, false) => "ok".into(),
+        };
+        println!(
+            "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9.2}  {}",
+            target.spec.name,
+            run.survey.documents_scanned,
+            run.survey.documents_stale,
+            run.documents_folded,
+            run.tokens_folded,
+            run.amount_folded,
+            run.survey.malformed,
+            oldest,
+            run.duration.as_secs_f64(),
+            result
+        );
+    }
+    for (target, run) in runs {
+        if run.survey.malformed > 0 {
+            println!(
+                "\n{}: {} malformed document(s) left unchanged{}:",
+                target.spec.name,
+                run.survey.malformed,
+                if run.survey.malformed as usize > run.survey.malformed_sample.len() {
+                    " (first few)"
+                } else {
+                    ""
+                }
+            );
+            for doc in &run.survey.malformed_sample {
+                println!("  _id {}: {}", doc.id, doc.reason);
+            }
+        }
+    }
+}

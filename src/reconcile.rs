@@ -1,0 +1,585 @@
+//! The fold: counting the tokens writers left behind (DESIGN §4).
+//!
+//! A writer that crashes or gives up between the two steps of an increment
+//! leaves its token in the pending array. Once the token is older than the
+//! collection's `grace` — so no writer can still be working on it — the fold
+//! adds it to the counter and removes it, exactly once, on live documents,
+//! however often and by however many daemons it runs.
+//!
+//! # How
+//!
+//! 1. **Report.** One aggregation pass selects the documents holding the
+//!    pending field and projects the two fields tally owns. Each row is
+//!    judged by [`model::plan`] — the fold's specification — into a plan
+//!    (stale entries, their sum, the counter after the fold, the entries
+//!    that stay) or a reason it is malformed. Rows are streamed: tally keeps
+//!    totals and a small sample, never the documents.
+//! 2. **Fold.** Each batch of planned documents is folded by one `update`
+//!    command holding one compare-and-swap per document: filter on `_id`
+//!    alone, and a one-stage pipeline that writes the planned counter and
+//!    pending array only if both fields are still exactly what the report
+//!    read. A document a writer touched in between (a step 1 or a step 2
+//!    landed) is left alone by its swap, and the batch's swapped-out
+//!    documents are then folded by [`pipeline::fold`], which judges each
+//!    document as it is at that moment. Either way a step 2 that landed
+//!    first has already removed its token, one that lands later finds it
+//!    gone, and no step 1 is ever erased. Running the fold again finds
+//!    nothing stale, so a retried, repeated or concurrent fold is exact.
+//!    Only documents the model judged well-formed are ever swapped, and the
+//!    pipeline leaves a malformed document alone, so malformed documents
+//!    are never modified.
+//!
+//! **Why this shape** (measured on the test server, 100k documents, 10%
+//! holding 1–3 stale tokens; BENCHMARKS.md): a set-based `updateMany` whose
+//! pipeline finds stale entries and checks well-formedness itself costs the
+//! server an expression evaluation per entry — 4× the bare floor there. The
+//! per-document swap needs no per-entry evaluation on the server (tally's
+//! model did it while reading), is exact per document, and keeps batches:
+//! points where a run can stop for a shutdown and report progress.
+//!
+//! # Time
+//!
+//! The cutoff is computed by tally from the **server's** clock (`hello`'s
+//! `localTime`) minus the grace, and passed as an ObjectId value — never
+//! `$$NOW` — so every daemon agrees on it. A token's time comes from its
+//! writer's clock. A writer whose clock lags the server's by `d` has its
+//! tokens folded `d` early, so the fold stays exact as long as writers lag
+//! the server by less than `grace − retry_horizon` (14 minutes with the
+//! defaults); a writer ahead of the server only delays the fold.
+
+pub mod model;
+pub mod pipeline;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::FoldTarget;
+use crate::document::integer_value;
+use crate::error::{Error, Failure, RetryBudget};
+use crate::store::Store;
+use crate::token::Token;
+
+/// How many malformed documents a run names in its report and logs.
+pub const MALFORMED_SAMPLE: usize = 10;
+/// How many malformed documents a run logs one by one before summing up.
+const MALFORMED_LOGGED: u64 = 100;
+/// Rows the report's cursor fetches per round trip.
+const REPORT_BATCH: u32 = 1000;
+
+/// Whether a run changes anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Fold what is stale.
+    Fold,
+    /// Report exactly what a fold would do, and change nothing.
+    DryRun,
+}
+
+/// A document the fold leaves alone, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MalformedDocument {
+    /// The `_id`, as extended JSON.
+    pub id: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// What one collection holds in its pending arrays, from one report pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Survey {
+    /// Documents holding the pending field: every one is read by the report.
+    pub documents_scanned: u64,
+    /// Entries in the pending arrays of well-formed documents.
+    pub pending_tokens: u64,
+    /// The oldest of those entries.
+    #[serde(skip)]
+    pub oldest_pending: Option<Token>,
+    /// The longest pending array.
+    pub largest_pending: u64,
+    /// Well-formed documents with entries older than the cutoff.
+    pub documents_stale: u64,
+    /// Entries older than the cutoff.
+    pub stale_tokens: u64,
+    /// What they add up to.
+    pub stale_amount: i64,
+    /// Documents the fold must leave alone.
+    pub malformed: u64,
+    /// The first few of them.
+    pub malformed_sample: Vec<MalformedDocument>,
+}
+
+/// Where a run is, for progress indicators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Report rows read so far.
+    pub examined: u64,
+    /// Documents folded so far (would be folded, in a dry run).
+    pub folded: u64,
+}
+
+/// What a run did to one collection.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectionRun {
+    /// The collection.
+    pub collection: String,
+    /// `true` for a dry run: nothing was changed, the numbers say what a
+    /// fold would have done.
+    pub dry_run: bool,
+    /// Tokens older than this instant (server time) were stale.
+    #[serde(serialize_with = "serialize_time")]
+    pub cutoff: SystemTime,
+    /// The report's findings.
+    #[serde(flatten)]
+    pub survey: Survey,
+    /// Documents the fold changed (the server's count).
+    pub documents_folded: u64,
+    /// Tokens folded, from the report rows of the documents folded.
+    pub tokens_folded: u64,
+    /// What they added to the counters.
+    pub amount_folded: i64,
+    /// Documents the report found stale that needed no fold by the time
+    /// their batch ran (a writer completed them in between). When this is
+    /// not zero, `tokens_folded` and `amount_folded` are upper bounds.
+    pub concurrent_changes: u64,
+    /// Age of the oldest stale token, in seconds, at the cutoff's clock.
+    pub oldest_stale_age_seconds: Option<u64>,
+    /// How long the run took.
+    #[serde(rename = "duration_seconds", serialize_with = "serialize_seconds")]
+    pub duration: Duration,
+    /// The run stopped early because shutdown was requested.
+    pub interrupted: bool,
+    /// Why the run failed, if it did (what was folded before stays folded).
+    #[serde(serialize_with = "serialize_error")]
+    pub error: Option<Error>,
+}
+
+impl CollectionRun {
+    fn new(collection: &str, mode: Mode, cutoff: SystemTime) -> Self {
+        Self {
+            collection: collection.to_owned(),
+            dry_run: mode == Mode::DryRun,
+            cutoff,
+            survey: Survey::default(),
+            documents_folded: 0,
+            tokens_folded: 0,
+            amount_folded: 0,
+            concurrent_changes: 0,
+            oldest_stale_age_seconds: None,
+            duration: Duration::ZERO,
+            interrupted: false,
+            error: None,
+        }
+    }
+
+    /// Whether the collection was reconciled completely.
+    pub fn succeeded(&self) -> bool {
+        self.error.is_none() && !self.interrupted
+    }
+}
+
+/// One row of the report: a document and what the model says of it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ReportRow {
+    pub id: Bson,
+    /// The two fields as read, for the compare-and-swap.
+    pub counter: Option<Bson>,
+    pub pending: Option<Bson>,
+    pub size: u64,
+    pub plan: Result<model::FoldPlan, model::Malformed>,
+}
+
+impl ReportRow {
+    fn read(row: Document, target: &FoldTarget, cutoff: ObjectId) -> Self {
+        let counter = row.get(&target.spec.counter_field).cloned();
+        let pending = row.get(&target.spec.pending_field).cloned();
+        let plan = model::plan(counter.as_ref(), pending.as_ref(), cutoff);
+        Self {
+            id: row.get("_id").cloned().unwrap_or(Bson::Null),
+            size: match &pending {
+                Some(Bson::Array(entries)) => entries.len() as u64,
+                _ => 0,
+            },
+            counter,
+            pending,
+            plan,
+        }
+    }
+
+    fn stale(&self) -> Option<&model::FoldPlan> {
+        self.plan.as_ref().ok().filter(|p| p.stale_tokens > 0)
+    }
+}
+
+impl Survey {
+    /// Adds one report row to the totals (and the row's document to the
+    /// malformed sample).
+    pub(crate) fn add(&mut self, row: &ReportRow) {
+        self.documents_scanned += 1;
+        let plan = match &row.plan {
+            Ok(plan) => plan,
+            Err(reason) => {
+                self.malformed += 1;
+                if self.malformed_sample.len() < MALFORMED_SAMPLE {
+                    self.malformed_sample.push(MalformedDocument {
+                        id: row.id.to_string(),
+                        reason: reason.to_string(),
+                    });
+                }
+                return;
+            }
+        };
+        self.pending_tokens += row.size;
+        self.largest_pending = self.largest_pending.max(row.size);
+        self.oldest_pending = min_token(self.oldest_pending, plan.oldest);
+        if plan.stale_tokens > 0 {
+            self.documents_stale += 1;
+            self.stale_tokens += plan.stale_tokens;
+            self.stale_amount = self.stale_amount.saturating_add(plan.stale_amount);
+        }
+    }
+}
+
+fn min_token(a: Option<Token>, b: Option<Token>) -> Option<Token> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Runs the report and the fold.
+#[derive(Clone, Debug)]
+pub struct Reconciler {
+    store: Store,
+}
+
+impl Reconciler {
+    /// A reconciler working through `store`.
+    pub fn new(store: &Store) -> Self {
+        Self {
+            store: store.clone(),
+        }
+    }
+
+    /// The server's clock, from `hello`'s `localTime`: every daemon
+    /// computes its cutoff from the same clock.
+    pub async fn server_time(&self) -> Result<SystemTime, Error> {
+        let hello = self.store.hello().await?;
+        match hello.get("localTime") {
+            Some(Bson::DateTime(t)) => Ok(t.to_system_time()),
+            _ => Err(Error::InvalidArgument(
+                "the server's hello reply has no localTime".into(),
+            )),
+        }
+    }
+
+    /// Surveys a collection's pending arrays with `cutoff` as the line
+    /// between fresh and stale, changing nothing.
+    pub async fn survey(&self, target: &FoldTarget, cutoff: SystemTime) -> Result<Survey, Error> {
+        let mut survey = Survey::default();
+        let cutoff = Token::cutoff(cutoff);
+        let mut rows = self.report(target).await?;
+        while let Some(row) = rows.try_next().await.map_err(report_failed)? {
+            survey.add(&ReportRow::read(row, target, cutoff));
+        }
+        Ok(survey)
+    }
+
+    /// Reconciles one collection: folds every stale token of every
+    /// well-formed document (or, in a dry run, reports what that would do).
+    /// `now` is the server time the cutoff is computed from. Stops between
+    /// batches when `stop` is cancelled. Never fails as a whole: what
+    /// happened, error included, is in the returned run.
+    pub async fn reconcile(
+        &self,
+        target: &FoldTarget,
+        mode: Mode,
+        now: SystemTime,
+        stop: &CancellationToken,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> CollectionRun {
+        let started = Instant::now();
+        let cutoff_time = now
+            .checked_sub(target.grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
+        if let Err(err) = self.fold_all(target, mode, stop, progress, &mut run).await {
+            tracing::error!(
+                collection = %target.spec.name,
+                cause = %err,
+                folded = run.documents_folded,
+                "reconcile failed"
+            );
+            run.error = Some(err);
+        }
+        run.oldest_stale_age_seconds = run
+            .survey
+            .oldest_pending
+            .filter(|t| t.object_id() < Token::cutoff(cutoff_time))
+            .map(|t| t.age(now).as_secs());
+        run.duration = started.elapsed();
+        run
+    }
+
+    async fn fold_all(
+        &self,
+        target: &FoldTarget,
+        mode: Mode,
+        stop: &CancellationToken,
+        progress: &mut (dyn FnMut(Progress) + Send),
+        run: &mut CollectionRun,
+    ) -> Result<(), Error> {
+        let name = &target.spec.name;
+        let cutoff = Token::cutoff(run.cutoff);
+        let fold = pipeline::fold(&target.spec, cutoff);
+        let mut rows = self.report(target).await?;
+        let mut batch: Vec<ReportRow> = Vec::with_capacity(target.batch_size as usize);
+        loop {
+            let row = rows.try_next().await.map_err(report_failed)?;
+            let finished = row.is_none();
+            if let Some(row) = row {
+                let row = ReportRow::read(row, target, cutoff);
+                run.survey.add(&row);
+                match &row.plan {
+                    Err(reason) => log_malformed(name, &row.id, reason, run.survey.malformed),
+                    Ok(plan) if plan.stale_tokens > 0 => batch.push(row),
+                    Ok(_) => {}
+                }
+            }
+            let full = batch.len() >= target.batch_size as usize;
+            if (full || finished) && !batch.is_empty() {
+                if stop.is_cancelled() {
+                    run.interrupted = true;
+                    tracing::warn!(collection = %name, folded = run.documents_folded, "reconcile stopped by shutdown");
+                    return Ok(());
+                }
+                match mode {
+                    Mode::Fold => self.fold_batch(target, &fold, &batch, run).await?,
+                    Mode::DryRun => {
+                        run.documents_folded += batch.len() as u64;
+                        account(run, &batch);
+                    }
+                }
+                batch.clear();
+                progress(Progress {
+                    examined: run.survey.documents_scanned,
+                    folded: run.documents_folded,
+                });
+            }
+            if finished {
+                if run.survey.malformed > MALFORMED_LOGGED {
+                    tracing::warn!(
+                        collection = %name,
+                        malformed = run.survey.malformed,
+                        "more malformed documents than logged one by one; all left unchanged"
+                    );
+                }
+                return Ok(());
+            }
+        }
+    }
+
+    /// Folds the stale tokens of the documents `ids` now (tokens older than
+    /// `now − grace`), whatever a report said about them before: each
+    /// document is judged as it is when the update reaches it. Returns how
+    /// many documents changed. Used by the daemon to repair stuck tokens at
+    /// once.
+    pub async fn fold_documents(
+        &self,
+        target: &FoldTarget,
+        ids: Vec<Bson>,
+        now: SystemTime,
+    ) -> Result<u64, Error> {
+        let cutoff = now
+            .checked_sub(target.grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let fold = pipeline::fold(&target.spec, Token::cutoff(cutoff));
+        self.update_batch(target, &fold, ids).await
+    }
+
+    /// The pipeline fold of a batch of documents, in one update. Retried
+    /// once on a transient failure: a fold applied twice folds nothing the
+    /// second time.
+    async fn update_batch(
+        &self,
+        target: &FoldTarget,
+        fold: &[Document],
+        ids: Vec<Bson>,
+    ) -> Result<u64, Error> {
+        let collection = self.store.collection(&target.spec.name);
+        let filter = doc! { "_id": { "$in": ids } };
+        let mut budget = RetryBudget::retry_once("reconcile.fold", false);
+        let result = self
+            .store
+            .with_retry(&mut budget, || {
+                collection.update_many(filter.clone(), fold.to_vec())
+            })
+            .await
+            .map_err(Error::Server)?;
+        Ok(result.modified_count)
+    }
+
+    /// Folds one batch of report rows and accounts for it: one
+    /// compare-and-swap per document, then the pipeline for the documents
+    /// whose swap found them changed.
+    async fn fold_batch(
+        &self,
+        target: &FoldTarget,
+        fold: &[Document],
+        batch: &[ReportRow],
+        run: &mut CollectionRun,
+    ) -> Result<(), Error> {
+        let swaps: Vec<Bson> = batch
+            .iter()
+            .filter_map(|row| row.stale().map(|plan| compare_and_swap(target, row, plan)))
+            .map(Bson::Document)
+            .collect();
+        let mut command = doc! {
+            "update": &target.spec.name,
+            "updates": swaps,
+            "ordered": false,
+        };
+        if let Some(concern) = self.store.database().write_concern() {
+            let concern = mongodb::bson::serialize_to_document(concern).map_err(|err| {
+                Error::InvalidArgument(format!("cannot encode the write concern: {err}"))
+            })?;
+            command.insert("writeConcern", concern);
+        }
+        // Re-sending the swaps is safe: a swap that applied no longer
+        // matches what it compares against.
+        let sent = Instant::now();
+        let mut budget = RetryBudget::retry_once("reconcile.fold", false);
+        let reply = self
+            .store
+            .with_retry(&mut budget, || {
+                self.store.database().run_command(command.clone())
+            })
+            .await
+            .map_err(Error::Server)?;
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            return Err(Error::InvalidArgument(format!(
+                "{} of {} fold updates in {} were refused by the server; first: {}",
+                errors.len(),
+                batch.len(),
+                target.spec.name,
+                errors.first().map(ToString::to_string).unwrap_or_default()
+            )));
+        }
+        let swapped = reply
+            .get("nModified")
+            .and_then(integer_value)
+            .unwrap_or(0)
+            .max(0) as u64;
+        let mut folded = swapped;
+        if swapped < batch.len() as u64 {
+            // Writers touched some documents since the report: fold those
+            // as they are now (the pipeline leaves the swapped ones alone,
+            // having nothing stale left).
+            let ids = batch.iter().map(|r| r.id.clone()).collect();
+            folded += self.update_batch(target, fold, ids).await?;
+        }
+        tracing::debug!(
+            collection = %target.spec.name,
+            documents = batch.len(),
+            swapped,
+            folded,
+            millis = sent.elapsed().as_millis() as u64,
+            "fold batch"
+        );
+        run.documents_folded += folded;
+        run.concurrent_changes += (batch.len() as u64).saturating_sub(folded);
+        account(run, batch);
+        Ok(())
+    }
+
+    /// The report's pass: the documents holding the pending field, with the
+    /// two fields tally owns (an index on the pending field can serve the
+    /// `$exists` match when it is sparse).
+    async fn report(&self, target: &FoldTarget) -> Result<mongodb::Cursor<Document>, Error> {
+        let spec = &target.spec;
+        let collection = self.store.collection(&spec.name);
+        let pipeline = vec![
+            doc! { "$match": { &spec.pending_field: { "$exists": true } } },
+            doc! { "$project": { &spec.counter_field: 1, &spec.pending_field: 1 } },
+        ];
+        let mut budget = RetryBudget::retry_once("reconcile.report", false);
+        self.store
+            .with_retry(&mut budget, || {
+                collection
+                    .aggregate(pipeline.clone())
+                    .batch_size(REPORT_BATCH)
+            })
+            .await
+            .map_err(Error::Server)
+    }
+}
+
+/// Adds a batch's planned tokens and amounts to the run.
+fn account(run: &mut CollectionRun, batch: &[ReportRow]) {
+    for plan in batch.iter().filter_map(ReportRow::stale) {
+        run.tokens_folded += plan.stale_tokens;
+        run.amount_folded = run.amount_folded.saturating_add(plan.stale_amount);
+    }
+}
+
+/// One document's fold as a compare-and-swap statement: `_id` alone in the
+/// filter (the cheapest lookup a server has), and a pipeline that writes the
+/// planned fields only when both are still exactly as read.
+fn compare_and_swap(target: &FoldTarget, row: &ReportRow, plan: &model::FoldPlan) -> Document {
+    let spec = &target.spec;
+    let counter = format!("${}", spec.counter_field);
+    let pending = format!("${}", spec.pending_field);
+    let counter_unchanged = match &row.counter {
+        None => doc! { "$eq": [{ "$type": counter.as_str() }, "missing"] },
+        Some(value) => doc! { "$eq": [counter.as_str(), { "$literal": value }] },
+    };
+    let unchanged = doc! {
+        "$and": [
+            counter_unchanged,
+            { "$eq": [pending.as_str(), { "$literal": row.pending.clone().unwrap_or(Bson::Null) }] },
+        ]
+    };
+    let kept = if plan.keep.is_empty() {
+        Bson::String("$$REMOVE".into())
+    } else {
+        Bson::Document(doc! { "$literal": plan.keep.clone() })
+    };
+    doc! {
+        "q": { "_id": &row.id },
+        "u": [{ "$set": {
+            &spec.counter_field: { "$cond": [unchanged.clone(), { "$literal": &plan.counter }, counter.as_str()] },
+            &spec.pending_field: { "$cond": [unchanged, kept, pending.as_str()] },
+        }}],
+    }
+}
+
+/// A report cursor that broke off mid-stream cannot be resumed where it
+/// stopped: the run fails, and is retried as a whole later (the fold is
+/// idempotent).
+fn report_failed(err: mongodb::error::Error) -> Error {
+    Error::Server(Failure::once("reconcile.report", err))
+}
+
+fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u64) {
+    if seen <= MALFORMED_LOGGED {
+        tracing::warn!(collection, id = %id, reason = %reason, "malformed document left unchanged");
+    }
+}
+
+fn serialize_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&humantime::format_rfc3339_seconds(*t).to_string())
+}
+
+fn serialize_seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
+}
+
+fn serialize_error<S: serde::Serializer>(e: &Option<Error>, s: S) -> Result<S::Ok, S::Error> {
+    match e {
+        Some(err) => s.serialize_str(&err.to_string()),
+        None => s.serialize_none(),
+    }
+}
