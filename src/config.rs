@@ -13,6 +13,7 @@ mod raw;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -54,6 +55,18 @@ pub struct Config {
     pub reconcile: ReconcileConfig,
     /// `[sequences]`: where sequences live.
     pub sequences: SequenceConfig,
+    /// `[schedule]`: when the daemon folds.
+    pub schedule: ScheduleConfig,
+    /// `[monitor]`: the daemon's live view of pending tokens.
+    pub monitor: MonitorConfig,
+    /// `[alerts]`: what the daemon alerts on, and where to.
+    pub alerts: AlertsConfig,
+    /// `[ha]`: several daemon instances, one active.
+    pub ha: HaConfig,
+    /// `[http]`: metrics and health endpoints.
+    pub http: HttpConfig,
+    /// `[daemon]`: the daemon's own state and shutdown.
+    pub daemon: DaemonConfig,
     /// `[log]`: what is logged and how.
     pub log: LogConfig,
 }
@@ -215,6 +228,184 @@ pub struct FoldTarget {
     pub batch_size: u32,
 }
 
+/// `[schedule]`: when the daemon folds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleConfig {
+    /// A cron expression with a seconds field first, as
+    /// tokio-cron-scheduler reads it: `sec min hour day-of-month month
+    /// day-of-week`. Default: `0 30 3 * * *` (03:30 every night).
+    pub cron: String,
+    /// The IANA time zone the expression is read in (`UTC`,
+    /// `Europe/Berlin`). Default: `UTC`.
+    #[serde(serialize_with = "serialize_timezone")]
+    pub timezone: chrono_tz::Tz,
+    /// At start-up, run at once when a scheduled run was missed while the
+    /// daemon was down (the last successful run is older than the latest
+    /// scheduled time). Default: true.
+    pub catch_up: bool,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self {
+            cron: DEFAULT_CRON.into(),
+            timezone: chrono_tz::UTC,
+            catch_up: true,
+        }
+    }
+}
+
+/// Default schedule: 03:30 every night.
+pub const DEFAULT_CRON: &str = "0 30 3 * * *";
+
+/// Parses a cron expression with a leading seconds field.
+pub fn parse_cron(expression: &str) -> Result<croner::Cron, String> {
+    croner::parser::CronParser::builder()
+        .seconds(croner::parser::Seconds::Required)
+        .dom_and_dow(true)
+        .build()
+        .parse(expression)
+        .map_err(|err| err.to_string())
+}
+
+/// `[monitor]`: the daemon's live view of pending tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MonitorConfig {
+    /// Watch the collections through change streams. Without it the view is
+    /// refreshed only by the periodic scan. Default: true.
+    pub enabled: bool,
+    /// How often a full scan (the fold's report) rebuilds the view, backing
+    /// the stream up. Default: 5m.
+    #[serde(serialize_with = "serialize_duration")]
+    pub scan_interval: Duration,
+    /// How often the change stream's resume token is saved (it is also
+    /// saved at shutdown). Default: 10s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub save_interval: Duration,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            scan_interval: Duration::from_secs(300),
+            save_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `[alerts]`: what the daemon alerts on, and where to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AlertsConfig {
+    /// A pending token older than this is stuck: its writer is gone and it
+    /// waits for the fold. Must exceed `[writer] retry_horizon`. Default:
+    /// 30m.
+    #[serde(serialize_with = "serialize_duration")]
+    pub stuck_after: Duration,
+    /// Alert when a document's pending array holds more entries than this
+    /// (a writer that never runs step 2). Default: 1000.
+    pub max_pending: u64,
+    /// Fold documents with stuck tokens at once instead of waiting for the
+    /// schedule (only tokens older than the grace are folded). Default:
+    /// false.
+    pub repair: bool,
+    /// Alert when the change stream of a collection has been down for this
+    /// long. Default: 5m.
+    #[serde(serialize_with = "serialize_duration")]
+    pub monitor_down_after: Duration,
+    /// `[alerts.webhook]`: where alerts are POSTed, besides the log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookConfig>,
+}
+
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        Self {
+            stuck_after: Duration::from_secs(30 * 60),
+            max_pending: 1000,
+            repair: false,
+            monitor_down_after: Duration::from_secs(300),
+            webhook: None,
+        }
+    }
+}
+
+/// `[alerts.webhook]`: alerts POSTed as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WebhookConfig {
+    /// The URL (`http://` or `https://`). Treated as a secret — many
+    /// webhook URLs carry their token — and shown as scheme and host only.
+    #[serde(serialize_with = "serialize_webhook_url")]
+    pub url: SecretString,
+    /// The name of an environment variable holding the value of the
+    /// `Authorization` header (e.g. `Bearer …`). Optional; the variable must
+    /// be set when it is named. The value is never shown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth_header_env: Option<String>,
+    /// The `Authorization` header's value, read from `auth_header_env`.
+    #[serde(skip)]
+    pub auth_header: Option<SecretString>,
+    /// How long one delivery attempt may take. Default: 5s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub timeout: Duration,
+    /// Attempts per notification (retried with backoff) before it is given
+    /// up and logged. Default: 8.
+    pub max_attempts: u32,
+}
+
+/// `[ha]`: several daemon instances, one active.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HaConfig {
+    /// Take a lease in the state collection; only its holder folds and
+    /// alerts, the others stand by. Default: false (always active).
+    pub enabled: bool,
+    /// How long the lease lasts without renewal; the holder renews it every
+    /// third of that. A standby takes over within the TTL plus one renewal
+    /// after the holder dies. Default: 30s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub lease_ttl: Duration,
+    /// This instance's name in the lease. Default: host name and process
+    /// id.
+    pub instance: String,
+}
+
+/// `[http]`: metrics and health endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HttpConfig {
+    /// The address `/metrics`, `/healthz` and `/readyz` listen on. Default:
+    /// `127.0.0.1:9187`.
+    pub listen: SocketAddr,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9187)),
+        }
+    }
+}
+
+/// `[daemon]`: the daemon's own state and shutdown.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DaemonConfig {
+    /// The collection holding the daemon's state: last successful runs,
+    /// change-stream resume tokens, the lease. Default: `tally_state`.
+    pub state_collection: String,
+    /// At SIGTERM/SIGINT, how long a running fold batch may take to finish
+    /// before the daemon exits anyway. Default: 30s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        Self {
+            state_collection: "tally_state".into(),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
 /// `[sequences]`: where sequences live.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SequenceConfig {
@@ -357,9 +548,11 @@ impl Config {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigErrors> {
         let prefix = format!("{ENV_PREFIX}{ENV_SEPARATOR}");
-        let env: HashMap<String, String> = env
-            .into_iter()
+        let all_env: HashMap<String, String> = env.into_iter().collect();
+        let env: HashMap<String, String> = all_env
+            .iter()
             .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         let from_env: BTreeSet<String> = env
             .keys()
@@ -382,7 +575,7 @@ impl Config {
             .try_deserialize()
             .map_err(|err| ConfigErrors::single(origin, format!("cannot read: {err}")))?;
         let mut issues = Issues::new(from_env);
-        let config = validate(raw, &mut issues);
+        let config = validate(raw, &all_env, &mut issues);
         if issues.is_empty() {
             Ok(config)
         } else {
@@ -418,13 +611,20 @@ impl Config {
         }
     }
 
-    /// Every secret value in the configuration.
+    /// Every secret value in the configuration: the URI's password, the
+    /// webhook URL and its auth header.
     pub fn secrets(&self) -> Secrets {
-        self.mongodb.secrets()
+        let webhook = self.alerts.webhook.as_ref();
+        let others = webhook.map(|w| w.url.expose()).into_iter().chain(
+            webhook
+                .and_then(|w| w.auth_header.as_ref())
+                .map(SecretString::expose),
+        );
+        Secrets::new(self.mongodb.uri.expose(), others)
     }
 }
 
-fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
+fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) -> Config {
     issues.unknown_keys("", &raw.unknown);
     let mongodb = validate_mongodb(issues.table("mongodb", raw.mongodb), issues);
     let collections = validate_collections(raw.collections, issues);
@@ -463,6 +663,17 @@ fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
         }
     }
     let sequences = validate_sequences(issues.table("sequences", raw.sequences), issues);
+    let schedule = validate_schedule(issues.table("schedule", raw.schedule), issues);
+    let monitor = validate_monitor(issues.table("monitor", raw.monitor), issues);
+    let alerts = validate_alerts(
+        issues.table("alerts", raw.alerts),
+        writer.retry_horizon,
+        env,
+        issues,
+    );
+    let ha = validate_ha(issues.table("ha", raw.ha), issues);
+    let http = validate_http(issues.table("http", raw.http), issues);
+    let daemon = validate_daemon(issues.table("daemon", raw.daemon), &collections, issues);
     let log = validate_log(issues.table("log", raw.log), issues);
     Config {
         mongodb,
@@ -470,8 +681,270 @@ fn validate(raw: RawConfig, issues: &mut Issues) -> Config {
         writer,
         reconcile,
         sequences,
+        schedule,
+        monitor,
+        alerts,
+        ha,
+        http,
+        daemon,
         log,
     }
+}
+
+fn validate_schedule(raw: raw::RawSchedule, issues: &mut Issues) -> ScheduleConfig {
+    issues.unknown_keys("schedule", &raw.unknown);
+    let defaults = ScheduleConfig::default();
+    let cron = issues
+        .string("schedule.cron", raw.cron)
+        .unwrap_or(defaults.cron);
+    if let Err(err) = parse_cron(&cron) {
+        issues.push(
+            "schedule.cron",
+            format!(
+                "not a cron expression with seconds first ({err}): {cron:?}; e.g. \"0 30 3 * * *\""
+            ),
+        );
+    }
+    let timezone = match issues.string("schedule.timezone", raw.timezone) {
+        None => defaults.timezone,
+        Some(name) => name.parse::<chrono_tz::Tz>().unwrap_or_else(|_| {
+            issues.push(
+                "schedule.timezone",
+                format!("unknown time zone {name:?}; use an IANA name such as \"UTC\" or \"Europe/Berlin\""),
+            );
+            defaults.timezone
+        }),
+    };
+    let catch_up = issues.boolean("schedule.catch_up", raw.catch_up, defaults.catch_up);
+    ScheduleConfig {
+        cron,
+        timezone,
+        catch_up,
+    }
+}
+
+fn validate_monitor(raw: raw::RawMonitor, issues: &mut Issues) -> MonitorConfig {
+    issues.unknown_keys("monitor", &raw.unknown);
+    let defaults = MonitorConfig::default();
+    MonitorConfig {
+        enabled: issues.boolean("monitor.enabled", raw.enabled, defaults.enabled),
+        scan_interval: issues.duration(
+            "monitor.scan_interval",
+            raw.scan_interval,
+            defaults.scan_interval,
+        ),
+        save_interval: issues.duration(
+            "monitor.save_interval",
+            raw.save_interval,
+            defaults.save_interval,
+        ),
+    }
+}
+
+fn validate_alerts(
+    raw: raw::RawAlerts,
+    retry_horizon: Duration,
+    env: &HashMap<String, String>,
+    issues: &mut Issues,
+) -> AlertsConfig {
+    issues.unknown_keys("alerts", &raw.unknown);
+    let defaults = AlertsConfig::default();
+    let stuck_after = issues.duration("alerts.stuck_after", raw.stuck_after, defaults.stuck_after);
+    if stuck_after <= retry_horizon {
+        issues.push(
+            "alerts.stuck_after",
+            format!(
+                "must be longer than [writer] retry_horizon ({}): younger tokens may still be \
+                 completed by their writers",
+                humantime::format_duration(retry_horizon)
+            ),
+        );
+    }
+    let max_pending = issues
+        .optional_integer("alerts.max_pending", raw.max_pending, 1, 1_000_000)
+        .unwrap_or(defaults.max_pending);
+    let repair = issues.boolean("alerts.repair", raw.repair, defaults.repair);
+    let monitor_down_after = issues.duration(
+        "alerts.monitor_down_after",
+        raw.monitor_down_after,
+        defaults.monitor_down_after,
+    );
+    let webhook = match raw.webhook {
+        None => None,
+        Some(section) => {
+            let raw = issues.table::<raw::RawWebhook>("alerts.webhook", Some(section));
+            validate_webhook(raw, env, issues)
+        }
+    };
+    AlertsConfig {
+        stuck_after,
+        max_pending,
+        repair,
+        monitor_down_after,
+        webhook,
+    }
+}
+
+fn validate_webhook(
+    raw: raw::RawWebhook,
+    env: &HashMap<String, String>,
+    issues: &mut Issues,
+) -> Option<WebhookConfig> {
+    issues.unknown_keys("alerts.webhook", &raw.unknown);
+    let url = issues.required_string("alerts.webhook.url", raw.url)?;
+    match reqwest::Url::parse(&url) {
+        Ok(parsed) if matches!(parsed.scheme(), "http" | "https") && parsed.host().is_some() => {}
+        _ => issues.push(
+            "alerts.webhook.url",
+            format!(
+                "not an http:// or https:// URL: {}",
+                redact_webhook_url(&url)
+            ),
+        ),
+    }
+    let auth_header_env = issues.string("alerts.webhook.auth_header_env", raw.auth_header_env);
+    let auth_header = match &auth_header_env {
+        None => None,
+        Some(name)
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+        {
+            issues.push(
+                "alerts.webhook.auth_header_env",
+                format!("{name:?} is not an environment variable name"),
+            );
+            None
+        }
+        Some(name) => match env.get(name) {
+            Some(value) if !value.is_empty() => Some(SecretString::new(value.clone())),
+            _ => {
+                issues.push(
+                    "alerts.webhook.auth_header_env",
+                    format!("the environment variable {name} is not set"),
+                );
+                None
+            }
+        },
+    };
+    let timeout = issues.duration(
+        "alerts.webhook.timeout",
+        raw.timeout,
+        Duration::from_secs(5),
+    );
+    let max_attempts = issues
+        .optional_integer("alerts.webhook.max_attempts", raw.max_attempts, 1, 100)
+        .map_or(8, |n| n as u32);
+    Some(WebhookConfig {
+        url: SecretString::new(url),
+        auth_header_env,
+        auth_header,
+        timeout,
+        max_attempts,
+    })
+}
+
+/// The shortest lease: it is renewed every third of its TTL.
+const MIN_LEASE_TTL: Duration = Duration::from_secs(3);
+
+fn validate_ha(raw: raw::RawHa, issues: &mut Issues) -> HaConfig {
+    issues.unknown_keys("ha", &raw.unknown);
+    let enabled = issues.boolean("ha.enabled", raw.enabled, false);
+    let lease_ttl = issues.duration("ha.lease_ttl", raw.lease_ttl, Duration::from_secs(30));
+    if lease_ttl < MIN_LEASE_TTL {
+        issues.push(
+            "ha.lease_ttl",
+            "must be at least 3s (it is renewed every third of it)",
+        );
+    }
+    let instance = issues
+        .string("ha.instance", raw.instance)
+        .unwrap_or_else(default_instance);
+    if instance.is_empty() {
+        issues.push("ha.instance", "must not be empty");
+    }
+    HaConfig {
+        enabled,
+        lease_ttl,
+        instance,
+    }
+}
+
+/// Host name and process id: unique among instances sharing a database.
+fn default_instance() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tallyd".into());
+    format!("{host}-{}", std::process::id())
+}
+
+fn validate_http(raw: raw::RawHttp, issues: &mut Issues) -> HttpConfig {
+    issues.unknown_keys("http", &raw.unknown);
+    let listen = match issues.string("http.listen", raw.listen) {
+        None => HttpConfig::default().listen,
+        Some(text) => text.parse::<SocketAddr>().unwrap_or_else(|_| {
+            issues.push(
+                "http.listen",
+                format!("not an address:port, e.g. \"127.0.0.1:9187\": {text:?}"),
+            );
+            HttpConfig::default().listen
+        }),
+    };
+    HttpConfig { listen }
+}
+
+fn validate_daemon(
+    raw: raw::RawDaemon,
+    collections: &[CollectionConfig],
+    issues: &mut Issues,
+) -> DaemonConfig {
+    issues.unknown_keys("daemon", &raw.unknown);
+    let defaults = DaemonConfig::default();
+    let state_collection = issues
+        .string("daemon.state_collection", raw.state_collection)
+        .unwrap_or(defaults.state_collection);
+    check_collection_name("daemon.state_collection", &state_collection, issues);
+    if collections.iter().any(|c| c.name == state_collection) {
+        issues.push(
+            "daemon.state_collection",
+            format!("{state_collection:?} is also a counter collection"),
+        );
+    }
+    let shutdown_timeout = issues.duration(
+        "daemon.shutdown_timeout",
+        raw.shutdown_timeout,
+        defaults.shutdown_timeout,
+    );
+    DaemonConfig {
+        state_collection,
+        shutdown_timeout,
+    }
+}
+
+/// A webhook URL as it may be shown: scheme and host, the rest masked (a
+/// webhook's path or query often is its secret).
+pub fn redact_webhook_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) => match parsed.host_str() {
+            Some(host) => {
+                let port = parsed.port().map(|p| format!(":{p}")).unwrap_or_default();
+                format!("{}://{host}{port}/{}", parsed.scheme(), crate::redact::MASK)
+            }
+            None => crate::redact::MASK.to_owned(),
+        },
+        Err(_) => crate::redact::MASK.to_owned(),
+    }
+}
+
+fn serialize_timezone<S: serde::Serializer>(tz: &chrono_tz::Tz, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(tz.name())
+}
+
+fn serialize_webhook_url<S: serde::Serializer>(
+    url: &SecretString,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_webhook_url(url.expose()))
 }
 
 fn validate_reconcile(raw: raw::RawReconcile, issues: &mut Issues) -> ReconcileConfig {

@@ -44,6 +44,7 @@
 //! - [`config`]: the TOML file and environment overrides, validated as a whole.
 //! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
 //! - [`logging`]: tracing to standard error, as text or JSON.
+//! - [`metrics`]: the daemon's Prometheus metrics, one registry handle.
 //! - [`cli`]: the `tallyd` commands, thin layers over the modules above.
 
 #![forbid(unsafe_code)]
@@ -57,6 +58,7 @@ pub mod document;
 pub mod error;
 pub mod insert_loop;
 pub mod logging;
+pub mod metrics;
 pub mod reconcile;
 pub mod redact;
 pub mod sequence;

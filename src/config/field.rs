@@ -182,6 +182,25 @@ impl Issues {
     }
 }
 
+impl Issues {
+    /// A boolean (environment variables arrive as text).
+    pub fn boolean(&mut self, key: &str, value: Option<Value>, default: bool) -> bool {
+        match value {
+            None => default,
+            Some(Value::Bool(b)) => b,
+            Some(Value::String(s)) if s.eq_ignore_ascii_case("true") => true,
+            Some(Value::String(s)) if s.eq_ignore_ascii_case("false") => false,
+            Some(other) => {
+                self.push(
+                    key,
+                    format!("expected true or false, found {}", describe(&other)),
+                );
+                default
+            }
+        }
+    }
+}
+
 /// A short description of a value for error messages. Strings are quoted
 /// only when short: a long string may be a secret pasted in the wrong place.
 pub(crate) fn describe(value: &Value) -> String {

@@ -20,6 +20,12 @@ pub(crate) struct RawConfig {
     pub writer: Option<Section<RawWriter>>,
     pub sequences: Option<Section<RawSequences>>,
     pub reconcile: Option<Section<RawReconcile>>,
+    pub schedule: Option<Section<RawSchedule>>,
+    pub monitor: Option<Section<RawMonitor>>,
+    pub alerts: Option<Section<RawAlerts>>,
+    pub ha: Option<Section<RawHa>>,
+    pub http: Option<Section<RawHttp>>,
+    pub daemon: Option<Section<RawDaemon>>,
     pub log: Option<Section<RawLog>>,
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -90,6 +96,76 @@ pub(crate) struct RawSequences {
 pub(crate) struct RawLog {
     pub level: Option<Value>,
     pub format: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[schedule]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawSchedule {
+    pub cron: Option<Value>,
+    pub timezone: Option<Value>,
+    pub catch_up: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[monitor]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawMonitor {
+    pub enabled: Option<Value>,
+    pub scan_interval: Option<Value>,
+    pub save_interval: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[alerts]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawAlerts {
+    pub stuck_after: Option<Value>,
+    pub max_pending: Option<Value>,
+    pub repair: Option<Value>,
+    pub monitor_down_after: Option<Value>,
+    pub webhook: Option<Section<RawWebhook>>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[alerts.webhook]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawWebhook {
+    pub url: Option<Value>,
+    pub auth_header_env: Option<Value>,
+    pub timeout: Option<Value>,
+    pub max_attempts: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[ha]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawHa {
+    pub enabled: Option<Value>,
+    pub lease_ttl: Option<Value>,
+    pub instance: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[http]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawHttp {
+    pub listen: Option<Value>,
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[daemon]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawDaemon {
+    pub state_collection: Option<Value>,
+    pub shutdown_timeout: Option<Value>,
     #[serde(flatten)]
     pub unknown: Unknown,
 }

@@ -1,0 +1,324 @@
+//! The daemon's Prometheus metrics: one registry, one cheap-to-clone
+//! handle passed to every task, rendered as text on `/metrics`.
+//!
+//! Names follow Prometheus conventions: the `tally_` prefix, `_total` on
+//! counters, `_seconds` on durations and ages. Labels are bounded: the
+//! configured collection names, alert kinds and a few result values — never
+//! a document id.
+
+use std::sync::Arc;
+
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Every metric the daemon exports.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+/// The metric handles; see each field for its name and meaning.
+pub struct Inner {
+    registry: Registry,
+    /// `tally_ready`: 1 once the daemon has reached the server.
+    pub ready: IntGauge,
+    /// `tally_lease_active`: 1 while this instance holds the lease (always 1
+    /// without `[ha]`).
+    pub lease_active: IntGauge,
+    /// `tally_reconcile_runs_total{collection,result}`: result is `ok`,
+    /// `failed` or `interrupted`.
+    pub reconcile_runs: IntCounterVec,
+    /// `tally_reconcile_duration_seconds{collection}`.
+    pub reconcile_duration: HistogramVec,
+    /// `tally_reconcile_documents_folded_total{collection}`.
+    pub documents_folded: IntCounterVec,
+    /// `tally_reconcile_tokens_folded_total{collection}`.
+    pub tokens_folded: IntCounterVec,
+    /// `tally_reconcile_last_success_timestamp_seconds{collection}`: Unix
+    /// time of the last run that reconciled the collection completely.
+    pub last_success: GaugeVec,
+    /// `tally_schedule_ticks_skipped_total`: ticks that came while a run
+    /// was still going.
+    pub ticks_skipped: IntCounter,
+    /// `tally_pending_documents{collection}`: documents holding pending
+    /// tokens.
+    pub pending_documents: IntGaugeVec,
+    /// `tally_pending_tokens{collection}`.
+    pub pending_tokens: IntGaugeVec,
+    /// `tally_stuck_tokens{collection}`: pending tokens older than
+    /// `stuck_after`.
+    pub stuck_tokens: IntGaugeVec,
+    /// `tally_oldest_pending_age_seconds{collection}` (0 when none).
+    pub oldest_pending_age: GaugeVec,
+    /// `tally_largest_pending{collection}`: the longest pending array.
+    pub largest_pending: IntGaugeVec,
+    /// `tally_malformed_documents{collection}`, from the last scan.
+    pub malformed_documents: IntGaugeVec,
+    /// `tally_monitor_up{collection}`: 1 while the change stream is open.
+    pub monitor_up: IntGaugeVec,
+    /// `tally_monitor_events_total{collection}`: change events processed.
+    pub monitor_events: IntCounterVec,
+    /// `tally_monitor_restarts_total{collection,reason}`: reason is
+    /// `error`, `history_lost` or `invalidate`.
+    pub monitor_restarts: IntCounterVec,
+    /// `tally_monitor_rescans_total{collection}`: full scans that rebuilt
+    /// the view (at start, periodic, after a lost history).
+    pub monitor_rescans: IntCounterVec,
+    /// `tally_monitor_lag_seconds{collection}`: how far behind the server's
+    /// clock the last change event processed was.
+    pub monitor_lag: GaugeVec,
+    /// `tally_alerts_firing{kind,collection}`: 1 while the alert fires.
+    pub alerts_firing: IntGaugeVec,
+    /// `tally_alert_notifications_total{kind,state}`: state is `firing` or
+    /// `resolved`.
+    pub alert_notifications: IntCounterVec,
+    /// `tally_webhook_deliveries_total{result}`: result is `delivered`,
+    /// `retried` or `failed` (given up).
+    pub webhook_deliveries: IntCounterVec,
+}
+
+impl std::ops::Deref for Metrics {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.inner
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let collection = &["collection"];
+        let inner = Inner {
+            ready: gauge(
+                &registry,
+                "tally_ready",
+                "1 once the daemon has reached the server",
+            ),
+            lease_active: gauge(
+                &registry,
+                "tally_lease_active",
+                "1 while this instance is the active one",
+            ),
+            reconcile_runs: counter_vec(
+                &registry,
+                "tally_reconcile_runs_total",
+                "Reconcile runs per collection and result",
+                &["collection", "result"],
+            ),
+            reconcile_duration: register(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "tally_reconcile_duration_seconds",
+                        "How long a reconcile run of a collection took",
+                    )
+                    .buckets(vec![0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0]),
+                    collection,
+                ),
+            ),
+            documents_folded: counter_vec(
+                &registry,
+                "tally_reconcile_documents_folded_total",
+                "Documents the fold changed",
+                collection,
+            ),
+            tokens_folded: counter_vec(
+                &registry,
+                "tally_reconcile_tokens_folded_total",
+                "Pending tokens folded into their counters",
+                collection,
+            ),
+            last_success: float_vec(
+                &registry,
+                "tally_reconcile_last_success_timestamp_seconds",
+                "Unix time of the last complete reconcile run",
+                collection,
+            ),
+            ticks_skipped: register(
+                &registry,
+                IntCounter::new(
+                    "tally_schedule_ticks_skipped_total",
+                    "Schedule ticks skipped because a run was still going",
+                ),
+            ),
+            pending_documents: gauge_vec(
+                &registry,
+                "tally_pending_documents",
+                "Documents holding pending tokens",
+                collection,
+            ),
+            pending_tokens: gauge_vec(
+                &registry,
+                "tally_pending_tokens",
+                "Pending tokens",
+                collection,
+            ),
+            stuck_tokens: gauge_vec(
+                &registry,
+                "tally_stuck_tokens",
+                "Pending tokens older than stuck_after",
+                collection,
+            ),
+            oldest_pending_age: float_vec(
+                &registry,
+                "tally_oldest_pending_age_seconds",
+                "Age of the oldest pending token (0 when none)",
+                collection,
+            ),
+            largest_pending: gauge_vec(
+                &registry,
+                "tally_largest_pending",
+                "Entries in the longest pending array",
+                collection,
+            ),
+            malformed_documents: gauge_vec(
+                &registry,
+                "tally_malformed_documents",
+                "Malformed documents found by the last scan",
+                collection,
+            ),
+            monitor_up: gauge_vec(
+                &registry,
+                "tally_monitor_up",
+                "1 while the change stream is open",
+                collection,
+            ),
+            monitor_events: counter_vec(
+                &registry,
+                "tally_monitor_events_total",
+                "Change events processed",
+                collection,
+            ),
+            monitor_restarts: counter_vec(
+                &registry,
+                "tally_monitor_restarts_total",
+                "Change streams reopened, by reason",
+                &["collection", "reason"],
+            ),
+            monitor_rescans: counter_vec(
+                &registry,
+                "tally_monitor_rescans_total",
+                "Full scans that rebuilt the view",
+                collection,
+            ),
+            monitor_lag: float_vec(
+                &registry,
+                "tally_monitor_lag_seconds",
+                "How far the last processed change event was behind the server's clock",
+                collection,
+            ),
+            alerts_firing: gauge_vec(
+                &registry,
+                "tally_alerts_firing",
+                "1 while an alert fires",
+                &["kind", "collection"],
+            ),
+            alert_notifications: counter_vec(
+                &registry,
+                "tally_alert_notifications_total",
+                "Alert notifications, by kind and state",
+                &["kind", "state"],
+            ),
+            webhook_deliveries: counter_vec(
+                &registry,
+                "tally_webhook_deliveries_total",
+                "Webhook delivery attempts, by result",
+                &["result"],
+            ),
+            registry,
+        };
+        let metrics = Self {
+            inner: Arc::new(inner),
+        };
+        let build = register(
+            &metrics.registry,
+            IntGaugeVec::new(
+                Opts::new("tally_build_info", "The running tally version"),
+                &["version"],
+            ),
+        );
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        metrics
+    }
+
+    /// Everything, in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(cause = %err, "cannot render metrics");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<T>,
+) -> T {
+    // Names and labels are constants of this file: an error is a bug here.
+    let metric = metric.expect("valid metric definition");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric registered once");
+    metric
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(name, help))
+}
+
+fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    register(registry, IntGaugeVec::new(Opts::new(name, help), labels))
+}
+
+fn float_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    register(registry, GaugeVec::new(Opts::new(name, help), labels))
+}
+
+fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register(registry, IntCounterVec::new(Opts::new(name, help), labels))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_prometheus_text_format_with_conventional_names() {
+        let metrics = Metrics::new();
+        metrics
+            .tokens_folded
+            .with_label_values(&["views"])
+            .inc_by(3);
+        metrics.ready.set(1);
+        let text = metrics.render();
+        assert!(
+            text.contains("tally_reconcile_tokens_folded_total{collection=\"views\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("tally_ready 1"), "{text}");
+        assert!(text.contains("tally_build_info{version="), "{text}");
+        for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+            let name = line.split_whitespace().nth(2).unwrap();
+            assert!(name.starts_with("tally_"), "{name}");
+            if line.ends_with("counter") {
+                assert!(name.ends_with("_total"), "{name}");
+            }
+        }
+    }
+}
