@@ -4,6 +4,7 @@
 //! refused, 75 (`EX_TEMPFAIL`) pending or unknown — try again later,
 //! 78 (`EX_CONFIG`) bad configuration.
 
+mod daemon;
 mod increment;
 mod reconcile;
 mod sequence;
@@ -16,6 +17,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::config::{CollectionConfig, Config};
 use crate::redact::Secrets;
 
+pub use daemon::StatusArgs;
 pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};
 pub use reconcile::ReconcileArgs;
 pub use sequence::{CurrentArgs, NextArgs, SeqCommand};
@@ -47,6 +49,12 @@ pub struct Cli {
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the daemon: fold on the schedule, watch the counters, alert,
+    /// serve /metrics. Stops at SIGTERM or SIGINT.
+    Run,
+    /// Show, per collection, the pending and stuck tokens and the malformed
+    /// documents.
+    Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key.
     CheckConfig,
@@ -102,12 +110,50 @@ pub async fn run(cli: Cli, config: Config) -> ExitCode {
             eprintln!("configuration is valid");
             ExitCode::from(EXIT_OK)
         }
+        Command::Run => daemon::run(config).await,
+        Command::Status(args) => daemon::status(args, &config).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
     }
+}
+
+/// The collections a multi-collection command works on (the ones named,
+/// else every configured one), a reconciler, and the server's time — or the
+/// exit code of the failure, already reported.
+async fn survey_setup(
+    named: &[String],
+    json: bool,
+    config: &Config,
+) -> Result<
+    (
+        Vec<String>,
+        crate::reconcile::Reconciler,
+        std::time::SystemTime,
+    ),
+    ExitCode,
+> {
+    let secrets = config.secrets();
+    let names: Vec<String> = if named.is_empty() {
+        config.collections.iter().map(|c| c.name.clone()).collect()
+    } else {
+        named.to_vec()
+    };
+    if names.is_empty() {
+        let message = "no collections: configure [[collections]] or name one with --collection";
+        return Err(fail(json, message, &secrets));
+    }
+    let store = crate::store::Store::connect(&config.mongodb)
+        .await
+        .map_err(|err| fail(json, &err.to_string(), &secrets))?;
+    let reconciler = crate::reconcile::Reconciler::new(&store);
+    let now = reconciler
+        .server_time()
+        .await
+        .map_err(|err| fail(json, &err.to_string(), &secrets))?;
+    Ok((names, reconciler, now))
 }
 
 /// Prints a failure that happened before any outcome was known.

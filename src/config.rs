@@ -815,6 +815,13 @@ fn validate_webhook(
             None
         }
         Some(name) => match env.get(name) {
+            Some(value) if reqwest::header::HeaderValue::from_str(value).is_err() => {
+                issues.push(
+                    "alerts.webhook.auth_header_env",
+                    format!("the value of {name} is not a valid HTTP header value (a newline or control character?)"),
+                );
+                None
+            }
             Some(value) if !value.is_empty() => Some(SecretString::new(value.clone())),
             _ => {
                 issues.push(
@@ -1447,6 +1454,64 @@ mod tests {
         );
         assert!(shown.contains("retry_horizon = \"1m\""), "{shown}");
         assert!(!format!("{config:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn daemon_sections_are_checked_too() {
+        let text = format!(
+            "{MINIMAL}\n[[collections]]\nname = \"views\"\n[schedule]\ncron = \"every night\"\n\
+             timezone = \"Mars/Olympus\"\ncatch_up = \"maybe\"\n[alerts]\nstuck_after = \"30s\"\n\
+             max_pending = 0\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
+             [ha]\nlease_ttl = \"1s\"\n[http]\nlisten = \"localhost\"\n\
+             [daemon]\nstate_collection = \"views\"\n[monitor]\nscan_interval = \"0s\"\n"
+        );
+        let err = Config::from_toml(&text, []).unwrap_err();
+        let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+        for expected in [
+            "schedule.cron",
+            "schedule.timezone",
+            "schedule.catch_up",
+            "alerts.stuck_after",
+            "alerts.max_pending",
+            "alerts.webhook.url",
+            "alerts.webhook.auth_header_env",
+            "ha.lease_ttl",
+            "http.listen",
+            "daemon.state_collection",
+            "monitor.scan_interval",
+        ] {
+            assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+        }
+    }
+
+    #[test]
+    fn the_webhook_secrets_are_read_from_the_environment_and_masked() {
+        let text = format!(
+            "{MINIMAL}\n[alerts.webhook]\nurl = \"https://hooks.example/T0/SECRETPATH\"\n\
+             auth_header_env = \"HOOK\"\n"
+        );
+        let config = Config::from_toml(&text, env(&[("HOOK", "Bearer s3cret-value")])).unwrap();
+        let webhook = config.alerts.webhook.as_ref().unwrap();
+        assert_eq!(
+            webhook.auth_header.as_ref().unwrap().expose(),
+            "Bearer s3cret-value"
+        );
+        let shown = config.to_redacted_toml();
+        assert!(
+            !shown.contains("SECRETPATH") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(shown.contains("https://hooks.example/****"), "{shown}");
+        let scrubbed = config
+            .secrets()
+            .scrub("posting to https://hooks.example/T0/SECRETPATH with Bearer s3cret-value");
+        assert!(
+            !scrubbed.contains("SECRETPATH") && !scrubbed.contains("s3cret"),
+            "{scrubbed}"
+        );
+        let bad = Config::from_toml(&text, env(&[("HOOK", "two\nlines")])).unwrap_err();
+        assert_eq!(bad.issues[0].key, "alerts.webhook.auth_header_env");
+        assert!(!bad.to_string().contains("two"), "the value is not shown");
     }
 
     #[test]

@@ -248,6 +248,17 @@ impl Facts {
     }
 }
 
+/// The server's error code, when the server answered with one (a command
+/// error, a write error or a write-concern error).
+pub fn server_code(err: &MongoError) -> Option<i32> {
+    match Facts::of(err).kind {
+        FailureKind::Command(code) | FailureKind::Write(code) | FailureKind::WriteConcern(code) => {
+            Some(code)
+        }
+        _ => None,
+    }
+}
+
 /// For a duplicate-key error, whether the duplicate is on `_id` — a race
 /// for the same document — rather than on another unique index, which no
 /// retry can fix. Read from the `keyPattern` the server attaches (MongoDB

@@ -45,23 +45,37 @@
 //! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
 //! - [`logging`]: tracing to standard error, as text or JSON.
 //! - [`metrics`]: the daemon's Prometheus metrics, one registry handle.
+//! - [`alert`]: alerts (firing once, resolved once) to the log and a webhook.
+//! - [`state`]: the daemon's state in MongoDB: last runs, resume tokens.
+//! - [`lease`]: one active daemon among several.
+//! - [`schedule`]: when the daemon folds (cron, time zone, catch-up).
+//! - [`monitor`]: change streams keeping a live view of pending tokens.
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`daemon`]: `tallyd run`, wiring all of the above until shutdown.
 //! - [`cli`]: the `tallyd` commands, thin layers over the modules above.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod alert;
 pub mod bounded;
 pub mod cli;
 pub mod config;
 pub mod counter;
+pub mod daemon;
 pub mod document;
 pub mod error;
+pub mod http;
 pub mod insert_loop;
+pub mod lease;
 pub mod logging;
 pub mod metrics;
+pub mod monitor;
 pub mod reconcile;
 pub mod redact;
+pub mod schedule;
 pub mod sequence;
+pub mod state;
 pub mod store;
 pub mod token;
 

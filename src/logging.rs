@@ -16,7 +16,10 @@ pub fn init(config: &LogConfig) {
         Ok(directives) if !directives.trim().is_empty() => {
             EnvFilter::builder().parse_lossy(directives)
         }
-        _ => EnvFilter::builder().parse_lossy(&config.level),
+        // The scheduler library narrates its own start-up at INFO.
+        _ => {
+            EnvFilter::builder().parse_lossy(format!("{},tokio_cron_scheduler=warn", config.level))
+        }
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

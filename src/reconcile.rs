@@ -93,6 +93,8 @@ pub struct MalformedDocument {
 pub struct Survey {
     /// Documents holding the pending field: every one is read by the report.
     pub documents_scanned: u64,
+    /// Well-formed documents with at least one pending entry.
+    pub documents_pending: u64,
     /// Entries in the pending arrays of well-formed documents.
     pub pending_tokens: u64,
     /// The oldest of those entries.
@@ -175,6 +177,13 @@ impl CollectionRun {
         }
     }
 
+    /// A run that could not start.
+    pub fn failed(collection: &str, error: Error) -> Self {
+        let mut run = Self::new(collection, Mode::Fold, SystemTime::UNIX_EPOCH);
+        run.error = Some(error);
+        run
+    }
+
     /// Whether the collection was reconciled completely.
     pub fn succeeded(&self) -> bool {
         self.error.is_none() && !self.interrupted
@@ -233,6 +242,7 @@ impl Survey {
             }
         };
         self.pending_tokens += row.size;
+        self.documents_pending += u64::from(row.size > 0);
         self.largest_pending = self.largest_pending.max(row.size);
         self.oldest_pending = min_token(self.oldest_pending, plan.oldest);
         if plan.stale_tokens > 0 {
@@ -264,16 +274,10 @@ impl Reconciler {
         }
     }
 
-    /// The server's clock, from `hello`'s `localTime`: every daemon
+    /// The server's clock (see [`Store::server_time`]): every daemon
     /// computes its cutoff from the same clock.
     pub async fn server_time(&self) -> Result<SystemTime, Error> {
-        let hello = self.store.hello().await?;
-        match hello.get("localTime") {
-            Some(Bson::DateTime(t)) => Ok(t.to_system_time()),
-            _ => Err(Error::InvalidArgument(
-                "the server's hello reply has no localTime".into(),
-            )),
-        }
+        self.store.server_time().await
     }
 
     /// Surveys a collection's pending arrays with `cutoff` as the line
@@ -498,7 +502,10 @@ impl Reconciler {
     /// The report's pass: the documents holding the pending field, with the
     /// two fields tally owns (an index on the pending field can serve the
     /// `$exists` match when it is sparse).
-    async fn report(&self, target: &FoldTarget) -> Result<mongodb::Cursor<Document>, Error> {
+    pub(crate) async fn report(
+        &self,
+        target: &FoldTarget,
+    ) -> Result<mongodb::Cursor<Document>, Error> {
         let spec = &target.spec;
         let collection = self.store.collection(&spec.name);
         let pipeline = vec![

@@ -205,6 +205,18 @@ impl Store {
         .map_err(Error::Server)
     }
 
+    /// The server's clock, from `hello`'s `localTime`: cutoffs and lease
+    /// expiries computed from it agree between daemons on different hosts.
+    pub async fn server_time(&self) -> Result<std::time::SystemTime, Error> {
+        let hello = self.hello().await?;
+        match hello.get("localTime") {
+            Some(mongodb::bson::Bson::DateTime(t)) => Ok(t.to_system_time()),
+            _ => Err(Error::InvalidArgument(
+                "the server's hello reply has no localTime".into(),
+            )),
+        }
+    }
+
     /// Runs `hello` against the admin database, retrying once on a transient
     /// failure.
     pub async fn hello(&self) -> Result<Document, Error> {

@@ -8,11 +8,10 @@ use clap::Args;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::{EXIT_FAILED, EXIT_OK, fail};
+use super::{EXIT_FAILED, EXIT_OK};
 use crate::config::{Config, FoldTarget};
-use crate::reconcile::{CollectionRun, Mode, Progress, Reconciler};
+use crate::reconcile::{CollectionRun, Mode, Progress};
 use crate::redact::Secrets;
-use crate::store::Store;
 
 /// `tallyd reconcile`.
 #[derive(Debug, Args)]
@@ -31,24 +30,11 @@ pub struct ReconcileArgs {
 
 pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let names: Vec<String> = if args.collections.is_empty() {
-        config.collections.iter().map(|c| c.name.clone()).collect()
-    } else {
-        args.collections.clone()
-    };
-    if names.is_empty() {
-        let message = "no collections: configure [[collections]] or name one with --collection";
-        return fail(args.json, message, &secrets);
-    }
-    let store = match Store::connect(&config.mongodb).await {
-        Ok(store) => store,
-        Err(err) => return fail(args.json, &err.to_string(), &secrets),
-    };
-    let reconciler = Reconciler::new(&store);
-    let now = match reconciler.server_time().await {
-        Ok(now) => now,
-        Err(err) => return fail(args.json, &err.to_string(), &secrets),
-    };
+    let (names, reconciler, now) =
+        match super::survey_setup(&args.collections, args.json, config).await {
+            Ok(setup) => setup,
+            Err(code) => return code,
+        };
     let stop = CancellationToken::new();
     let on_interrupt = stop.clone();
     tokio::spawn(async move {

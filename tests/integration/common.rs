@@ -4,6 +4,7 @@
 
 pub mod proxy;
 pub mod server;
+pub mod tallyd;
 
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};

@@ -2,11 +2,14 @@
 //! against a real server on loopback (SecantusDB, started by the tests), or
 //! against the server named by `TALLY_TEST_MONGODB_URI`.
 
+mod alert;
 mod bounded;
 mod cli;
 mod common;
+mod daemon;
 mod increment;
 mod insert_loop;
+mod packaging;
 mod proxy;
 mod reconcile;
 mod sequence;

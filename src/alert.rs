@@ -1,0 +1,791 @@
+//! The alert engine: the daemon reports the state of each condition it
+//! watches (stuck tokens, oversized `pending` arrays, malformed documents,
+//! failed runs, a monitor that is down) as often as it likes, and the engine
+//! turns that stream of states into notifications — one `firing` when a
+//! condition starts to hold, one `resolved` when it clears, nothing in
+//! between.
+//!
+//! A condition is identified by its [`AlertKind`] and a collection name.
+//! The transition logic is a small state machine free of I/O (the `Ledger`
+//! at the bottom of this file); [`Alerts`] wraps it with the sinks:
+//!
+//! - the log, always: `alert firing` at WARN, `alert resolved` at INFO, as
+//!   structured fields;
+//! - a webhook, when `[alerts.webhook]` is configured: one JSON
+//!   [`Notification`] per POST, delivered in order by a single task, retried
+//!   with exponential [`Backoff`], given up after `max_attempts`.
+//!
+//! [`Alerts::set`] never blocks and never waits for the network: a
+//! notification is logged at once and queued for the webhook.
+
+mod webhook;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{AlertsConfig, redact_webhook_url};
+use crate::metrics::Metrics;
+use crate::redact::Secrets;
+use webhook::{Delivery, Scrubber};
+
+pub use webhook::Backoff;
+
+/// The most sample ids a notification carries; more are cut off, so a
+/// condition on a million documents still makes a small message.
+pub const MAX_SAMPLE_IDS: usize = 10;
+
+/// How many notifications may wait for the webhook. Notifications are sent
+/// only on transitions, so this fills only when the webhook has been down
+/// for long while conditions kept flapping; beyond it the newest are
+/// dropped (logged and counted as `failed`) rather than blocking
+/// [`Alerts::set`].
+pub const QUEUE_CAPACITY: usize = 1024;
+
+/// What an alert is about; with a collection name, it identifies one
+/// condition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlertKind {
+    /// Pending tokens older than `[alerts] stuck_after`: their writers are
+    /// gone and the counts wait for the fold.
+    StuckTokens,
+    /// A document whose `pending` array holds more than `[alerts]
+    /// max_pending` entries: a writer that never runs step 2.
+    PendingTooLong,
+    /// Documents tally cannot read (a counter that is not a number, a
+    /// `pending` that is not an array of tokens).
+    Malformed,
+    /// Reconcile runs that failed.
+    RunFailed,
+    /// A change stream down for longer than `[alerts] monitor_down_after`.
+    MonitorDown,
+}
+
+impl AlertKind {
+    /// Every kind, for callers that report all of them.
+    pub const ALL: [AlertKind; 5] = [
+        AlertKind::StuckTokens,
+        AlertKind::PendingTooLong,
+        AlertKind::Malformed,
+        AlertKind::RunFailed,
+        AlertKind::MonitorDown,
+    ];
+
+    /// The kind's name in logs, metrics labels and webhook bodies.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AlertKind::StuckTokens => "stuck_tokens",
+            AlertKind::PendingTooLong => "pending_too_long",
+            AlertKind::Malformed => "malformed",
+            AlertKind::RunFailed => "run_failed",
+            AlertKind::MonitorDown => "monitor_down",
+        }
+    }
+}
+
+impl fmt::Display for AlertKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Whether a notification opens or closes an alert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlertState {
+    /// The condition started to hold.
+    Firing,
+    /// The condition cleared.
+    Resolved,
+}
+
+impl AlertState {
+    /// The state's name in logs, metrics labels and webhook bodies.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AlertState::Firing => "firing",
+            AlertState::Resolved => "resolved",
+        }
+    }
+}
+
+impl fmt::Display for AlertState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The facts behind a firing alert, as the caller sees them now.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Observation {
+    /// How many: stuck tokens, oversized or malformed documents, consecutive
+    /// failed runs.
+    pub count: u64,
+    /// The age of the oldest stuck token, or how long the monitor has been
+    /// down, when it applies.
+    pub oldest_age: Option<Duration>,
+    /// A few document `_id`s, as display strings, for the operator to look
+    /// at; cut to [`MAX_SAMPLE_IDS`].
+    pub sample_ids: Vec<String>,
+    /// A human-readable line (e.g. a failed run's error). Secrets are
+    /// scrubbed from it again before it is logged or sent.
+    pub detail: Option<String>,
+}
+
+/// One notification: the body of one webhook POST, and the fields of the
+/// matching log line. The JSON keys are exactly the field names below.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Notification {
+    /// What the alert is about: `stuck_tokens`, `pending_too_long`,
+    /// `malformed`, `run_failed` or `monitor_down`.
+    pub kind: AlertKind,
+    /// `firing` when the condition started to hold, `resolved` when it
+    /// cleared. Each firing is followed by at most one resolved.
+    pub state: AlertState,
+    /// The collection the condition is about, as the daemon named it.
+    pub collection: String,
+    /// For `firing`, the observation's count when the condition started to
+    /// hold; for `resolved`, 0 (the condition is clear).
+    pub count: u64,
+    /// For `firing`, the age of the oldest stuck token (or how long the
+    /// monitor has been down) in whole seconds, when it applies; otherwise
+    /// `null`. Always `null` for `resolved`.
+    pub oldest_age_seconds: Option<u64>,
+    /// For `firing`, up to [`MAX_SAMPLE_IDS`] document `_id`s to look at;
+    /// empty for `resolved`.
+    pub sample_ids: Vec<String>,
+    /// A human-readable line, or `null`: for `firing` the caller's detail
+    /// (e.g. the run's error), for `resolved` how long it fired and the last
+    /// count seen.
+    pub detail: Option<String>,
+    /// When the transition was observed, RFC 3339 in UTC (not when it was
+    /// delivered: a retried notification keeps its time).
+    pub at: String,
+    /// The daemon instance that sent it (`[ha] instance`), when the daemon
+    /// gave one; omitted otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+}
+
+/// Settings of the engine that do not come from the configuration file.
+#[derive(Clone, Debug)]
+pub struct AlertOptions {
+    /// Put into every notification's `instance`, so a receiver fed by
+    /// several daemons (one active at a time) can tell which one spoke.
+    /// Default: none.
+    pub instance: Option<String>,
+    /// The wait between webhook attempts. Default: [`Backoff::default`].
+    pub backoff: Backoff,
+    /// At shutdown, how long notifications not yet delivered get for one
+    /// last attempt each (the daemon's drain has a deadline). Default: 3s.
+    pub shutdown_flush: Duration,
+}
+
+impl Default for AlertOptions {
+    fn default() -> Self {
+        Self {
+            instance: None,
+            backoff: Backoff::default(),
+            shutdown_flush: Duration::from_secs(3),
+        }
+    }
+}
+
+/// The alert engine: a cheap-to-clone handle shared by every task that
+/// watches a condition.
+#[derive(Clone)]
+pub struct Alerts {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ledger: Mutex<Ledger>,
+    metrics: Metrics,
+    scrubber: Scrubber,
+    instance: Option<String>,
+    sink: Sink,
+}
+
+/// Where notifications go besides the log.
+enum Sink {
+    /// No webhook configured.
+    LogOnly,
+    /// Queued for the delivery task, which sends them in order.
+    Webhook {
+        queue: mpsc::Sender<Notification>,
+        shown_url: String,
+    },
+    /// A webhook is configured but could not be set up (logged at start);
+    /// every notification counts as a failed delivery.
+    Unusable { shown_url: String },
+}
+
+impl fmt::Debug for Alerts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sink = match &self.inner.sink {
+            Sink::LogOnly => "log",
+            Sink::Webhook { .. } => "log and webhook",
+            Sink::Unusable { .. } => "log (webhook unusable)",
+        };
+        f.debug_struct("Alerts").field("sinks", &sink).finish()
+    }
+}
+
+impl Alerts {
+    /// Starts the engine with the default [`AlertOptions`]; with a webhook
+    /// configured, its delivery task runs on `tracker` until `shutdown`
+    /// (so then it must be called within a Tokio runtime).
+    pub fn start(
+        config: &AlertsConfig,
+        secrets: Secrets,
+        metrics: Metrics,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self::start_with(
+            config,
+            secrets,
+            metrics,
+            tracker,
+            shutdown,
+            AlertOptions::default(),
+        )
+    }
+
+    /// [`Alerts::start`] with explicit options: the daemon's instance name,
+    /// and short backoffs in tests.
+    pub fn start_with(
+        config: &AlertsConfig,
+        secrets: Secrets,
+        metrics: Metrics,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+        options: AlertOptions,
+    ) -> Self {
+        let webhook_url = config.webhook.as_ref().map(|w| w.url.expose());
+        let scrubber = Scrubber::new(&secrets, webhook_url);
+        let sink = match &config.webhook {
+            None => Sink::LogOnly,
+            Some(webhook) => {
+                let shown_url = redact_webhook_url(webhook.url.expose());
+                match Delivery::new(webhook, scrubber.clone(), metrics.clone(), &options) {
+                    Ok(delivery) => {
+                        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
+                        tracker.spawn(delivery.run(receiver, shutdown));
+                        Sink::Webhook { queue, shown_url }
+                    }
+                    Err(cause) => {
+                        tracing::error!(
+                            cause = %cause,
+                            webhook = %shown_url,
+                            "the webhook cannot be used; alerts go to the log only"
+                        );
+                        Sink::Unusable { shown_url }
+                    }
+                }
+            }
+        };
+        Self {
+            inner: Arc::new(Inner {
+                ledger: Mutex::new(Ledger::default()),
+                metrics,
+                scrubber,
+                instance: options.instance,
+                sink,
+            }),
+        }
+    }
+
+    /// Reports the current state of one condition: `Some(observation)` when
+    /// it holds now, `None` when it is clear. Call it as often as the
+    /// condition is checked: only transitions notify (clear → firing sends
+    /// one `firing`, firing → clear one `resolved`); while firing, a new
+    /// observation replaces the one [`Alerts::firing`] shows, silently.
+    /// Every call sets `tally_alerts_firing{kind,collection}` to 1 or 0.
+    /// Never blocks: the webhook gets the notification through a queue.
+    pub fn set(&self, kind: AlertKind, collection: &str, observation: Option<Observation>) {
+        let observation = observation.map(|o| self.tidy(o));
+        let gauge = self
+            .inner
+            .metrics
+            .alerts_firing
+            .with_label_values(&[kind.as_str(), collection]);
+        let mut ledger = self
+            .inner
+            .ledger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let holds = observation.is_some();
+        let change = ledger.apply(kind, collection, observation, Instant::now());
+        gauge.set(i64::from(holds));
+        let Some(change) = change else { return };
+        let notification = self.notification(kind, collection, change);
+        self.inner
+            .metrics
+            .alert_notifications
+            .with_label_values(&[kind.as_str(), notification.state.as_str()])
+            .inc();
+        log_notification(&notification);
+        // Queued under the ledger's lock, so that notifications reach the
+        // webhook in the order their transitions happened even when several
+        // tasks report at once.
+        self.enqueue(notification);
+    }
+
+    /// What is firing now, with the latest observation of each, ordered by
+    /// kind then collection: for `/readyz`-style introspection and tests.
+    pub fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
+        let ledger = self
+            .inner
+            .ledger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        ledger
+            .firing
+            .iter()
+            .map(|((kind, collection), firing)| {
+                (*kind, collection.clone(), firing.observation.clone())
+            })
+            .collect()
+    }
+
+    /// The observation as it may be kept and shown: samples cut, detail
+    /// scrubbed.
+    fn tidy(&self, mut observation: Observation) -> Observation {
+        observation.sample_ids.truncate(MAX_SAMPLE_IDS);
+        if let Some(detail) = &mut observation.detail {
+            *detail = self.inner.scrubber.scrub(detail);
+        }
+        observation
+    }
+
+    fn notification(&self, kind: AlertKind, collection: &str, change: Change) -> Notification {
+        let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let (state, count, oldest_age_seconds, sample_ids, detail) = match change {
+            Change::Fired(observation) => (
+                AlertState::Firing,
+                observation.count,
+                observation.oldest_age.map(|age| age.as_secs()),
+                observation.sample_ids,
+                observation.detail,
+            ),
+            Change::Resolved { last, lasted } => (
+                AlertState::Resolved,
+                0,
+                None,
+                Vec::new(),
+                Some(format!(
+                    "cleared after {}; last count {}",
+                    humantime::format_duration(Duration::from_secs(lasted.as_secs())),
+                    last.count
+                )),
+            ),
+        };
+        Notification {
+            kind,
+            state,
+            collection: collection.to_owned(),
+            count,
+            oldest_age_seconds,
+            sample_ids,
+            detail,
+            at,
+            instance: self.inner.instance.clone(),
+        }
+    }
+
+    fn enqueue(&self, notification: Notification) {
+        let failed = || {
+            self.inner
+                .metrics
+                .webhook_deliveries
+                .with_label_values(&["failed"])
+                .inc();
+        };
+        match &self.inner.sink {
+            Sink::LogOnly => {}
+            Sink::Unusable { shown_url } => {
+                failed();
+                tracing::error!(
+                    kind = %notification.kind,
+                    state = %notification.state,
+                    collection = %notification.collection,
+                    webhook = %shown_url,
+                    "alert not sent: the webhook cannot be used"
+                );
+            }
+            Sink::Webhook { queue, shown_url } => match queue.try_send(notification) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(notification)) => {
+                    failed();
+                    tracing::error!(
+                        kind = %notification.kind,
+                        state = %notification.state,
+                        collection = %notification.collection,
+                        webhook = %shown_url,
+                        capacity = QUEUE_CAPACITY,
+                        "alert not sent: too many notifications wait for the webhook"
+                    );
+                }
+                Err(mpsc::error::TrySendError::Closed(notification)) => {
+                    failed();
+                    tracing::error!(
+                        kind = %notification.kind,
+                        state = %notification.state,
+                        collection = %notification.collection,
+                        webhook = %shown_url,
+                        "alert not sent: webhook delivery has stopped (shutting down)"
+                    );
+                }
+            },
+        }
+    }
+}
+
+/// The log sink: WARN for firing, INFO for resolved, facts as fields.
+fn log_notification(n: &Notification) {
+    match n.state {
+        AlertState::Firing => tracing::warn!(
+            kind = %n.kind,
+            collection = %n.collection,
+            count = n.count,
+            oldest_age_seconds = n.oldest_age_seconds,
+            sample_ids = ?n.sample_ids,
+            detail = n.detail.as_deref(),
+            "alert firing"
+        ),
+        AlertState::Resolved => tracing::info!(
+            kind = %n.kind,
+            collection = %n.collection,
+            detail = n.detail.as_deref(),
+            "alert resolved"
+        ),
+    }
+}
+
+/// What one report changed: the transitions that notify.
+#[derive(Clone, Debug, PartialEq)]
+enum Change {
+    /// The condition was clear and now holds.
+    Fired(Observation),
+    /// The condition held and is now clear.
+    Resolved {
+        /// The last observation while it fired.
+        last: Observation,
+        /// How long it fired.
+        lasted: Duration,
+    },
+}
+
+/// A firing condition's state.
+#[derive(Clone, Debug)]
+struct Firing {
+    since: Instant,
+    observation: Observation,
+}
+
+/// The transition logic, free of I/O and clocks: which conditions fire, and
+/// what a new report changes.
+#[derive(Debug, Default)]
+struct Ledger {
+    firing: BTreeMap<(AlertKind, String), Firing>,
+}
+
+impl Ledger {
+    /// Records the current state of `(kind, collection)` as of `now` and
+    /// returns the transition to notify, if any.
+    fn apply(
+        &mut self,
+        kind: AlertKind,
+        collection: &str,
+        observation: Option<Observation>,
+        now: Instant,
+    ) -> Option<Change> {
+        let key = (kind, collection.to_owned());
+        match observation {
+            Some(observation) => match self.firing.get_mut(&key) {
+                Some(firing) => {
+                    firing.observation = observation;
+                    None
+                }
+                None => {
+                    self.firing.insert(
+                        key,
+                        Firing {
+                            since: now,
+                            observation: observation.clone(),
+                        },
+                    );
+                    Some(Change::Fired(observation))
+                }
+            },
+            None => self.firing.remove(&key).map(|firing| Change::Resolved {
+                lasted: now.saturating_duration_since(firing.since),
+                last: firing.observation,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(count: u64) -> Observation {
+        Observation {
+            count,
+            oldest_age: Some(Duration::from_secs(count * 60)),
+            sample_ids: vec![format!("doc{count}")],
+            detail: None,
+        }
+    }
+
+    #[test]
+    fn a_condition_fires_once_while_it_holds_and_keeps_the_latest_observation() {
+        let mut ledger = Ledger::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            ledger.apply(AlertKind::StuckTokens, "views", Some(seen(1)), t0),
+            Some(Change::Fired(seen(1)))
+        );
+        for n in 2..10 {
+            let later = t0 + Duration::from_secs(n);
+            assert_eq!(
+                ledger.apply(AlertKind::StuckTokens, "views", Some(seen(n)), later),
+                None
+            );
+        }
+        assert_eq!(ledger.firing.len(), 1);
+        assert_eq!(
+            ledger.firing[&(AlertKind::StuckTokens, "views".to_owned())].observation,
+            seen(9)
+        );
+    }
+
+    #[test]
+    fn a_condition_resolves_once_with_its_last_observation_and_duration() {
+        let mut ledger = Ledger::default();
+        let t0 = Instant::now();
+        ledger.apply(AlertKind::RunFailed, "views", Some(seen(1)), t0);
+        ledger.apply(AlertKind::RunFailed, "views", Some(seen(3)), t0);
+        assert_eq!(
+            ledger.apply(
+                AlertKind::RunFailed,
+                "views",
+                None,
+                t0 + Duration::from_secs(90)
+            ),
+            Some(Change::Resolved {
+                last: seen(3),
+                lasted: Duration::from_secs(90)
+            })
+        );
+        for n in 0..5 {
+            let later = t0 + Duration::from_secs(100 + n);
+            assert_eq!(
+                ledger.apply(AlertKind::RunFailed, "views", None, later),
+                None
+            );
+        }
+        assert!(ledger.firing.is_empty());
+    }
+
+    #[test]
+    fn a_clear_condition_never_notifies_and_a_resolved_one_can_fire_again() {
+        let mut ledger = Ledger::default();
+        let now = Instant::now();
+        assert_eq!(ledger.apply(AlertKind::Malformed, "views", None, now), None);
+        ledger.apply(AlertKind::Malformed, "views", Some(seen(1)), now);
+        ledger.apply(AlertKind::Malformed, "views", None, now);
+        assert_eq!(
+            ledger.apply(AlertKind::Malformed, "views", Some(seen(2)), now),
+            Some(Change::Fired(seen(2)))
+        );
+    }
+
+    #[test]
+    fn each_kind_and_collection_is_its_own_condition() {
+        let mut ledger = Ledger::default();
+        let now = Instant::now();
+        let fired = |change: Option<Change>| matches!(change, Some(Change::Fired(_)));
+        assert!(fired(ledger.apply(
+            AlertKind::StuckTokens,
+            "a",
+            Some(seen(1)),
+            now
+        )));
+        assert!(fired(ledger.apply(
+            AlertKind::StuckTokens,
+            "b",
+            Some(seen(1)),
+            now
+        )));
+        assert!(fired(ledger.apply(
+            AlertKind::Malformed,
+            "a",
+            Some(seen(1)),
+            now
+        )));
+        assert_eq!(ledger.firing.len(), 3);
+        // Clearing one leaves the others firing, silently.
+        assert!(matches!(
+            ledger.apply(AlertKind::StuckTokens, "a", None, now),
+            Some(Change::Resolved { .. })
+        ));
+        assert_eq!(
+            ledger.apply(AlertKind::StuckTokens, "b", Some(seen(2)), now),
+            None
+        );
+        assert_eq!(
+            ledger.apply(AlertKind::Malformed, "a", Some(seen(2)), now),
+            None
+        );
+        assert_eq!(ledger.firing.len(), 2);
+    }
+
+    #[test]
+    fn kind_names_match_their_serialized_form() {
+        for kind in AlertKind::ALL {
+            assert_eq!(
+                serde_json::to_value(kind).unwrap(),
+                serde_json::json!(kind.as_str())
+            );
+        }
+    }
+
+    fn log_only(metrics: &Metrics, secrets: Secrets) -> Alerts {
+        Alerts::start_with(
+            &AlertsConfig::default(),
+            secrets,
+            metrics.clone(),
+            &TaskTracker::new(),
+            CancellationToken::new(),
+            AlertOptions {
+                instance: Some("tallyd-1".into()),
+                ..AlertOptions::default()
+            },
+        )
+    }
+
+    #[test]
+    fn the_handle_counts_transitions_and_sets_the_firing_gauge() {
+        let metrics = Metrics::new();
+        let alerts = log_only(&metrics, Secrets::default());
+        let firing = || {
+            metrics
+                .alerts_firing
+                .with_label_values(&["stuck_tokens", "views"])
+                .get()
+        };
+        let notified = |state: &str| {
+            metrics
+                .alert_notifications
+                .with_label_values(&["stuck_tokens", state])
+                .get()
+        };
+        alerts.set(AlertKind::StuckTokens, "views", None);
+        assert_eq!((firing(), notified("firing")), (0, 0));
+        for n in 1..=3 {
+            alerts.set(AlertKind::StuckTokens, "views", Some(seen(n)));
+        }
+        assert_eq!((firing(), notified("firing")), (1, 1));
+        assert_eq!(
+            alerts.firing(),
+            vec![(AlertKind::StuckTokens, "views".to_owned(), seen(3))]
+        );
+        alerts.set(AlertKind::StuckTokens, "views", None);
+        alerts.set(AlertKind::StuckTokens, "views", None);
+        assert_eq!((firing(), notified("resolved")), (0, 1));
+        assert!(alerts.firing().is_empty());
+    }
+
+    #[test]
+    fn observations_are_cut_to_a_few_samples_and_scrubbed() {
+        let alerts = log_only(&Metrics::new(), Secrets::new("mongodb://u:pw@h/", ["tok"]));
+        alerts.set(
+            AlertKind::RunFailed,
+            "views",
+            Some(Observation {
+                count: 1,
+                oldest_age: None,
+                sample_ids: (0..50).map(|i| i.to_string()).collect(),
+                detail: Some("auth failed for pw with tok".into()),
+            }),
+        );
+        let (_, _, observation) = alerts.firing().remove(0);
+        assert_eq!(observation.sample_ids.len(), MAX_SAMPLE_IDS);
+        assert_eq!(
+            observation.detail.as_deref(),
+            Some("auth failed for **** with ****")
+        );
+    }
+
+    #[test]
+    fn a_notification_serializes_to_exactly_the_documented_fields() {
+        let alerts = log_only(&Metrics::new(), Secrets::default());
+        let firing = alerts.notification(
+            AlertKind::StuckTokens,
+            "views",
+            Change::Fired(Observation {
+                count: 4,
+                oldest_age: Some(Duration::from_millis(3_600_900)),
+                sample_ids: vec!["a".into()],
+                detail: None,
+            }),
+        );
+        let body = serde_json::to_value(&firing).unwrap();
+        let keys: Vec<&str> = body
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        let mut expected = vec![
+            "kind",
+            "state",
+            "collection",
+            "count",
+            "oldest_age_seconds",
+            "sample_ids",
+            "detail",
+            "at",
+            "instance",
+        ];
+        expected.sort_unstable();
+        let mut keys = keys;
+        keys.sort_unstable();
+        assert_eq!(keys, expected);
+        assert_eq!(body["kind"], "stuck_tokens");
+        assert_eq!(body["state"], "firing");
+        assert_eq!(body["count"], 4);
+        assert_eq!(body["oldest_age_seconds"], 3600);
+        assert_eq!(body["detail"], serde_json::Value::Null);
+        assert_eq!(body["instance"], "tallyd-1");
+        assert!(
+            chrono::DateTime::parse_from_rfc3339(body["at"].as_str().unwrap()).is_ok(),
+            "{body}"
+        );
+
+        let resolved = alerts.notification(
+            AlertKind::StuckTokens,
+            "views",
+            Change::Resolved {
+                last: seen(7),
+                lasted: Duration::from_secs(125),
+            },
+        );
+        let body = serde_json::to_value(&resolved).unwrap();
+        assert_eq!(body["state"], "resolved");
+        assert_eq!(body["count"], 0);
+        assert_eq!(body["oldest_age_seconds"], serde_json::Value::Null);
+        assert_eq!(body["sample_ids"], serde_json::json!([]));
+        assert_eq!(body["detail"], "cleared after 2m 5s; last count 7");
+    }
+}

@@ -1,0 +1,567 @@
+//! A live view of the pending tokens in the counter collections (DESIGN
+//! §6), kept by change streams and backed up by periodic scans.
+//!
+//! The view holds, per document that has pending entries, the entries'
+//! tokens — nothing for documents without any — so its memory is bounded by
+//! the number of pending tokens, not of documents. From it the daemon
+//! computes, every second, how many tokens are stuck, the oldest age, the
+//! longest array and the malformed documents, for metrics and alerts.
+//!
+//! Per collection, one task:
+//!
+//! 1. opens the change stream where the last one stopped (the resume token
+//!    saved in the state collection), so writes made while the daemon was
+//!    down are seen; then scans the collection (the fold's report) to
+//!    rebuild the view, and applies events from then on;
+//! 2. saves the resume token every `save_interval` and at shutdown;
+//! 3. rescans every `scan_interval`;
+//! 4. on a lost history (error 286: the saved position fell off the oplog)
+//!    or an invalidate event, logs at WARN, counts it, rescans and opens a
+//!    new stream — never a silent gap; on other errors reconnects with
+//!    capped exponential backoff.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::change_stream::ChangeStream;
+use mongodb::change_stream::event::{ChangeStreamEvent, OperationType, ResumeToken};
+use mongodb::options::FullDocumentType;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{FoldTarget, MonitorConfig};
+use crate::error::{Error, code, server_code};
+use crate::metrics::Metrics;
+use crate::reconcile::{Reconciler, model};
+use crate::state::State;
+use crate::store::Store;
+use crate::token::{Entry, Token};
+
+/// How many document ids a snapshot names per condition.
+const SAMPLE: usize = 10;
+/// How long one read of the stream waits for events on the server: also
+/// how quickly the watcher notices a shutdown or a timer.
+const AWAIT: Duration = Duration::from_millis(500);
+/// The longest wait between reconnection attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// What one document's pending field holds.
+#[derive(Debug, Clone, PartialEq)]
+enum Pending {
+    /// Valid entries: their tokens.
+    Tokens(Vec<ObjectId>),
+    /// The field or the document is malformed.
+    Malformed(String),
+}
+
+/// The pending entries of one collection's documents.
+#[derive(Debug, Default)]
+struct View {
+    /// Keyed by the `_id`'s display form (ids equal to the server are equal
+    /// here: `1` and `NumberLong(1)` display alike), with the `_id` itself.
+    documents: HashMap<String, (Bson, Pending)>,
+}
+
+impl View {
+    /// Records what document `id` holds now (`None`: nothing pending).
+    fn set(&mut self, id: &Bson, pending: Option<Pending>) {
+        match pending {
+            Some(p) => {
+                self.documents.insert(id.to_string(), (id.clone(), p));
+            }
+            None => {
+                self.documents.remove(&id.to_string());
+            }
+        }
+    }
+}
+
+/// Judges a document's pending (and counter) fields.
+fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
+    let pending = document.get(&target.spec.pending_field)?;
+    let counter = document.get(&target.spec.counter_field);
+    // No cutoff: only the shape matters here (overflow is the fold's call).
+    match model::plan(counter, Some(pending), ObjectId::from_bytes([0; 12])) {
+        Err(reason) => Some(Pending::Malformed(reason.to_string())),
+        Ok(_) => match pending {
+            Bson::Array(entries) if entries.is_empty() => None,
+            Bson::Array(entries) => Some(Pending::Tokens(
+                entries
+                    .iter()
+                    .filter_map(|e| Entry::parse(e).ok())
+                    .map(|e| e.token().object_id())
+                    .collect(),
+            )),
+            _ => None,
+        },
+    }
+}
+
+/// What a collection's pending arrays look like at one instant.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Well-formed documents holding pending tokens.
+    pub pending_documents: u64,
+    /// Their pending tokens.
+    pub pending_tokens: u64,
+    /// Tokens older than the stuck cutoff.
+    pub stuck_tokens: u64,
+    /// A few documents holding stuck tokens.
+    pub stuck_sample: Vec<String>,
+    /// The `_id`s of all documents holding stuck tokens (for a repair).
+    pub stuck_ids: Vec<Bson>,
+    /// The oldest pending token.
+    pub oldest: Option<Token>,
+    /// Entries in the longest pending array.
+    pub largest_pending: u64,
+    /// Documents whose pending array is longer than the limit.
+    pub too_long: u64,
+    /// A few of them.
+    pub too_long_sample: Vec<String>,
+    /// Malformed documents.
+    pub malformed: u64,
+    /// A few of them.
+    pub malformed_sample: Vec<String>,
+}
+
+/// Whether a collection's stream is open.
+#[derive(Debug, Clone, Copy)]
+struct Health {
+    up: bool,
+    /// When it went down (or the monitor started); `None` while up.
+    down_since: Option<Instant>,
+}
+
+struct Watched {
+    target: FoldTarget,
+    view: Mutex<View>,
+    health: Mutex<Health>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The live view of every configured collection: a cheap-to-clone handle.
+#[derive(Clone)]
+pub struct Monitor {
+    collections: Arc<HashMap<String, Arc<Watched>>>,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor")
+            .field("collections", &self.collections.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Everything a collection's watcher task needs.
+struct Watcher {
+    watched: Arc<Watched>,
+    store: Store,
+    state: State,
+    config: MonitorConfig,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+}
+
+impl Monitor {
+    /// Starts watching `targets` (one task each, on `tracker`) until
+    /// `shutdown`.
+    pub fn start(
+        store: &Store,
+        state: &State,
+        targets: &[FoldTarget],
+        config: MonitorConfig,
+        metrics: &Metrics,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) -> Self {
+        let started = Instant::now();
+        let collections: HashMap<String, Arc<Watched>> = targets
+            .iter()
+            .map(|target| {
+                let watched = Arc::new(Watched {
+                    target: target.clone(),
+                    view: Mutex::new(View::default()),
+                    health: Mutex::new(Health {
+                        up: false,
+                        down_since: Some(started),
+                    }),
+                });
+                (target.spec.name.clone(), watched)
+            })
+            .collect();
+        for watched in collections.values() {
+            let watcher = Watcher {
+                watched: watched.clone(),
+                store: store.clone(),
+                state: state.clone(),
+                config,
+                metrics: metrics.clone(),
+                shutdown: shutdown.clone(),
+            };
+            tracker.spawn(watcher.run());
+        }
+        Self {
+            collections: Arc::new(collections),
+        }
+    }
+
+    /// The collection's pending arrays now: tokens older than `stuck_before`
+    /// are stuck, arrays longer than `max_pending` too long.
+    pub fn snapshot(
+        &self,
+        collection: &str,
+        stuck_before: SystemTime,
+        max_pending: u64,
+    ) -> Snapshot {
+        let Some(watched) = self.collections.get(collection) else {
+            return Snapshot::default();
+        };
+        let cutoff = Token::cutoff(stuck_before);
+        let view = lock(&watched.view);
+        let mut snapshot = Snapshot::default();
+        for (id, (raw_id, pending)) in &view.documents {
+            match pending {
+                Pending::Malformed(_) => {
+                    snapshot.malformed += 1;
+                    if snapshot.malformed_sample.len() < SAMPLE {
+                        snapshot.malformed_sample.push(id.clone());
+                    }
+                }
+                Pending::Tokens(tokens) => {
+                    snapshot.pending_documents += 1;
+                    let size = tokens.len() as u64;
+                    snapshot.pending_tokens += size;
+                    snapshot.largest_pending = snapshot.largest_pending.max(size);
+                    if size > max_pending {
+                        snapshot.too_long += 1;
+                        if snapshot.too_long_sample.len() < SAMPLE {
+                            snapshot.too_long_sample.push(id.clone());
+                        }
+                    }
+                    let stuck = tokens.iter().filter(|t| **t < cutoff).count() as u64;
+                    if stuck > 0 {
+                        snapshot.stuck_tokens += stuck;
+                        snapshot.stuck_ids.push(raw_id.clone());
+                        if snapshot.stuck_sample.len() < SAMPLE {
+                            snapshot.stuck_sample.push(id.clone());
+                        }
+                    }
+                    if let Some(oldest) = tokens.iter().min() {
+                        let oldest = Token::from_object_id(*oldest);
+                        snapshot.oldest = Some(snapshot.oldest.map_or(oldest, |o| o.min(oldest)));
+                    }
+                }
+            }
+        }
+        snapshot
+    }
+
+    /// How long the collection's change stream has been down (`None` while
+    /// it is up).
+    pub fn down_for(&self, collection: &str) -> Option<Duration> {
+        let watched = self.collections.get(collection)?;
+        let health = *lock(&watched.health);
+        if health.up {
+            None
+        } else {
+            health.down_since.map(|since| since.elapsed())
+        }
+    }
+
+    /// The collections watched.
+    pub fn collections(&self) -> impl Iterator<Item = &String> {
+        self.collections.keys()
+    }
+}
+
+/// Why a stream ended.
+enum Ended {
+    /// Shutdown: stop.
+    Shutdown,
+    /// The server lost the stream's history, or the stream was invalidated:
+    /// rescan and start afresh.
+    Restart(&'static str),
+    /// An error: reconnect from the last position after a backoff.
+    Failed(Error),
+}
+
+impl Watcher {
+    fn name(&self) -> &str {
+        &self.watched.target.spec.name
+    }
+
+    fn set_up(&self, up: bool) {
+        let mut health = lock(&self.watched.health);
+        if up {
+            *health = Health {
+                up: true,
+                down_since: None,
+            };
+        } else if health.up {
+            *health = Health {
+                up: false,
+                down_since: Some(Instant::now()),
+            };
+        }
+        self.metrics
+            .monitor_up
+            .with_label_values(&[self.name()])
+            .set(i64::from(up));
+    }
+
+    async fn run(self) {
+        let mut backoff = Duration::from_secs(1);
+        let mut fresh_start = false;
+        loop {
+            if self.shutdown.is_cancelled() {
+                break;
+            }
+            let started = Instant::now();
+            let ended = if self.config.enabled {
+                self.stream(fresh_start).await
+            } else {
+                self.scan_only().await
+            };
+            self.set_up(false);
+            match ended {
+                Ended::Shutdown => break,
+                Ended::Restart(reason) => {
+                    tracing::warn!(collection = %self.name(), reason, "change stream restarted with a full rescan");
+                    self.metrics
+                        .monitor_restarts
+                        .with_label_values(&[self.name(), reason])
+                        .inc();
+                    fresh_start = true;
+                    backoff = Duration::from_secs(1);
+                }
+                Ended::Failed(err) => {
+                    self.metrics
+                        .monitor_restarts
+                        .with_label_values(&[self.name(), "error"])
+                        .inc();
+                    if started.elapsed() > MAX_BACKOFF {
+                        backoff = Duration::from_secs(1);
+                    }
+                    tracing::warn!(
+                        collection = %self.name(),
+                        cause = %err,
+                        retry_in = ?backoff,
+                        "change stream failed; reconnecting"
+                    );
+                    let wait = backoff.mul_f64(0.5 + fastrand::f64() / 2.0);
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => break,
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// Without change streams: a scan every `scan_interval`.
+    async fn scan_only(&self) -> Ended {
+        loop {
+            if let Err(err) = self.rescan().await {
+                return Ended::Failed(err);
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ended::Shutdown,
+                () = tokio::time::sleep(self.config.scan_interval) => {}
+            }
+        }
+    }
+
+    /// Opens the stream, scans, and follows it until it ends.
+    async fn stream(&self, fresh_start: bool) -> Ended {
+        let saved = if fresh_start {
+            if let Err(err) = self.state.forget_resume_token(self.name()).await {
+                return Ended::Failed(err);
+            }
+            None
+        } else {
+            match self.state.resume_token(self.name()).await {
+                Ok(token) => token,
+                Err(err) => return Ended::Failed(err),
+            }
+        };
+        let resumed = saved.is_some();
+        let mut stream = match self.open(saved).await {
+            Ok(stream) => stream,
+            Err(ended) => return ended,
+        };
+        if resumed {
+            tracing::info!(collection = %self.name(), "change stream resumed from the saved position");
+        }
+        // The stream is open first, so nothing that happens during the scan
+        // is missed: it arrives as events afterwards.
+        if let Err(err) = self.rescan().await {
+            return Ended::Failed(err);
+        }
+        self.set_up(true);
+        tracing::info!(collection = %self.name(), "watching for changes");
+        let mut saved_token: Option<ResumeToken> = None;
+        let mut next_save = Instant::now() + self.config.save_interval;
+        let mut next_rescan = Instant::now() + self.config.scan_interval;
+        // The stream is read with `next_if_any`, which returns after each
+        // getMore (at most `AWAIT` long), and never raced against timers: a
+        // getMore cancelled midway would leave the cursor unusable.
+        loop {
+            if self.shutdown.is_cancelled() {
+                self.save(stream.resume_token(), &mut saved_token).await;
+                return Ended::Shutdown;
+            }
+            if Instant::now() >= next_save {
+                self.save(stream.resume_token(), &mut saved_token).await;
+                next_save = Instant::now() + self.config.save_interval;
+            }
+            if Instant::now() >= next_rescan {
+                if let Err(err) = self.rescan().await {
+                    self.save(stream.resume_token(), &mut saved_token).await;
+                    return Ended::Failed(err);
+                }
+                next_rescan = Instant::now() + self.config.scan_interval;
+            }
+            match stream.next_if_any().await {
+                Ok(Some(event)) => {
+                    if let Some(ended) = self.apply(event) {
+                        self.save(stream.resume_token(), &mut saved_token).await;
+                        return ended;
+                    }
+                }
+                Ok(None) if stream.is_alive() => {}
+                Ok(None) => return Ended::Restart("invalidate"),
+                Err(err) => {
+                    self.save(stream.resume_token(), &mut saved_token).await;
+                    return match server_code(&err) {
+                        Some(code::CHANGE_STREAM_HISTORY_LOST) => Ended::Restart("history_lost"),
+                        _ => Ended::Failed(Error::Server(crate::error::Failure::once(
+                            "monitor.next",
+                            err,
+                        ))),
+                    };
+                }
+            }
+        }
+    }
+
+    async fn open(
+        &self,
+        resume_after: Option<ResumeToken>,
+    ) -> Result<ChangeStream<ChangeStreamEvent<Document>>, Ended> {
+        let spec = &self.watched.target.spec;
+        let collection = self.store.collection(&spec.name);
+        let projection = doc! { "$project": {
+            "operationType": 1,
+            "documentKey": 1,
+            "wallTime": 1,
+            "clusterTime": 1,
+            "ns": 1,
+            format!("fullDocument.{}", spec.pending_field): 1,
+            format!("fullDocument.{}", spec.counter_field): 1,
+        }};
+        let opened = collection
+            .watch()
+            .pipeline([projection])
+            .full_document(FullDocumentType::UpdateLookup)
+            .max_await_time(AWAIT)
+            .resume_after(resume_after)
+            .await;
+        match opened {
+            Ok(stream) => Ok(stream),
+            Err(err) if server_code(&err) == Some(code::CHANGE_STREAM_HISTORY_LOST) => {
+                Err(Ended::Restart("history_lost"))
+            }
+            Err(err) => Err(Ended::Failed(Error::Server(crate::error::Failure::once(
+                "monitor.open",
+                err,
+            )))),
+        }
+    }
+
+    /// Applies one event to the view; `Some` when the stream must end.
+    fn apply(&self, event: ChangeStreamEvent<Document>) -> Option<Ended> {
+        let name = self.name();
+        self.metrics.monitor_events.with_label_values(&[name]).inc();
+        if let Some(wall) = event.wall_time
+            && let Ok(lag) = SystemTime::now().duration_since(wall.to_system_time())
+        {
+            self.metrics
+                .monitor_lag
+                .with_label_values(&[name])
+                .set(lag.as_secs_f64());
+        }
+        let id = event
+            .document_key
+            .as_ref()
+            .and_then(|k| k.get("_id"))
+            .cloned();
+        match event.operation_type {
+            OperationType::Insert | OperationType::Update | OperationType::Replace => {
+                if let Some(id) = id {
+                    let pending = event
+                        .full_document
+                        .as_ref()
+                        .and_then(|d| read_pending(&self.watched.target, d));
+                    lock(&self.watched.view).set(&id, pending);
+                }
+                None
+            }
+            OperationType::Delete => {
+                if let Some(id) = id {
+                    lock(&self.watched.view).set(&id, None);
+                }
+                None
+            }
+            OperationType::Invalidate => Some(Ended::Restart("invalidate")),
+            // Drop, rename, drop database: an invalidate follows.
+            _ => None,
+        }
+    }
+
+    /// Rebuilds the view from a full scan (the fold's report pass).
+    async fn rescan(&self) -> Result<(), Error> {
+        let target = &self.watched.target;
+        let reconciler = Reconciler::new(&self.store);
+        let mut rows = reconciler.report(target).await?;
+        let mut view = View::default();
+        while let Some(row) = rows
+            .try_next()
+            .await
+            .map_err(|err| Error::Server(crate::error::Failure::once("monitor.scan", err)))?
+        {
+            let id = row.get("_id").cloned().unwrap_or(Bson::Null);
+            view.set(&id, read_pending(target, &row));
+        }
+        *lock(&self.watched.view) = view;
+        self.metrics
+            .monitor_rescans
+            .with_label_values(&[self.name()])
+            .inc();
+        Ok(())
+    }
+
+    /// Saves the stream's position (`token`, taken from the stream) when it
+    /// moved.
+    async fn save(&self, token: Option<ResumeToken>, saved: &mut Option<ResumeToken>) {
+        let Some(token) = token else {
+            return;
+        };
+        if saved.as_ref() == Some(&token) {
+            return;
+        }
+        match self.state.save_resume_token(self.name(), &token).await {
+            Ok(()) => *saved = Some(token),
+            Err(err) => {
+                tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token")
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The daemon's own state, kept in MongoDB (`[daemon] state_collection`) so
+//! that a restart — or another instance — carries on where the last one
+//! stopped:
+//!
+//! - `{_id: "last_success:<collection>", at}`: the last run that reconciled
+//!   the collection completely (a missed run is caught up at start);
+//! - `{_id: "resume:<collection>", token, at}`: where the collection's
+//!   change stream stopped (writes made while the daemon was down are seen);
+//! - `{_id: "lease", owner, expires}`: which instance is active
+//!   ([`crate::lease`]).
+
+use std::time::SystemTime;
+
+use mongodb::Collection;
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use mongodb::change_stream::event::ResumeToken;
+
+use crate::error::Error;
+use crate::store::Store;
+
+/// Reads and writes the daemon's state documents.
+#[derive(Clone, Debug)]
+pub struct State {
+    store: Store,
+    collection: Collection<Document>,
+}
+
+impl State {
+    /// The state in `collection` of the store's database.
+    pub fn new(store: &Store, collection: &str) -> Self {
+        Self {
+            store: store.clone(),
+            collection: store.collection(collection),
+        }
+    }
+
+    /// The state collection itself (the lease lives there too).
+    pub fn collection(&self) -> &Collection<Document> {
+        &self.collection
+    }
+
+    /// When the collection was last reconciled completely.
+    pub async fn last_success(&self, collection: &str) -> Result<Option<SystemTime>, Error> {
+        let found = self.read(&format!("last_success:{collection}")).await?;
+        Ok(match found.and_then(|d| d.get("at").cloned()) {
+            Some(Bson::DateTime(at)) => Some(at.to_system_time()),
+            _ => None,
+        })
+    }
+
+    /// Records a complete reconcile run of the collection.
+    pub async fn record_success(&self, collection: &str, at: SystemTime) -> Result<(), Error> {
+        self.write(
+            &format!("last_success:{collection}"),
+            doc! { "collection": collection, "at": DateTime::from_system_time(at) },
+        )
+        .await
+    }
+
+    /// Where the collection's change stream stopped, if it was saved.
+    pub async fn resume_token(&self, collection: &str) -> Result<Option<ResumeToken>, Error> {
+        let found = self.read(&format!("resume:{collection}")).await?;
+        let Some(token) = found.and_then(|d| d.get("token").cloned()) else {
+            return Ok(None);
+        };
+        mongodb::bson::deserialize_from_bson(token)
+            .map(Some)
+            .map_err(|err| Error::InvalidArgument(format!("unreadable saved resume token: {err}")))
+    }
+
+    /// Saves where the collection's change stream is.
+    pub async fn save_resume_token(
+        &self,
+        collection: &str,
+        token: &ResumeToken,
+    ) -> Result<(), Error> {
+        let token = mongodb::bson::serialize_to_bson(token).map_err(|err| {
+            Error::InvalidArgument(format!("cannot encode a resume token: {err}"))
+        })?;
+        self.write(
+            &format!("resume:{collection}"),
+            doc! { "collection": collection, "token": token, "at": DateTime::now() },
+        )
+        .await
+    }
+
+    /// Forgets the saved resume token (after the server lost its history).
+    pub async fn forget_resume_token(&self, collection: &str) -> Result<(), Error> {
+        let filter = doc! { "_id": format!("resume:{collection}") };
+        let mut budget = crate::error::RetryBudget::retry_once("state.forget", false);
+        self.store
+            .with_retry(&mut budget, || self.collection.delete_one(filter.clone()))
+            .await
+            .map(|_| ())
+            .map_err(Error::Server)
+    }
+
+    async fn read(&self, id: &str) -> Result<Option<Document>, Error> {
+        self.store
+            .find_one(&self.collection, doc! { "_id": id }, doc! {}, "state.read")
+            .await
+    }
+
+    /// Replaces the document `id` with `fields` (idempotent, so retried once).
+    async fn write(&self, id: &str, fields: Document) -> Result<(), Error> {
+        // Two daemons upserting the same new document race on `_id`: the
+        // loser's duplicate key applied nothing and is sent again.
+        let mut budget = crate::error::RetryBudget::retry_once("state.write", false)
+            .with_duplicate_key_retries(3);
+        self.store
+            .with_retry(&mut budget, || {
+                self.collection
+                    .replace_one(doc! { "_id": id }, fields.clone())
+                    .upsert(true)
+            })
+            .await
+            .map(|_| ())
+            .map_err(Error::Server)
+    }
+}

@@ -1,0 +1,681 @@
+//! The alert engine against a real webhook receiver on loopback: what
+//! arrives, in which order, how often, with which header; what happens when
+//! the receiver fails or is not there; what the logs never show.
+//!
+//! No database is involved: these tests do not start the test server.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use serde_json::{Value, json};
+use tally::alert::{AlertKind, AlertOptions, Alerts, Backoff, Observation};
+use tally::metrics::Metrics;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// The variable named by `auth_header_env`; only the config's env map
+/// holds it, never the process environment.
+const AUTH_VAR: &str = "TALLY_TEST_WEBHOOK_AUTH";
+const AUTH_VALUE: &str = "Bearer alert-test-t0ken";
+/// The webhook's path, secret like many real webhook paths.
+const SECRET_PATH: &str = "/hooks/T0KEN-IN-PATH";
+
+/// One request the receiver saw.
+#[derive(Clone, Debug)]
+pub(crate) struct Received {
+    pub(crate) status: StatusCode,
+    pub(crate) path: String,
+    pub(crate) authorization: Option<String>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) body: Value,
+}
+
+#[derive(Default)]
+struct ReceiverState {
+    /// Requests still to be answered 500.
+    fail_next: AtomicUsize,
+    requests: Mutex<Vec<Received>>,
+}
+
+/// A webhook receiver on 127.0.0.1 that records every request and answers
+/// 500 to the first `fail_next` of them, 200 to the rest. Stops on drop.
+pub(crate) struct Receiver {
+    pub(crate) addr: SocketAddr,
+    state: Arc<ReceiverState>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Receiver {
+    pub(crate) async fn start(fail_next: usize) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port for the test webhook");
+        Self::serve(listener, fail_next)
+    }
+
+    /// A receiver on a port that was free a moment ago (a webhook coming
+    /// back up).
+    async fn start_on(addr: SocketAddr) -> Self {
+        let listener = TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|err| panic!("rebind {addr} for the test webhook: {err}"));
+        Self::serve(listener, 0)
+    }
+
+    fn serve(listener: TcpListener, fail_next: usize) -> Self {
+        let addr = listener.local_addr().expect("listener address");
+        let state = Arc::new(ReceiverState {
+            fail_next: AtomicUsize::new(fail_next),
+            ..ReceiverState::default()
+        });
+        let app = axum::Router::new()
+            .fallback(receive)
+            .with_state(state.clone());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .await
+                .expect("the test webhook serves");
+        });
+        Self {
+            addr,
+            state,
+            server,
+        }
+    }
+
+    pub(crate) fn requests(&self) -> Vec<Received> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    /// The bodies answered with 200, in the order they arrived.
+    pub(crate) fn delivered(&self) -> Vec<Value> {
+        self.requests()
+            .into_iter()
+            .filter(|r| r.status.is_success())
+            .map(|r| r.body)
+            .collect()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn receive(
+    State(state): State<Arc<ReceiverState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> StatusCode {
+    let fail = state
+        .fail_next
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    let status = if fail {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::OK
+    };
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .map(|v| v.to_str().unwrap_or("(not text)").to_owned())
+    };
+    state.requests.lock().unwrap().push(Received {
+        status,
+        path: uri.path().to_owned(),
+        authorization: header("authorization"),
+        content_type: header("content-type"),
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+    });
+    status
+}
+
+/// A configuration with the webhook at `addr`, read the way `tallyd` reads
+/// it: TOML plus an environment holding the auth header's value.
+fn config_for(addr: SocketAddr, max_attempts: u32) -> tally::Config {
+    let text = format!(
+        r#"
+        [mongodb]
+        uri = "mongodb://localhost:27017"
+        database = "app"
+
+        [alerts.webhook]
+        url = "http://{addr}{SECRET_PATH}"
+        auth_header_env = "{AUTH_VAR}"
+        timeout = "2s"
+        max_attempts = {max_attempts}
+        "#
+    );
+    tally::Config::from_toml(&text, [(AUTH_VAR.to_owned(), AUTH_VALUE.to_owned())])
+        .unwrap_or_else(|err| panic!("the test config is valid: {err}"))
+}
+
+/// A loopback address where nothing listens (bound, then released).
+async fn nothing_listening() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a loopback port");
+    listener.local_addr().expect("listener address")
+}
+
+/// The engine under test, with short backoffs; shuts down on drop.
+struct Engine {
+    alerts: Alerts,
+    metrics: Metrics,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+}
+
+impl Engine {
+    fn start(config: &tally::Config, backoff: Backoff) -> Self {
+        let metrics = Metrics::new();
+        let tracker = TaskTracker::new();
+        let shutdown = CancellationToken::new();
+        let alerts = Alerts::start_with(
+            &config.alerts,
+            config.secrets(),
+            metrics.clone(),
+            &tracker,
+            shutdown.clone(),
+            AlertOptions {
+                instance: Some("test-instance".into()),
+                backoff,
+                shutdown_flush: Duration::from_millis(500),
+            },
+        );
+        Self {
+            alerts,
+            metrics,
+            tracker,
+            shutdown,
+        }
+    }
+
+    fn deliveries(&self, result: &str) -> u64 {
+        self.metrics
+            .webhook_deliveries
+            .with_label_values(&[result])
+            .get()
+    }
+
+    fn notifications(&self, kind: AlertKind, state: &str) -> u64 {
+        self.metrics
+            .alert_notifications
+            .with_label_values(&[kind.as_str(), state])
+            .get()
+    }
+
+    /// Shuts the engine down and returns how long its task took to stop.
+    async fn stop(&self) -> Duration {
+        let started = Instant::now();
+        self.shutdown.cancel();
+        self.tracker.close();
+        tokio::time::timeout(Duration::from_secs(10), self.tracker.wait())
+            .await
+            .expect("the delivery task stops within 10s of shutdown");
+        started.elapsed()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+const FAST: Backoff = Backoff {
+    base: Duration::from_millis(10),
+    cap: Duration::from_millis(40),
+};
+
+fn stuck(count: u64) -> Observation {
+    Observation {
+        count,
+        oldest_age: Some(Duration::from_secs(7200)),
+        sample_ids: vec!["a".into(), "b".into()],
+        detail: None,
+    }
+}
+
+/// Waits for `done`, failing the test after 10s.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Fires a marker alert and waits until the receiver has it. Delivery is
+/// in order, so anything sent before the marker has arrived by then: what
+/// the receiver holds is everything that was sent.
+async fn sync_with_marker(engine: &Engine, receiver: &Receiver) {
+    engine
+        .alerts
+        .set(AlertKind::Malformed, "marker", Some(stuck(1)));
+    eventually("the marker alert", || {
+        receiver
+            .delivered()
+            .iter()
+            .any(|b| b["collection"] == "marker")
+    })
+    .await;
+}
+
+fn summary(bodies: &[Value]) -> Vec<(String, String, String)> {
+    bodies
+        .iter()
+        .map(|b| {
+            (
+                b["kind"].as_str().unwrap_or("?").to_owned(),
+                b["state"].as_str().unwrap_or("?").to_owned(),
+                b["collection"].as_str().unwrap_or("?").to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn entry(kind: &str, state: &str, collection: &str) -> (String, String, String) {
+    (kind.to_owned(), state.to_owned(), collection.to_owned())
+}
+
+#[tokio::test]
+async fn the_webhook_receives_firing_then_resolved_once_each() {
+    let receiver = Receiver::start(0).await;
+    let engine = Engine::start(&config_for(receiver.addr, 3), FAST);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "views", Some(stuck(3)));
+    engine.alerts.set(AlertKind::StuckTokens, "views", None);
+    engine.alerts.set(AlertKind::StuckTokens, "views", None);
+    sync_with_marker(&engine, &receiver).await;
+
+    let requests = receiver.requests();
+    let bodies = receiver.delivered();
+    assert_eq!(
+        summary(&bodies),
+        [
+            entry("stuck_tokens", "firing", "views"),
+            entry("stuck_tokens", "resolved", "views"),
+            entry("malformed", "firing", "marker"),
+        ]
+    );
+    assert_eq!(requests.len(), 3, "no retries were needed: {requests:?}");
+    for request in &requests {
+        assert_eq!(request.authorization.as_deref(), Some(AUTH_VALUE));
+        assert_eq!(request.content_type.as_deref(), Some("application/json"));
+        assert_eq!(request.path, SECRET_PATH);
+    }
+
+    let firing = &bodies[0];
+    assert_eq!(firing["count"], 3);
+    assert_eq!(firing["oldest_age_seconds"], 7200);
+    assert_eq!(firing["sample_ids"], json!(["a", "b"]));
+    assert_eq!(firing["detail"], Value::Null);
+    assert_eq!(firing["instance"], "test-instance");
+    let at = firing["at"].as_str().expect("`at` is a string");
+    chrono::DateTime::parse_from_rfc3339(at).expect("`at` is RFC 3339");
+
+    let resolved = &bodies[1];
+    assert_eq!(resolved["count"], 0);
+    assert_eq!(resolved["oldest_age_seconds"], Value::Null);
+    assert_eq!(resolved["sample_ids"], json!([]));
+    assert!(
+        resolved["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("last count 3")),
+        "{resolved}"
+    );
+
+    assert_eq!(engine.notifications(AlertKind::StuckTokens, "firing"), 1);
+    assert_eq!(engine.notifications(AlertKind::StuckTokens, "resolved"), 1);
+    eventually("3 deliveries counted", || {
+        engine.deliveries("delivered") == 3
+    })
+    .await;
+    assert_eq!(engine.deliveries("retried"), 0);
+    let text = engine.metrics.render();
+    assert!(
+        text.contains(r#"tally_alerts_firing{collection="views",kind="stuck_tokens"} 0"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"tally_alerts_firing{collection="marker",kind="malformed"} 1"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn repeated_reports_while_firing_send_nothing_more() {
+    let receiver = Receiver::start(0).await;
+    let engine = Engine::start(&config_for(receiver.addr, 3), FAST);
+
+    for count in 1..=100 {
+        engine
+            .alerts
+            .set(AlertKind::StuckTokens, "views", Some(stuck(count)));
+    }
+    sync_with_marker(&engine, &receiver).await;
+
+    let bodies = receiver.delivered();
+    assert_eq!(
+        summary(&bodies),
+        [
+            entry("stuck_tokens", "firing", "views"),
+            entry("malformed", "firing", "marker"),
+        ]
+    );
+    assert_eq!(
+        bodies[0]["count"], 1,
+        "the firing tells the first observation"
+    );
+    let firing = engine.alerts.firing();
+    assert_eq!(
+        firing
+            .iter()
+            .find(|(kind, _, _)| *kind == AlertKind::StuckTokens)
+            .map(|(_, _, observation)| observation.count),
+        Some(100),
+        "the engine keeps the latest observation"
+    );
+    assert_eq!(engine.notifications(AlertKind::StuckTokens, "firing"), 1);
+}
+
+#[tokio::test]
+async fn a_failing_webhook_is_retried_and_order_is_kept() {
+    let receiver = Receiver::start(2).await;
+    let engine = Engine::start(&config_for(receiver.addr, 5), FAST);
+
+    engine
+        .alerts
+        .set(AlertKind::RunFailed, "views", Some(stuck(1)));
+    engine.alerts.set(AlertKind::RunFailed, "views", None);
+    eventually("both notifications", || receiver.delivered().len() == 2).await;
+
+    assert_eq!(
+        summary(&receiver.delivered()),
+        [
+            entry("run_failed", "firing", "views"),
+            entry("run_failed", "resolved", "views"),
+        ]
+    );
+    let attempts: Vec<(u16, String)> = receiver
+        .requests()
+        .iter()
+        .map(|r| {
+            (
+                r.status.as_u16(),
+                r.body["state"].as_str().unwrap_or("?").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        attempts,
+        [
+            (500, "firing".to_owned()),
+            (500, "firing".to_owned()),
+            (200, "firing".to_owned()),
+            (200, "resolved".to_owned()),
+        ],
+        "the resolved waited behind the retried firing"
+    );
+    eventually("2 deliveries counted", || {
+        engine.deliveries("delivered") == 2
+    })
+    .await;
+    assert_eq!(engine.deliveries("retried"), 2);
+    assert_eq!(engine.deliveries("failed"), 0);
+}
+
+#[tokio::test]
+async fn a_webhook_that_is_down_is_given_up_on_without_blocking_and_the_engine_goes_on() {
+    let addr = nothing_listening().await;
+    let engine = Engine::start(&config_for(addr, 3), FAST);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "views", Some(stuck(1)));
+    // While the first notification is being retried, reporting stays cheap:
+    // nothing waits for the network.
+    let started = Instant::now();
+    for count in 0..1000 {
+        engine
+            .alerts
+            .set(AlertKind::StuckTokens, "views", Some(stuck(count)));
+    }
+    for _ in 0..3 {
+        engine
+            .alerts
+            .set(AlertKind::MonitorDown, "views", Some(stuck(1)));
+        engine.alerts.set(AlertKind::MonitorDown, "views", None);
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "1006 reports took {elapsed:?}"
+    );
+
+    eventually("the first notification to be given up", || {
+        engine.deliveries("failed") >= 1
+    })
+    .await;
+    assert!(engine.deliveries("retried") >= 2);
+    assert_eq!(engine.deliveries("delivered"), 0);
+
+    // The webhook comes back: the engine still delivers.
+    let receiver = Receiver::start_on(addr).await;
+    engine.alerts.set(AlertKind::StuckTokens, "views", None);
+    eventually("the resolved after the webhook came back", || {
+        receiver
+            .delivered()
+            .last()
+            .is_some_and(|b| b["kind"] == "stuck_tokens" && b["state"] == "resolved")
+    })
+    .await;
+    // 1 firing + 6 monitor_down + 1 resolved, each delivered or given up
+    // (the count follows the receiver's answer by a moment).
+    eventually("every notification accounted for", || {
+        engine.deliveries("failed") + engine.deliveries("delivered") == 8
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_full_queue_drops_the_newest_without_blocking() {
+    let addr = nothing_listening().await;
+    let slow = Backoff {
+        base: Duration::from_secs(30),
+        cap: Duration::from_secs(60),
+    };
+    let engine = Engine::start(&config_for(addr, 8), slow);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "views", Some(stuck(1)));
+    // The delivery task now holds that one and waits to retry it.
+    eventually("the first attempt", || engine.deliveries("retried") == 1).await;
+    let started = Instant::now();
+    for _ in 0..600 {
+        engine
+            .alerts
+            .set(AlertKind::MonitorDown, "views", Some(stuck(1)));
+        engine.alerts.set(AlertKind::MonitorDown, "views", None);
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(2),
+        "1200 reports took {elapsed:?}"
+    );
+    let queued = tally::alert::QUEUE_CAPACITY as u64;
+    assert_eq!(engine.deliveries("failed"), 1200 - queued);
+    assert_eq!(engine.notifications(AlertKind::MonitorDown, "firing"), 600);
+
+    engine.stop().await;
+    // Everything queued is reported undelivered at shutdown, the held one
+    // included.
+    assert_eq!(engine.deliveries("failed"), 1200 + 1);
+}
+
+#[tokio::test]
+async fn shutdown_cuts_retries_short_and_reports_what_was_not_delivered() {
+    let receiver = Receiver::start(usize::MAX).await;
+    let slow = Backoff {
+        base: Duration::from_secs(30),
+        cap: Duration::from_secs(60),
+    };
+    let engine = Engine::start(&config_for(receiver.addr, 8), slow);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "views", Some(stuck(1)));
+    eventually("the first attempt", || engine.deliveries("retried") == 1).await;
+    engine.alerts.set(AlertKind::StuckTokens, "views", None);
+
+    let took = engine.stop().await;
+    assert!(took < Duration::from_secs(2), "shutdown took {took:?}");
+    // The firing got one last attempt (answered 500); the resolved behind
+    // it was not tried against a webhook known to fail.
+    assert_eq!(receiver.requests().len(), 2);
+    assert_eq!(engine.deliveries("failed"), 2);
+
+    // Reporting after shutdown neither blocks nor panics.
+    engine
+        .alerts
+        .set(AlertKind::Malformed, "views", Some(stuck(1)));
+    assert_eq!(engine.deliveries("failed"), 3);
+}
+
+#[tokio::test]
+async fn shutdown_delivers_what_is_queued_when_the_webhook_answers() {
+    let receiver = Receiver::start(0).await;
+    let engine = Engine::start(&config_for(receiver.addr, 3), FAST);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "views", Some(stuck(1)));
+    engine.alerts.set(AlertKind::StuckTokens, "views", None);
+    engine.stop().await;
+
+    assert_eq!(
+        summary(&receiver.delivered()),
+        [
+            entry("stuck_tokens", "firing", "views"),
+            entry("stuck_tokens", "resolved", "views"),
+        ]
+    );
+    assert_eq!(engine.deliveries("delivered"), 2);
+}
+
+/// A log sink for one test: everything written, kept in memory.
+#[derive(Clone, Default)]
+struct CapturedLog(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLog {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLog {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+// A current-thread runtime: the subscriber set for this thread sees every
+// task of the test, the delivery task included.
+#[tokio::test(flavor = "current_thread")]
+async fn logs_never_show_the_auth_header_or_the_webhook_path() {
+    let log = CapturedLog::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    // tracing caches each callsite's interest when the callsite is first
+    // hit. While a single dispatcher is registered it asks only the hitting
+    // thread's default, so a callsite first hit by a parallel test (no
+    // subscriber on its thread) would stay muted here. A second live
+    // dispatcher makes it ask every registered one.
+    let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
+
+    // One webhook that answers 500 once, one that is not there at all.
+    let receiver = Receiver::start(1).await;
+    let answering = Engine::start(&config_for(receiver.addr, 3), FAST);
+    let down_addr = nothing_listening().await;
+    let down = Engine::start(&config_for(down_addr, 2), FAST);
+
+    // A detail quoting both secrets, as a careless error message might.
+    let leaky = Observation {
+        detail: Some(format!("rejected {AUTH_VALUE} at {SECRET_PATH}")),
+        ..stuck(2)
+    };
+    for engine in [&answering, &down] {
+        engine
+            .alerts
+            .set(AlertKind::RunFailed, "views", Some(leaky.clone()));
+        engine.alerts.set(AlertKind::RunFailed, "views", None);
+    }
+    eventually("delivery after one 500", || {
+        answering.deliveries("delivered") == 2
+    })
+    .await;
+    eventually("giving up on the missing webhook", || {
+        down.deliveries("failed") == 2
+    })
+    .await;
+    down.alerts
+        .set(AlertKind::RunFailed, "views", Some(stuck(1)));
+    down.stop().await;
+    answering.stop().await;
+
+    let text = log.text();
+    // The log says what happened...
+    for expected in [
+        "alert firing",
+        "alert resolved",
+        "the webhook answered 500",
+        "will retry",
+        "cannot connect",
+        "giving up",
+        "alert not delivered before shutdown",
+        &format!("http://{down_addr}/****"),
+    ] {
+        assert!(
+            text.contains(expected),
+            "{expected:?} missing from:\n{text}"
+        );
+    }
+    // ...without the secrets.
+    for secret in [AUTH_VALUE, "alert-test-t0ken", SECRET_PATH, "T0KEN-IN-PATH"] {
+        assert!(!text.contains(secret), "{secret:?} leaked into:\n{text}");
+    }
+    // The receiver did get the header: it was sent, only never shown; the
+    // detail it got was scrubbed too.
+    let requests = receiver.requests();
+    assert!(
+        requests
+            .iter()
+            .all(|r| r.authorization.as_deref() == Some(AUTH_VALUE))
+    );
+    assert_eq!(requests[0].body["detail"], "rejected **** at ****");
+}

@@ -1,0 +1,327 @@
+//! What ships beside the binary: the systemd units in `systemd/` and the
+//! Prometheus rules in `config/alerts.yml`, checked against the code they
+//! describe (metric names, the config exit code, the shutdown deadline) and
+//! against the tool that reads them (`systemd-analyze verify`). The alert
+//! rules are also checked by `promtool` in `.ci/run` (`scripts/check-alert-rules`).
+//! No database needed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use tally::config::{DaemonConfig, EXIT_CONFIG};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(relative: &str) -> String {
+    let path = root().join(relative);
+    std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()))
+}
+
+fn output_text(output: &Output) -> String {
+    format!(
+        "exit: {}\n--- stdout\n{}--- stderr\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+// --- metric names ----------------------------------------------------------
+
+/// Every metric name `src/metrics.rs` registers: its quoted `"tally_..."`
+/// strings. A histogram also exposes `_bucket`, `_sum` and `_count` series.
+fn exported_metrics() -> BTreeSet<String> {
+    let source = read("src/metrics.rs");
+    let mut names = BTreeSet::new();
+    for (quote, _) in source.match_indices("\"tally_") {
+        let start = quote + 1;
+        let Some(len) = source[start..].find('"') else {
+            continue;
+        };
+        let name = &source[start..start + len];
+        let valid = name.len() > "tally_".len()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !valid {
+            continue;
+        }
+        names.insert(name.to_owned());
+        if source[..quote].trim_end().ends_with("HistogramOpts::new(") {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{name}{suffix}"));
+            }
+        }
+    }
+    names
+}
+
+/// Every `tally_[a-z0-9_]+` word in `text`.
+fn tally_identifiers(text: &str) -> BTreeSet<String> {
+    let bytes = text.as_bytes();
+    let is_word = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+    let mut found = BTreeSet::new();
+    let mut from = 0;
+    while let Some(at) = text[from..].find("tally_") {
+        let start = from + at;
+        let mut end = start + "tally_".len();
+        while end < bytes.len()
+            && (bytes[end].is_ascii_lowercase()
+                || bytes[end].is_ascii_digit()
+                || bytes[end] == b'_')
+        {
+            end += 1;
+        }
+        let whole_word = (start == 0 || !is_word(bytes[start - 1]))
+            && (end == bytes.len() || !is_word(bytes[end]));
+        if whole_word && end > start + "tally_".len() {
+            found.insert(text[start..end].to_owned());
+        }
+        from = end;
+    }
+    found
+}
+
+#[test]
+fn the_metric_list_is_read_from_the_source() {
+    let metrics = exported_metrics();
+    for expected in [
+        "tally_ready",
+        "tally_lease_active",
+        "tally_reconcile_runs_total",
+        "tally_reconcile_duration_seconds_bucket",
+        "tally_webhook_deliveries_total",
+    ] {
+        assert!(metrics.contains(expected), "{expected} not in {metrics:?}");
+    }
+    assert!(!metrics.contains("tally_ready_bucket"), "{metrics:?}");
+}
+
+#[test]
+fn alert_rules_use_only_metrics_the_daemon_exports() {
+    let rules = read("config/alerts.yml");
+    let metrics = exported_metrics();
+    let used = tally_identifiers(&rules);
+    assert!(used.contains("tally_stuck_tokens"), "{used:?}");
+    let unknown: Vec<&String> = used.difference(&metrics).collect();
+    assert!(
+        unknown.is_empty(),
+        "config/alerts.yml names metrics src/metrics.rs does not define: {unknown:?}\n\
+         defined: {metrics:?}"
+    );
+}
+
+#[test]
+fn every_alert_rule_has_a_duration_a_severity_and_instructions() {
+    let rules = read("config/alerts.yml");
+    let mut alerts: Vec<(String, String)> = Vec::new();
+    for line in rules.lines() {
+        let trimmed = line.trim_start();
+        if let Some(name) = trimmed.strip_prefix("- alert:") {
+            alerts.push((name.trim().to_owned(), String::new()));
+        } else if let Some((_, body)) = alerts.last_mut() {
+            body.push_str(trimmed);
+            body.push('\n');
+        }
+    }
+    assert!(alerts.len() >= 10, "{alerts:?}");
+    let names: BTreeSet<&str> = alerts.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.len(), alerts.len(), "duplicate alert names");
+    for (name, body) in &alerts {
+        for key in ["expr:", "for:", "severity:", "summary:", "description:"] {
+            assert!(
+                body.lines().any(|l| l.starts_with(key)),
+                "alert {name} has no {key}"
+            );
+        }
+        let severity = body
+            .lines()
+            .find_map(|l| l.strip_prefix("severity:"))
+            .unwrap()
+            .trim();
+        assert!(
+            ["critical", "warning"].contains(&severity),
+            "alert {name}: severity {severity}"
+        );
+    }
+}
+
+// --- systemd units ---------------------------------------------------------
+
+/// A unit file as `section -> key -> values` (a key may repeat).
+type Unit = BTreeMap<String, BTreeMap<String, Vec<String>>>;
+
+fn parse_unit(relative: &str) -> Unit {
+    let mut unit = Unit::new();
+    let mut section = String::new();
+    for line in read(relative).lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if line.starts_with('[') && line.ends_with(']') {
+            section = line[1..line.len() - 1].to_owned();
+            continue;
+        }
+        let (key, value) = line
+            .split_once('=')
+            .unwrap_or_else(|| panic!("{relative}: not key=value: {line:?}"));
+        unit.entry(section.clone())
+            .or_default()
+            .entry(key.trim().to_owned())
+            .or_default()
+            .push(value.trim().to_owned());
+    }
+    unit
+}
+
+fn value<'u>(unit: &'u Unit, section: &str, key: &str) -> Option<&'u str> {
+    unit.get(section)?.get(key)?.last().map(String::as_str)
+}
+
+fn expect(unit: &Unit, name: &str, section: &str, key: &str, expected: &str) {
+    assert_eq!(
+        value(unit, section, key),
+        Some(expected),
+        "{name}: [{section}] {key}"
+    );
+}
+
+/// Hardening directives both services must set, and to what.
+const HARDENING: &[(&str, &str)] = &[
+    ("DynamicUser", "yes"),
+    ("ProtectSystem", "strict"),
+    ("ProtectHome", "yes"),
+    ("PrivateTmp", "yes"),
+    ("PrivateDevices", "yes"),
+    ("NoNewPrivileges", "yes"),
+    ("CapabilityBoundingSet", ""),
+    ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+    ("SystemCallArchitectures", "native"),
+    ("LockPersonality", "yes"),
+    ("MemoryDenyWriteExecute", "yes"),
+    ("RestrictNamespaces", "yes"),
+    ("RestrictRealtime", "yes"),
+    ("ProtectKernelTunables", "yes"),
+    ("ProtectKernelModules", "yes"),
+    ("ProtectKernelLogs", "yes"),
+    ("ProtectControlGroups", "yes"),
+    ("ProtectClock", "yes"),
+    ("ProtectHostname", "yes"),
+    ("ProtectProc", "invisible"),
+    ("UMask", "0077"),
+];
+
+fn expect_hardening(unit: &Unit, name: &str) {
+    for (key, expected) in HARDENING {
+        expect(unit, name, "Service", key, expected);
+    }
+    let filters = &unit["Service"]["SystemCallFilter"];
+    assert_eq!(
+        filters.first().map(String::as_str),
+        Some("@system-service"),
+        "{name}: SystemCallFilter {filters:?}"
+    );
+    // The config file is the only thing read; secrets may come from this.
+    expect(
+        unit,
+        name,
+        "Service",
+        "EnvironmentFile",
+        "-/etc/tally/tallyd.env",
+    );
+}
+
+fn span(unit: &Unit, name: &str, key: &str) -> Duration {
+    let text = value(unit, "Service", key).unwrap_or_else(|| panic!("{name}: no {key}"));
+    humantime::parse_duration(text).unwrap_or_else(|err| panic!("{name}: {key}={text}: {err}"))
+}
+
+#[test]
+fn the_daemon_unit_is_a_hardened_notify_service() {
+    let name = "systemd/tallyd.service";
+    let unit = parse_unit(name);
+    expect(&unit, name, "Service", "Type", "notify");
+    expect(
+        &unit,
+        name,
+        "Service",
+        "ExecStart",
+        "/usr/local/bin/tallyd --config /etc/tally/tallyd.toml run",
+    );
+    expect(&unit, name, "Service", "Restart", "on-failure");
+    // A bad configuration must not restart in a loop.
+    expect(
+        &unit,
+        name,
+        "Service",
+        "RestartPreventExitStatus",
+        &EXIT_CONFIG.to_string(),
+    );
+    let watchdog = span(&unit, name, "WatchdogSec");
+    assert!(
+        watchdog >= Duration::from_secs(10),
+        "{name}: WatchdogSec {watchdog:?}"
+    );
+    // systemd's SIGKILL must come after the daemon's own drain deadline.
+    let stop = span(&unit, name, "TimeoutStopSec");
+    let drain = DaemonConfig::default().shutdown_timeout;
+    assert!(
+        stop > drain,
+        "{name}: TimeoutStopSec {stop:?} must exceed the default shutdown_timeout {drain:?}"
+    );
+    expect_hardening(&unit, name);
+    expect(&unit, name, "Install", "WantedBy", "multi-user.target");
+}
+
+#[test]
+fn the_reconcile_timer_runs_a_hardened_oneshot_nightly() {
+    let name = "systemd/tallyd-reconcile.service";
+    let service = parse_unit(name);
+    expect(&service, name, "Service", "Type", "oneshot");
+    expect(
+        &service,
+        name,
+        "Service",
+        "ExecStart",
+        "/usr/local/bin/tallyd --config /etc/tally/tallyd.toml reconcile",
+    );
+    assert_eq!(value(&service, "Service", "WatchdogSec"), None, "{name}");
+    expect_hardening(&service, name);
+
+    let name = "systemd/tallyd-reconcile.timer";
+    let timer = parse_unit(name);
+    expect(&timer, name, "Timer", "Persistent", "true");
+    let calendar = value(&timer, "Timer", "OnCalendar").expect("OnCalendar");
+    assert!(calendar.contains("03:30"), "{name}: OnCalendar={calendar}");
+    expect(&timer, name, "Install", "WantedBy", "timers.target");
+}
+
+/// Runs a check script from `scripts/`.
+fn script(name: &str, args: &[&Path]) -> Output {
+    Command::new(root().join("scripts").join(name))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap_or_else(|err| panic!("run scripts/{name}: {err}"))
+}
+
+/// `systemd-analyze verify`, through the script that points the units at the
+/// built binary. The script installs systemd-analyze where it can (root with
+/// apt-get); where it cannot, this fails and its message says what to run.
+#[test]
+fn systemd_analyze_verifies_the_units() {
+    let binary = Path::new(env!("CARGO_BIN_EXE_tallyd"));
+    let output = script("check-systemd-units", &[binary]);
+    assert!(
+        output.status.success(),
+        "scripts/check-systemd-units {} failed (if systemd-analyze is missing, \
+         install it: apt-get update && apt-get install -y systemd)\n{}",
+        binary.display(),
+        output_text(&output)
+    );
+}
