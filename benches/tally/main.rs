@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -22,6 +22,7 @@
 #[allow(dead_code)]
 mod server;
 
+mod daemon;
 mod fold;
 mod increment;
 mod measure;
@@ -76,8 +77,9 @@ fn main() {
             "increment" => runtime.block_on(increment::run(&settings)),
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
+            "daemon" => runtime.block_on(daemon::run(&settings)),
             other => {
-                eprintln!("unknown section {other:?}; sections: increment, sequence, fold");
+                eprintln!("unknown section {other:?}; sections: increment, sequence, fold, daemon");
                 std::process::exit(2);
             }
         }
