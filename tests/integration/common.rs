@@ -14,7 +14,8 @@ use mongodb::event::EventHandler;
 use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 use mongodb::{Client, Collection};
-use tally::Store;
+use tally::{CollectionRun, FoldTarget, Mode, Reconciler, Store};
+use tokio_util::sync::CancellationToken;
 
 use server::{EXTERNAL_URI_VAR, ServerOptions, TestServer};
 
@@ -86,9 +87,53 @@ impl TestContext {
 
     /// A client for this test, recording the commands it sends.
     pub async fn client(&self, retry_writes: bool) -> TestClient {
-        let mut options = ClientOptions::parse(&self.uri)
+        let options = ClientOptions::parse(&self.uri)
             .await
             .expect("parse test URI");
+        self.client_with(options, retry_writes)
+    }
+
+    /// A client for this test that reaches the server through `proxy`
+    /// (with the test URI's credentials: the proxy's URI has none).
+    pub async fn client_through(&self, proxy: &proxy::Proxy, retry_writes: bool) -> TestClient {
+        let mut options = ClientOptions::parse(proxy.uri())
+            .await
+            .expect("parse the proxy's URI");
+        options.credential = ClientOptions::parse(&self.uri)
+            .await
+            .expect("parse test URI")
+            .credential;
+        self.client_with(options, retry_writes)
+    }
+
+    /// The URI a child process should use to reach the server through
+    /// `proxy`: the proxy's address with the test URI's credentials.
+    pub fn child_uri_through(&self, proxy: &proxy::Proxy, retry_writes: bool) -> String {
+        let after_scheme = self.uri.split_once("://").map_or("", |(_, rest)| rest);
+        let authority = after_scheme.split('/').next().unwrap_or("");
+        let user_info = authority
+            .rsplit_once('@')
+            .map(|(info, _)| format!("{info}@"))
+            .unwrap_or_default();
+        let auth_options: Vec<&str> = self
+            .uri
+            .split_once('?')
+            .map(|(_, query)| query.split('&').filter(|o| o.starts_with("auth")).collect())
+            .unwrap_or_default();
+        let mut uri = format!(
+            "mongodb://{user_info}{}/?directConnection=true",
+            proxy.address()
+        );
+        for option in auth_options {
+            uri = with_options(&uri, option);
+        }
+        with_options(
+            &uri,
+            &format!("appName={}&retryWrites={retry_writes}", self.app_name),
+        )
+    }
+
+    fn client_with(&self, mut options: ClientOptions, retry_writes: bool) -> TestClient {
         options.app_name = Some(self.app_name.clone());
         options.retry_writes = Some(retry_writes);
         options.server_selection_timeout = Some(Duration::from_secs(10));
@@ -262,6 +307,15 @@ impl Drop for FailPoint {
                 .expect("switch the fail point off");
         }
     }
+}
+
+/// One reconcile run of `target` at the server's current time.
+pub async fn run_reconcile(store: &Store, target: &FoldTarget, mode: Mode) -> CollectionRun {
+    let reconciler = Reconciler::new(store);
+    let now = reconciler.server_time().await.expect("server time");
+    reconciler
+        .reconcile(target, mode, now, &CancellationToken::new(), &mut |_| {})
+        .await
 }
 
 /// Polls `condition` until it holds or `timeout` passes; panics with

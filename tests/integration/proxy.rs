@@ -338,6 +338,128 @@ async fn an_injected_error_carries_its_code_and_labels_and_changes_nothing() {
     assert!(!insert.reached_server && !insert.server_replied && insert.reply_delivered);
 }
 
+/// The duplicate-key error from `err`: its code, whether it came as a write
+/// error (rather than a command error), and its `keyPattern`.
+fn duplicate_key_of(err: &Error) -> (i32, bool, Option<Document>) {
+    let reply = err
+        .server_response()
+        .and_then(|raw| Document::try_from(raw).ok());
+    let key_pattern = |d: &Document| d.get_document("keyPattern").ok().cloned();
+    let first_write_error_pattern = || {
+        reply.as_ref().and_then(|r| {
+            r.get_array("writeErrors")
+                .ok()?
+                .first()?
+                .as_document()
+                .and_then(key_pattern)
+        })
+    };
+    match &*err.kind {
+        ErrorKind::Write(mongodb::error::WriteFailure::WriteError(write)) => {
+            (write.code, true, first_write_error_pattern())
+        }
+        ErrorKind::Command(command) => (command.code, false, reply.as_ref().and_then(key_pattern)),
+        other => panic!("expected a duplicate-key error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_injected_duplicate_key_has_the_shape_the_server_gives_each_command() {
+    let rig = Rig::new("proxy_duplicate_key").await;
+    let views = rig.through("views");
+    let _insert = rig
+        .proxy
+        .rule(Rule::command("insert").nth(1).then(Action::DuplicateKey));
+    let _update = rig
+        .proxy
+        .rule(Rule::command("update").nth(1).then(Action::DuplicateKey));
+    let _modify = rig.proxy.rule(
+        Rule::command("findAndModify")
+            .nth(1)
+            .then(Action::DuplicateKey),
+    );
+
+    // The driver keeps no reply for insert errors, so the insert's shape is
+    // read from the raw command's answer.
+    let reply = rig
+        .through
+        .database(&rig.ctx.db_name)
+        .run_command(doc! { "insert": "views", "documents": [{ "_id": "a" }] })
+        .await
+        .expect("a write error is an ok: 1 reply");
+    let error = reply.get_array("writeErrors").unwrap()[0]
+        .as_document()
+        .unwrap()
+        .clone();
+    assert_eq!(reply.get_f64("ok").ok(), Some(1.0), "{reply}");
+    assert_eq!(
+        (error.get_i32("code").ok(), error.get_i32("index").ok()),
+        (Some(11000), Some(0))
+    );
+    assert_eq!(
+        error.get_document("keyValue").ok(),
+        Some(&doc! { "_id": "a" })
+    );
+    let err = views
+        .update_one(doc! { "_id": "b" }, doc! { "$inc": { "n": 1 } })
+        .upsert(true)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        duplicate_key_of(&err),
+        (11000, true, Some(doc! { "_id": 1 }))
+    );
+    let err = views
+        .find_one_and_update(doc! { "_id": "c" }, doc! { "$inc": { "n": 1 } })
+        .upsert(true)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        duplicate_key_of(&err),
+        (11000, false, Some(doc! { "_id": 1 }))
+    );
+    assert_eq!(
+        tally::error::duplicate_on_id(&err),
+        Some(true),
+        "tally reads the key pattern"
+    );
+    let direct = rig.direct.collection("views");
+    assert_eq!(
+        direct.count_documents(doc! {}).await.unwrap(),
+        0,
+        "nothing was written"
+    );
+    let log = rig.proxy.log();
+    for command in ["insert", "update", "findAndModify"] {
+        let exchange = only(&log, command, "views");
+        assert_eq!(exchange.action, Some(Action::DuplicateKey));
+        assert!(
+            !exchange.reached_server && exchange.reply_delivered,
+            "{exchange:#?}"
+        );
+    }
+
+    // The server's own replies are recorded, delivered or not.
+    views
+        .update_one(doc! { "_id": "b" }, doc! { "$inc": { "n": 1 } })
+        .upsert(true)
+        .await
+        .expect("the second update passes");
+    let log = rig
+        .proxy
+        .wait_until("the second update settles", PATIENCE, |log| {
+            on(log, "update", "views").filter(|e| e.settled).count() == 2
+        })
+        .await;
+    let reply = on(&log, "update", "views")
+        .nth(1)
+        .unwrap()
+        .reply
+        .clone()
+        .expect("reply");
+    assert_eq!(reply.get_i32("n").ok(), Some(1), "{reply}");
+}
+
 #[tokio::test]
 async fn nth_hits_only_the_nth_matching_request() {
     let rig = Rig::new("proxy_nth").await;

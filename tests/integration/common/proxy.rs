@@ -281,6 +281,12 @@ pub enum Action {
     /// Forward, then hold the reply this long before delivering it (not at
     /// all if the client has gone by then).
     DelayReply(Duration),
+    /// Never forward; answer with the duplicate-key error on `_id` the
+    /// server would send for this command: a write error (`ok: 1`,
+    /// `writeErrors`) for `insert` and `update`, a command error (`ok: 0`)
+    /// otherwise (`findAndModify`), with `keyPattern` and `keyValue` as
+    /// MongoDB 4.4+ reports them.
+    DuplicateKey,
     /// Never forward; answer as the server would with this error.
     Error {
         /// The server error code, e.g. 10107.
@@ -321,6 +327,58 @@ fn error_reply(
         body.insert("errorLabels", labels);
     }
     encode_op_msg(request_id, response_to, &body)
+}
+
+/// The reply the server would send for an [`Action::DuplicateKey`] on
+/// `request`.
+fn duplicate_key_reply(request: &WireMessage, reply_id: i32) -> Vec<u8> {
+    let first = |array: &str, field: &str| {
+        request
+            .body
+            .get_array(array)
+            .ok()
+            .and_then(|items| items.first())
+            .and_then(Bson::as_document)
+            .and_then(|item| match field {
+                "" => Some(item),
+                _ => item.get_document(field).ok(),
+            })
+            .and_then(|d| d.get("_id").cloned())
+    };
+    let id = match request.command.as_deref() {
+        Some("insert") => first("documents", ""),
+        Some("update") => first("updates", "q"),
+        _ => request
+            .body
+            .get_document("query")
+            .ok()
+            .and_then(|q| q.get("_id").cloned()),
+    }
+    .unwrap_or(Bson::Null);
+    let error = doc! {
+        "code": 11000,
+        "codeName": "DuplicateKey",
+        "errmsg": format!("E11000 duplicate key error (injected by test proxy) dup key: {{ _id: {id} }}"),
+        "keyPattern": { "_id": 1 },
+        "keyValue": { "_id": id },
+    };
+    let body = match request.command.as_deref() {
+        Some("insert" | "update") => {
+            let mut error = error;
+            error.insert("index", 0);
+            let mut body = doc! { "n": 0, "writeErrors": [error], "ok": 1.0 };
+            if request.command.as_deref() == Some("update") {
+                body.insert("nModified", 0);
+            }
+            body
+        }
+        _ => {
+            let mut body = error;
+            body.insert("ok", 0.0);
+            body
+        }
+    };
+    encode_op_msg(reply_id, request.request_id, &body)
 }
 
 /// Which requests a rule selects; every criterion is optional and all must
@@ -468,6 +526,10 @@ pub struct Exchange {
     /// How many replies the server sent for it: more than one only for an
     /// exhaust stream (the monitor's awaitable `hello`).
     pub server_replies: u32,
+    /// The body of the server's (first) reply, whether or not it was
+    /// delivered: what the server did, e.g. an `update`'s `n` and
+    /// `nModified`.
+    pub reply: Option<Document>,
     /// A reply (the server's, or an injected error) was written to the
     /// client.
     pub reply_delivered: bool,
@@ -801,34 +863,43 @@ impl Pair {
                 opcode: message.opcode,
                 command: message.command.clone(),
                 collection: message.collection.clone(),
-                body: message.body,
+                body: message.body.clone(),
                 expects_reply,
                 action: action.clone(),
                 reached_server: false,
                 server_replied: false,
                 server_replies: 0,
+                reply: None,
                 reply_delivered: false,
                 settled: false,
             });
-            match &action {
+            // Injected answers: the request never reaches the server.
+            let reply_id = || self.shared.next_reply_id.fetch_add(1, Ordering::Relaxed);
+            let injected = match &action {
                 Some(Action::CloseBeforeForwarding) => return,
+                Some(Action::DuplicateKey) => Some(duplicate_key_reply(&message, reply_id())),
                 Some(Action::Error {
                     code,
                     code_name,
                     labels,
-                }) => {
-                    let reply_id = self.shared.next_reply_id.fetch_add(1, Ordering::Relaxed);
-                    let reply = error_reply(*code, code_name, labels, reply_id, message.request_id);
-                    if self.deliver(&reply).await.is_err() {
-                        return;
-                    }
-                    self.shared.update(seq, |e| {
-                        e.reply_delivered = true;
-                        e.settled = true;
-                    });
-                    continue;
+                }) => Some(error_reply(
+                    *code,
+                    code_name,
+                    labels,
+                    reply_id(),
+                    message.request_id,
+                )),
+                _ => None,
+            };
+            if let Some(reply) = injected {
+                if self.deliver(&reply).await.is_err() {
+                    return;
                 }
-                _ => {}
+                self.shared.update(seq, |e| {
+                    e.reply_delivered = true;
+                    e.settled = true;
+                });
+                continue;
             }
             if expects_reply {
                 // Registered before writing: the reply may race the bookkeeping.
@@ -847,8 +918,8 @@ impl Pair {
     /// Server to client. Returns when the pair must close.
     async fn pump_replies(&self, mut server_read: OwnedReadHalf) {
         while let Ok(bytes) = read_message(&mut server_read).await {
-            // Replies are not decoded: only their header matters here.
-            let reply = WireMessage::header_only(&bytes);
+            let reply =
+                WireMessage::parse(&bytes).unwrap_or_else(|_| WireMessage::header_only(&bytes));
             let pending = {
                 let mut pending = lock(&self.pending);
                 let request = pending.remove(&reply.response_to);
@@ -876,10 +947,14 @@ impl Pair {
                 }
                 continue;
             };
+            let body = reply.body.clone();
             self.shared.update(seq, |e| {
                 e.reached_server = true;
                 e.server_replied = true;
                 e.server_replies += 1;
+                if e.reply.is_none() && !body.is_empty() {
+                    e.reply = Some(body);
+                }
             });
             match action {
                 Some(Action::DropReply) => return,
