@@ -54,6 +54,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::error::{Error as MongoError, ErrorKind, WriteError, WriteFailure};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -464,13 +465,30 @@ impl Reconciler {
             .await
             .map_err(Error::Server)?;
         if let Ok(errors) = reply.get_array("writeErrors") {
-            return Err(Error::InvalidArgument(format!(
-                "{} of {} fold updates in {} were refused by the server; first: {}",
-                errors.len(),
-                batch.len(),
-                target.spec.name,
-                errors.first().map(ToString::to_string).unwrap_or_default()
-            )));
+            // Classified like any server error (by the first one's code), so
+            // the run's failure says whether it is worth running again.
+            let first = errors
+                .first()
+                .and_then(Bson::as_document)
+                .cloned()
+                .unwrap_or_default();
+            tracing::error!(
+                collection = %target.spec.name,
+                refused = errors.len(),
+                of = batch.len(),
+                first = %first,
+                "fold updates refused by the server"
+            );
+            let code = first.get("code").and_then(integer_value).unwrap_or(0);
+            let message = first.get_str("errmsg").unwrap_or("(no message)");
+            let error: WriteError = mongodb::bson::deserialize_from_document(
+                doc! { "code": i32::try_from(code).unwrap_or(0), "errmsg": message },
+            )
+            .map_err(|err| {
+                Error::InvalidArgument(format!("cannot read a fold write error: {err}"))
+            })?;
+            let source = MongoError::from(ErrorKind::Write(WriteFailure::WriteError(error)));
+            return Err(Error::Server(Failure::once("reconcile.fold", source)));
         }
         let swapped = reply
             .get("nModified")

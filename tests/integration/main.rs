@@ -7,6 +7,7 @@ mod bounded;
 mod cli;
 mod common;
 mod daemon;
+mod faults;
 mod increment;
 mod insert_loop;
 mod packaging;

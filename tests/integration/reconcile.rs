@@ -16,7 +16,7 @@ use tally::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::common::{FailPoint, TestContext, counter, pending_len, wait_until};
+use crate::common::{FailPoint, TestContext, counter, pending_len, run_reconcile, wait_until};
 
 const GRACE: Duration = Duration::from_secs(15 * 60);
 
@@ -39,11 +39,7 @@ fn fresh() -> ObjectId {
 }
 
 async fn reconcile(store: &Store, target: &FoldTarget, mode: Mode) -> tally::CollectionRun {
-    let reconciler = Reconciler::new(store);
-    let now = reconciler.server_time().await.expect("server time");
-    let run = reconciler
-        .reconcile(target, mode, now, &CancellationToken::new(), &mut |_| {})
-        .await;
+    let run = run_reconcile(store, target, mode).await;
     assert!(run.error.is_none(), "reconcile failed: {:?}", run.error);
     run
 }

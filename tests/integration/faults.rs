@@ -1,0 +1,549 @@
+//! The fault matrix (DESIGN §7): every fault the network or a server can
+//! produce, injected by the black-pipe proxy at every write tally makes —
+//! increment step 1 and step 2, sequence `next`, bounded `take`, the fold —
+//! with retryable writes off (the hard case) and on.
+//!
+//! Each cell asserts three things, and reports every cell that disagrees at
+//! once:
+//! - the exact outcome the caller sees (from the table in [`expected`]);
+//! - how many requests of the faulted kind were sent and how many reached
+//!   the server (the proxy's log);
+//! - the exact document afterwards, which must equal the state derived from
+//!   the log alone (what reached the server, de-duplicated the way the
+//!   server de-duplicates retryable writes) — independently of what the
+//!   library said happened.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::time::{Duration, SystemTime};
+
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use tally::{
+    BoundedConfig, BoundedCounters, CollectionConfig, Completion, Counters, FoldTarget, Increment,
+    Mode, SequenceConfig, Sequences, Store, Take, Token, WriterConfig,
+};
+
+use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+use crate::common::{TestClient, TestContext, run_reconcile};
+
+/// The bound on one attempt for the client through the proxy.
+const ATTEMPT: Duration = Duration::from_secs(2);
+/// A delay well past [`ATTEMPT`]: the client gives up first.
+const DELAY: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    /// The server executed the write; its reply never reached the client.
+    ReplyDropped,
+    /// The connection closed before the request reached the server.
+    ClosedBeforeForwarding,
+    /// The server executed the write; its reply came after the client's
+    /// attempt timeout.
+    DelayedPastTimeout,
+    /// `NotWritablePrimary` (10107): a failover, nothing executed.
+    NotPrimary,
+    /// `BadValue` (2): a command error, nothing executed.
+    CommandError,
+    /// `DuplicateKey` (11000) on `_id`, in the shape the server gives the
+    /// command, nothing executed.
+    DuplicateKey,
+}
+
+const FAULTS: [Fault; 6] = [
+    Fault::ReplyDropped,
+    Fault::ClosedBeforeForwarding,
+    Fault::DelayedPastTimeout,
+    Fault::NotPrimary,
+    Fault::CommandError,
+    Fault::DuplicateKey,
+];
+
+impl Fault {
+    /// The proxy action. A real server labels a not-primary error
+    /// `RetryableWriteError` when the write is a retryable one.
+    fn action(self, retryable_write: bool) -> Action {
+        match self {
+            Self::ReplyDropped => Action::DropReply,
+            Self::ClosedBeforeForwarding => Action::CloseBeforeForwarding,
+            Self::DelayedPastTimeout => Action::DelayReply(DELAY),
+            Self::NotPrimary if retryable_write => {
+                Action::error(10107, "NotWritablePrimary", &["RetryableWriteError"])
+            }
+            Self::NotPrimary => Action::error(10107, "NotWritablePrimary", &[]),
+            Self::CommandError => Action::error(2, "BadValue", &[]),
+            Self::DuplicateKey => Action::DuplicateKey,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Site {
+    /// `Counters::increment`, its step 1 (`$addToSet` upsert).
+    Step1,
+    /// `Counters::increment`, its step 2 (conditioned `$pull` + `$inc`).
+    Step2,
+    /// `Sequences::next` on an existing sequence (`findAndModify` `$inc`).
+    SequenceNext,
+    /// `BoundedCounters::take` (conditioned `$inc: -1` + `$push`).
+    BoundedTake,
+    /// `Reconciler::reconcile`, its first fold `update`.
+    Fold,
+}
+
+const SITES: [Site; 5] = [
+    Site::Step1,
+    Site::Step2,
+    Site::SequenceNext,
+    Site::BoundedTake,
+    Site::Fold,
+];
+
+impl Site {
+    fn command(self) -> &'static str {
+        match self {
+            Self::SequenceNext => "findAndModify",
+            _ => "update",
+        }
+    }
+
+    /// Which request of [`Self::command`] on the cell's collection the fault
+    /// hits: step 2 is the increment's second `update`.
+    fn nth(self) -> u64 {
+        match self {
+            Self::Step2 => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether a request belongs to this site (step 1 and step 2 share the
+    /// command and the collection).
+    fn owns(self, exchange: &Exchange) -> bool {
+        exchange.command.as_deref() == Some(self.command())
+            && match self {
+                Self::Step1 => exchange.body_mentions("$addToSet"),
+                Self::Step2 => exchange.body_mentions("$pull"),
+                _ => true,
+            }
+    }
+}
+
+/// What a cell must show: the outcome, and how many requests of the site
+/// were sent and reached the server.
+#[derive(Debug, PartialEq, Eq)]
+struct Expected {
+    outcome: &'static str,
+    sent: usize,
+    reached: usize,
+}
+
+/// The matrix. `driver_retries`: the driver retries writes itself
+/// (`retryWrites=true` on a deployment that supports it); the server then
+/// de-duplicates its retry, so a lost reply is answered from the first
+/// execution instead of a second one.
+fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
+    use Fault::*;
+    use Site::*;
+    let (outcome, sent, reached) = match (site, fault) {
+        // Step 1 is idempotent: every transient fault is retried once and
+        // the increment is counted; a refused command is not counted.
+        (Step1, ReplyDropped | DelayedPastTimeout) => ("counted", 2, 2),
+        (Step1, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
+        (Step1, CommandError) => ("not counted (command)", 1, 0),
+        // A duplicate key on an upsert is a race that applied nothing.
+        (Step1, DuplicateKey) => ("counted", 2, 1),
+        // Step 2 applies at most once: a retry after a lost reply finds the
+        // token gone — unless the server answers the driver's retry from
+        // the first execution.
+        (Step2, ReplyDropped) if driver_retries => ("counted", 2, 2),
+        (Step2, ReplyDropped | DelayedPastTimeout) => ("counted (already settled)", 2, 2),
+        (Step2, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
+        // A refused step 2 leaves the token pending; `complete` counts it.
+        (Step2, CommandError) => ("pending (command), then complete: counted", 2, 1),
+        (Step2, DuplicateKey) => ("pending (duplicate_key), then complete: counted", 2, 1),
+        // `next` from 1: a retried `$inc` whose first execution applied
+        // skips a number — a gap, never a duplicate.
+        (SequenceNext, ReplyDropped) if driver_retries => ("2", 2, 2),
+        (SequenceNext, ReplyDropped | DelayedPastTimeout) => ("3", 2, 2),
+        (SequenceNext, ClosedBeforeForwarding | NotPrimary) => ("2", 2, 1),
+        (SequenceNext, CommandError) => ("error (command)", 1, 0),
+        (SequenceNext, DuplicateKey) => ("error (duplicate_key)", 1, 0),
+        // A retried take with the same token never takes twice.
+        (BoundedTake, ReplyDropped) if driver_retries => ("taken", 2, 2),
+        (BoundedTake, ReplyDropped | DelayedPastTimeout) => ("already taken", 2, 2),
+        (BoundedTake, ClosedBeforeForwarding | NotPrimary) => ("taken", 2, 1),
+        (BoundedTake, CommandError) => ("error (command)", 1, 0),
+        (BoundedTake, DuplicateKey) => ("error (duplicate_key)", 1, 0),
+        // The fold: a lost reply is retried (the swap then finds the
+        // document changed, and the pipeline finds nothing stale: three
+        // updates); a refused batch fails the run, and the next run folds.
+        (Fold, ReplyDropped | DelayedPastTimeout) => ("folded 2 tokens (+4)", 3, 3),
+        (Fold, ClosedBeforeForwarding | NotPrimary) => ("folded 2 tokens (+4)", 2, 1),
+        (Fold, CommandError) => ("failed (command), next run: folded 2 tokens (+4)", 2, 1),
+        (Fold, DuplicateKey) => (
+            "failed (duplicate_key), next run: folded 2 tokens (+4)",
+            2,
+            1,
+        ),
+    };
+    Expected {
+        outcome,
+        sent,
+        reached,
+    }
+}
+
+struct Rig {
+    proxy: Proxy,
+    /// Through the proxy, each attempt bounded by [`ATTEMPT`].
+    store: Store,
+    direct: TestClient,
+    driver_retries: bool,
+    retry_writes: bool,
+}
+
+impl Rig {
+    async fn new(name: &str, retry_writes: bool) -> Self {
+        let ctx = TestContext::new(name).await;
+        let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+        let store = ctx
+            .client_through(&proxy, retry_writes)
+            .await
+            .store()
+            .with_attempt_timeout(ATTEMPT);
+        let driver_retries = store
+            .driver_retries_writes()
+            .await
+            .expect("hello through the proxy");
+        let direct = ctx.client(false).await;
+        Self {
+            proxy,
+            store,
+            direct,
+            driver_retries,
+            retry_writes,
+        }
+    }
+
+    /// Runs every cell; panics listing every cell that disagrees.
+    async fn run_matrix(&self) {
+        let mut failures = String::new();
+        for site in SITES {
+            for fault in FAULTS {
+                if let Err(diff) = self.run_cell(site, fault).await {
+                    let _ = writeln!(failures, "{site:?} × {fault:?}: {diff}");
+                }
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "fault matrix (retryWrites={}, driver retries writes: {}):\n{failures}",
+            self.retry_writes,
+            self.driver_retries
+        );
+    }
+
+    async fn run_cell(&self, site: Site, fault: Fault) -> Result<(), String> {
+        let name = format!("{site:?}_{fault:?}").to_lowercase();
+        let direct = self.direct.collection(&name);
+        self.proxy.clear_log();
+        let retryable_write = self.driver_retries && site != Site::Fold;
+        let rule = self.proxy.rule(
+            Rule::command(site.command())
+                .collection(&name)
+                .nth(site.nth())
+                .then(fault.action(retryable_write)),
+        );
+        let (outcome, state, from_log) = match site {
+            Site::Step1 | Site::Step2 => self.increment(&name, &direct).await,
+            Site::SequenceNext => self.sequence_next(&name, &direct).await,
+            Site::BoundedTake => self.bounded_take(&name, &direct).await,
+            Site::Fold => self.fold(&name, &direct, rule).await,
+        };
+        let log: Vec<Exchange> = self
+            .proxy
+            .log()
+            .into_iter()
+            .filter(|e| e.collection.as_deref() == Some(name.as_str()) && site.owns(e))
+            .collect();
+        let observed = Expected {
+            outcome: "",
+            sent: log.len(),
+            reached: log.iter().filter(|e| e.reached_server).count(),
+        };
+        let want = expected(site, fault, self.driver_retries);
+        let mut diff = Vec::new();
+        if outcome != want.outcome {
+            diff.push(format!("outcome {outcome:?}, expected {:?}", want.outcome));
+        }
+        if (observed.sent, observed.reached) != (want.sent, want.reached) {
+            diff.push(format!(
+                "sent/reached {}/{}, expected {}/{}",
+                observed.sent, observed.reached, want.sent, want.reached
+            ));
+        }
+        if state != from_log {
+            diff.push(format!("document {state:?}, the log says {from_log:?}"));
+        }
+        if diff.is_empty() {
+            Ok(())
+        } else {
+            Err(diff.join("; "))
+        }
+    }
+
+    /// The increment's cells. State: `counter` and `pending` of key `k`.
+    async fn increment(
+        &self,
+        name: &str,
+        direct: &mongodb::Collection<Document>,
+    ) -> (String, Option<Document>, Option<Document>) {
+        let counters = Counters::new(
+            &self.store,
+            CollectionConfig::new(name),
+            WriterConfig::default(),
+        );
+        let result = counters.increment("k", 1).await;
+        let token = result.token().expect("a token was made");
+        let outcome = match &result {
+            Increment::Counted(c) if c.settled_earlier() => "counted (already settled)".into(),
+            Increment::Counted(_) => "counted".into(),
+            Increment::Pending(pending) => {
+                let class = class_of(pending.cause());
+                match counters.complete(pending).await {
+                    Completion::Counted(c) if !c.settled_earlier() => {
+                        format!("pending ({class}), then complete: counted")
+                    }
+                    other => format!("pending ({class}), then complete: {other:?}"),
+                }
+            }
+            Increment::Unknown(_) => format!("unknown ({})", class_of(result.cause())),
+            Increment::NotCounted(_) => format!("not counted ({})", class_of(result.cause())),
+        };
+        let log = self.settled_log(name).await;
+        let reached = |step: Site| log.iter().any(|e| step.owns(e) && e.reached_server);
+        // Step 1 creates the document holding the token; step 2 is
+        // conditioned on it, so it applies once however often it arrives.
+        let from_log = match (reached(Site::Step1), reached(Site::Step2)) {
+            (false, _) => None,
+            (true, false) => Some(doc! { "counter": 0i64, "pending": [token.object_id()] }),
+            (true, true) => Some(doc! { "counter": 1i64, "pending": [] }),
+        };
+        let state = project(direct, "k", &["counter", "pending"]).await;
+        (outcome, state, from_log)
+    }
+
+    /// `next` on the sequence `s`, which stands at 1. State: `seq`.
+    async fn sequence_next(
+        &self,
+        name: &str,
+        direct: &mongodb::Collection<Document>,
+    ) -> (String, Option<Document>, Option<Document>) {
+        direct
+            .insert_one(doc! { "_id": "s", "seq": 1i64 })
+            .await
+            .expect("seed the sequence");
+        let sequences = Sequences::new(
+            &self.store,
+            &SequenceConfig {
+                collection: name.into(),
+                field: "seq".into(),
+            },
+        );
+        let outcome = match sequences.next("s").await {
+            Ok(value) => value.to_string(),
+            Err(err) => format!("error ({})", class_name(err.class())),
+        };
+        let log = self.settled_log(name).await;
+        let executions = executions(&log, "findAndModify");
+        let from_log = Some(doc! { "seq": 1 + executions as i64 });
+        let state = project(direct, "s", &["seq"]).await;
+        if let (Ok(value), Some(seq)) = (outcome.parse::<i64>(), state.as_ref()) {
+            assert_eq!(
+                Some(value),
+                seq.get_i64("seq").ok(),
+                "next returned the sequence's value"
+            );
+        }
+        (outcome, state, from_log)
+    }
+
+    /// `take` of the bounded counter `b` with 3 units. State: `available`
+    /// and the holders' tokens.
+    async fn bounded_take(
+        &self,
+        name: &str,
+        direct: &mongodb::Collection<Document>,
+    ) -> (String, Option<Document>, Option<Document>) {
+        direct
+            .insert_one(doc! { "_id": "b", "available": 3i64, "holders": [] })
+            .await
+            .expect("seed the bounded counter");
+        let bounded = BoundedCounters::new(&self.store, BoundedConfig::new(name));
+        let token = Token::new();
+        let outcome = match bounded.take("b", token, "alice").await {
+            Ok(Take::Taken) => "taken".into(),
+            Ok(Take::AlreadyTaken) => "already taken".into(),
+            Ok(other) => format!("{other:?}"),
+            Err(err) => format!("error ({})", class_name(err.class())),
+        };
+        let log = self.settled_log(name).await;
+        // The take is conditioned on the token not holding a unit yet.
+        let from_log = if executions(&log, "update") > 0 {
+            doc! { "available": 2i64, "holders": [token.object_id()] }
+        } else {
+            doc! { "available": 3i64, "holders": [] }
+        };
+        let state = project(direct, "b", &["available", "holders"])
+            .await
+            .map(|mut d| {
+                let tokens: Vec<Bson> = d
+                    .get_array("holders")
+                    .map(|h| {
+                        h.iter()
+                            .filter_map(|e| e.as_document()?.get("token").cloned())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                d.insert("holders", tokens);
+                d
+            });
+        (outcome, state, Some(from_log))
+    }
+
+    /// A fold of document `f`: counter 5, two stale entries (+1, +3) and a
+    /// young one. State: `counter` and `pending`. A run the fault made fail
+    /// is followed by a second run without the fault.
+    async fn fold(
+        &self,
+        name: &str,
+        direct: &mongodb::Collection<Document>,
+        rule: crate::common::proxy::RuleGuard,
+    ) -> (String, Option<Document>, Option<Document>) {
+        let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+        let (stale_one, stale_three) = (
+            Token::created_at_time(hour_ago).object_id(),
+            Token::created_at_time(hour_ago).object_id(),
+        );
+        let young = ObjectId::new();
+        direct
+            .insert_one(doc! {
+                "_id": "f",
+                "counter": 5i64,
+                "pending": [stale_one, { "t": stale_three, "n": 3i64 }, young],
+            })
+            .await
+            .expect("seed the document");
+        let target = FoldTarget {
+            spec: CollectionConfig::new(name),
+            grace: Duration::from_secs(60),
+            batch_size: 100,
+        };
+        let run = || run_reconcile(&self.store, &target, Mode::Fold);
+        let folded = |run: &tally::CollectionRun| {
+            format!(
+                "folded {} tokens (+{})",
+                run.tokens_folded, run.amount_folded
+            )
+        };
+        let first = run().await;
+        drop(rule);
+        let outcome = match &first.error {
+            None => folded(&first),
+            Some(err) => {
+                let second = run().await;
+                match &second.error {
+                    None => format!(
+                        "failed ({}), next run: {}",
+                        class_name(err.class()),
+                        folded(&second)
+                    ),
+                    Some(again) => format!("failed twice: {err}; {again}"),
+                }
+            }
+        };
+        let log = self.settled_log(name).await;
+        // Every fold update is conditioned on what it folds: once one
+        // reached the server, the stale entries are counted, once.
+        let reached = log
+            .iter()
+            .any(|e| e.command.as_deref() == Some("update") && e.reached_server);
+        let from_log = if reached {
+            doc! { "counter": 9i64, "pending": [young] }
+        } else {
+            doc! { "counter": 5i64, "pending": [stale_one, { "t": stale_three, "n": 3i64 }, young] }
+        };
+        let state = project(direct, "f", &["counter", "pending"]).await;
+        (outcome, state, Some(from_log))
+    }
+
+    /// The log of the cell's collection once every request in it reached
+    /// the server or was answered or closed (a delayed reply may still be
+    /// on its way to a client that has gone).
+    async fn settled_log(&self, name: &str) -> Vec<Exchange> {
+        self.proxy
+            .wait_until("every request of the cell is settled", DELAY * 2, |log| {
+                log.iter()
+                    .filter(|e| e.collection.as_deref() == Some(name))
+                    .all(|e| e.settled || e.reached_server)
+            })
+            .await
+            .into_iter()
+            .filter(|e| e.collection.as_deref() == Some(name))
+            .collect()
+    }
+}
+
+/// How many times the server executed `command` according to the log:
+/// every request that reached it, except that retries of one retryable
+/// write (the same session and transaction number) execute once.
+fn executions(log: &[Exchange], command: &str) -> usize {
+    let mut retryable = HashSet::new();
+    log.iter()
+        .filter(|e| e.command.as_deref() == Some(command) && e.reached_server)
+        .filter(|e| match (e.body.get("lsid"), e.body.get("txnNumber")) {
+            (Some(lsid), Some(txn)) => retryable.insert(format!("{lsid}/{txn}")),
+            _ => true,
+        })
+        .count()
+}
+
+/// The fields `fields` of document `id`, or `None` when it does not exist.
+async fn project(
+    coll: &mongodb::Collection<Document>,
+    id: &str,
+    fields: &[&str],
+) -> Option<Document> {
+    let found = coll
+        .find_one(doc! { "_id": id })
+        .await
+        .expect("read the document directly")?;
+    Some(
+        fields
+            .iter()
+            .filter_map(|f| found.get(*f).map(|v| ((*f).to_owned(), v.clone())))
+            .collect(),
+    )
+}
+
+fn class_of(err: Option<&tally::Error>) -> &'static str {
+    class_name(err.and_then(tally::Error::class))
+}
+
+fn class_name(class: Option<tally::ErrorClass>) -> &'static str {
+    class.map_or("not a server error", tally::ErrorClass::as_str)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_at_every_write_with_retryable_writes_off() {
+    Rig::new("faults_retry_off", false).await.run_matrix().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_at_every_write_with_retryable_writes_on() {
+    let rig = Rig::new("faults_retry_on", true).await;
+    assert!(
+        rig.driver_retries,
+        "the test deployment (a replica set) must let the driver retry writes"
+    );
+    rig.run_matrix().await;
+}
