@@ -495,19 +495,37 @@ mod tests {
     use proptest::prelude::*;
 
     fn command_error(code: i32) -> MongoError {
+        command_error_with(code, "X", "m")
+    }
+
+    fn command_error_with(code: i32, code_name: &str, errmsg: &str) -> MongoError {
         let err: CommandError =
-            from_document(doc! { "code": code, "codeName": "X", "errmsg": "m" }).unwrap();
+            from_document(doc! { "code": code, "codeName": code_name, "errmsg": errmsg }).unwrap();
         ErrorKind::Command(err).into()
     }
 
     fn write_error(code: i32) -> MongoError {
-        let err: WriteError = from_document(doc! { "code": code, "errmsg": "m" }).unwrap();
+        write_error_with(code, "X", "m")
+    }
+
+    fn write_error_with(code: i32, code_name: &str, errmsg: &str) -> MongoError {
+        let err: WriteError =
+            from_document(doc! { "code": code, "codeName": code_name, "errmsg": errmsg }).unwrap();
         ErrorKind::Write(WriteFailure::WriteError(err)).into()
     }
 
     fn write_concern_error(code: i32, labels: &[&str]) -> MongoError {
+        write_concern_error_with(code, labels, "X", "m")
+    }
+
+    fn write_concern_error_with(
+        code: i32,
+        labels: &[&str],
+        code_name: &str,
+        errmsg: &str,
+    ) -> MongoError {
         let err: WriteConcernError = from_document(
-            doc! { "code": code, "codeName": "X", "errmsg": "m", "errorLabels": labels },
+            doc! { "code": code, "codeName": code_name, "errmsg": errmsg, "errorLabels": labels },
         )
         .unwrap();
         ErrorKind::Write(WriteFailure::WriteConcernError(err)).into()
@@ -515,6 +533,10 @@ mod tests {
 
     fn io(kind: std::io::ErrorKind) -> MongoError {
         ErrorKind::Io(std::sync::Arc::new(kind.into())).into()
+    }
+
+    fn io_with(kind: std::io::ErrorKind, message: &str) -> MongoError {
+        ErrorKind::Io(std::sync::Arc::new(std::io::Error::new(kind, message))).into()
     }
 
     #[test]
@@ -773,6 +795,225 @@ mod tests {
                 prop_assert_eq!(class, ErrorClass::Command);
             }
             prop_assert_eq!(class, Facts { kind, retryable_label: label }.class());
+        }
+    }
+
+    /// A failure the tests can build as a real driver error. The driver
+    /// lets other crates attach the `RetryableWriteError` label only through
+    /// a write-concern error, and never a server reply (so a duplicate key
+    /// can not be shown to be on another index here).
+    #[derive(Debug, Clone)]
+    enum Fault {
+        Io(std::io::ErrorKind),
+        Command(i32),
+        Write(i32),
+        WriteConcern {
+            code: i32,
+            labelled: bool,
+        },
+        /// The client was shut down: refused before sending.
+        Shutdown,
+        /// An opaque error: may have followed a send.
+        Custom,
+    }
+
+    /// The codes DESIGN §1 lists, written out again rather than taken from
+    /// [`code`], so that the properties below check the table.
+    const DESIGN_TRANSIENT: [i32; 12] = [
+        6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436,
+    ];
+    const DESIGN_DUPLICATE: [i32; 3] = [11000, 11001, 12582];
+
+    impl Fault {
+        fn build(&self, code_name: &str, message: &str) -> MongoError {
+            match *self {
+                Self::Io(kind) => io_with(kind, message),
+                Self::Command(code) => command_error_with(code, code_name, message),
+                Self::Write(code) => write_error_with(code, code_name, message),
+                Self::WriteConcern { code, labelled } => {
+                    let labels: &[&str] = if labelled {
+                        &["RetryableWriteError"]
+                    } else {
+                        &[]
+                    };
+                    write_concern_error_with(code, labels, code_name, message)
+                }
+                Self::Shutdown => ErrorKind::Shutdown.into(),
+                Self::Custom => MongoError::custom(message.to_owned()),
+            }
+        }
+
+        fn labelled(&self) -> bool {
+            matches!(self, Self::WriteConcern { labelled: true, .. })
+        }
+
+        /// DESIGN §1's table, stated independently of [`Facts::class`].
+        fn expected_class(&self) -> ErrorClass {
+            match *self {
+                Self::Io(_) => ErrorClass::Transient,
+                Self::Command(c) | Self::Write(c) if DESIGN_DUPLICATE.contains(&c) => {
+                    ErrorClass::DuplicateKey
+                }
+                Self::Command(c) | Self::Write(c) if DESIGN_TRANSIENT.contains(&c) => {
+                    ErrorClass::Transient
+                }
+                Self::WriteConcern { code, labelled }
+                    if labelled || DESIGN_TRANSIENT.contains(&code) =>
+                {
+                    ErrorClass::Transient
+                }
+                Self::Command(_)
+                | Self::Write(_)
+                | Self::WriteConcern { .. }
+                | Self::Shutdown
+                | Self::Custom => ErrorClass::Command,
+            }
+        }
+
+        /// Whether the write may have been applied: everything except a
+        /// server refusal (command or duplicate key) and a client-side
+        /// refusal. A write-concern error applied on the primary.
+        fn expected_effect(&self) -> Effect {
+            match (self, self.expected_class()) {
+                (Self::WriteConcern { .. }, _) => Effect::AppliedUnconfirmed,
+                (Self::Shutdown, _) => Effect::NotApplied,
+                (Self::Command(_) | Self::Write(_), ErrorClass::Transient) => Effect::MaybeApplied,
+                (Self::Command(_) | Self::Write(_), _) => Effect::NotApplied,
+                (Self::Io(_) | Self::Custom, _) => Effect::MaybeApplied,
+            }
+        }
+    }
+
+    fn any_code() -> impl Strategy<Value = i32> {
+        prop_oneof![
+            3 => proptest::sample::select(DESIGN_TRANSIENT.to_vec()),
+            3 => proptest::sample::select(DESIGN_DUPLICATE.to_vec()),
+            // BadValue, Unauthorized, TypeMismatch, WriteConcernFailed,
+            // UnsatisfiableWriteConcern, DocumentValidationFailure.
+            2 => proptest::sample::select(vec![2, 13, 14, 64, 100, 121]),
+            2 => any::<i32>(),
+        ]
+    }
+
+    fn any_fault() -> impl Strategy<Value = Fault> {
+        let io_kind = proptest::sample::select(vec![
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::ConnectionRefused,
+            std::io::ErrorKind::UnexpectedEof,
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::BrokenPipe,
+            std::io::ErrorKind::Other,
+        ]);
+        prop_oneof![
+            2 => io_kind.prop_map(Fault::Io),
+            3 => any_code().prop_map(Fault::Command),
+            3 => any_code().prop_map(Fault::Write),
+            3 => (any_code(), any::<bool>())
+                .prop_map(|(code, labelled)| Fault::WriteConcern { code, labelled }),
+            1 => Just(Fault::Shutdown),
+            1 => Just(Fault::Custom),
+        ]
+    }
+
+    /// Message texts and code names, including ones that read like another
+    /// class than the code says.
+    fn any_text() -> impl Strategy<Value = String> {
+        let phrase = proptest::sample::select(vec![
+            "not master",
+            "not primary",
+            "node is recovering",
+            "interrupted at shutdown",
+            "connection reset by peer",
+            "NotWritablePrimary",
+            "RetryableWriteError",
+            "E11000 duplicate key error collection: db.c index: _id_ dup key",
+            "DuplicateKey",
+            "BadValue",
+            "",
+        ]);
+        prop_oneof![
+            1 => ".{0,20}",
+            2 => (".{0,4}", phrase, ".{0,4}").prop_map(|(a, p, b)| format!("{a}{p}{b}")),
+        ]
+    }
+
+    proptest! {
+        /// Classification follows DESIGN §1's table by kind, code and label
+        /// only: the same failure with two unrelated message texts and code
+        /// names gets the same facts, class and effect, and that class and
+        /// effect are the ones the table gives.
+        #[test]
+        fn classification_ignores_the_message_text(
+            fault in any_fault(),
+            (name_a, msg_a) in (any_text(), any_text()),
+            (name_b, msg_b) in (any_text(), any_text()),
+        ) {
+            let a = fault.build(&name_a, &msg_a);
+            let b = fault.build(&name_b, &msg_b);
+            prop_assert_eq!(Facts::of(&a), Facts::of(&b));
+            prop_assert_eq!(ErrorClass::of(&a), fault.expected_class());
+            prop_assert_eq!(ErrorClass::of(&b), fault.expected_class());
+            prop_assert_eq!(Effect::of(&a), fault.expected_effect());
+            prop_assert_eq!(Effect::of(&b), fault.expected_effect());
+            prop_assert_eq!(Facts::of(&a).retryable_label, fault.labelled());
+        }
+
+        /// The retry rule over any sequence of failures: at most one
+        /// transient retry in total, none when the driver already retried a
+        /// labelled failure; never a command error; at most `k` duplicate
+        /// keys; and `maybe_applied` is true exactly when some failure so far
+        /// may have applied its write.
+        #[test]
+        fn retry_budget_follows_the_rule_for_any_sequence(
+            faults in proptest::collection::vec(any_fault(), 1..12),
+            driver_retries_writes in any::<bool>(),
+            duplicate_retries in proptest::option::of(0u32..4),
+        ) {
+            let mut budget = RetryBudget::retry_once("prop", driver_retries_writes);
+            if let Some(k) = duplicate_retries {
+                budget = budget.with_duplicate_key_retries(k);
+            }
+            let k = duplicate_retries.unwrap_or(0);
+            let (mut transient_retries, mut duplicate_retries_taken) = (0u32, 0u32);
+            let mut any_maybe_applied = false;
+            for (i, fault) in faults.iter().enumerate() {
+                let attempt = u32::try_from(i).unwrap() + 1;
+                budget.start_attempt();
+                prop_assert_eq!(budget.attempts(), attempt);
+                let class = fault.expected_class();
+                // The reference rule, from DESIGN §1 and `RetryBudget`'s docs.
+                let should_retry = match class {
+                    ErrorClass::Transient => {
+                        !(driver_retries_writes && fault.labelled()) && transient_retries == 0
+                    }
+                    ErrorClass::DuplicateKey => duplicate_retries_taken < k,
+                    ErrorClass::Command => false,
+                };
+                any_maybe_applied |= fault.expected_effect() != Effect::NotApplied;
+                let next = budget.after_failure(fault.build("X", "m"));
+                prop_assert_eq!(budget.maybe_applied(), any_maybe_applied, "after {:?}", fault);
+                match next {
+                    Next::Retry => {
+                        prop_assert!(should_retry, "{:?} retried (attempt {})", fault, attempt);
+                        prop_assert_ne!(class, ErrorClass::Command);
+                        match class {
+                            ErrorClass::Transient => transient_retries += 1,
+                            ErrorClass::DuplicateKey => duplicate_retries_taken += 1,
+                            ErrorClass::Command => {}
+                        }
+                        prop_assert!(transient_retries <= 1);
+                        prop_assert!(duplicate_retries_taken <= k);
+                    }
+                    Next::GiveUp(failure) => {
+                        prop_assert!(!should_retry, "{:?} not retried (attempt {})", fault, attempt);
+                        prop_assert_eq!(failure.class, class);
+                        prop_assert_eq!(failure.effect, fault.expected_effect());
+                        prop_assert_eq!(failure.attempts, attempt);
+                        prop_assert_eq!(failure.operation, "prop");
+                        break;
+                    }
+                }
+            }
         }
     }
 }

@@ -354,4 +354,139 @@ mod tests {
             }
         }
     }
+
+    /// Any ObjectId, from random bytes (not only fresh ones).
+    fn any_oid() -> impl Strategy<Value = ObjectId> {
+        any::<[u8; 12]>().prop_map(ObjectId::from_bytes)
+    }
+
+    /// Scalar BSON values, biased towards the edges that matter for an
+    /// amount: zero, the int32 range, integral doubles.
+    fn bson_leaf() -> impl Strategy<Value = Bson> {
+        prop_oneof![
+            Just(Bson::Null),
+            any::<bool>().prop_map(Bson::Boolean),
+            prop_oneof![Just(0i32), Just(1), Just(-1), any::<i32>()].prop_map(Bson::Int32),
+            prop_oneof![
+                Just(0i64),
+                Just(1),
+                Just(-1),
+                any::<i32>().prop_map(i64::from),
+                any::<i64>(),
+            ]
+            .prop_map(Bson::Int64),
+            prop_oneof![Just(0.0f64), Just(1.0), Just(-1.0), any::<f64>()].prop_map(Bson::Double),
+            prop_oneof![Just(String::new()), Just("t".to_owned()), ".{0,8}"].prop_map(Bson::String),
+            any_oid().prop_map(Bson::ObjectId),
+        ]
+    }
+
+    /// Field names, often the entry's own.
+    fn any_key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => Just(TOKEN_FIELD.to_owned()),
+            3 => Just(AMOUNT_FIELD.to_owned()),
+            1 => Just("T".to_owned()),
+            1 => Just("_id".to_owned()),
+            2 => "[a-z$_.]{0,4}",
+        ]
+    }
+
+    /// Arbitrary BSON: leaves, arrays and documents nested a few levels,
+    /// plus near-miss entries (`{t, n}` in either order with arbitrary
+    /// values, optionally with one more field) so that the accepted shapes
+    /// are reached often.
+    fn any_bson() -> impl Strategy<Value = Bson> {
+        let tree = bson_leaf().prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Bson::Array),
+                proptest::collection::vec((any_key(), inner), 0..4)
+                    .prop_map(|fields| Bson::Document(fields.into_iter().collect())),
+            ]
+        });
+        let near_entry = (
+            prop_oneof![2 => any_oid().prop_map(Bson::ObjectId), 1 => bson_leaf()],
+            prop_oneof![
+                2 => any::<i32>().prop_map(Bson::Int32),
+                2 => any::<i64>().prop_map(Bson::Int64),
+                1 => bson_leaf(),
+            ],
+            any::<bool>(),
+            proptest::option::weighted(0.25, (any_key(), bson_leaf())),
+        )
+            .prop_map(|(t, n, n_first, extra)| {
+                let mut d = Document::new();
+                if n_first {
+                    d.insert(AMOUNT_FIELD, n);
+                    d.insert(TOKEN_FIELD, t);
+                } else {
+                    d.insert(TOKEN_FIELD, t);
+                    d.insert(AMOUNT_FIELD, n);
+                }
+                if let Some((key, value)) = extra {
+                    d.insert(key, value);
+                }
+                Bson::Document(d)
+            });
+        prop_oneof![2 => tree, 1 => near_entry]
+    }
+
+    /// The entry rule of DESIGN §2, stated independently of `Entry::parse`:
+    /// a bare ObjectId is `+1`; a document is an entry when its fields are
+    /// exactly `t` and `n`, `t` is an ObjectId and `n` a non-zero int32 or
+    /// int64. Anything else is not an entry.
+    fn expected_entry(value: &Bson) -> Option<(ObjectId, i64, EntryForm)> {
+        match value {
+            Bson::ObjectId(oid) => Some((*oid, 1, EntryForm::Bare)),
+            Bson::Document(d) => {
+                let mut keys: Vec<&str> = d.keys().map(String::as_str).collect();
+                keys.sort_unstable();
+                if keys != ["n", "t"] {
+                    return None;
+                }
+                let oid = match d.get("t") {
+                    Some(Bson::ObjectId(oid)) => *oid,
+                    _ => return None,
+                };
+                let n = match d.get("n") {
+                    Some(Bson::Int32(n)) => i64::from(*n),
+                    Some(Bson::Int64(n)) => *n,
+                    _ => return None,
+                };
+                (n != 0).then_some((oid, n, EntryForm::Tagged))
+            }
+            _ => None,
+        }
+    }
+
+    proptest! {
+        /// `Entry::parse` never panics on any BSON value and accepts exactly
+        /// the two entry forms of DESIGN §2, with the right token and amount;
+        /// a value that is neither an ObjectId nor a document is refused as
+        /// the wrong type.
+        #[test]
+        fn parse_accepts_exactly_the_two_entry_forms(value in any_bson()) {
+            let parsed = Entry::parse(&value);
+            match (expected_entry(&value), parsed) {
+                (Some((oid, amount, form)), Ok(entry)) => {
+                    prop_assert_eq!(entry.token().object_id(), oid);
+                    prop_assert_eq!(entry.amount(), amount);
+                    prop_assert_eq!(entry.form(), form);
+                    prop_assert_eq!(Entry::parse(&entry.to_bson()), Ok(entry));
+                }
+                (None, Err(bad)) => {
+                    let is_doc = matches!(value, Bson::Document(_));
+                    prop_assert_eq!(
+                        matches!(bad, BadEntry::WrongType(_)),
+                        !is_doc,
+                        "{:?} refused as {:?}", value, bad
+                    );
+                }
+                (expected, parsed) => prop_assert!(
+                    false,
+                    "{:?}: expected {:?}, parse gave {:?}", value, expected, parsed
+                ),
+            }
+        }
+    }
 }

@@ -247,4 +247,252 @@ mod tests {
             }
         }
     }
+
+    /// The cutoff second the properties below fold at (any time in 2023).
+    const CUTOFF_SECS: u32 = 1_690_000_000;
+
+    fn cutoff_at(secs: u32) -> ObjectId {
+        let mut bytes = [0u8; 12];
+        bytes[..4].copy_from_slice(&secs.to_be_bytes());
+        ObjectId::from_bytes(bytes)
+    }
+
+    /// A token created `offset` seconds from the cutoff second, with random
+    /// remaining bytes (all-zero included: the cutoff itself).
+    fn token_at(offset: i32, rest: [u8; 8]) -> ObjectId {
+        let secs = CUTOFF_SECS.checked_add_signed(offset).unwrap();
+        let mut bytes = [0u8; 12];
+        bytes[..4].copy_from_slice(&secs.to_be_bytes());
+        bytes[4..].copy_from_slice(&rest);
+        ObjectId::from_bytes(bytes)
+    }
+
+    /// A valid entry as another client may have written it: `(value, its
+    /// token's offset from the cutoff second, its amount)`.
+    fn valid_entry(amount: BoxedStrategy<i64>) -> impl Strategy<Value = (Bson, i32, i64)> {
+        let rest = prop_oneof![1 => Just([0u8; 8]), 4 => any::<[u8; 8]>()];
+        (-3i32..3, rest, amount, 0u8..4).prop_map(|(offset, rest, n, form)| {
+            let t = token_at(offset, rest);
+            let value = match form {
+                0 => Bson::ObjectId(t),
+                1 => Bson::Document(doc! { "t": t, "n": n }),
+                2 => Bson::Document(doc! { "n": n, "t": t }),
+                _ => match i32::try_from(n) {
+                    Ok(n32) => Bson::Document(doc! { "t": t, "n": n32 }),
+                    Err(_) => Bson::Document(doc! { "t": t, "n": n }),
+                },
+            };
+            let amount = if form == 0 { 1 } else { n };
+            (value, offset, amount)
+        })
+    }
+
+    fn small_amount() -> BoxedStrategy<i64> {
+        prop_oneof![1i64..1000, -1000i64..-1].boxed()
+    }
+
+    /// Amounts that push an int32 counter across its limits, and now and
+    /// then an int64 one.
+    fn wide_amount() -> BoxedStrategy<i64> {
+        prop_oneof![
+            4 => prop_oneof![1i64..(1 << 32), -(1i64 << 32)..-1],
+            1 => any::<i64>().prop_filter("nonzero", |n| *n != 0),
+        ]
+        .boxed()
+    }
+
+    /// What the stale entries add up to, exactly (DESIGN §4: entries of a
+    /// second before the cutoff second).
+    fn stale_sum(entries: &[(Bson, i32, i64)]) -> i128 {
+        entries
+            .iter()
+            .filter(|(_, offset, _)| *offset < 0)
+            .map(|(_, _, n)| i128::from(*n))
+            .sum()
+    }
+
+    fn pending_of(entries: &[(Bson, i32, i64)]) -> Bson {
+        Bson::Array(entries.iter().map(|(v, _, _)| v.clone()).collect())
+    }
+
+    /// Values that are not an entry: wrong types, and documents that look
+    /// like `{t, n}` but are not (`n` not an integer or zero, `t` not an
+    /// ObjectId, a field missing or one too many).
+    fn malformed_entry() -> impl Strategy<Value = Bson> {
+        let t = token_at(-2, [7; 8]);
+        prop_oneof![
+            ".{0,6}".prop_map(Bson::String),
+            any::<i32>().prop_map(Bson::Int32),
+            any::<i64>().prop_map(Bson::Int64),
+            any::<f64>().prop_map(Bson::Double),
+            any::<bool>().prop_map(Bson::Boolean),
+            Just(Bson::Null),
+            Just(Bson::Array(vec![Bson::ObjectId(t)])),
+            Just(Bson::Document(doc! {})),
+            Just(Bson::Document(doc! { "t": t })),
+            Just(Bson::Document(doc! { "n": 1 })),
+            Just(Bson::Document(doc! { "t": t, "n": 0 })),
+            Just(Bson::Document(doc! { "t": t, "n": 0i64 })),
+            any::<f64>().prop_map(move |n| Bson::Document(doc! { "t": t, "n": n })),
+            ".{0,3}".prop_map(move |n| Bson::Document(doc! { "t": t, "n": n })),
+            Just(Bson::Document(doc! { "t": t, "n": Bson::Null })),
+            Just(Bson::Document(doc! { "t": t.to_hex(), "n": 1 })),
+            Just(Bson::Document(doc! { "t": t, "n": 1, "x": 1 })),
+            Just(Bson::Document(doc! { "_id": t, "n": 1 })),
+        ]
+    }
+
+    /// A counter of any valid type and a sensible size.
+    fn valid_counter() -> impl Strategy<Value = Option<Bson>> {
+        prop_oneof![
+            Just(None),
+            any::<i32>().prop_map(|c| Some(Bson::Int32(c))),
+            (-1_000_000i64..1_000_000).prop_map(|c| Some(Bson::Int64(c))),
+            (-1_000_000i32..1_000_000).prop_map(|c| Some(Bson::Double(f64::from(c)))),
+        ]
+    }
+
+    proptest! {
+        /// An int32 counter stays int32 while the result fits in an int32
+        /// and is widened to int64 otherwise (as the server widens `$add`),
+        /// and is refused as an overflow only when the exact result does not
+        /// fit in an int64.
+        #[test]
+        fn an_int32_counter_stays_int32_while_it_fits(
+            start in prop_oneof![any::<i32>(), Just(i32::MAX), Just(i32::MIN), -5i32..5],
+            entries in proptest::collection::vec(valid_entry(wide_amount()), 0..6),
+        ) {
+            let pending = pending_of(&entries);
+            let result = plan(Some(&Bson::Int32(start)), Some(&pending), cutoff_at(CUTOFF_SECS));
+            let exact = i128::from(start) + stale_sum(&entries);
+            match (i32::try_from(exact), i64::try_from(exact), i64::try_from(stale_sum(&entries))) {
+                (Ok(r), _, Ok(_)) => prop_assert_eq!(result.unwrap().counter, Bson::Int32(r)),
+                (Err(_), Ok(r), Ok(_)) => prop_assert_eq!(result.unwrap().counter, Bson::Int64(r)),
+                _ => prop_assert_eq!(result, Err(Malformed::Overflow)),
+            }
+        }
+
+        /// A missing counter counts from 0 and is written as an int64: the
+        /// fold is the same as that of an int64 counter holding 0.
+        #[test]
+        fn a_missing_counter_counts_from_zero(
+            entries in proptest::collection::vec(valid_entry(wide_amount()), 0..6),
+        ) {
+            let pending = pending_of(&entries);
+            let missing = plan(None, Some(&pending), cutoff_at(CUTOFF_SECS));
+            match i64::try_from(stale_sum(&entries)) {
+                Ok(sum) => {
+                    let missing = missing.unwrap();
+                    prop_assert_eq!(&missing.counter, &Bson::Int64(sum));
+                    prop_assert_eq!(missing.stale_amount, sum);
+                    let zero = plan(Some(&Bson::Int64(0)), Some(&pending), cutoff_at(CUTOFF_SECS));
+                    prop_assert_eq!(zero.unwrap(), missing);
+                }
+                Err(_) => prop_assert_eq!(missing, Err(Malformed::Overflow)),
+            }
+        }
+
+        /// A double counter is folded only while it holds an integer and the
+        /// result stays within 2^53 (where doubles are exact), and stays a
+        /// double; NaN, infinities and fractions are not integers.
+        #[test]
+        fn a_double_counter_stays_exact_or_is_refused(
+            start in prop_oneof![
+                (-(1i64 << 53)..=(1i64 << 53)).prop_map(|c| c as f64),
+                (-(1i64 << 53) - 5..-(1i64 << 53)).prop_map(|c| c as f64),
+                ((1i64 << 53) - 5..(1i64 << 53) + 5).prop_map(|c| c as f64),
+                any::<f64>(),
+                Just(f64::NAN),
+                Just(f64::INFINITY),
+                Just(0.5),
+            ],
+            entries in proptest::collection::vec(valid_entry(small_amount()), 0..6),
+        ) {
+            const EXACT: i128 = 1 << 53;
+            let pending = pending_of(&entries);
+            let result = plan(Some(&Bson::Double(start)), Some(&pending), cutoff_at(CUTOFF_SECS));
+            let integral = start.is_finite() && start.trunc() == start && (start.abs() as i128) <= EXACT;
+            if !integral {
+                prop_assert_eq!(result, Err(Malformed::CounterNotInteger("double")));
+            } else {
+                let exact = start as i128 + stale_sum(&entries);
+                if exact.abs() <= EXACT {
+                    prop_assert_eq!(result.unwrap().counter, Bson::Double(exact as f64));
+                } else {
+                    prop_assert_eq!(result, Err(Malformed::Overflow));
+                }
+            }
+        }
+
+        /// One malformed entry anywhere in `pending` — before, between or
+        /// after valid stale and young entries — makes the whole document
+        /// malformed, whatever its (valid) counter.
+        #[test]
+        fn one_malformed_entry_anywhere_makes_the_document_malformed(
+            counter in valid_counter(),
+            entries in proptest::collection::vec(valid_entry(small_amount()), 0..8),
+            bad in malformed_entry(),
+            at in any::<proptest::sample::Index>(),
+        ) {
+            let mut values: Vec<Bson> = entries.iter().map(|(v, _, _)| v.clone()).collect();
+            values.insert(at.index(values.len() + 1), bad.clone());
+            let result = plan(counter.as_ref(), Some(&Bson::Array(values)), cutoff_at(CUTOFF_SECS));
+            prop_assert!(
+                matches!(result, Err(Malformed::BadEntry(_))),
+                "{:?} in pending gave {:?}", bad, result
+            );
+        }
+
+        /// A `pending` field that is not an array is malformed, named by its
+        /// `$type`, whatever the counter.
+        #[test]
+        fn a_pending_field_that_is_not_an_array_is_malformed(
+            counter in valid_counter(),
+            (pending, type_name) in prop_oneof![
+                Just((Bson::Null, "null")),
+                any::<bool>().prop_map(|b| (Bson::Boolean(b), "bool")),
+                any::<i32>().prop_map(|n| (Bson::Int32(n), "int")),
+                any::<i64>().prop_map(|n| (Bson::Int64(n), "long")),
+                any::<f64>().prop_map(|n| (Bson::Double(n), "double")),
+                ".{0,6}".prop_map(|s| (Bson::String(s), "string")),
+                any::<[u8; 12]>().prop_map(|b| (Bson::ObjectId(ObjectId::from_bytes(b)), "objectId")),
+                any::<[u8; 12]>().prop_map(|b| {
+                    (Bson::Document(doc! { "0": ObjectId::from_bytes(b) }), "object")
+                }),
+            ],
+        ) {
+            let result = plan(counter.as_ref(), Some(&pending), cutoff_at(CUTOFF_SECS));
+            prop_assert_eq!(result, Err(Malformed::PendingNotArray(type_name)));
+        }
+
+        /// The fold never touches an entry created in or after the cutoff
+        /// second: the kept entries are exactly those, unchanged and in
+        /// their order; the stale ones are counted and summed; the oldest
+        /// token is the smallest of all.
+        #[test]
+        fn the_fold_keeps_exactly_the_young_entries_in_order(
+            counter in valid_counter(),
+            entries in proptest::collection::vec(valid_entry(small_amount()), 0..12),
+        ) {
+            let result = plan(counter.as_ref(), Some(&pending_of(&entries)), cutoff_at(CUTOFF_SECS)).unwrap();
+            let young: Vec<Bson> = entries
+                .iter()
+                .filter(|(_, offset, _)| *offset >= 0)
+                .map(|(v, _, _)| v.clone())
+                .collect();
+            prop_assert_eq!(&result.keep, &young);
+            let stale = entries.iter().filter(|(_, offset, _)| *offset < 0).count();
+            prop_assert_eq!(result.stale_tokens, stale as u64);
+            prop_assert_eq!(i128::from(result.stale_amount), stale_sum(&entries));
+            let oldest = entries
+                .iter()
+                .map(|(v, _, _)| match v {
+                    Bson::ObjectId(t) => *t,
+                    Bson::Document(d) => d.get_object_id("t").unwrap(),
+                    _ => unreachable!(),
+                })
+                .min();
+            prop_assert_eq!(result.oldest.map(|t| t.object_id()), oldest);
+        }
+    }
 }
