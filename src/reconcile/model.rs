@@ -75,35 +75,41 @@ pub fn plan(
         counter: Bson::Null,
         keep: Vec::new(),
     };
-    let mut sum: i128 = 0;
+    // Summed in entry order in int64, as the server's pipeline does: a sum
+    // that overflows at any point is refused, even if later entries would
+    // bring it back.
+    let mut sum = Some(0i64);
     for value in entries {
         let entry = Entry::parse(value).map_err(Malformed::BadEntry)?;
         let token = entry.token();
         plan.oldest = Some(plan.oldest.map_or(token, |o| o.min(token)));
         if token.object_id() < cutoff {
             plan.stale_tokens += 1;
-            sum += i128::from(entry.amount());
+            sum = sum.and_then(|s| s.checked_add(entry.amount()));
         } else {
             plan.keep.push(value.clone());
         }
     }
-    plan.stale_amount = i64::try_from(sum).map_err(|_| Malformed::Overflow)?;
+    // The counter's type is judged before the overflow, as the pipeline
+    // does.
     plan.counter = add(counter, sum)?;
+    plan.stale_amount = sum.ok_or(Malformed::Overflow)?;
     Ok(plan)
 }
 
-/// The counter plus `sum`, keeping its type.
-fn add(counter: Option<&Bson>, sum: i128) -> Result<Bson, Malformed> {
-    let overflow = |r: i128| i64::try_from(r).map_err(|_| Malformed::Overflow);
+/// The counter plus `sum` (`None`: the sum overflowed), keeping its type.
+fn add(counter: Option<&Bson>, sum: Option<i64>) -> Result<Bson, Malformed> {
+    let sum = || sum.ok_or(Malformed::Overflow);
+    let checked = |c: i64| c.checked_add(sum()?).ok_or(Malformed::Overflow);
     match counter {
-        None => Ok(Bson::Int64(overflow(sum)?)),
+        None => Ok(Bson::Int64(sum()?)),
         Some(Bson::Int32(c)) => {
-            let r = overflow(i128::from(*c) + sum)?;
+            let r = checked(i64::from(*c))?;
             Ok(i32::try_from(r).map_or(Bson::Int64(r), Bson::Int32))
         }
-        Some(Bson::Int64(c)) => Ok(Bson::Int64(overflow(i128::from(*c) + sum)?)),
+        Some(Bson::Int64(c)) => Ok(Bson::Int64(checked(*c)?)),
         Some(Bson::Double(c)) if c.fract() == 0.0 && c.abs() <= EXACT_DOUBLE as f64 => {
-            let r = *c as i128 + sum;
+            let r = *c as i128 + i128::from(sum()?);
             if r.abs() <= EXACT_DOUBLE {
                 Ok(Bson::Double(r as f64))
             } else {
@@ -201,6 +207,34 @@ mod tests {
                 "{counter:?} {pending:?} must be malformed, got {result:?}"
             );
         }
+    }
+
+    /// The stale amounts are summed in entry order in int64, as the
+    /// server's pipeline sums them: an overflow midway is refused even when
+    /// later entries would bring the sum back.
+    #[test]
+    fn a_sum_that_overflows_midway_is_refused() {
+        let midway = Bson::Array(vec![
+            entry(true, true, i64::MAX),
+            entry(true, true, 1),
+            entry(true, true, -1),
+        ]);
+        assert_eq!(
+            plan(Some(&Bson::Int64(0)), Some(&midway), cutoff()),
+            Err(Malformed::Overflow)
+        );
+        let in_order = Bson::Array(vec![
+            entry(true, true, i64::MAX),
+            entry(true, true, -1),
+            entry(true, true, 1),
+        ]);
+        let folded = plan(Some(&Bson::Int64(0)), Some(&in_order), cutoff()).unwrap();
+        assert_eq!(folded.counter, Bson::Int64(i64::MAX));
+        // A counter that is not an integer is named before an overflow.
+        assert_eq!(
+            plan(Some(&Bson::String("7".into())), Some(&midway), cutoff()),
+            Err(Malformed::CounterNotInteger("string"))
+        );
     }
 
     fn entry(stale: bool, tagged: bool, n: i64) -> Bson {
@@ -301,14 +335,18 @@ mod tests {
         .boxed()
     }
 
-    /// What the stale entries add up to, exactly (DESIGN §4: entries of a
-    /// second before the cutoff second).
+    /// What the stale entries add up to (DESIGN §4: entries of a second
+    /// before the cutoff second), summed in entry order in int64 as the fold
+    /// does; 2^70 (beyond any int64) when a partial sum overflows.
     fn stale_sum(entries: &[(Bson, i32, i64)]) -> i128 {
-        entries
-            .iter()
-            .filter(|(_, offset, _)| *offset < 0)
-            .map(|(_, _, n)| i128::from(*n))
-            .sum()
+        let mut sum = 0i64;
+        for (_, _, n) in entries.iter().filter(|(_, offset, _)| *offset < 0) {
+            match sum.checked_add(*n) {
+                Some(s) => sum = s,
+                None => return 1 << 70,
+            }
+        }
+        i128::from(sum)
     }
 
     fn pending_of(entries: &[(Bson, i32, i64)]) -> Bson {

@@ -177,13 +177,25 @@ fn reason(spec: &CollectionConfig, summary: &str, result: &str) -> Bson {
         ]
     };
     // An int64 sum that overflowed turned into a double; so did an int64
-    // counter plus the sum. A double counter must stay within 2^53.
+    // counter plus the sum. A double counter must stay within 2^53, judged
+    // on the exact int64 sum: the double result may have been rounded into
+    // range.
+    let exact_double_result = doc! {
+        "$let": {
+            "vars": { "r": { "$add": [{ "$toLong": counter.as_str() }, format!("{summary}.s")] } },
+            "in": { "$and": [
+                { "$eq": [{ "$type": "$$r" }, "long"] },
+                { "$lte": ["$$r", EXACT_DOUBLE as i64] },
+                { "$gte": ["$$r", -(EXACT_DOUBLE as i64)] },
+            ]},
+        }
+    };
     let fits = doc! {
         "$and": [
             { "$in": [{ "$type": format!("{summary}.s") }, ["int", "long"]] },
             { "$cond": [
                 { "$eq": [counter_type, "double"] },
-                { "$lte": [{ "$abs": result }, EXACT_DOUBLE] },
+                exact_double_result,
                 { "$in": [{ "$type": result }, ["int", "long"]] },
             ]},
         ]

@@ -574,7 +574,21 @@ async fn the_server_pipeline_does_what_the_model_says() {
     let client = ctx.client(false).await;
     let coll = client.collection("random");
     let mut rng = fastrand::Rng::with_seed(20261122);
-    let docs: Vec<Document> = (0..300).map(|i| random_document(&mut rng, i)).collect();
+    let mut docs: Vec<Document> = (0..300).map(|i| random_document(&mut rng, i)).collect();
+    // Edge cases: a double counter whose exact result is just past 2^53
+    // (its double sum rounds back into range), or lands on it; a sum that
+    // overflows midway and comes back.
+    let edge = 2f64.powi(53) - 1.0;
+    docs.extend([
+        doc! { "_id": 1000, "counter": edge, "pending": [{ "t": stale(), "n": 2i64 }] },
+        doc! { "_id": 1001, "counter": edge, "pending": [{ "t": stale(), "n": 1i64 }] },
+        doc! { "_id": 1002, "counter": 0i64, "pending": [
+            { "t": stale(), "n": i64::MAX }, { "t": stale(), "n": 1i64 }, { "t": stale(), "n": -1i64 },
+        ] },
+        doc! { "_id": 1003, "counter": 0i64, "pending": [
+            { "t": stale(), "n": i64::MAX }, { "t": stale(), "n": -1i64 }, { "t": stale(), "n": 1i64 },
+        ] },
+    ]);
     coll.insert_many(docs.clone()).await.unwrap();
     let store = client.store();
     let reconciler = Reconciler::new(&store);
@@ -612,7 +626,7 @@ async fn the_server_pipeline_does_what_the_model_says() {
             Ok(plan) if plan.stale_tokens > 0 => {
                 folded += 1;
                 tokens += plan.stale_tokens;
-                amount += plan.stale_amount;
+                amount = amount.saturating_add(plan.stale_amount);
                 assert_eq!(
                     now_doc.get("counter"),
                     Some(&plan.counter),
