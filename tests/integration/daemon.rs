@@ -14,11 +14,11 @@ use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{FailPoint, TestContext, counter, external, wait_until};
 
 /// The daemon's settings for a test; rendered to TOML.
-struct Conf {
-    cron: &'static str,
-    catch_up: bool,
-    monitor: bool,
-    extra: String,
+pub(crate) struct Conf {
+    pub(crate) cron: &'static str,
+    pub(crate) catch_up: bool,
+    pub(crate) monitor: bool,
+    pub(crate) extra: String,
 }
 
 impl Default for Conf {
@@ -33,7 +33,8 @@ impl Default for Conf {
 }
 
 impl Conf {
-    fn render(&self, uri: &str, database: &str) -> String {
+    /// The config file: collection `views`, grace 3 s, retry horizon 2 s.
+    pub(crate) fn render(&self, uri: &str, database: &str) -> String {
         format!(
             r#"
 [mongodb]

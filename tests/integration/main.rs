@@ -14,3 +14,4 @@ mod packaging;
 mod proxy;
 mod reconcile;
 mod sequence;
+mod soak;

@@ -1,0 +1,352 @@
+//! The exactly-once soak: 16 writers × 500 increments through the
+//! black-pipe proxy with ~10% of the `update`s on the counters faulted at
+//! random (reply dropped, connection closed, reply delayed past the
+//! timeout, not-primary), some writers "crashing" after step 1, the daemon
+//! folding every second through the same faulty proxy, and the daemon
+//! killed with SIGKILL and restarted once halfway.
+//!
+//! Ground truth is the proxy's log: an increment counts exactly when its
+//! token's step 1 reached the server (the counters exist beforehand, so an
+//! `$addToSet` that arrives always applies). At the end every counter must
+//! equal its ground truth, every definite answer a writer got must agree
+//! with it, and no token may be left. The seed is fixed (override with
+//! `TALLY_SOAK_SEED`) and printed in every failure.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use tally::{CollectionConfig, Completion, Counters, Error, Increment, Token, WriterConfig};
+
+use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+use crate::common::server::{ServerOptions, TestServer};
+use crate::common::tallyd::Tallyd;
+use crate::common::{TestContext, external};
+use crate::daemon::Conf;
+
+const WRITERS: usize = 16;
+const INCREMENTS: usize = 500;
+const KEYS: usize = 50;
+/// Each of the four fault rules selects this share of the `update`s.
+const FAULT_SHARE: f64 = 0.026;
+/// Share of increments whose writer "crashes" right after step 1.
+const CRASH_SHARE: f64 = 0.05;
+const DEFAULT_SEED: u64 = 20_261_122;
+/// The writers' bound on one attempt; the delay fault holds replies longer.
+const ATTEMPT: Duration = Duration::from_secs(2);
+const DELAY: Duration = Duration::from_secs(3);
+/// The writers' retry horizon, the same as the daemon's config says.
+const RETRY_HORIZON: Duration = Duration::from_secs(2);
+/// The whole soak must finish within this.
+const BUDGET: Duration = Duration::from_secs(300);
+
+/// What a writer was told about one increment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Claim {
+    /// Counted, or pending (then counted exactly once, by `complete` or the
+    /// fold).
+    Counted,
+    /// Definitely not applied.
+    NotCounted,
+    /// `resume` refused past the retry horizon: counted at most once.
+    AtMostOnce,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly_once() {
+    let seed = std::env::var("TALLY_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_SEED);
+    eprintln!("soak seed: {seed} (rerun with TALLY_SOAK_SEED={seed})");
+    let started = Instant::now();
+
+    // Its own server: the soak's load must not slow the other tests.
+    let server = (!external()).then(|| TestServer::start(&ServerOptions::default()));
+    let ctx = match &server {
+        Some(server) => TestContext::on("soak", server.uri()).await,
+        None => TestContext::new("soak").await,
+    };
+    let direct = ctx.client(false).await.collection("views");
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("k{k}")).collect();
+    direct
+        .insert_many(keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
+        .await
+        .expect("create the counters");
+
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let faults = [
+        Action::DropReply,
+        Action::CloseBeforeForwarding,
+        Action::DelayReply(DELAY),
+        Action::error(10107, "NotWritablePrimary", &[]),
+    ];
+    let _rules: Vec<_> = faults
+        .into_iter()
+        .enumerate()
+        .map(|(i, action)| {
+            proxy.rule(
+                Rule::command("update")
+                    .collection("views")
+                    .probability(FAULT_SHARE, seed.wrapping_add(i as u64))
+                    .then(action),
+            )
+        })
+        .collect();
+
+    // Folds every second, grace 3 s, retry horizon 2 s (as the writers').
+    let config = Conf::default().render(&ctx.child_uri_through(&proxy, false), &ctx.db_name);
+    let mut daemon = Tallyd::start(&config, &[]);
+    daemon.wait_ready("active", Duration::from_secs(30)).await;
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let client = ctx.client_through(&proxy, false).await;
+        let store = client.store().with_attempt_timeout(ATTEMPT);
+        let keys = keys.clone();
+        let done = done.clone();
+        writers.push(tokio::spawn(async move {
+            let counters = Counters::new(
+                &store,
+                CollectionConfig::new("views"),
+                WriterConfig {
+                    retry_horizon: RETRY_HORIZON,
+                },
+            );
+            let raw = store.collection("views");
+            let mut rng = fastrand::Rng::with_seed(seed ^ ((w as u64 + 1) << 32));
+            let mut claims = Vec::with_capacity(INCREMENTS);
+            for i in 0..INCREMENTS {
+                let key = &keys[(w * 7 + i * 13) % keys.len()];
+                if rng.f64() < CRASH_SHARE {
+                    crash_after_step_1(&raw, key).await;
+                } else {
+                    claims.push(settle(&counters, key, &mut rng).await);
+                }
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            claims
+        }));
+    }
+
+    // Halfway: SIGKILL the daemon (mid-fold, likely) and start another.
+    let half = WRITERS * INCREMENTS / 2;
+    while done.load(std::sync::atomic::Ordering::Relaxed) < half {
+        assert!(
+            started.elapsed() < BUDGET,
+            "seed {seed}: writers stalled before halfway"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first_log = {
+        daemon.kill();
+        daemon.log()
+    };
+    let mut daemon = Tallyd::start(&config, &[]);
+    daemon.wait_ready("active", Duration::from_secs(30)).await;
+
+    let mut claims: Vec<(String, Token, Claim)> = Vec::new();
+    for writer in writers {
+        claims.extend(writer.await.expect("a writer panicked"));
+    }
+
+    // Every token is folded once it is older than the grace.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let left = direct
+            .count_documents(doc! { "pending.0": { "$exists": true } })
+            .await
+            .expect("count pending");
+        if left == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {left} documents still hold tokens 90 s after the writers stopped\nlog:\n{}",
+            daemon.log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let exit = daemon.terminate();
+    let logs = format!("{first_log}\n{}", daemon.log());
+    assert!(
+        exit.success(),
+        "seed {seed}: tallyd exited {exit:?}\n{logs}"
+    );
+    assert!(
+        !logs.contains("panicked"),
+        "seed {seed}: a panic in the daemon's log\n{logs}"
+    );
+
+    // The ground truth from the proxy's log, against the counters and
+    // against what the writers were told.
+    let log = proxy.log();
+    let truth = applied_step_1s(&log, seed);
+    let finals = counters(&direct).await;
+    let mut wrong = Vec::new();
+    for key in &keys {
+        let expected = truth.get(key).map_or(0, HashSet::len) as i64;
+        let actual = finals.get(key).copied().unwrap_or(0);
+        if actual != expected {
+            wrong.push(format!("{key}: counter {actual}, ground truth {expected}"));
+        }
+    }
+    let mut told = HashMap::new();
+    for (key, token, claim) in &claims {
+        let applied = truth
+            .get(key)
+            .is_some_and(|t| t.contains(&token.object_id()));
+        *told.entry(*claim).or_insert(0usize) += 1;
+        let agrees = match claim {
+            Claim::Counted => applied,
+            Claim::NotCounted => !applied,
+            Claim::AtMostOnce => true,
+        };
+        if !agrees {
+            wrong.push(format!(
+                "{key}: token {token} was {claim:?}, but its step 1 {} the server",
+                if applied { "reached" } else { "never reached" }
+            ));
+        }
+    }
+    let faulted = log.iter().filter(|e| e.action.is_some()).count();
+    let updates = log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("update"))
+        .count();
+    eprintln!(
+        "soak seed {seed}: {} increments, {updates} updates, {faulted} faulted; writers told {told:?}; {:.0?}",
+        WRITERS * INCREMENTS,
+        started.elapsed()
+    );
+    assert!(
+        wrong.is_empty(),
+        "seed {seed}: {} mismatches:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+    assert!(
+        faulted as f64 > 0.05 * updates as f64,
+        "seed {seed}: only {faulted} of {updates} updates were faulted"
+    );
+    assert!(
+        started.elapsed() < BUDGET,
+        "seed {seed}: the soak took {:?}",
+        started.elapsed()
+    );
+}
+
+/// A writer that dies right after step 1: its token is left for the fold.
+/// The write goes through the proxy and may itself be faulted; the log
+/// says whether it arrived.
+async fn crash_after_step_1(raw: &Collection<Document>, key: &str) {
+    let token = ObjectId::new();
+    let _ = raw
+        .update_one(
+            doc! { "_id": key },
+            doc! { "$addToSet": { "pending": token } },
+        )
+        .await;
+}
+
+/// One increment, settled as an application would: `complete` half of the
+/// pending ones (the fold gets the rest), `resume` the unknown ones.
+async fn settle(counters: &Counters, key: &str, rng: &mut fastrand::Rng) -> (String, Token, Claim) {
+    let mut outcome = counters.increment(key, 1).await;
+    let token = outcome.token().expect("a token");
+    let mut lookups = 0;
+    let claim = loop {
+        match outcome {
+            Increment::Counted(_) => break Claim::Counted,
+            Increment::Pending(pending) => {
+                if rng.bool() {
+                    let _: Completion = counters.complete(&pending).await;
+                }
+                break Claim::Counted;
+            }
+            Increment::NotCounted(_) => break Claim::NotCounted,
+            Increment::Unknown(unknown) => match counters.resume(&unknown).await {
+                Ok(next) => outcome = next,
+                Err(Error::RetryHorizonExceeded { .. }) => break Claim::AtMostOnce,
+                // The lookup failed: ask again, a few times.
+                Err(_) if lookups < 10 => {
+                    lookups += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    outcome = Increment::Unknown(unknown);
+                }
+                Err(_) => break Claim::AtMostOnce,
+            },
+        }
+    };
+    (key.to_owned(), token, claim)
+}
+
+/// For each key, the tokens whose step 1 (an `$addToSet` of the token)
+/// reached the server.
+fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, HashSet<ObjectId>> {
+    let mut truth: HashMap<String, HashSet<ObjectId>> = HashMap::new();
+    for exchange in log.iter().filter(|e| {
+        e.command.as_deref() == Some("update") && e.collection.as_deref() == Some("views")
+    }) {
+        let Ok(statements) = exchange.body.get_array("updates") else {
+            continue;
+        };
+        for statement in statements.iter().filter_map(Bson::as_document) {
+            let added = statement
+                .get_document("u")
+                .ok()
+                .and_then(|u| u.get_document("$addToSet").ok())
+                .and_then(|a| a.get("pending"));
+            let token = match added {
+                Some(Bson::ObjectId(t)) => *t,
+                Some(Bson::Document(entry)) => match entry.get("t") {
+                    Some(Bson::ObjectId(t)) => *t,
+                    _ => panic!("seed {seed}: an entry without a token: {entry}"),
+                },
+                _ => continue,
+            };
+            let key = statement
+                .get_document("q")
+                .ok()
+                .and_then(|q| q.get_str("_id").ok())
+                .expect("step 1 filters on _id")
+                .to_owned();
+            if let Some(reply) = &exchange.reply {
+                // The counters exist: an `$addToSet` that arrived matched.
+                assert_eq!(
+                    reply.get_i32("n").ok(),
+                    Some(1),
+                    "seed {seed}: a step 1 the server did not apply: {reply}"
+                );
+            }
+            if exchange.reached_server {
+                truth.entry(key).or_default().insert(token);
+            }
+        }
+    }
+    truth
+}
+
+/// Every counter's value.
+async fn counters(direct: &Collection<Document>) -> HashMap<String, i64> {
+    direct
+        .find(doc! {})
+        .await
+        .expect("find")
+        .try_collect::<Vec<Document>>()
+        .await
+        .expect("read counters")
+        .into_iter()
+        .map(|d| {
+            let counter = match d.get("counter") {
+                Some(Bson::Int64(n)) => *n,
+                Some(Bson::Int32(n)) => i64::from(*n),
+                other => panic!("a counter that is not an integer: {other:?}"),
+            };
+            (d.get_str("_id").unwrap_or_default().to_owned(), counter)
+        })
+        .collect()
+}
