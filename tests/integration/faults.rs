@@ -27,9 +27,9 @@ use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
 use crate::common::{TestClient, TestContext, run_reconcile};
 
 /// The bound on one attempt for the client through the proxy.
-const ATTEMPT: Duration = Duration::from_secs(2);
+const ATTEMPT: Duration = Duration::from_secs(3);
 /// A delay well past [`ATTEMPT`]: the client gives up first.
-const DELAY: Duration = Duration::from_secs(5);
+const DELAY: Duration = Duration::from_secs(6);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
