@@ -402,48 +402,37 @@ impl Alerts {
     }
 
     fn enqueue(&self, notification: Notification) {
-        let failed = || {
+        let not_sent = |notification: &Notification, shown_url: &str, reason: &str| {
             self.inner
                 .metrics
                 .webhook_deliveries
                 .with_label_values(&["failed"])
                 .inc();
+            tracing::error!(
+                kind = %notification.kind,
+                state = %notification.state,
+                collection = %notification.collection,
+                webhook = %shown_url,
+                "alert not sent: {reason}"
+            );
         };
         match &self.inner.sink {
             Sink::LogOnly => {}
             Sink::Unusable { shown_url } => {
-                failed();
-                tracing::error!(
-                    kind = %notification.kind,
-                    state = %notification.state,
-                    collection = %notification.collection,
-                    webhook = %shown_url,
-                    "alert not sent: the webhook cannot be used"
-                );
+                not_sent(&notification, shown_url, "the webhook cannot be used");
             }
             Sink::Webhook { queue, shown_url } => match queue.try_send(notification) {
                 Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(notification)) => {
-                    failed();
-                    tracing::error!(
-                        kind = %notification.kind,
-                        state = %notification.state,
-                        collection = %notification.collection,
-                        webhook = %shown_url,
-                        capacity = QUEUE_CAPACITY,
-                        "alert not sent: too many notifications wait for the webhook"
-                    );
-                }
-                Err(mpsc::error::TrySendError::Closed(notification)) => {
-                    failed();
-                    tracing::error!(
-                        kind = %notification.kind,
-                        state = %notification.state,
-                        collection = %notification.collection,
-                        webhook = %shown_url,
-                        "alert not sent: webhook delivery has stopped (shutting down)"
-                    );
-                }
+                Err(mpsc::error::TrySendError::Full(notification)) => not_sent(
+                    &notification,
+                    shown_url,
+                    &format!("more than {QUEUE_CAPACITY} notifications wait for the webhook"),
+                ),
+                Err(mpsc::error::TrySendError::Closed(notification)) => not_sent(
+                    &notification,
+                    shown_url,
+                    "webhook delivery has stopped (shutting down)",
+                ),
             },
         }
     }

@@ -7,14 +7,13 @@ use std::time::Duration;
 
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::error::{Error, ErrorKind};
-use mongodb::options::ClientOptions;
 use mongodb::{Client, Collection};
 
 use crate::common::proxy::{
     Action, Exchange, FrameError, OP_MSG, OP_QUERY, Proxy, Rule, WireMessage, encode_op_msg,
     upstream_of,
 };
-use crate::common::{TestClient, TestContext, with_options};
+use crate::common::{TestClient, TestContext};
 
 /// How long a test waits for something that should take milliseconds.
 const PATIENCE: Duration = Duration::from_secs(5);
@@ -32,20 +31,7 @@ impl Rig {
     async fn new(name: &str) -> Self {
         let ctx = TestContext::new(name).await;
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
-        let uri = with_options(
-            &proxy.uri(),
-            &format!(
-                "retryWrites=false&serverSelectionTimeoutMS=3000&heartbeatFrequencyMS=500&appName={}",
-                ctx.app_name
-            ),
-        );
-        let mut options = ClientOptions::parse(&uri).await.expect("parse proxy URI");
-        // An external server may need credentials; the proxy's URI has none.
-        options.credential = ClientOptions::parse(&ctx.uri)
-            .await
-            .expect("parse test URI")
-            .credential;
-        let through = Client::with_options(options).expect("client through the proxy");
+        let through = ctx.client_through(&proxy, false).await.client;
         let direct = ctx.client(false).await;
         Self {
             ctx,
