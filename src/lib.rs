@@ -2,7 +2,7 @@
 //! when the network drops replies, primaries step down and writers crash.
 //!
 //! An increment is split into two idempotent steps joined by a pending token
-//! (see [`counter`]); the caller always learns which of four outcomes
+//! (see [`write::counter`]); the caller always learns which of four outcomes
 //! happened, and a token left behind by a crashed writer is folded into its
 //! counter later by the `tallyd` daemon. Every failed attempt is classified
 //! by [`error::ErrorClass`], and only transient failures of idempotent
@@ -35,11 +35,12 @@
 //! - [`error`]: error classes, the retry-once rule, the library's error type.
 //! - [`token`]: pending tokens and the two entry forms of a `pending` array.
 //! - [`store`]: the connected handle (client, database, retry facts).
-//! - [`counter`]: the two-step increment, `complete` and `resume`.
+//! - [`write`]: the protocols a writer calls.
+//! - [`write::counter`]: the two-step increment, `complete` and `resume`.
 //! - [`document`]: reading values out of documents tally does not own.
-//! - [`sequence`]: sequences on a counters collection (`next`, blocks, seeding).
-//! - [`insert_loop`]: the optimistic insert loop (highest `_id` + 1, bounded retries).
-//! - [`bounded`]: bounded counters: take a unit only while some are left.
+//! - [`write::sequence`]: sequences on a counters collection (`next`, blocks, seeding).
+//! - [`write::insert_loop`]: the optimistic insert loop (highest `_id` + 1, bounded retries).
+//! - [`write::bounded`]: bounded counters: take a unit only while some are left.
 //! - [`reconcile`]: the fold of leftover pending tokens, safe on live documents, and its report.
 //! - [`config`]: the TOML file and environment overrides, validated as a whole.
 //! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
@@ -58,15 +59,12 @@
 #![deny(missing_docs)]
 
 pub mod alert;
-pub mod bounded;
 pub mod cli;
 pub mod config;
-pub mod counter;
 pub mod daemon;
 pub mod document;
 pub mod error;
 pub mod http;
-pub mod insert_loop;
 pub mod lease;
 pub mod logging;
 pub mod metrics;
@@ -74,19 +72,19 @@ pub mod monitor;
 pub mod reconcile;
 pub mod redact;
 pub mod schedule;
-pub mod sequence;
 pub mod state;
 pub mod store;
 pub mod token;
+pub mod write;
 
-pub use bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
 pub use config::{CollectionConfig, Config, FoldTarget, SequenceConfig, WriterConfig};
-pub use counter::{
-    Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
-};
 pub use error::{Effect, Error, ErrorClass};
-pub use insert_loop::InsertLoop;
 pub use reconcile::{CollectionRun, Mode, Reconciler, Survey};
-pub use sequence::{Block, Sequences};
 pub use store::Store;
 pub use token::{Entry, Token};
+pub use write::bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
+pub use write::counter::{
+    Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
+};
+pub use write::insert_loop::InsertLoop;
+pub use write::sequence::{Block, Sequences};

@@ -8,8 +8,8 @@ use serde_json::json;
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, fail};
 use crate::config::Config;
 use crate::error::{Error, ErrorClass};
-use crate::sequence::Sequences;
 use crate::store::Store;
+use crate::write::sequence::Sequences;
 
 /// `tallyd seq ...`: sequences in the `[sequences]` collection.
 #[derive(Debug, Subcommand)]

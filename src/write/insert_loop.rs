@@ -8,7 +8,7 @@
 //! read per attempt and lost races under contention; a [`Sequences`]
 //! counter costs one round trip but may leave gaps.
 //!
-//! [`Sequences`]: crate::sequence::Sequences
+//! [`Sequences`]: crate::write::sequence::Sequences
 
 use std::time::Duration;
 
