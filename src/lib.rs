@@ -58,21 +58,14 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod alert;
 pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod document;
 pub mod error;
-pub mod http;
-pub mod lease;
 pub mod logging;
-pub mod metrics;
-pub mod monitor;
 pub mod reconcile;
 pub mod redact;
-pub mod schedule;
-pub mod state;
 pub mod store;
 pub mod token;
 pub mod write;

@@ -608,7 +608,7 @@ async fn the_status_command_shows_pending_stuck_and_malformed() {
 async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
     let ctx = TestContext::new("daemon_webhook").await;
     let views = ctx.client(false).await.collection("views");
-    let receiver = crate::alert::Receiver::start(2).await;
+    let receiver = crate::common::receiver::Receiver::start(2).await;
     let alerts = format!(
         "[alerts]\nstuck_after = \"3s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
          auth_header_env = \"HOOK_TOKEN\"\nmax_attempts = 10\n",

@@ -2,7 +2,6 @@
 //! against a real server on loopback (SecantusDB, started by the tests), or
 //! against the server named by `TALLY_TEST_MONGODB_URI`.
 
-mod alert;
 mod bounded;
 mod cli;
 mod common;

@@ -32,10 +32,10 @@ fn output_text(output: &Output) -> String {
 
 // --- metric names ----------------------------------------------------------
 
-/// Every metric name `src/metrics.rs` registers: its quoted `"tally_..."`
+/// Every metric name `src/daemon/metrics.rs` registers: its quoted `"tally_..."`
 /// strings. A histogram also exposes `_bucket`, `_sum` and `_count` series.
 fn exported_metrics() -> BTreeSet<String> {
-    let source = read("src/metrics.rs");
+    let source = read("src/daemon/metrics.rs");
     let mut names = BTreeSet::new();
     for (quote, _) in source.match_indices("\"tally_") {
         let start = quote + 1;
@@ -110,7 +110,7 @@ fn alert_rules_use_only_metrics_the_daemon_exports() {
     let unknown: Vec<&String> = used.difference(&metrics).collect();
     assert!(
         unknown.is_empty(),
-        "config/alerts.yml names metrics src/metrics.rs does not define: {unknown:?}\n\
+        "config/alerts.yml names metrics src/daemon/metrics.rs does not define: {unknown:?}\n\
          defined: {metrics:?}"
     );
 }

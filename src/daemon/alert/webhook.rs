@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{AlertOptions, Notification};
 use crate::config::{WebhookConfig, redact_webhook_url};
-use crate::metrics::Metrics;
+use crate::daemon::metrics::Metrics;
 use crate::redact::{MASK, Secrets};
 
 /// The most a retry wait is shortened at random (a quarter), so that

@@ -33,10 +33,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{FoldTarget, MonitorConfig};
+use crate::daemon::metrics::Metrics;
+use crate::daemon::state::State;
 use crate::error::{Error, code, server_code};
-use crate::metrics::Metrics;
 use crate::reconcile::{Reconciler, model};
-use crate::state::State;
 use crate::store::Store;
 use crate::token::{Entry, Token};
 
@@ -273,11 +273,6 @@ impl Monitor {
         } else {
             health.down_since.map(|since| since.elapsed())
         }
-    }
-
-    /// The collections watched.
-    pub fn collections(&self) -> impl Iterator<Item = &String> {
-        self.collections.keys()
     }
 }
 

@@ -18,10 +18,10 @@ use mongodb::options::ReturnDocument;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::daemon::metrics::Metrics;
+use crate::daemon::state::State;
 use crate::document::{Inserted, insert_if_absent};
 use crate::error::{Error, RetryBudget};
-use crate::metrics::Metrics;
-use crate::state::State;
 use crate::store::Store;
 
 const LEASE_ID: &str = "lease";

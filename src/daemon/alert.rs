@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{AlertsConfig, redact_webhook_url};
-use crate::metrics::Metrics;
+use crate::daemon::metrics::Metrics;
 use crate::redact::Secrets;
 use webhook::{Delivery, Scrubber};
 
@@ -69,7 +69,8 @@ pub enum AlertKind {
 }
 
 impl AlertKind {
-    /// Every kind, for callers that report all of them.
+    /// Every kind, for the tests that check each of them.
+    #[cfg(test)]
     pub const ALL: [AlertKind; 5] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
@@ -239,28 +240,10 @@ impl fmt::Debug for Alerts {
 }
 
 impl Alerts {
-    /// Starts the engine with the default [`AlertOptions`]; with a webhook
-    /// configured, its delivery task runs on `tracker` until `shutdown`
-    /// (so then it must be called within a Tokio runtime).
-    pub fn start(
-        config: &AlertsConfig,
-        secrets: Secrets,
-        metrics: Metrics,
-        tracker: &TaskTracker,
-        shutdown: CancellationToken,
-    ) -> Self {
-        Self::start_with(
-            config,
-            secrets,
-            metrics,
-            tracker,
-            shutdown,
-            AlertOptions::default(),
-        )
-    }
-
-    /// [`Alerts::start`] with explicit options: the daemon's instance name,
-    /// and short backoffs in tests.
+    /// Starts the engine with `options` (the daemon's instance name; short
+    /// backoffs in tests); with a webhook configured, its delivery task runs
+    /// on `tracker` until `shutdown` (so then it must be called within a
+    /// Tokio runtime).
     pub fn start_with(
         config: &AlertsConfig,
         secrets: Secrets,
@@ -340,7 +323,8 @@ impl Alerts {
     }
 
     /// What is firing now, with the latest observation of each, ordered by
-    /// kind then collection: for `/readyz`-style introspection and tests.
+    /// kind then collection, for the tests.
+    #[cfg(test)]
     pub fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
         let ledger = self
             .inner
@@ -524,257 +508,4 @@ impl Ledger {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn seen(count: u64) -> Observation {
-        Observation {
-            count,
-            oldest_age: Some(Duration::from_secs(count * 60)),
-            sample_ids: vec![format!("doc{count}")],
-            detail: None,
-        }
-    }
-
-    #[test]
-    fn a_condition_fires_once_while_it_holds_and_keeps_the_latest_observation() {
-        let mut ledger = Ledger::default();
-        let t0 = Instant::now();
-        assert_eq!(
-            ledger.apply(AlertKind::StuckTokens, "views", Some(seen(1)), t0),
-            Some(Change::Fired(seen(1)))
-        );
-        for n in 2..10 {
-            let later = t0 + Duration::from_secs(n);
-            assert_eq!(
-                ledger.apply(AlertKind::StuckTokens, "views", Some(seen(n)), later),
-                None
-            );
-        }
-        assert_eq!(ledger.firing.len(), 1);
-        assert_eq!(
-            ledger.firing[&(AlertKind::StuckTokens, "views".to_owned())].observation,
-            seen(9)
-        );
-    }
-
-    #[test]
-    fn a_condition_resolves_once_with_its_last_observation_and_duration() {
-        let mut ledger = Ledger::default();
-        let t0 = Instant::now();
-        ledger.apply(AlertKind::RunFailed, "views", Some(seen(1)), t0);
-        ledger.apply(AlertKind::RunFailed, "views", Some(seen(3)), t0);
-        assert_eq!(
-            ledger.apply(
-                AlertKind::RunFailed,
-                "views",
-                None,
-                t0 + Duration::from_secs(90)
-            ),
-            Some(Change::Resolved {
-                last: seen(3),
-                lasted: Duration::from_secs(90)
-            })
-        );
-        for n in 0..5 {
-            let later = t0 + Duration::from_secs(100 + n);
-            assert_eq!(
-                ledger.apply(AlertKind::RunFailed, "views", None, later),
-                None
-            );
-        }
-        assert!(ledger.firing.is_empty());
-    }
-
-    #[test]
-    fn a_clear_condition_never_notifies_and_a_resolved_one_can_fire_again() {
-        let mut ledger = Ledger::default();
-        let now = Instant::now();
-        assert_eq!(ledger.apply(AlertKind::Malformed, "views", None, now), None);
-        ledger.apply(AlertKind::Malformed, "views", Some(seen(1)), now);
-        ledger.apply(AlertKind::Malformed, "views", None, now);
-        assert_eq!(
-            ledger.apply(AlertKind::Malformed, "views", Some(seen(2)), now),
-            Some(Change::Fired(seen(2)))
-        );
-    }
-
-    #[test]
-    fn each_kind_and_collection_is_its_own_condition() {
-        let mut ledger = Ledger::default();
-        let now = Instant::now();
-        let fired = |change: Option<Change>| matches!(change, Some(Change::Fired(_)));
-        assert!(fired(ledger.apply(
-            AlertKind::StuckTokens,
-            "a",
-            Some(seen(1)),
-            now
-        )));
-        assert!(fired(ledger.apply(
-            AlertKind::StuckTokens,
-            "b",
-            Some(seen(1)),
-            now
-        )));
-        assert!(fired(ledger.apply(
-            AlertKind::Malformed,
-            "a",
-            Some(seen(1)),
-            now
-        )));
-        assert_eq!(ledger.firing.len(), 3);
-        // Clearing one leaves the others firing, silently.
-        assert!(matches!(
-            ledger.apply(AlertKind::StuckTokens, "a", None, now),
-            Some(Change::Resolved { .. })
-        ));
-        assert_eq!(
-            ledger.apply(AlertKind::StuckTokens, "b", Some(seen(2)), now),
-            None
-        );
-        assert_eq!(
-            ledger.apply(AlertKind::Malformed, "a", Some(seen(2)), now),
-            None
-        );
-        assert_eq!(ledger.firing.len(), 2);
-    }
-
-    #[test]
-    fn kind_names_match_their_serialized_form() {
-        for kind in AlertKind::ALL {
-            assert_eq!(
-                serde_json::to_value(kind).unwrap(),
-                serde_json::json!(kind.as_str())
-            );
-        }
-    }
-
-    fn log_only(metrics: &Metrics, secrets: Secrets) -> Alerts {
-        Alerts::start_with(
-            &AlertsConfig::default(),
-            secrets,
-            metrics.clone(),
-            &TaskTracker::new(),
-            CancellationToken::new(),
-            AlertOptions {
-                instance: Some("tallyd-1".into()),
-                ..AlertOptions::default()
-            },
-        )
-    }
-
-    #[test]
-    fn the_handle_counts_transitions_and_sets_the_firing_gauge() {
-        let metrics = Metrics::new();
-        let alerts = log_only(&metrics, Secrets::default());
-        let firing = || {
-            metrics
-                .alerts_firing
-                .with_label_values(&["stuck_tokens", "views"])
-                .get()
-        };
-        let notified = |state: &str| {
-            metrics
-                .alert_notifications
-                .with_label_values(&["stuck_tokens", state])
-                .get()
-        };
-        alerts.set(AlertKind::StuckTokens, "views", None);
-        assert_eq!((firing(), notified("firing")), (0, 0));
-        for n in 1..=3 {
-            alerts.set(AlertKind::StuckTokens, "views", Some(seen(n)));
-        }
-        assert_eq!((firing(), notified("firing")), (1, 1));
-        assert_eq!(
-            alerts.firing(),
-            vec![(AlertKind::StuckTokens, "views".to_owned(), seen(3))]
-        );
-        alerts.set(AlertKind::StuckTokens, "views", None);
-        alerts.set(AlertKind::StuckTokens, "views", None);
-        assert_eq!((firing(), notified("resolved")), (0, 1));
-        assert!(alerts.firing().is_empty());
-    }
-
-    #[test]
-    fn observations_are_cut_to_a_few_samples_and_scrubbed() {
-        let alerts = log_only(&Metrics::new(), Secrets::new("mongodb://u:pw@h/", ["tok"]));
-        alerts.set(
-            AlertKind::RunFailed,
-            "views",
-            Some(Observation {
-                count: 1,
-                oldest_age: None,
-                sample_ids: (0..50).map(|i| i.to_string()).collect(),
-                detail: Some("auth failed for pw with tok".into()),
-            }),
-        );
-        let (_, _, observation) = alerts.firing().remove(0);
-        assert_eq!(observation.sample_ids.len(), MAX_SAMPLE_IDS);
-        assert_eq!(
-            observation.detail.as_deref(),
-            Some("auth failed for **** with ****")
-        );
-    }
-
-    #[test]
-    fn a_notification_serializes_to_exactly_the_documented_fields() {
-        let alerts = log_only(&Metrics::new(), Secrets::default());
-        let firing = alerts.notification(
-            AlertKind::StuckTokens,
-            "views",
-            Change::Fired(Observation {
-                count: 4,
-                oldest_age: Some(Duration::from_millis(3_600_900)),
-                sample_ids: vec!["a".into()],
-                detail: None,
-            }),
-        );
-        let body = serde_json::to_value(&firing).unwrap();
-        let keys: Vec<&str> = body
-            .as_object()
-            .unwrap()
-            .keys()
-            .map(|k| k.as_str())
-            .collect();
-        let mut expected = vec![
-            "kind",
-            "state",
-            "collection",
-            "count",
-            "oldest_age_seconds",
-            "sample_ids",
-            "detail",
-            "at",
-            "instance",
-        ];
-        expected.sort_unstable();
-        let mut keys = keys;
-        keys.sort_unstable();
-        assert_eq!(keys, expected);
-        assert_eq!(body["kind"], "stuck_tokens");
-        assert_eq!(body["state"], "firing");
-        assert_eq!(body["count"], 4);
-        assert_eq!(body["oldest_age_seconds"], 3600);
-        assert_eq!(body["detail"], serde_json::Value::Null);
-        assert_eq!(body["instance"], "tallyd-1");
-        assert!(
-            chrono::DateTime::parse_from_rfc3339(body["at"].as_str().unwrap()).is_ok(),
-            "{body}"
-        );
-
-        let resolved = alerts.notification(
-            AlertKind::StuckTokens,
-            "views",
-            Change::Resolved {
-                last: seen(7),
-                lasted: Duration::from_secs(125),
-            },
-        );
-        let body = serde_json::to_value(&resolved).unwrap();
-        assert_eq!(body["state"], "resolved");
-        assert_eq!(body["count"], 0);
-        assert_eq!(body["oldest_age_seconds"], serde_json::Value::Null);
-        assert_eq!(body["sample_ids"], serde_json::json!([]));
-        assert_eq!(body["detail"], "cleared after 2m 5s; last count 7");
-    }
-}
+mod tests;

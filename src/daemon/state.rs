@@ -7,7 +7,7 @@
 //! - `{_id: "resume:<collection>", token, at}`: where the collection's
 //!   change stream stopped (writes made while the daemon was down are seen);
 //! - `{_id: "lease", owner, expires}`: which instance is active
-//!   ([`crate::lease`]).
+//!   ([`crate::daemon::lease`]).
 
 use std::time::SystemTime;
 

@@ -17,8 +17,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::lease::Role;
-use crate::metrics::Metrics;
+use crate::daemon::lease::Role;
+use crate::daemon::metrics::Metrics;
 
 /// What `/readyz` reports: whether the server was reached, and the role.
 #[derive(Clone, Debug)]

@@ -1,23 +1,273 @@
-//! The alert engine against a real webhook receiver on loopback: what
+//! The alert engine's tests: the ledger's transitions and the handle,
+//! then the engine against a real webhook receiver on loopback — what
 //! arrives, in which order, how often, with which header; what happens when
 //! the receiver fails or is not there; what the logs never show.
 //!
 //! No database is involved: these tests do not start the test server.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, Uri};
 use serde_json::{Value, json};
-use tally::alert::{AlertKind, AlertOptions, Alerts, Backoff, Observation};
-use tally::metrics::Metrics;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
+
+use super::*;
+use crate::config::Config;
+
+// The receiver the daemon's integration tests use too.
+#[path = "../../../tests/integration/common/receiver.rs"]
+mod receiver;
+use receiver::Receiver;
+
+fn seen(count: u64) -> Observation {
+    Observation {
+        count,
+        oldest_age: Some(Duration::from_secs(count * 60)),
+        sample_ids: vec![format!("doc{count}")],
+        detail: None,
+    }
+}
+
+#[test]
+fn a_condition_fires_once_while_it_holds_and_keeps_the_latest_observation() {
+    let mut ledger = Ledger::default();
+    let t0 = Instant::now();
+    assert_eq!(
+        ledger.apply(AlertKind::StuckTokens, "views", Some(seen(1)), t0),
+        Some(Change::Fired(seen(1)))
+    );
+    for n in 2..10 {
+        let later = t0 + Duration::from_secs(n);
+        assert_eq!(
+            ledger.apply(AlertKind::StuckTokens, "views", Some(seen(n)), later),
+            None
+        );
+    }
+    assert_eq!(ledger.firing.len(), 1);
+    assert_eq!(
+        ledger.firing[&(AlertKind::StuckTokens, "views".to_owned())].observation,
+        seen(9)
+    );
+}
+
+#[test]
+fn a_condition_resolves_once_with_its_last_observation_and_duration() {
+    let mut ledger = Ledger::default();
+    let t0 = Instant::now();
+    ledger.apply(AlertKind::RunFailed, "views", Some(seen(1)), t0);
+    ledger.apply(AlertKind::RunFailed, "views", Some(seen(3)), t0);
+    assert_eq!(
+        ledger.apply(
+            AlertKind::RunFailed,
+            "views",
+            None,
+            t0 + Duration::from_secs(90)
+        ),
+        Some(Change::Resolved {
+            last: seen(3),
+            lasted: Duration::from_secs(90)
+        })
+    );
+    for n in 0..5 {
+        let later = t0 + Duration::from_secs(100 + n);
+        assert_eq!(
+            ledger.apply(AlertKind::RunFailed, "views", None, later),
+            None
+        );
+    }
+    assert!(ledger.firing.is_empty());
+}
+
+#[test]
+fn a_clear_condition_never_notifies_and_a_resolved_one_can_fire_again() {
+    let mut ledger = Ledger::default();
+    let now = Instant::now();
+    assert_eq!(ledger.apply(AlertKind::Malformed, "views", None, now), None);
+    ledger.apply(AlertKind::Malformed, "views", Some(seen(1)), now);
+    ledger.apply(AlertKind::Malformed, "views", None, now);
+    assert_eq!(
+        ledger.apply(AlertKind::Malformed, "views", Some(seen(2)), now),
+        Some(Change::Fired(seen(2)))
+    );
+}
+
+#[test]
+fn each_kind_and_collection_is_its_own_condition() {
+    let mut ledger = Ledger::default();
+    let now = Instant::now();
+    let fired = |change: Option<Change>| matches!(change, Some(Change::Fired(_)));
+    assert!(fired(ledger.apply(
+        AlertKind::StuckTokens,
+        "a",
+        Some(seen(1)),
+        now
+    )));
+    assert!(fired(ledger.apply(
+        AlertKind::StuckTokens,
+        "b",
+        Some(seen(1)),
+        now
+    )));
+    assert!(fired(ledger.apply(
+        AlertKind::Malformed,
+        "a",
+        Some(seen(1)),
+        now
+    )));
+    assert_eq!(ledger.firing.len(), 3);
+    // Clearing one leaves the others firing, silently.
+    assert!(matches!(
+        ledger.apply(AlertKind::StuckTokens, "a", None, now),
+        Some(Change::Resolved { .. })
+    ));
+    assert_eq!(
+        ledger.apply(AlertKind::StuckTokens, "b", Some(seen(2)), now),
+        None
+    );
+    assert_eq!(
+        ledger.apply(AlertKind::Malformed, "a", Some(seen(2)), now),
+        None
+    );
+    assert_eq!(ledger.firing.len(), 2);
+}
+
+#[test]
+fn kind_names_match_their_serialized_form() {
+    for kind in AlertKind::ALL {
+        assert_eq!(
+            serde_json::to_value(kind).unwrap(),
+            serde_json::json!(kind.as_str())
+        );
+    }
+}
+
+fn log_only(metrics: &Metrics, secrets: Secrets) -> Alerts {
+    Alerts::start_with(
+        &AlertsConfig::default(),
+        secrets,
+        metrics.clone(),
+        &TaskTracker::new(),
+        CancellationToken::new(),
+        AlertOptions {
+            instance: Some("tallyd-1".into()),
+            ..AlertOptions::default()
+        },
+    )
+}
+
+#[test]
+fn the_handle_counts_transitions_and_sets_the_firing_gauge() {
+    let metrics = Metrics::new();
+    let alerts = log_only(&metrics, Secrets::default());
+    let firing = || {
+        metrics
+            .alerts_firing
+            .with_label_values(&["stuck_tokens", "views"])
+            .get()
+    };
+    let notified = |state: &str| {
+        metrics
+            .alert_notifications
+            .with_label_values(&["stuck_tokens", state])
+            .get()
+    };
+    alerts.set(AlertKind::StuckTokens, "views", None);
+    assert_eq!((firing(), notified("firing")), (0, 0));
+    for n in 1..=3 {
+        alerts.set(AlertKind::StuckTokens, "views", Some(seen(n)));
+    }
+    assert_eq!((firing(), notified("firing")), (1, 1));
+    assert_eq!(
+        alerts.firing(),
+        vec![(AlertKind::StuckTokens, "views".to_owned(), seen(3))]
+    );
+    alerts.set(AlertKind::StuckTokens, "views", None);
+    alerts.set(AlertKind::StuckTokens, "views", None);
+    assert_eq!((firing(), notified("resolved")), (0, 1));
+    assert!(alerts.firing().is_empty());
+}
+
+#[test]
+fn observations_are_cut_to_a_few_samples_and_scrubbed() {
+    let alerts = log_only(&Metrics::new(), Secrets::new("mongodb://u:pw@h/", ["tok"]));
+    alerts.set(
+        AlertKind::RunFailed,
+        "views",
+        Some(Observation {
+            count: 1,
+            oldest_age: None,
+            sample_ids: (0..50).map(|i| i.to_string()).collect(),
+            detail: Some("auth failed for pw with tok".into()),
+        }),
+    );
+    let (_, _, observation) = alerts.firing().remove(0);
+    assert_eq!(observation.sample_ids.len(), MAX_SAMPLE_IDS);
+    assert_eq!(
+        observation.detail.as_deref(),
+        Some("auth failed for **** with ****")
+    );
+}
+
+#[test]
+fn a_notification_serializes_to_exactly_the_documented_fields() {
+    let alerts = log_only(&Metrics::new(), Secrets::default());
+    let firing = alerts.notification(
+        AlertKind::StuckTokens,
+        "views",
+        Change::Fired(Observation {
+            count: 4,
+            oldest_age: Some(Duration::from_millis(3_600_900)),
+            sample_ids: vec!["a".into()],
+            detail: None,
+        }),
+    );
+    let body = serde_json::to_value(&firing).unwrap();
+    let keys: Vec<&str> = body
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str())
+        .collect();
+    let mut expected = vec![
+        "kind",
+        "state",
+        "collection",
+        "count",
+        "oldest_age_seconds",
+        "sample_ids",
+        "detail",
+        "at",
+        "instance",
+    ];
+    expected.sort_unstable();
+    let mut keys = keys;
+    keys.sort_unstable();
+    assert_eq!(keys, expected);
+    assert_eq!(body["kind"], "stuck_tokens");
+    assert_eq!(body["state"], "firing");
+    assert_eq!(body["count"], 4);
+    assert_eq!(body["oldest_age_seconds"], 3600);
+    assert_eq!(body["detail"], serde_json::Value::Null);
+    assert_eq!(body["instance"], "tallyd-1");
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(body["at"].as_str().unwrap()).is_ok(),
+        "{body}"
+    );
+
+    let resolved = alerts.notification(
+        AlertKind::StuckTokens,
+        "views",
+        Change::Resolved {
+            last: seen(7),
+            lasted: Duration::from_secs(125),
+        },
+    );
+    let body = serde_json::to_value(&resolved).unwrap();
+    assert_eq!(body["state"], "resolved");
+    assert_eq!(body["count"], 0);
+    assert_eq!(body["oldest_age_seconds"], serde_json::Value::Null);
+    assert_eq!(body["sample_ids"], serde_json::json!([]));
+    assert_eq!(body["detail"], "cleared after 2m 5s; last count 7");
+}
 
 /// The variable named by `auth_header_env`; only the config's env map
 /// holds it, never the process environment.
@@ -26,122 +276,9 @@ const AUTH_VALUE: &str = "Bearer alert-test-t0ken";
 /// The webhook's path, secret like many real webhook paths.
 const SECRET_PATH: &str = "/hooks/T0KEN-IN-PATH";
 
-/// One request the receiver saw.
-#[derive(Clone, Debug)]
-pub(crate) struct Received {
-    pub(crate) status: StatusCode,
-    pub(crate) path: String,
-    pub(crate) authorization: Option<String>,
-    pub(crate) content_type: Option<String>,
-    pub(crate) body: Value,
-}
-
-#[derive(Default)]
-struct ReceiverState {
-    /// Requests still to be answered 500.
-    fail_next: AtomicUsize,
-    requests: Mutex<Vec<Received>>,
-}
-
-/// A webhook receiver on 127.0.0.1 that records every request and answers
-/// 500 to the first `fail_next` of them, 200 to the rest. Stops on drop.
-pub(crate) struct Receiver {
-    pub(crate) addr: SocketAddr,
-    state: Arc<ReceiverState>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-impl Receiver {
-    pub(crate) async fn start(fail_next: usize) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind a loopback port for the test webhook");
-        Self::serve(listener, fail_next)
-    }
-
-    /// A receiver on a port that was free a moment ago (a webhook coming
-    /// back up).
-    async fn start_on(addr: SocketAddr) -> Self {
-        let listener = TcpListener::bind(addr)
-            .await
-            .unwrap_or_else(|err| panic!("rebind {addr} for the test webhook: {err}"));
-        Self::serve(listener, 0)
-    }
-
-    fn serve(listener: TcpListener, fail_next: usize) -> Self {
-        let addr = listener.local_addr().expect("listener address");
-        let state = Arc::new(ReceiverState {
-            fail_next: AtomicUsize::new(fail_next),
-            ..ReceiverState::default()
-        });
-        let app = axum::Router::new()
-            .fallback(receive)
-            .with_state(state.clone());
-        let server = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .await
-                .expect("the test webhook serves");
-        });
-        Self {
-            addr,
-            state,
-            server,
-        }
-    }
-
-    pub(crate) fn requests(&self) -> Vec<Received> {
-        self.state.requests.lock().unwrap().clone()
-    }
-
-    /// The bodies answered with 200, in the order they arrived.
-    pub(crate) fn delivered(&self) -> Vec<Value> {
-        self.requests()
-            .into_iter()
-            .filter(|r| r.status.is_success())
-            .map(|r| r.body)
-            .collect()
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
-}
-
-async fn receive(
-    State(state): State<Arc<ReceiverState>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> StatusCode {
-    let fail = state
-        .fail_next
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok();
-    let status = if fail {
-        StatusCode::INTERNAL_SERVER_ERROR
-    } else {
-        StatusCode::OK
-    };
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .map(|v| v.to_str().unwrap_or("(not text)").to_owned())
-    };
-    state.requests.lock().unwrap().push(Received {
-        status,
-        path: uri.path().to_owned(),
-        authorization: header("authorization"),
-        content_type: header("content-type"),
-        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-    });
-    status
-}
-
 /// A configuration with the webhook at `addr`, read the way `tallyd` reads
 /// it: TOML plus an environment holding the auth header's value.
-fn config_for(addr: SocketAddr, max_attempts: u32) -> tally::Config {
+fn config_for(addr: SocketAddr, max_attempts: u32) -> Config {
     let text = format!(
         r#"
         [mongodb]
@@ -155,7 +292,7 @@ fn config_for(addr: SocketAddr, max_attempts: u32) -> tally::Config {
         max_attempts = {max_attempts}
         "#
     );
-    tally::Config::from_toml(&text, [(AUTH_VAR.to_owned(), AUTH_VALUE.to_owned())])
+    Config::from_toml(&text, [(AUTH_VAR.to_owned(), AUTH_VALUE.to_owned())])
         .unwrap_or_else(|err| panic!("the test config is valid: {err}"))
 }
 
@@ -176,7 +313,7 @@ struct Engine {
 }
 
 impl Engine {
-    fn start(config: &tally::Config, backoff: Backoff) -> Self {
+    fn start(config: &Config, backoff: Backoff) -> Self {
         let metrics = Metrics::new();
         let tracker = TaskTracker::new();
         let shutdown = CancellationToken::new();
@@ -516,7 +653,7 @@ async fn a_full_queue_drops_the_newest_without_blocking() {
         elapsed < Duration::from_secs(2),
         "1200 reports took {elapsed:?}"
     );
-    let queued = tally::alert::QUEUE_CAPACITY as u64;
+    let queued = QUEUE_CAPACITY as u64;
     assert_eq!(engine.deliveries("failed"), 1200 - queued);
     assert_eq!(engine.notifications(AlertKind::MonitorDown, "firing"), 600);
 

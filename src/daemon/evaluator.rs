@@ -1,0 +1,137 @@
+//! The evaluator: every second, the monitor's view turned into metrics
+//! and alerts, and stuck tokens handed to the runner for repair.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::runner::Request;
+use crate::config::Config;
+use crate::daemon::alert::{AlertKind, Alerts, Observation};
+use crate::daemon::lease::Role;
+use crate::daemon::metrics::Metrics;
+use crate::daemon::monitor::Monitor;
+
+/// How often metrics and alerts are evaluated from the view.
+const EVALUATE_EVERY: Duration = Duration::from_secs(1);
+/// The shortest time between two repairs of one collection.
+const REPAIR_EVERY: Duration = Duration::from_secs(5);
+
+/// Turns the view into metrics and alerts, every second.
+pub(super) struct Evaluator {
+    pub(super) config: Config,
+    pub(super) monitor: Monitor,
+    pub(super) alerts: Alerts,
+    pub(super) metrics: Metrics,
+    pub(super) role: watch::Receiver<Role>,
+    pub(super) requests: mpsc::Sender<Request>,
+    pub(super) last_repair: HashMap<String, Instant>,
+}
+
+impl Evaluator {
+    pub(super) async fn run(mut self, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(EVALUATE_EVERY);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => self.evaluate(),
+            }
+        }
+    }
+
+    fn evaluate(&mut self) {
+        let now = SystemTime::now();
+        let alerts_config = &self.config.alerts;
+        let stuck_before = now
+            .checked_sub(alerts_config.stuck_after)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let active = *self.role.borrow() == Role::Active;
+        for collection in &self.config.collections {
+            let name = collection.name.as_str();
+            let snapshot = self
+                .monitor
+                .snapshot(name, stuck_before, alerts_config.max_pending);
+            let labels = [name];
+            self.metrics
+                .pending_documents
+                .with_label_values(&labels)
+                .set(snapshot.pending_documents as i64);
+            self.metrics
+                .pending_tokens
+                .with_label_values(&labels)
+                .set(snapshot.pending_tokens as i64);
+            self.metrics
+                .stuck_tokens
+                .with_label_values(&labels)
+                .set(snapshot.stuck_tokens as i64);
+            self.metrics
+                .largest_pending
+                .with_label_values(&labels)
+                .set(snapshot.largest_pending as i64);
+            let oldest_age = snapshot.oldest.map(|t| t.age(now));
+            self.metrics
+                .oldest_pending_age
+                .with_label_values(&labels)
+                .set(oldest_age.map_or(0.0, |a| a.as_secs_f64()));
+            if !active {
+                // Only the active instance alerts and repairs.
+                continue;
+            }
+            let stuck = (snapshot.stuck_tokens > 0).then(|| Observation {
+                count: snapshot.stuck_tokens,
+                oldest_age,
+                sample_ids: snapshot.stuck_sample.clone(),
+                detail: None,
+            });
+            self.alerts.set(AlertKind::StuckTokens, name, stuck);
+            let too_long = (snapshot.too_long > 0).then(|| Observation {
+                count: snapshot.too_long,
+                oldest_age: None,
+                sample_ids: snapshot.too_long_sample.clone(),
+                detail: Some(format!(
+                    "pending arrays longer than {} entries (largest: {})",
+                    alerts_config.max_pending, snapshot.largest_pending
+                )),
+            });
+            self.alerts.set(AlertKind::PendingTooLong, name, too_long);
+            let malformed = (snapshot.malformed > 0).then(|| Observation {
+                count: snapshot.malformed,
+                oldest_age: None,
+                sample_ids: snapshot.malformed_sample.clone(),
+                detail: Some("malformed documents are never modified; fix or remove them".into()),
+            });
+            self.alerts.set(AlertKind::Malformed, name, malformed);
+            let down = self
+                .monitor
+                .down_for(name)
+                .filter(|d| self.config.monitor.enabled && *d >= alerts_config.monitor_down_after)
+                .map(|d| Observation {
+                    count: 1,
+                    oldest_age: Some(d),
+                    sample_ids: Vec::new(),
+                    detail: Some(format!(
+                        "the change stream has been down for {}s",
+                        d.as_secs()
+                    )),
+                });
+            self.alerts.set(AlertKind::MonitorDown, name, down);
+            if alerts_config.repair && !snapshot.stuck_ids.is_empty() {
+                let due = self
+                    .last_repair
+                    .get(name)
+                    .is_none_or(|at| at.elapsed() >= REPAIR_EVERY);
+                if due {
+                    let request = Request::Repair {
+                        collection: name.to_owned(),
+                        ids: snapshot.stuck_ids.clone(),
+                    };
+                    if self.requests.try_send(request).is_ok() {
+                        self.last_repair.insert(name.to_owned(), Instant::now());
+                    }
+                }
+            }
+        }
+    }
+}
