@@ -14,8 +14,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{CollectionConfig, Config};
+use crate::config::Config;
 use crate::redact::Secrets;
+use crate::write::counter::CollectionConfig;
 
 pub use daemon::StatusArgs;
 pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};

@@ -42,8 +42,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, FoldTarget};
-use crate::reconcile::Reconciler;
+use crate::config::Config;
+use crate::reconcile::{FoldTarget, Reconciler};
 use crate::redact::Secrets;
 use crate::store::Store;
 use alert::{AlertOptions, Alerts};

@@ -70,14 +70,17 @@ pub mod store;
 pub mod token;
 pub mod write;
 
-pub use config::{CollectionConfig, Config, FoldTarget, SequenceConfig, WriterConfig};
-pub use error::{Effect, Error, ErrorClass};
-pub use reconcile::{CollectionRun, Mode, Reconciler, Survey};
-pub use store::Store;
-pub use token::{Entry, Token};
+pub use error::{Effect, Error, ErrorClass, Failure};
+pub use reconcile::{
+    CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, Reconciler,
+    Survey,
+};
+pub use store::{ConnectError, Store, StoreConfig};
+pub use token::{BadToken, Entry, Token};
 pub use write::bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
 pub use write::counter::{
-    Completion, Counted, Counters, Increment, NotCounted, PendingToken, UnknownToken,
+    CollectionConfig, Completion, Counted, Counters, Increment, NotCounted, PendingToken,
+    UnknownToken, WriterConfig,
 };
 pub use write::insert_loop::InsertLoop;
-pub use write::sequence::{Block, Sequences};
+pub use write::sequence::{Block, SequenceConfig, Sequences};

@@ -7,11 +7,12 @@ use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::FmtSpan;
 
-use crate::config::{LogConfig, LogFormat};
+use crate::config::{Config, LogFormat};
 
-/// Installs the global subscriber. Call once, at start-up; later calls are
-/// ignored (tests install their own).
-pub fn init(config: &LogConfig) {
+/// Installs the global subscriber as `[log]` says. Call once, at start-up;
+/// later calls are ignored (tests install their own).
+pub fn init(config: &Config) {
+    let config = &config.log;
     let filter = match std::env::var("RUST_LOG") {
         Ok(directives) if !directives.trim().is_empty() => {
             EnvFilter::builder().parse_lossy(directives)

@@ -49,23 +49,45 @@
 
 pub mod model;
 pub mod pipeline;
+mod report;
 
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::error::{Error as MongoError, ErrorKind, WriteError, WriteFailure};
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::FoldTarget;
 use crate::document::integer_value;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
+use crate::write::counter::CollectionConfig;
+use report::{ReportRow, account};
 
-/// How many malformed documents a run names in its report and logs.
-pub const MALFORMED_SAMPLE: usize = 10;
+pub use report::{CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, Survey};
+
+/// Default fold grace.
+pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
+/// Default fold batch size.
+pub(crate) const DEFAULT_BATCH_SIZE: u32 = 100;
+
+/// Everything the fold needs to know about one collection: its fields and
+/// its effective grace and batch size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoldTarget {
+    /// The collection and its field names.
+    pub spec: CollectionConfig,
+    /// Tokens older than this are folded; younger ones belong to writers
+    /// still between their two steps. Must exceed the writers' retry horizon
+    /// by more than the clock skew between writers and the server. The
+    /// daemon's default: 15m.
+    pub grace: Duration,
+    /// Documents per fold update: work between two points where a run can
+    /// stop (shutdown) and report progress. The daemon's default: 100.
+    pub batch_size: u32,
+}
+
 /// How many malformed documents a run logs one by one before summing up.
 const MALFORMED_LOGGED: u64 = 100;
 /// Rows the report's cursor fetches per round trip.
@@ -78,187 +100,6 @@ pub enum Mode {
     Fold,
     /// Report exactly what a fold would do, and change nothing.
     DryRun,
-}
-
-/// A document the fold leaves alone, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct MalformedDocument {
-    /// The `_id`, as extended JSON.
-    pub id: String,
-    /// What is wrong with it.
-    pub reason: String,
-}
-
-/// What one collection holds in its pending arrays, from one report pass.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Survey {
-    /// Documents holding the pending field: every one is read by the report.
-    pub documents_scanned: u64,
-    /// Well-formed documents with at least one pending entry.
-    pub documents_pending: u64,
-    /// Entries in the pending arrays of well-formed documents.
-    pub pending_tokens: u64,
-    /// The oldest of those entries.
-    #[serde(skip)]
-    pub oldest_pending: Option<Token>,
-    /// The longest pending array.
-    pub largest_pending: u64,
-    /// Well-formed documents with entries older than the cutoff.
-    pub documents_stale: u64,
-    /// Entries older than the cutoff.
-    pub stale_tokens: u64,
-    /// What they add up to.
-    pub stale_amount: i64,
-    /// Documents the fold must leave alone.
-    pub malformed: u64,
-    /// The first few of them.
-    pub malformed_sample: Vec<MalformedDocument>,
-}
-
-/// Where a run is, for progress indicators.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    /// Report rows read so far.
-    pub examined: u64,
-    /// Documents folded so far (would be folded, in a dry run).
-    pub folded: u64,
-}
-
-/// What a run did to one collection.
-#[derive(Debug, Clone, Serialize)]
-pub struct CollectionRun {
-    /// The collection.
-    pub collection: String,
-    /// `true` for a dry run: nothing was changed, the numbers say what a
-    /// fold would have done.
-    pub dry_run: bool,
-    /// Tokens older than this instant (server time) were stale.
-    #[serde(serialize_with = "serialize_time")]
-    pub cutoff: SystemTime,
-    /// The report's findings.
-    #[serde(flatten)]
-    pub survey: Survey,
-    /// Documents the fold changed (the server's count).
-    pub documents_folded: u64,
-    /// Tokens folded, from the report rows of the documents folded.
-    pub tokens_folded: u64,
-    /// What they added to the counters.
-    pub amount_folded: i64,
-    /// Documents the report found stale that needed no fold by the time
-    /// their batch ran (a writer completed them in between). When this is
-    /// not zero, `tokens_folded` and `amount_folded` are upper bounds.
-    pub concurrent_changes: u64,
-    /// Age of the oldest stale token, in seconds, at the cutoff's clock.
-    pub oldest_stale_age_seconds: Option<u64>,
-    /// How long the run took.
-    #[serde(rename = "duration_seconds", serialize_with = "serialize_seconds")]
-    pub duration: Duration,
-    /// The run stopped early because shutdown was requested.
-    pub interrupted: bool,
-    /// Why the run failed, if it did (what was folded before stays folded).
-    #[serde(serialize_with = "serialize_error")]
-    pub error: Option<Error>,
-}
-
-impl CollectionRun {
-    fn new(collection: &str, mode: Mode, cutoff: SystemTime) -> Self {
-        Self {
-            collection: collection.to_owned(),
-            dry_run: mode == Mode::DryRun,
-            cutoff,
-            survey: Survey::default(),
-            documents_folded: 0,
-            tokens_folded: 0,
-            amount_folded: 0,
-            concurrent_changes: 0,
-            oldest_stale_age_seconds: None,
-            duration: Duration::ZERO,
-            interrupted: false,
-            error: None,
-        }
-    }
-
-    /// A run that could not start.
-    pub fn failed(collection: &str, error: Error) -> Self {
-        let mut run = Self::new(collection, Mode::Fold, SystemTime::UNIX_EPOCH);
-        run.error = Some(error);
-        run
-    }
-
-    /// Whether the collection was reconciled completely.
-    pub fn succeeded(&self) -> bool {
-        self.error.is_none() && !self.interrupted
-    }
-}
-
-/// One row of the report: a document and what the model says of it.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ReportRow {
-    pub id: Bson,
-    /// The two fields as read, for the compare-and-swap.
-    pub counter: Option<Bson>,
-    pub pending: Option<Bson>,
-    pub size: u64,
-    pub plan: Result<model::FoldPlan, model::Malformed>,
-}
-
-impl ReportRow {
-    fn read(row: Document, target: &FoldTarget, cutoff: ObjectId) -> Self {
-        let counter = row.get(&target.spec.counter_field).cloned();
-        let pending = row.get(&target.spec.pending_field).cloned();
-        let plan = model::plan(counter.as_ref(), pending.as_ref(), cutoff);
-        Self {
-            id: row.get("_id").cloned().unwrap_or(Bson::Null),
-            size: match &pending {
-                Some(Bson::Array(entries)) => entries.len() as u64,
-                _ => 0,
-            },
-            counter,
-            pending,
-            plan,
-        }
-    }
-
-    fn stale(&self) -> Option<&model::FoldPlan> {
-        self.plan.as_ref().ok().filter(|p| p.stale_tokens > 0)
-    }
-}
-
-impl Survey {
-    /// Adds one report row to the totals (and the row's document to the
-    /// malformed sample).
-    pub(crate) fn add(&mut self, row: &ReportRow) {
-        self.documents_scanned += 1;
-        let plan = match &row.plan {
-            Ok(plan) => plan,
-            Err(reason) => {
-                self.malformed += 1;
-                if self.malformed_sample.len() < MALFORMED_SAMPLE {
-                    self.malformed_sample.push(MalformedDocument {
-                        id: row.id.to_string(),
-                        reason: reason.to_string(),
-                    });
-                }
-                return;
-            }
-        };
-        self.pending_tokens += row.size;
-        self.documents_pending += u64::from(row.size > 0);
-        self.largest_pending = self.largest_pending.max(row.size);
-        self.oldest_pending = min_token(self.oldest_pending, plan.oldest);
-        if plan.stale_tokens > 0 {
-            self.documents_stale += 1;
-            self.stale_tokens += plan.stale_tokens;
-            self.stale_amount = self.stale_amount.saturating_add(plan.stale_amount);
-        }
-    }
-}
-
-fn min_token(a: Option<Token>, b: Option<Token>) -> Option<Token> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
 }
 
 /// Runs the report and the fold.
@@ -542,14 +383,6 @@ impl Reconciler {
     }
 }
 
-/// Adds a batch's planned tokens and amounts to the run.
-fn account(run: &mut CollectionRun, batch: &[ReportRow]) {
-    for plan in batch.iter().filter_map(ReportRow::stale) {
-        run.tokens_folded += plan.stale_tokens;
-        run.amount_folded = run.amount_folded.saturating_add(plan.stale_amount);
-    }
-}
-
 /// One document's fold as a compare-and-swap statement: `_id` alone in the
 /// filter (the cheapest lookup a server has), and a pipeline that writes the
 /// planned fields only when both are still exactly as read.
@@ -591,20 +424,5 @@ fn report_failed(err: mongodb::error::Error) -> Error {
 fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u64) {
     if seen <= MALFORMED_LOGGED {
         tracing::warn!(collection, id = %id, reason = %reason, "malformed document left unchanged");
-    }
-}
-
-fn serialize_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&humantime::format_rfc3339_seconds(*t).to_string())
-}
-
-fn serialize_seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
-}
-
-fn serialize_error<S: serde::Serializer>(e: &Option<Error>, s: S) -> Result<S::Ok, S::Error> {
-    match e {
-        Some(err) => s.serialize_str(&err.to_string()),
-        None => s.serialize_none(),
     }
 }

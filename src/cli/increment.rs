@@ -6,12 +6,12 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, fail};
-use crate::config::{CollectionConfig, Config};
+use crate::config::Config;
 use crate::error::Error;
 use crate::redact::Secrets;
 use crate::store::Store;
 use crate::token::Token;
-use crate::write::counter::{Completion, Counters, Increment, UnknownToken};
+use crate::write::counter::{CollectionConfig, Completion, Counters, Increment, UnknownToken};
 
 /// `tallyd incr KEY [--by N]`.
 #[derive(Debug, Args)]

@@ -9,8 +9,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::{EXIT_FAILED, EXIT_OK};
-use crate::config::{Config, FoldTarget};
-use crate::reconcile::{CollectionRun, Mode, Progress};
+use crate::config::Config;
+use crate::reconcile::{CollectionRun, FoldTarget, Mode, Progress};
 use crate::redact::Secrets;
 
 /// `tallyd reconcile`.

@@ -32,11 +32,11 @@ use mongodb::options::FullDocumentType;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{FoldTarget, MonitorConfig};
+use crate::config::MonitorConfig;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::state::State;
 use crate::error::{Error, code, server_code};
-use crate::reconcile::{Reconciler, model};
+use crate::reconcile::{FoldTarget, Reconciler, model};
 use crate::store::Store;
 use crate::token::{Entry, Token};
 

@@ -11,13 +11,12 @@ use mongodb::bson::Bson;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::FoldTarget;
 use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
 use crate::daemon::state::State;
-use crate::reconcile::{CollectionRun, Mode, Reconciler};
+use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
 use crate::store::Store;
 

@@ -15,7 +15,7 @@
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use crate::config::CollectionConfig;
+use crate::write::counter::CollectionConfig;
 
 /// The field the fold's pipeline uses for its intermediate result; removed
 /// again in the same update. A counter document must not use it.

@@ -13,17 +13,92 @@
 //! horizon) or not counted. Pending and unknown are different types so that
 //! `resume` — which may re-send step 1 — can never be called on a token whose
 //! step 2 may have applied.
+//!
+//! The settings live here too: [`CollectionConfig`] (a counter collection's
+//! field names, shared with the fold) and [`WriterConfig`] (the retry
+//! horizon).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
+use serde::Serialize;
 
-use crate::config::{CollectionConfig, WriterConfig};
 use crate::error::{Effect, Error, Next, RetryBudget};
-use crate::store::Store;
+use crate::store::{Store, serialize_duration, serialize_optional_duration};
 use crate::token::{Entry, Token};
+
+/// Default name of the field holding a counter's value.
+pub(crate) const DEFAULT_COUNTER_FIELD: &str = "counter";
+/// Default name of the field holding a counter's pending entries.
+pub(crate) const DEFAULT_PENDING_FIELD: &str = "pending";
+
+/// A counter collection and its field names (in the daemon's configuration,
+/// one `[[collections]]` entry).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CollectionConfig {
+    /// The collection's name.
+    pub name: String,
+    /// The field holding the counter's value. Default: `counter`.
+    pub counter_field: String,
+    /// The field holding the pending entries. Default: `pending`.
+    pub pending_field: String,
+    /// This collection's fold grace, overriding `[reconcile] grace`.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_optional_duration"
+    )]
+    pub grace: Option<Duration>,
+    /// This collection's fold batch size, overriding `[reconcile]
+    /// batch_size`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u32>,
+}
+
+impl CollectionConfig {
+    /// A collection with the default field names.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            counter_field: DEFAULT_COUNTER_FIELD.into(),
+            pending_field: DEFAULT_PENDING_FIELD.into(),
+            grace: None,
+            batch_size: None,
+        }
+    }
+
+    /// The same collection with other field names.
+    pub fn with_fields(mut self, counter: impl Into<String>, pending: impl Into<String>) -> Self {
+        self.counter_field = counter.into();
+        self.pending_field = pending.into();
+        self
+    }
+}
+
+/// How the library's increments behave (the daemon's `[writer]` section).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct WriterConfig {
+    /// Step 1 of an increment is never (re)sent for a token older than this,
+    /// so a token can never be re-added after the daemon may have folded it.
+    /// Must stay below the daemon's `grace`. Default: 60s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub retry_horizon: Duration,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self {
+            retry_horizon: DEFAULT_RETRY_HORIZON,
+        }
+    }
+}
+
+/// Default retry horizon.
+pub(crate) const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
+/// The shortest retry horizon: a token's timestamp has one-second
+/// resolution, so a fresh token may already look a second old.
+pub(crate) const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
 
 /// How many duplicate-key failures step 1 retries: each is an upsert race
 /// that applied nothing.

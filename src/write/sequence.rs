@@ -19,11 +19,40 @@
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ReturnDocument;
+use serde::Serialize;
 
-use crate::config::SequenceConfig;
 use crate::document::{Inserted, bson_type_name, insert_if_absent, integer_value};
 use crate::error::{Error, RetryBudget};
 use crate::store::Store;
+
+/// Where sequences live: the counters collection and its field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SequenceConfig {
+    /// The counters collection: one document `{_id: name, <field>: n}` per
+    /// sequence. Default: `counters`, as in MongoDB's tutorial.
+    pub collection: String,
+    /// The field holding a sequence's last number. Default: `seq`.
+    pub field: String,
+}
+
+impl Default for SequenceConfig {
+    fn default() -> Self {
+        Self {
+            collection: "counters".into(),
+            field: "seq".into(),
+        }
+    }
+}
+
+impl SequenceConfig {
+    /// Sequences in another collection, with the default field.
+    pub fn in_collection(collection: impl Into<String>) -> Self {
+        Self {
+            collection: collection.into(),
+            ..Self::default()
+        }
+    }
+}
 
 /// How often `next` creates a missing document before giving up (it only
 /// goes round again if someone deletes the document in between).

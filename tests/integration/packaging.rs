@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use tally::config::{DaemonConfig, EXIT_CONFIG};
+use tally::config::EXIT_CONFIG;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -32,8 +32,8 @@ fn output_text(output: &Output) -> String {
 
 // --- metric names ----------------------------------------------------------
 
-/// Every metric name `src/daemon/metrics.rs` registers: its quoted `"tally_..."`
-/// strings. A histogram also exposes `_bucket`, `_sum` and `_count` series.
+/// Every metric name `src/daemon/metrics.rs` registers: its quoted
+/// `"tally_..."` strings. A histogram also exposes `_bucket`, `_sum` and `_count` series.
 fn exported_metrics() -> BTreeSet<String> {
     let source = read("src/daemon/metrics.rs");
     let mut names = BTreeSet::new();
@@ -241,6 +241,34 @@ fn span(unit: &Unit, name: &str, key: &str) -> Duration {
     humantime::parse_duration(text).unwrap_or_else(|err| panic!("{name}: {key}={text}: {err}"))
 }
 
+/// The default `[daemon] shutdown_timeout`, as `tallyd check-config` shows
+/// it for a configuration that does not set it.
+fn default_shutdown_timeout() -> Duration {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join("tallyd.toml");
+    std::fs::write(
+        &path,
+        "[mongodb]\nuri = \"mongodb://localhost:27017\"\ndatabase = \"app\"\n",
+    )
+    .expect("write a minimal configuration");
+    // No TALLYD__ variable of this process may change the defaults.
+    let output = Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .env_clear()
+        .arg("--config")
+        .arg(&path)
+        .arg("check-config")
+        .output()
+        .expect("run tallyd check-config");
+    assert!(output.status.success(), "{}", output_text(&output));
+    let shown: toml::Table = String::from_utf8_lossy(&output.stdout)
+        .parse()
+        .unwrap_or_else(|err| panic!("check-config prints TOML ({err}): {}", output_text(&output)));
+    let text = shown["daemon"]["shutdown_timeout"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no [daemon] shutdown_timeout in {shown}"));
+    humantime::parse_duration(text).unwrap_or_else(|err| panic!("shutdown_timeout={text}: {err}"))
+}
+
 #[test]
 fn the_daemon_unit_is_a_hardened_notify_service() {
     let name = "systemd/tallyd.service";
@@ -269,7 +297,7 @@ fn the_daemon_unit_is_a_hardened_notify_service() {
     );
     // systemd's SIGKILL must come after the daemon's own drain deadline.
     let stop = span(&unit, name, "TimeoutStopSec");
-    let drain = DaemonConfig::default().shutdown_timeout;
+    let drain = default_shutdown_timeout();
     assert!(
         stop > drain,
         "{name}: TimeoutStopSec {stop:?} must exceed the default shutdown_timeout {drain:?}"

@@ -1,0 +1,353 @@
+//! The sections read into the library's own types: `[mongodb]`
+//! ([`StoreConfig`]), `[[collections]]` ([`CollectionConfig`]), `[writer]`
+//! ([`WriterConfig`]), `[reconcile]` (the grace and batch size of each
+//! [`FoldTarget`]) and `[sequences]` ([`SequenceConfig`]).
+//!
+//! [`FoldTarget`]: crate::reconcile::FoldTarget
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use mongodb::options::ConnectionString;
+use serde::Serialize;
+use serde_json::Value;
+
+use super::field::{Issues, describe};
+use super::raw::{RawCollection, RawMongo, RawReconcile, RawSequences, RawWriter};
+use crate::reconcile::{DEFAULT_BATCH_SIZE, DEFAULT_GRACE};
+use crate::redact::{SecretString, Secrets, redact_uri};
+use crate::store::{StoreConfig, serialize_duration};
+use crate::write::counter::{
+    CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
+    MIN_RETRY_HORIZON, WriterConfig,
+};
+use crate::write::sequence::SequenceConfig;
+
+/// `[reconcile]`: how leftover pending tokens are folded into their
+/// counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub(crate) struct ReconcileConfig {
+    /// Only tokens older than this are folded; younger ones belong to
+    /// writers still between their two steps. Must exceed `[writer]
+    /// retry_horizon` by more than the clock skew between writers and the
+    /// server. Default: 15m.
+    #[serde(serialize_with = "serialize_duration")]
+    pub(crate) grace: Duration,
+    /// How many documents one fold update covers: work between two points
+    /// where a run can stop (shutdown) and report progress. Default: 100.
+    pub(crate) batch_size: u32,
+}
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        Self {
+            grace: DEFAULT_GRACE,
+            batch_size: DEFAULT_BATCH_SIZE,
+        }
+    }
+}
+
+pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> ReconcileConfig {
+    issues.unknown_keys("reconcile", &raw.unknown);
+    ReconcileConfig {
+        grace: issues.duration("reconcile.grace", raw.grace, DEFAULT_GRACE),
+        batch_size: issues
+            .optional_integer("reconcile.batch_size", raw.batch_size, 1, MAX_BATCH_SIZE)
+            .map_or(DEFAULT_BATCH_SIZE, |n| n as u32),
+    }
+}
+
+/// The largest fold batch: keeps one update's `$in` list and its work
+/// bounded.
+const MAX_BATCH_SIZE: u64 = 10_000;
+
+pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConfig {
+    issues.unknown_keys("writer", &raw.unknown);
+    let retry_horizon = issues.duration(
+        "writer.retry_horizon",
+        raw.retry_horizon,
+        DEFAULT_RETRY_HORIZON,
+    );
+    if retry_horizon < MIN_RETRY_HORIZON {
+        issues.push(
+            "writer.retry_horizon",
+            format!(
+                "must be at least {}: a token's time has one-second resolution",
+                humantime::format_duration(MIN_RETRY_HORIZON)
+            ),
+        );
+    }
+    WriterConfig { retry_horizon }
+}
+
+/// Every grace (`[reconcile]`'s and each collection's) against the retry
+/// horizon.
+pub(super) fn check_graces(
+    reconcile: &ReconcileConfig,
+    collections: &[CollectionConfig],
+    retry_horizon: Duration,
+    issues: &mut Issues,
+) {
+    check_grace("reconcile.grace", reconcile.grace, retry_horizon, issues);
+    for (i, collection) in collections.iter().enumerate() {
+        if let Some(grace) = collection.grace {
+            check_grace(
+                &format!("collections[{i}].grace"),
+                grace,
+                retry_horizon,
+                issues,
+            );
+        }
+    }
+}
+
+/// A token must never be folded while its writer may still re-send step 1.
+fn check_grace(key: &str, grace: Duration, retry_horizon: Duration, issues: &mut Issues) {
+    if grace <= retry_horizon {
+        issues.push(
+            key,
+            format!(
+                "must be longer than [writer] retry_horizon ({}), or a token could be folded \
+                 while its writer may still re-send it",
+                humantime::format_duration(retry_horizon)
+            ),
+        );
+    }
+}
+
+pub(super) fn validate_mongodb(raw: RawMongo, issues: &mut Issues) -> StoreConfig {
+    issues.unknown_keys("mongodb", &raw.unknown);
+    let uri = issues.required_string("mongodb.uri", raw.uri);
+    let parsed = uri.as_deref().and_then(|uri| parse_uri(uri, issues));
+    // The URI's own options, else tally's defaults; the keys set here win.
+    let defaults =
+        StoreConfig::with_uri_options(SecretString::new(uri.unwrap_or_default()), parsed.as_ref());
+
+    let database = issues
+        .string("mongodb.database", raw.database)
+        .or_else(|| parsed.as_ref().and_then(|p| p.default_database.clone()));
+    match &database {
+        Some(name) => check_database_name(name, issues),
+        None if parsed.is_some() => issues.push(
+            "mongodb.database",
+            "missing (set it, or name a database in the URI's path)",
+        ),
+        None => {}
+    }
+    let app_name = issues
+        .string("mongodb.app_name", raw.app_name)
+        .or_else(|| parsed.as_ref().and_then(|p| p.app_name.clone()))
+        .unwrap_or_else(|| "tallyd".into());
+    if app_name.is_empty() {
+        issues.push("mongodb.app_name", "must not be empty");
+    }
+    let connect_timeout = issues.duration(
+        "mongodb.connect_timeout",
+        raw.connect_timeout,
+        defaults.connect_timeout,
+    );
+    let server_selection_timeout = issues.duration(
+        "mongodb.server_selection_timeout",
+        raw.server_selection_timeout,
+        defaults.server_selection_timeout,
+    );
+    let max_idle_time = issues.duration(
+        "mongodb.max_idle_time",
+        raw.max_idle_time,
+        defaults.max_idle_time,
+    );
+    let attempt_timeout = issues.duration(
+        "mongodb.attempt_timeout",
+        raw.attempt_timeout,
+        defaults.attempt_timeout,
+    );
+    StoreConfig {
+        database: database.unwrap_or_default(),
+        app_name,
+        connect_timeout,
+        server_selection_timeout,
+        max_idle_time,
+        attempt_timeout,
+        ..defaults
+    }
+}
+
+/// Parses the URI without any I/O, reporting problems with the password
+/// scrubbed.
+fn parse_uri(uri: &str, issues: &mut Issues) -> Option<ConnectionString> {
+    if uri.starts_with("mongodb+srv://") && !cfg!(feature = "srv") {
+        issues.push(
+            "mongodb.uri",
+            "mongodb+srv:// needs DNS SRV support: build tallyd with `--features srv`, or list \
+             the hosts with mongodb://",
+        );
+        return None;
+    }
+    match ConnectionString::parse(uri) {
+        Ok(parsed) => Some(parsed),
+        Err(err) => {
+            let secrets = Secrets::new(uri, []);
+            let reason = match err.kind.as_ref() {
+                mongodb::error::ErrorKind::InvalidArgument { message, .. } => message.clone(),
+                _ => err.to_string(),
+            };
+            issues.push(
+                "mongodb.uri",
+                format!(
+                    "malformed connection string {}: {}",
+                    redact_uri(uri),
+                    secrets.scrub(&reason)
+                ),
+            );
+            None
+        }
+    }
+}
+
+fn check_database_name(name: &str, issues: &mut Issues) {
+    const ILLEGAL: &[char] = &[
+        '/', '\\', '.', ' ', '"', '$', '*', '<', '>', ':', '|', '?', '\0',
+    ];
+    if name.is_empty() {
+        issues.push("mongodb.database", "must not be empty");
+    } else if let Some(c) = name.chars().find(|c| ILLEGAL.contains(c)) {
+        issues.push(
+            "mongodb.database",
+            format!("{name:?} contains {c:?}, which database names cannot"),
+        );
+    } else if name.len() > 63 {
+        issues.push("mongodb.database", "longer than 63 bytes");
+    }
+}
+
+pub(super) fn validate_collections(
+    raw: Option<Value>,
+    issues: &mut Issues,
+) -> Vec<CollectionConfig> {
+    let entries = match raw {
+        None => return Vec::new(),
+        Some(Value::Array(entries)) => entries,
+        Some(other) => {
+            issues.push(
+                "collections",
+                format!(
+                    "expected [[collections]] tables, found {}",
+                    describe(&other)
+                ),
+            );
+            return Vec::new();
+        }
+    };
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.into_iter().enumerate() {
+        let key = format!("collections[{i}]");
+        let raw: RawCollection = match entry {
+            Value::Object(_) => match serde_json::from_value(entry) {
+                Ok(raw) => raw,
+                Err(err) => {
+                    issues.push(key, format!("cannot read: {err}"));
+                    continue;
+                }
+            },
+            other => {
+                issues.push(key, format!("expected a table, found {}", describe(&other)));
+                continue;
+            }
+        };
+        issues.unknown_keys(&key, &raw.unknown);
+        let name = issues.required_string(&format!("{key}.name"), raw.name);
+        if let Some(name) = &name {
+            check_collection_name(&format!("{key}.name"), name, issues);
+            if let Some(first) = seen.insert(name.clone(), i) {
+                issues.push(
+                    format!("{key}.name"),
+                    format!("duplicate collection {name:?} (also collections[{first}])"),
+                );
+            }
+        }
+        let counter_field = issues
+            .string(&format!("{key}.counter_field"), raw.counter_field)
+            .unwrap_or_else(|| DEFAULT_COUNTER_FIELD.into());
+        let pending_field = issues
+            .string(&format!("{key}.pending_field"), raw.pending_field)
+            .unwrap_or_else(|| DEFAULT_PENDING_FIELD.into());
+        check_field_name(&format!("{key}.counter_field"), &counter_field, issues);
+        check_field_name(&format!("{key}.pending_field"), &pending_field, issues);
+        if counter_field == pending_field {
+            issues.push(
+                format!("{key}.pending_field"),
+                format!("must differ from counter_field (both are {counter_field:?})"),
+            );
+        }
+        let grace = issues.optional_duration(&format!("{key}.grace"), raw.grace);
+        let batch_size = issues
+            .optional_integer(
+                &format!("{key}.batch_size"),
+                raw.batch_size,
+                1,
+                MAX_BATCH_SIZE,
+            )
+            .map(|n| n as u32);
+        out.push(CollectionConfig {
+            name: name.unwrap_or_default(),
+            counter_field,
+            pending_field,
+            grace,
+            batch_size,
+        });
+    }
+    out
+}
+
+pub(super) fn check_collection_name(key: &str, name: &str, issues: &mut Issues) {
+    if name.is_empty() {
+        issues.push(key, "must not be empty");
+    } else if name.contains('$') || name.contains('\0') {
+        issues.push(
+            key,
+            format!("{name:?}: collection names cannot contain '$' or NUL"),
+        );
+    } else if name.starts_with("system.") {
+        issues.push(
+            key,
+            format!("{name:?}: system collections are not counter collections"),
+        );
+    }
+}
+
+/// Field names are used as top-level paths in updates, so they cannot be
+/// operators, dotted paths, or `_id`.
+fn check_field_name(key: &str, name: &str, issues: &mut Issues) {
+    if name.is_empty() {
+        issues.push(key, "must not be empty");
+    } else if name.starts_with('$') {
+        issues.push(
+            key,
+            format!("{name:?} starts with '$', which field names cannot"),
+        );
+    } else if name.contains('.') {
+        issues.push(
+            key,
+            format!("{name:?} contains '.'; give a top-level field name"),
+        );
+    } else if name.contains('\0') {
+        issues.push(key, "contains NUL");
+    } else if name == "_id" {
+        issues.push(key, "cannot be _id");
+    }
+}
+
+pub(super) fn validate_sequences(raw: RawSequences, issues: &mut Issues) -> SequenceConfig {
+    issues.unknown_keys("sequences", &raw.unknown);
+    let defaults = SequenceConfig::default();
+    let collection = issues
+        .string("sequences.collection", raw.collection)
+        .unwrap_or(defaults.collection);
+    check_collection_name("sequences.collection", &collection, issues);
+    let field = issues
+        .string("sequences.field", raw.field)
+        .unwrap_or(defaults.field);
+    check_field_name("sequences.field", &field, issues);
+    SequenceConfig { collection, field }
+}

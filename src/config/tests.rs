@@ -1,0 +1,266 @@
+//! The configuration as `tallyd` reads it: defaults, environment
+//! overrides, every bad key reported at once, secrets masked.
+
+use std::time::Duration;
+
+use super::*;
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+const MINIMAL: &str = r#"
+    [mongodb]
+    uri = "mongodb://localhost:27017"
+    database = "app"
+"#;
+
+#[test]
+fn minimal_config_gets_defaults() {
+    let config = Config::from_toml(MINIMAL, []).unwrap();
+    assert_eq!(config.mongodb.database, "app");
+    assert_eq!(config.mongodb.app_name, "tallyd");
+    assert_eq!(config.mongodb.max_idle_time, Duration::from_secs(240));
+    assert_eq!(config.writer.retry_horizon, Duration::from_secs(60));
+    assert_eq!(config.log.format, LogFormat::Text);
+    assert!(config.collections.is_empty());
+}
+
+#[test]
+fn environment_overrides_the_file() {
+    let config = Config::from_toml(
+        MINIMAL,
+        env(&[
+            ("TALLYD__MONGODB__URI", "mongodb://other:27018/"),
+            ("TALLYD__MONGODB__DATABASE", "metrics"),
+            ("TALLYD__WRITER__RETRY_HORIZON", "30s"),
+            ("TALLYD_WEBHOOK_TOKEN", "not a config key"),
+            ("PATH", "/bin"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.mongodb.uri.expose(), "mongodb://other:27018/");
+    assert_eq!(config.mongodb.database, "metrics");
+    assert_eq!(config.writer.retry_horizon, Duration::from_secs(30));
+}
+
+#[test]
+fn environment_alone_is_enough() {
+    let config = Config::load(
+        None,
+        env(&[
+            ("TALLYD__MONGODB__URI", "mongodb://h/"),
+            ("TALLYD__MONGODB__DATABASE", "d"),
+        ]),
+    );
+    // The default file is normally absent on build machines; if it is
+    // there it must at least not break this.
+    if !Path::new(DEFAULT_PATH).exists() {
+        assert_eq!(config.unwrap().mongodb.database, "d");
+    }
+}
+
+#[test]
+fn the_database_may_come_from_the_uri() {
+    let config = Config::from_toml("[mongodb]\nuri = \"mongodb://h/fromuri\"\n", []).unwrap();
+    assert_eq!(config.mongodb.database, "fromuri");
+}
+
+#[test]
+fn uri_options_are_kept_unless_overridden() {
+    let config = Config::from_toml(
+        "[mongodb]\nuri = \"mongodb://h/d?appName=web&maxIdleTimeMS=1000\"\n",
+        [],
+    )
+    .unwrap();
+    assert_eq!(config.mongodb.app_name, "web");
+    assert_eq!(config.mongodb.max_idle_time, Duration::from_secs(1));
+}
+
+#[test]
+fn a_named_file_must_exist() {
+    let err = Config::load(Some(Path::new("/nonexistent/tallyd.toml")), []).unwrap_err();
+    assert_eq!(err.issues[0].key, "--config");
+}
+
+#[test]
+fn every_bad_key_is_reported_at_once() {
+    let text = r#"
+        surprise = 1
+        [mongodb]
+        database = "bad.name"
+        connect_timeout = 10
+        server_selection_timeout = "0s"
+        max_idle_time = "-5s"
+        colour = "blue"
+        [writer]
+        retry_horizon = "soon"
+        [log]
+        format = "xml"
+        level = "loud[["
+        [[collections]]
+        name = "events"
+        counter_field = "$count"
+        pending_field = "a.b"
+        [[collections]]
+        name = "events"
+        pending_field = "_id"
+        [[collections]]
+        name = 5
+        counter_field = "same"
+        pending_field = "same"
+    "#;
+    let err = Config::from_toml(text, []).unwrap_err();
+    let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+    for expected in [
+        "surprise",
+        "mongodb.uri",
+        "mongodb.database",
+        "mongodb.connect_timeout",
+        "mongodb.server_selection_timeout",
+        "mongodb.max_idle_time",
+        "mongodb.colour",
+        "writer.retry_horizon",
+        "log.format",
+        "log.level",
+        "collections[0].counter_field",
+        "collections[0].pending_field",
+        "collections[1].name",
+        "collections[1].pending_field",
+        "collections[2].name",
+        "collections[2].pending_field",
+    ] {
+        assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+    }
+    let text = err.to_string();
+    assert!(text.starts_with("invalid configuration ("), "{text}");
+}
+
+#[test]
+fn malformed_uris_are_reported_without_their_password() {
+    let text = r#"
+        [mongodb]
+        uri = "mongodb://alice:hunter2@host:notaport/db"
+    "#;
+    let err = Config::from_toml(text, []).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("mongodb.uri"), "{message}");
+    assert!(!message.contains("hunter2"), "{message}");
+    let err = Config::from_toml("[mongodb]\nuri = \"postgres://u:hunter2@h/d\"\n", []).unwrap_err();
+    assert!(!err.to_string().contains("hunter2"));
+}
+
+#[test]
+fn errors_name_the_environment_variable_that_caused_them() {
+    let err = Config::from_toml(
+        MINIMAL,
+        env(&[
+            ("TALLYD__WRITER__RETRY_HORIZON", "0s"),
+            ("TALLYD__WRITER__TYPO", "1"),
+        ]),
+    )
+    .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("set by TALLYD__WRITER__RETRY_HORIZON"),
+        "{message}"
+    );
+    assert!(message.contains("writer.typo"), "{message}");
+}
+
+#[test]
+fn wrong_section_types_are_reported() {
+    let err = Config::from_toml("mongodb = 5\ncollections = \"x\"\n", []).unwrap_err();
+    let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+    assert!(keys.contains(&"mongodb"), "{keys:?}");
+    assert!(keys.contains(&"collections"), "{keys:?}");
+}
+
+#[test]
+fn the_effective_config_masks_the_password() {
+    let config = Config::from_toml(
+        "[mongodb]\nuri = \"mongodb://u:hunter2@h:27017/d?replicaSet=rs\"\n",
+        [],
+    )
+    .unwrap();
+    let shown = config.to_redacted_toml();
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(
+        shown.contains("mongodb://u:****@h:27017/d?replicaSet=rs"),
+        "{shown}"
+    );
+    assert!(shown.contains("retry_horizon = \"1m\""), "{shown}");
+    assert!(!format!("{config:?}").contains("hunter2"));
+}
+
+#[test]
+fn daemon_sections_are_checked_too() {
+    let text = format!(
+        "{MINIMAL}\n[[collections]]\nname = \"views\"\n[schedule]\ncron = \"every night\"\n\
+         timezone = \"Mars/Olympus\"\ncatch_up = \"maybe\"\n[alerts]\nstuck_after = \"30s\"\n\
+         max_pending = 0\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
+         [ha]\nlease_ttl = \"1s\"\n[http]\nlisten = \"localhost\"\n\
+         [daemon]\nstate_collection = \"views\"\n[monitor]\nscan_interval = \"0s\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+    for expected in [
+        "schedule.cron",
+        "schedule.timezone",
+        "schedule.catch_up",
+        "alerts.stuck_after",
+        "alerts.max_pending",
+        "alerts.webhook.url",
+        "alerts.webhook.auth_header_env",
+        "ha.lease_ttl",
+        "http.listen",
+        "daemon.state_collection",
+        "monitor.scan_interval",
+    ] {
+        assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+    }
+}
+
+#[test]
+fn the_webhook_secrets_are_read_from_the_environment_and_masked() {
+    let text = format!(
+        "{MINIMAL}\n[alerts.webhook]\nurl = \"https://hooks.example/T0/SECRETPATH\"\n\
+         auth_header_env = \"HOOK\"\n"
+    );
+    let config = Config::from_toml(&text, env(&[("HOOK", "Bearer s3cret-value")])).unwrap();
+    let webhook = config.alerts.webhook.as_ref().unwrap();
+    assert_eq!(
+        webhook.auth_header.as_ref().unwrap().expose(),
+        "Bearer s3cret-value"
+    );
+    let shown = config.to_redacted_toml();
+    assert!(
+        !shown.contains("SECRETPATH") && !shown.contains("s3cret"),
+        "{shown}"
+    );
+    assert!(shown.contains("https://hooks.example/****"), "{shown}");
+    let scrubbed = config
+        .secrets()
+        .scrub("posting to https://hooks.example/T0/SECRETPATH with Bearer s3cret-value");
+    assert!(
+        !scrubbed.contains("SECRETPATH") && !scrubbed.contains("s3cret"),
+        "{scrubbed}"
+    );
+    let bad = Config::from_toml(&text, env(&[("HOOK", "two\nlines")])).unwrap_err();
+    assert_eq!(bad.issues[0].key, "alerts.webhook.auth_header_env");
+    assert!(!bad.to_string().contains("two"), "the value is not shown");
+}
+
+#[test]
+fn unlisted_collections_use_default_fields() {
+    let config = Config::from_toml(
+        &format!("{MINIMAL}\n[[collections]]\nname = \"a\"\ncounter_field = \"c\"\n"),
+        [],
+    )
+    .unwrap();
+    assert_eq!(config.collection("a").counter_field, "c");
+    assert_eq!(config.collection("b"), CollectionConfig::new("b"));
+}
