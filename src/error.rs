@@ -53,7 +53,9 @@ pub mod code {
     pub const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
     /// `DuplicateKeyValue` (a duplicate found while building an index).
     pub const DUPLICATE_KEY_VALUE: i32 = 12582;
-    /// `ChangeStreamHistoryLost`: a resume token fell off the oplog.
+    /// `ChangeStreamHistoryLost`: a resume token fell off the oplog (the
+    /// daemon's change-stream monitor).
+    #[cfg(feature = "daemon")]
     pub const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
 
     /// Codes that make a failed attempt transient: the node is not (or no
@@ -249,7 +251,9 @@ impl Facts {
 }
 
 /// The server's error code, when the server answered with one (a command
-/// error, a write error or a write-concern error).
+/// error, a write error or a write-concern error). For the daemon's
+/// change-stream monitor.
+#[cfg(feature = "daemon")]
 pub fn server_code(err: &MongoError) -> Option<i32> {
     match Facts::of(err).kind {
         FailureKind::Command(code) | FailureKind::Write(code) | FailureKind::WriteConcern(code) => {

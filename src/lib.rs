@@ -58,17 +58,22 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-pub mod cli;
-pub mod config;
-pub mod daemon;
-pub mod document;
-pub mod error;
-pub mod logging;
+mod document;
+mod error;
 pub mod reconcile;
-pub mod redact;
-pub mod store;
-pub mod token;
-pub mod write;
+mod redact;
+mod store;
+mod token;
+mod write;
+
+#[cfg(feature = "daemon")]
+pub mod cli;
+#[cfg(feature = "daemon")]
+pub mod config;
+#[cfg(feature = "daemon")]
+mod daemon;
+#[cfg(feature = "daemon")]
+pub mod logging;
 
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use reconcile::{

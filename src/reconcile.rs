@@ -67,9 +67,11 @@ use report::{ReportRow, account};
 
 pub use report::{CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, Survey};
 
-/// Default fold grace.
+/// Default fold grace (the daemon's `[reconcile] grace`).
+#[cfg(feature = "daemon")]
 pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
-/// Default fold batch size.
+/// Default fold batch size (the daemon's `[reconcile] batch_size`).
+#[cfg(feature = "daemon")]
 pub(crate) const DEFAULT_BATCH_SIZE: u32 = 100;
 
 /// Everything the fold needs to know about one collection: its fields and

@@ -97,7 +97,9 @@ impl Default for WriterConfig {
 /// Default retry horizon.
 pub(crate) const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
 /// The shortest retry horizon: a token's timestamp has one-second
-/// resolution, so a fresh token may already look a second old.
+/// resolution, so a fresh token may already look a second old. Checked by
+/// the daemon's configuration.
+#[cfg(feature = "daemon")]
 pub(crate) const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
 
 /// How many duplicate-key failures step 1 retries: each is an upsert race
