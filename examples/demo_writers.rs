@@ -12,9 +12,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use futures::future::join_all;
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ClientOptions;
-use tally::{CollectionConfig, Counters, Entry, Increment, Store, Token, WriterConfig};
+use tally::{CollectionConfig, Counters, Increment, Store, Token, WriterConfig};
 
 #[derive(Parser)]
 struct Args {
@@ -83,11 +83,16 @@ async fn main() -> ExitCode {
                         let key = KEYS[(w + i) % KEYS.len()];
                         let amount = 1 + (i % 3) as i64;
                         if (w * increments + i) % crash_every == crash_every - 1 {
-                            // A writer crashing between the steps: step 1 only.
-                            let entry = Entry::new(Token::new(), amount).expect("non-zero");
+                            // A writer crashing between the steps: step 1 only,
+                            // with the entry a writer adds (a bare token for +1).
+                            let token = Token::new().object_id();
+                            let entry = match amount {
+                                1 => Bson::ObjectId(token),
+                                _ => Bson::Document(doc! { "t": token, "n": amount }),
+                            };
                             raw.update_one(
                                 doc! { "_id": key },
-                                doc! { "$addToSet": { "pending": entry.to_bson() } },
+                                doc! { "$addToSet": { "pending": entry } },
                             )
                             .upsert(true)
                             .await

@@ -18,20 +18,20 @@ use crate::config::Config;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
-pub use daemon::StatusArgs;
-pub use increment::{CompleteArgs, IncrArgs, ResumeArgs};
-pub use reconcile::ReconcileArgs;
-pub use sequence::{CurrentArgs, NextArgs, SeqCommand};
+pub(crate) use daemon::StatusArgs;
+pub(crate) use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+pub(crate) use reconcile::ReconcileArgs;
+pub(crate) use sequence::SeqCommand;
 
 /// Exit status: success.
-pub const EXIT_OK: u8 = 0;
+pub(crate) const EXIT_OK: u8 = 0;
 /// Exit status: the operation failed, or was refused; nothing more will
 /// happen on its own.
-pub const EXIT_FAILED: u8 = 1;
+pub(crate) const EXIT_FAILED: u8 = 1;
 /// Exit status: the outcome is pending or unknown; settle it later
 /// (`EX_TEMPFAIL`).
-pub const EXIT_TEMPFAIL: u8 = 75;
-pub use crate::config::EXIT_CONFIG;
+pub(crate) const EXIT_TEMPFAIL: u8 = 75;
+pub(crate) use crate::config::EXIT_CONFIG;
 
 /// `tallyd`: exact counters in MongoDB.
 #[derive(Debug, Parser)]
@@ -44,12 +44,12 @@ pub struct Cli {
 
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 /// The commands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the daemon: fold on the schedule, watch the counters, alert,
     /// serve /metrics. Stops at SIGTERM or SIGINT.
     Run,
@@ -77,16 +77,16 @@ pub enum Command {
 
 /// Options shared by the commands that work on one collection.
 #[derive(Debug, Clone, Args)]
-pub struct TargetArgs {
+pub(crate) struct TargetArgs {
     /// The counter collection. A collection not listed in the configuration
     /// uses the default field names. May be omitted when exactly one
     /// collection is configured.
     #[arg(long, value_name = "NAME")]
-    pub collection: Option<String>,
+    pub(crate) collection: Option<String>,
 
     /// Print one JSON object instead of text.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 impl TargetArgs {

@@ -3,16 +3,15 @@
 //!
 //! Loading has two steps. The file and the environment are merged by the
 //! `config` crate and deserialized into a raw shape whose leaves are untyped
-//! ([`raw`]); validation then converts every key into the typed [`Config`],
+//! (`raw`); validation then converts every key into the typed [`Config`],
 //! collecting **every** problem (unknown keys, wrong types, bad values,
 //! duplicates) into one [`ConfigErrors`] instead of stopping at the first.
 //! The binary exits with [`EXIT_CONFIG`] (78, `EX_CONFIG`) when there is any.
 //!
 //! The sections the library reads are the library's own types
-//! ([`StoreConfig`](crate::StoreConfig), [`CollectionConfig`](crate::CollectionConfig),
-//! [`WriterConfig`](crate::WriterConfig), [`SequenceConfig`](crate::SequenceConfig));
-//! this module only fills them in (`library`). The daemon's sections
-//! (`daemon`, `alerts`) are its own.
+//! ([`StoreConfig`], [`CollectionConfig`], [`WriterConfig`],
+//! [`SequenceConfig`]); this module only fills them in (`library`). The
+//! daemon's sections (`daemon`, `alerts`) are its own.
 
 mod alerts;
 mod daemon;
@@ -127,7 +126,7 @@ impl ConfigErrors {
 }
 
 impl Config {
-    /// Loads the file (`None`: [`DEFAULT_PATH`], which may be missing) and
+    /// Loads the file (`None`: `/etc/tally/tallyd.toml`, which may be missing) and
     /// applies `TALLYD__…` overrides from `env` (pass `std::env::vars()`;
     /// tests pass their own).
     pub fn load(

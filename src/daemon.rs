@@ -58,7 +58,7 @@ use state::State;
 
 /// Why the daemon could not run.
 #[derive(Debug, thiserror::Error)]
-pub enum DaemonError {
+pub(crate) enum DaemonError {
     /// The configuration cannot drive a daemon (exit 78).
     #[error("{0}")]
     Config(String),
@@ -68,7 +68,7 @@ pub enum DaemonError {
 }
 
 /// Runs the daemon until `shutdown` is cancelled.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
+pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
     if config.collections.is_empty() {
         return Err(DaemonError::Config(
             "no [[collections]] configured: the daemon has nothing to watch".into(),

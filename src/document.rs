@@ -59,7 +59,7 @@ pub(crate) async fn insert_if_absent(
 /// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
 /// including doubles with a fraction or beyond 2^53, where the value is no
 /// longer exact.
-pub fn integer_value(value: &Bson) -> Option<i64> {
+pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
     const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
     match value {
         Bson::Int32(n) => Some(i64::from(*n)),
@@ -70,7 +70,7 @@ pub fn integer_value(value: &Bson) -> Option<i64> {
 }
 
 /// The BSON type name, as `$type` spells it.
-pub fn bson_type_name(value: &Bson) -> &'static str {
+pub(crate) fn bson_type_name(value: &Bson) -> &'static str {
     match value {
         Bson::Double(_) => "double",
         Bson::String(_) => "string",

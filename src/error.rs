@@ -22,46 +22,46 @@ use mongodb::bson::{Bson, Document};
 use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 /// Server error codes tally names, as the server defines them.
-pub mod code {
+pub(crate) mod code {
     /// `HostUnreachable`.
-    pub const HOST_UNREACHABLE: i32 = 6;
+    pub(crate) const HOST_UNREACHABLE: i32 = 6;
     /// `HostNotFound`.
-    pub const HOST_NOT_FOUND: i32 = 7;
+    pub(crate) const HOST_NOT_FOUND: i32 = 7;
     /// `NetworkTimeout`.
-    pub const NETWORK_TIMEOUT: i32 = 89;
+    pub(crate) const NETWORK_TIMEOUT: i32 = 89;
     /// `ShutdownInProgress`.
-    pub const SHUTDOWN_IN_PROGRESS: i32 = 91;
+    pub(crate) const SHUTDOWN_IN_PROGRESS: i32 = 91;
     /// `PrimarySteppedDown`.
-    pub const PRIMARY_STEPPED_DOWN: i32 = 189;
+    pub(crate) const PRIMARY_STEPPED_DOWN: i32 = 189;
     /// `ExceededTimeLimit`.
-    pub const EXCEEDED_TIME_LIMIT: i32 = 262;
+    pub(crate) const EXCEEDED_TIME_LIMIT: i32 = 262;
     /// `SocketException`.
-    pub const SOCKET_EXCEPTION: i32 = 9001;
+    pub(crate) const SOCKET_EXCEPTION: i32 = 9001;
     /// `NotWritablePrimary` (formerly `NotMaster`).
-    pub const NOT_WRITABLE_PRIMARY: i32 = 10107;
+    pub(crate) const NOT_WRITABLE_PRIMARY: i32 = 10107;
     /// `InterruptedAtShutdown`.
-    pub const INTERRUPTED_AT_SHUTDOWN: i32 = 11600;
+    pub(crate) const INTERRUPTED_AT_SHUTDOWN: i32 = 11600;
     /// `InterruptedDueToReplStateChange`.
-    pub const INTERRUPTED_DUE_TO_REPL_STATE_CHANGE: i32 = 11602;
+    pub(crate) const INTERRUPTED_DUE_TO_REPL_STATE_CHANGE: i32 = 11602;
     /// `NotPrimaryNoSecondaryOk`.
-    pub const NOT_PRIMARY_NO_SECONDARY_OK: i32 = 13435;
+    pub(crate) const NOT_PRIMARY_NO_SECONDARY_OK: i32 = 13435;
     /// `NotPrimaryOrSecondary`.
-    pub const NOT_PRIMARY_OR_SECONDARY: i32 = 13436;
+    pub(crate) const NOT_PRIMARY_OR_SECONDARY: i32 = 13436;
     /// `DuplicateKey`.
-    pub const DUPLICATE_KEY: i32 = 11000;
+    pub(crate) const DUPLICATE_KEY: i32 = 11000;
     /// `DuplicateKey` as reported by old servers for updates.
-    pub const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
+    pub(crate) const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
     /// `DuplicateKeyValue` (a duplicate found while building an index).
-    pub const DUPLICATE_KEY_VALUE: i32 = 12582;
+    pub(crate) const DUPLICATE_KEY_VALUE: i32 = 12582;
     /// `ChangeStreamHistoryLost`: a resume token fell off the oplog (the
     /// daemon's change-stream monitor).
     #[cfg(feature = "daemon")]
-    pub const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
+    pub(crate) const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
 
     /// Codes that make a failed attempt transient: the node is not (or no
     /// longer) a writable primary, is recovering or shutting down, or the
     /// network failed on the server's side.
-    pub const TRANSIENT: [i32; 12] = [
+    pub(crate) const TRANSIENT: [i32; 12] = [
         HOST_UNREACHABLE,
         HOST_NOT_FOUND,
         NETWORK_TIMEOUT,
@@ -77,7 +77,7 @@ pub mod code {
     ];
 
     /// Codes that mean "a document with this unique key already exists".
-    pub const DUPLICATE_KEY_CODES: [i32; 3] =
+    pub(crate) const DUPLICATE_KEY_CODES: [i32; 3] =
         [DUPLICATE_KEY, DUPLICATE_KEY_ON_UPDATE, DUPLICATE_KEY_VALUE];
 }
 
@@ -143,7 +143,7 @@ impl Effect {
 
 /// The kind of failure, reduced to what classification needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
+pub(crate) enum FailureKind {
     /// An I/O error: connection refused or reset, a socket timeout.
     Io,
     /// The connection pool was cleared while the operation waited for a
@@ -169,16 +169,16 @@ pub enum FailureKind {
 /// The facts about a driver error that classification uses: its kind, its
 /// code and whether it carries the `RetryableWriteError` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Facts {
+pub(crate) struct Facts {
     /// The kind of failure, with the server's code where there is one.
-    pub kind: FailureKind,
+    pub(crate) kind: FailureKind,
     /// Whether the error carries the `RetryableWriteError` label.
-    pub retryable_label: bool,
+    pub(crate) retryable_label: bool,
 }
 
 impl Facts {
     /// Extracts the facts from a driver error.
-    pub fn of(err: &MongoError) -> Self {
+    pub(crate) fn of(err: &MongoError) -> Self {
         let kind = match err.kind.as_ref() {
             ErrorKind::Io(_) => FailureKind::Io,
             ErrorKind::ConnectionPoolCleared { .. } => FailureKind::PoolCleared,
@@ -212,7 +212,7 @@ impl Facts {
     }
 
     /// The error class (DESIGN §1).
-    pub fn class(self) -> ErrorClass {
+    pub(crate) fn class(self) -> ErrorClass {
         let transient_code = |c: i32| code::TRANSIENT.contains(&c) || self.retryable_label;
         let duplicate_code = |c: i32| code::DUPLICATE_KEY_CODES.contains(&c);
         match self.kind {
@@ -237,7 +237,7 @@ impl Facts {
     }
 
     /// What the failure tells about the write it carried.
-    pub fn effect(self) -> Effect {
+    pub(crate) fn effect(self) -> Effect {
         match (self.kind, self.class()) {
             (FailureKind::WriteConcern(_), _) => Effect::AppliedUnconfirmed,
             (FailureKind::ServerSelection | FailureKind::ClientRefused, _) => Effect::NotApplied,
@@ -254,7 +254,7 @@ impl Facts {
 /// error, a write error or a write-concern error). For the daemon's
 /// change-stream monitor.
 #[cfg(feature = "daemon")]
-pub fn server_code(err: &MongoError) -> Option<i32> {
+pub(crate) fn server_code(err: &MongoError) -> Option<i32> {
     match Facts::of(err).kind {
         FailureKind::Command(code) | FailureKind::Write(code) | FailureKind::WriteConcern(code) => {
             Some(code)
@@ -268,7 +268,7 @@ pub fn server_code(err: &MongoError) -> Option<i32> {
 /// retry can fix. Read from the `keyPattern` the server attaches (MongoDB
 /// 4.4+); `None` when the error is not a duplicate key or the server did not
 /// say.
-pub fn duplicate_on_id(err: &MongoError) -> Option<bool> {
+pub(crate) fn duplicate_on_id(err: &MongoError) -> Option<bool> {
     if ErrorClass::of(err) != ErrorClass::DuplicateKey {
         return None;
     }
@@ -306,7 +306,7 @@ pub struct Failure {
 impl Failure {
     /// A failure that is not retried where it happens (a cursor that broke
     /// off mid-stream cannot be resumed): classified, one attempt.
-    pub fn once(operation: &'static str, source: MongoError) -> Box<Self> {
+    pub(crate) fn once(operation: &'static str, source: MongoError) -> Box<Self> {
         let facts = Facts::of(&source);
         Box::new(Self {
             operation,
@@ -386,7 +386,7 @@ impl Error {
 /// for operations where they mean "nothing applied", have their own small
 /// budget.
 #[derive(Debug)]
-pub struct RetryBudget {
+pub(crate) struct RetryBudget {
     operation: &'static str,
     driver_retries_writes: bool,
     transient_left: u32,
@@ -397,7 +397,7 @@ pub struct RetryBudget {
 
 /// What to do after a failed attempt.
 #[derive(Debug)]
-pub enum Next {
+pub(crate) enum Next {
     /// Send the same operation again.
     Retry,
     /// Stop; the failure is final.
@@ -409,7 +409,7 @@ impl RetryBudget {
     /// repetition is acceptable (a sequence's `$inc`, where it may skip a
     /// number). `driver_retries_writes` says whether the driver already
     /// retries this operation's labelled failures itself.
-    pub fn retry_once(operation: &'static str, driver_retries_writes: bool) -> Self {
+    pub(crate) fn retry_once(operation: &'static str, driver_retries_writes: bool) -> Self {
         Self {
             operation,
             driver_retries_writes,
@@ -422,28 +422,29 @@ impl RetryBudget {
 
     /// Also retries up to `n` duplicate-key failures (for upserts, where a
     /// duplicate key means the race applied nothing).
-    pub fn with_duplicate_key_retries(mut self, n: u32) -> Self {
+    pub(crate) fn with_duplicate_key_retries(mut self, n: u32) -> Self {
         self.duplicate_left = n;
         self
     }
 
     /// Attempts made so far.
-    pub fn attempts(&self) -> u32 {
+    #[cfg(test)]
+    pub(crate) fn attempts(&self) -> u32 {
         self.attempts
     }
 
     /// Whether any failed attempt so far may have applied its write.
-    pub fn maybe_applied(&self) -> bool {
+    pub(crate) fn maybe_applied(&self) -> bool {
         self.maybe_applied
     }
 
     /// Records that an attempt is about to be sent.
-    pub fn start_attempt(&mut self) {
+    pub(crate) fn start_attempt(&mut self) {
         self.attempts += 1;
     }
 
     /// Decides what follows a failed attempt, and logs a retry.
-    pub fn after_failure(&mut self, err: MongoError) -> Next {
+    pub(crate) fn after_failure(&mut self, err: MongoError) -> Next {
         let facts = Facts::of(&err);
         let class = facts.class();
         let effect = facts.effect();

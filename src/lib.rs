@@ -2,10 +2,11 @@
 //! when the network drops replies, primaries step down and writers crash.
 //!
 //! An increment is split into two idempotent steps joined by a pending token
-//! (see [`write::counter`]); the caller always learns which of four outcomes
-//! happened, and a token left behind by a crashed writer is folded into its
-//! counter later by the `tallyd` daemon. Every failed attempt is classified
-//! by [`error::ErrorClass`], and only transient failures of idempotent
+//! ([`Counters`]); the caller always learns which of four outcomes happened
+//! ([`Increment`]), and a token left behind by a crashed writer is folded
+//! into its counter later by the [`Reconciler`] — which the `tallyd` daemon
+//! runs on a schedule, and a service can embed. Every failed attempt is
+//! classified by [`ErrorClass`], and only transient failures of idempotent
 //! operations are retried — once.
 //!
 //! Beside counters: [`Sequences`] hand out numbers that are never handed out
@@ -15,11 +16,9 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
+//! use tally::{CollectionConfig, Counters, Increment, Store, StoreConfig, WriterConfig};
 //!
-//! let client = mongodb::Client::with_uri_str("mongodb://localhost:27017").await?;
-//! let options = mongodb::options::ClientOptions::parse("mongodb://localhost:27017").await?;
-//! let store = Store::from_parts(client, &options, "app");
+//! let store = Store::connect(&StoreConfig::new("mongodb://localhost:27017", "app")).await?;
 //! let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
 //! match views.increment("home", 1).await {
 //!     Increment::Counted(_) => {}
@@ -30,30 +29,63 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Features
+//!
+//! - `daemon` (default): the `tallyd` daemon and its command line, with
+//!   their dependencies (HTTP, metrics, the webhook, the schedule, the
+//!   config file). An application that only writes counters depends on
+//!   tally with `default-features = false` (see `examples/counter-app`).
+//! - `srv`: `mongodb+srv://` URIs (DNS SRV and TXT lookups).
+//!
 //! # Layout
 //!
-//! - [`error`]: error classes, the retry-once rule, the library's error type.
-//! - [`token`]: pending tokens and the two entry forms of a `pending` array.
-//! - [`store`]: the connected handle (client, database, retry facts).
-//! - [`write`]: the protocols a writer calls.
-//! - [`write::counter`]: the two-step increment, `complete` and `resume`.
-//! - [`document`]: reading values out of documents tally does not own.
-//! - [`write::sequence`]: sequences on a counters collection (`next`, blocks, seeding).
-//! - [`write::insert_loop`]: the optimistic insert loop (highest `_id` + 1, bounded retries).
-//! - [`write::bounded`]: bounded counters: take a unit only while some are left.
-//! - [`reconcile`]: the fold of leftover pending tokens, safe on live documents, and its report.
-//! - [`config`]: the TOML file and environment overrides, validated as a whole.
-//! - [`redact`]: keeping passwords and tokens out of logs, errors and output.
-//! - [`logging`]: tracing to standard error, as text or JSON.
-//! - [`metrics`]: the daemon's Prometheus metrics, one registry handle.
-//! - [`alert`]: alerts (firing once, resolved once) to the log and a webhook.
-//! - [`state`]: the daemon's state in MongoDB: last runs, resume tokens.
-//! - [`lease`]: one active daemon among several.
-//! - [`schedule`]: when the daemon folds (cron, time zone, catch-up).
-//! - [`monitor`]: change streams keeping a live view of pending tokens.
-//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
-//! - [`daemon`]: `tallyd run`, wiring all of the above until shutdown.
-//! - [`cli`]: the `tallyd` commands, thin layers over the modules above.
+//! The library, always built:
+//!
+//! - `error`: error classes, the retry-once rule, the library's [`Error`].
+//! - `redact`: keeping passwords and tokens out of logs, errors and output.
+//! - `store`: the connected [`Store`] and how to reach the server
+//!   ([`StoreConfig`]).
+//! - `document`: reading values out of documents tally does not own.
+//! - `token`: pending [`Token`]s and the two entry forms of a `pending`
+//!   array.
+//! - `write`: the protocols a writer calls — `counter` (the two-step
+//!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `sequence`,
+//!   `insert_loop`, `bounded`.
+//! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
+//!   [`Reconciler`] — [`reconcile::model`] (its specification),
+//!   [`reconcile::pipeline`] (the fold on the server), `report` (what a run
+//!   found and did).
+//!
+//! With the `daemon` feature:
+//!
+//! - `config`: the TOML file and its environment overrides, read into the
+//!   library's settings (`library`) and the daemon's own (`daemon`,
+//!   `alerts`), every bad key reported at once (`raw`, `field`).
+//! - `daemon`: `tallyd run` and everything it wires together — `runner`,
+//!   `evaluator`, `monitor`, `alert` (and its `webhook`), `lease`,
+//!   `schedule`, `state`, `http`, `metrics`.
+//! - `cli`: the `tallyd` commands, thin layers over the modules above.
+//! - `logging`: tracing to standard error, as text or JSON.
+//!
+//! Imports go one way, down this list: a module names (as `crate::…`) only
+//! the modules after its arrow. The library never names a module of the
+//! `daemon` feature, and the dependency goes config → library, never back.
+//! `tests/integration/layout.rs` checks every file of `src/` against these
+//! lines, and that none has more than 600 lines before its tests.
+//!
+//! ```text
+//! error     → (nothing)
+//! redact    → (nothing)
+//! store     → error redact
+//! document  → error store
+//! token     → document
+//! write     → error store document token redact
+//! reconcile → error store document token write
+//! config    → error redact store write reconcile
+//! daemon    → config reconcile write store token document error redact
+//! cli       → (anything)
+//! logging   → (anything)
+//! ```
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -81,7 +113,7 @@ pub use reconcile::{
     Survey,
 };
 pub use store::{ConnectError, Store, StoreConfig};
-pub use token::{BadToken, Entry, Token};
+pub use token::{BadToken, Token};
 pub use write::bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
 pub use write::counter::{
     CollectionConfig, Completion, Counted, Counters, Increment, NotCounted, PendingToken,

@@ -118,7 +118,7 @@ impl Reconciler {
         }
     }
 
-    /// The server's clock (see [`Store::server_time`]): every daemon
+    /// The server's clock (`hello`'s `localTime`): every daemon
     /// computes its cutoff from the same clock.
     pub async fn server_time(&self) -> Result<SystemTime, Error> {
         self.store.server_time().await

@@ -9,20 +9,20 @@
 use std::fmt;
 
 /// What replaces a secret in anything tally prints.
-pub const MASK: &str = "****";
+pub(crate) const MASK: &str = "****";
 
 /// A string that must not be printed as is.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct SecretString(String);
+pub(crate) struct SecretString(String);
 
 impl SecretString {
     /// Wraps a secret.
-    pub fn new(value: impl Into<String>) -> Self {
+    pub(crate) fn new(value: impl Into<String>) -> Self {
         Self(value.into())
     }
 
     /// The secret itself, for the one place that needs it.
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }
@@ -41,7 +41,7 @@ impl fmt::Display for SecretString {
 
 /// A MongoDB connection string with its password (if any) replaced by
 /// `****`; everything else (user, hosts, options) stays readable.
-pub fn redact_uri(uri: &str) -> String {
+pub(crate) fn redact_uri(uri: &str) -> String {
     match uri_password_span(uri) {
         Some((start, end)) => format!("{}{MASK}{}", &uri[..start], &uri[end..]),
         None => uri.to_owned(),
@@ -64,12 +64,12 @@ fn uri_password_span(uri: &str) -> Option<(usize, usize)> {
 
 /// The secret strings of a configuration, to scrub from foreign messages.
 #[derive(Clone, Default)]
-pub struct Secrets(Vec<String>);
+pub(crate) struct Secrets(Vec<String>);
 
 impl Secrets {
     /// Collects the secrets: the URI's password (raw and percent-decoded)
     /// and any other secret values.
-    pub fn new<'a>(uri: &str, others: impl IntoIterator<Item = &'a str>) -> Self {
+    pub(crate) fn new<'a>(uri: &str, others: impl IntoIterator<Item = &'a str>) -> Self {
         let mut values = Vec::new();
         if let Some((start, end)) = uri_password_span(uri) {
             let raw = &uri[start..end];
@@ -84,7 +84,7 @@ impl Secrets {
     }
 
     /// `message` with every secret replaced by `****`.
-    pub fn scrub(&self, message: &str) -> String {
+    pub(crate) fn scrub(&self, message: &str) -> String {
         let mut out = message.to_owned();
         for secret in &self.0 {
             out = out.replace(secret.as_str(), MASK);

@@ -215,7 +215,7 @@ impl Store {
     /// Runs one attempt, bounded by the attempt timeout. An attempt that
     /// runs out of time is abandoned — the driver closes its connection —
     /// and reported as an I/O timeout: transient, and it may have applied.
-    pub async fn attempt<T>(
+    pub(crate) async fn attempt<T>(
         &self,
         operation: impl IntoFuture<Output = Result<T, MongoError>>,
     ) -> Result<T, MongoError> {
@@ -227,7 +227,7 @@ impl Store {
 
     /// Runs `operation` under `budget`'s retry rule, each attempt bounded by
     /// the attempt timeout.
-    pub async fn with_retry<T, F, Fut>(
+    pub(crate) async fn with_retry<T, F, Fut>(
         &self,
         budget: &mut RetryBudget,
         mut operation: F,
@@ -289,7 +289,7 @@ impl Store {
 
     /// One idempotent `updateOne`, retried once on a transient failure
     /// (leaving the retry to the driver when it makes it).
-    pub async fn update_one(
+    pub(crate) async fn update_one(
         &self,
         collection: &Collection<Document>,
         filter: Document,
@@ -306,7 +306,7 @@ impl Store {
     }
 
     /// One `findOne` with a projection, retried once on a transient failure.
-    pub async fn find_one(
+    pub(crate) async fn find_one(
         &self,
         collection: &Collection<Document>,
         filter: Document,
@@ -325,7 +325,7 @@ impl Store {
 
     /// The server's clock, from `hello`'s `localTime`: cutoffs and lease
     /// expiries computed from it agree between daemons on different hosts.
-    pub async fn server_time(&self) -> Result<std::time::SystemTime, Error> {
+    pub(crate) async fn server_time(&self) -> Result<std::time::SystemTime, Error> {
         let hello = self.hello().await?;
         match hello.get("localTime") {
             Some(mongodb::bson::Bson::DateTime(t)) => Ok(t.to_system_time()),
@@ -337,7 +337,7 @@ impl Store {
 
     /// Runs `hello` against the admin database, retrying once on a transient
     /// failure.
-    pub async fn hello(&self) -> Result<Document, Error> {
+    pub(crate) async fn hello(&self) -> Result<Document, Error> {
         let admin = self.inner.client.database("admin");
         let mut budget = RetryBudget::retry_once("hello", false);
         self.with_retry(&mut budget, || admin.run_command(doc! { "hello": 1 }))
@@ -351,10 +351,3 @@ impl Store {
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("cannot create a MongoDB client: {0}")]
 pub struct ConnectError(String);
-
-impl ConnectError {
-    /// Builds the error from a message that may contain secrets.
-    pub fn scrubbed(message: &str, secrets: &Secrets) -> Self {
-        Self(secrets.scrub(message))
-    }
-}

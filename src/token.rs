@@ -14,9 +14,9 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use crate::document::bson_type_name;
 
 /// Field holding the token in the `{t, n}` entry form.
-pub const TOKEN_FIELD: &str = "t";
+pub(crate) const TOKEN_FIELD: &str = "t";
 /// Field holding the amount in the `{t, n}` entry form.
-pub const AMOUNT_FIELD: &str = "n";
+pub(crate) const AMOUNT_FIELD: &str = "n";
 
 /// A pending token: identifies one increment attempt (not an event).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -104,7 +104,7 @@ impl FromStr for Token {
 
 /// Which of the two entry forms an entry has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EntryForm {
+pub(crate) enum EntryForm {
     /// The bare ObjectId: `+1`.
     Bare,
     /// `{t: ObjectId, n: amount}`.
@@ -113,7 +113,7 @@ pub enum EntryForm {
 
 /// One entry of a `pending` array: a token and the amount it adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     token: Token,
     amount: i64,
     form: EntryForm,
@@ -140,7 +140,7 @@ impl Entry {
     /// The entry for an increment of `amount` with `token`: the bare form for
     /// `+1` (what other clients of the technique write), `{t, n}` otherwise.
     /// Returns `None` for a zero amount, which would count nothing.
-    pub fn new(token: Token, amount: i64) -> Option<Self> {
+    pub(crate) fn new(token: Token, amount: i64) -> Option<Self> {
         match amount {
             0 => None,
             1 => Some(Self {
@@ -157,22 +157,23 @@ impl Entry {
     }
 
     /// The token.
-    pub fn token(&self) -> Token {
+    pub(crate) fn token(&self) -> Token {
         self.token
     }
 
     /// The amount the entry adds when counted.
-    pub fn amount(&self) -> i64 {
+    pub(crate) fn amount(&self) -> i64 {
         self.amount
     }
 
     /// The entry's form.
-    pub fn form(&self) -> EntryForm {
+    #[cfg(test)]
+    pub(crate) fn form(&self) -> EntryForm {
         self.form
     }
 
     /// The entry as stored in the `pending` array.
-    pub fn to_bson(&self) -> Bson {
+    pub(crate) fn to_bson(self) -> Bson {
         match self.form {
             EntryForm::Bare => Bson::ObjectId(self.token.0),
             EntryForm::Tagged => Bson::Document(doc! {
@@ -185,7 +186,7 @@ impl Entry {
     /// A query condition on the `pending` array that matches a document
     /// holding this entry, whatever the field order or integer width another
     /// client used.
-    pub fn array_condition(&self) -> Bson {
+    pub(crate) fn array_condition(&self) -> Bson {
         match self.form {
             EntryForm::Bare => Bson::ObjectId(self.token.0),
             EntryForm::Tagged => Bson::Document(doc! {
@@ -195,7 +196,7 @@ impl Entry {
     }
 
     /// A `$pull` condition that removes exactly this entry.
-    pub fn pull_condition(&self) -> Bson {
+    pub(crate) fn pull_condition(&self) -> Bson {
         match self.form {
             EntryForm::Bare => Bson::ObjectId(self.token.0),
             EntryForm::Tagged => Bson::Document(doc! {
@@ -206,7 +207,7 @@ impl Entry {
     }
 
     /// Parses one element of a `pending` array.
-    pub fn parse(value: &Bson) -> Result<Self, BadEntry> {
+    pub(crate) fn parse(value: &Bson) -> Result<Self, BadEntry> {
         match value {
             Bson::ObjectId(oid) => Ok(Self {
                 token: Token(*oid),

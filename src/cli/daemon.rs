@@ -13,14 +13,14 @@ use crate::daemon::{self, DaemonError};
 
 /// `tallyd status`.
 #[derive(Debug, Args)]
-pub struct StatusArgs {
+pub(crate) struct StatusArgs {
     /// Only this collection (repeatable). Default: every configured
     /// collection.
     #[arg(long = "collection", value_name = "NAME")]
-    pub collections: Vec<String>,
+    pub(crate) collections: Vec<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.

@@ -15,43 +15,43 @@ use crate::write::counter::{CollectionConfig, Completion, Counters, Increment, U
 
 /// `tallyd incr KEY [--by N]`.
 #[derive(Debug, Args)]
-pub struct IncrArgs {
+pub(crate) struct IncrArgs {
     /// The counter's `_id` (a string).
-    pub key: String,
+    pub(crate) key: String,
     /// The amount to add; negative subtracts; not zero.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    pub by: i64,
+    pub(crate) by: i64,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub target: TargetArgs,
+    pub(crate) target: TargetArgs,
 }
 
 /// `tallyd complete KEY TOKEN`.
 #[derive(Debug, Args)]
-pub struct CompleteArgs {
+pub(crate) struct CompleteArgs {
     /// The counter's `_id` (a string).
-    pub key: String,
+    pub(crate) key: String,
     /// The pending token: 24 hex digits.
-    pub token: Token,
+    pub(crate) token: Token,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub target: TargetArgs,
+    pub(crate) target: TargetArgs,
 }
 
 /// `tallyd resume KEY TOKEN [--by N]`.
 #[derive(Debug, Args)]
-pub struct ResumeArgs {
+pub(crate) struct ResumeArgs {
     /// The counter's `_id` (a string).
-    pub key: String,
+    pub(crate) key: String,
     /// The token an increment reported as unknown: 24 hex digits.
-    pub token: Token,
+    pub(crate) token: Token,
     /// The amount of the original increment (used only if step 1 must be
     /// sent again).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    pub by: i64,
+    pub(crate) by: i64,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub target: TargetArgs,
+    pub(crate) target: TargetArgs,
 }
 
 /// Everything a command needs to talk to one collection.

@@ -15,17 +15,17 @@ use crate::redact::Secrets;
 
 /// `tallyd reconcile`.
 #[derive(Debug, Args)]
-pub struct ReconcileArgs {
+pub(crate) struct ReconcileArgs {
     /// Change nothing; report exactly what a fold would do.
     #[arg(long)]
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
     /// Reconcile only this collection (repeatable). Default: every
     /// configured collection.
     #[arg(long = "collection", value_name = "NAME")]
-    pub collections: Vec<String>,
+    pub(crate) collections: Vec<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {

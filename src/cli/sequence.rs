@@ -13,7 +13,7 @@ use crate::write::sequence::Sequences;
 
 /// `tallyd seq ...`: sequences in the `[sequences]` collection.
 #[derive(Debug, Subcommand)]
-pub enum SeqCommand {
+pub(crate) enum SeqCommand {
     /// Hand out the next number (or a block of numbers) of a sequence.
     Next(NextArgs),
     /// Show the last number handed out, changing nothing.
@@ -22,25 +22,25 @@ pub enum SeqCommand {
 
 /// `tallyd seq next NAME [--block N]`.
 #[derive(Debug, Args)]
-pub struct NextArgs {
+pub(crate) struct NextArgs {
     /// The sequence's name (its `_id` in the counters collection).
-    pub name: String,
+    pub(crate) name: String,
     /// Reserve N consecutive numbers in one round trip.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
-    pub block: Option<u32>,
+    pub(crate) block: Option<u32>,
     /// Print one JSON object instead of text.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 /// `tallyd seq current NAME`.
 #[derive(Debug, Args)]
-pub struct CurrentArgs {
+pub(crate) struct CurrentArgs {
     /// The sequence's name.
-    pub name: String,
+    pub(crate) name: String,
     /// Print one JSON object instead of text.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {

@@ -17,24 +17,24 @@ pub(crate) struct Issues {
 }
 
 impl Issues {
-    pub fn new(from_env: BTreeSet<String>) -> Self {
+    pub(crate) fn new(from_env: BTreeSet<String>) -> Self {
         Self {
             list: Vec::new(),
             from_env,
         }
     }
 
-    pub fn into_list(self) -> Vec<ConfigIssue> {
+    pub(crate) fn into_list(self) -> Vec<ConfigIssue> {
         self.list
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.list.is_empty()
     }
 
     /// Records a problem with `key`. When an environment variable set it,
     /// the message says which.
-    pub fn push(&mut self, key: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn push(&mut self, key: impl Into<String>, message: impl Into<String>) {
         let key = key.into();
         let mut message = message.into();
         if self.from_env.contains(&key.to_lowercase()) {
@@ -48,7 +48,7 @@ impl Issues {
     }
 
     /// Reports every key of a table that is not part of the schema.
-    pub fn unknown_keys(&mut self, table: &str, unknown: &Unknown) {
+    pub(crate) fn unknown_keys(&mut self, table: &str, unknown: &Unknown) {
         for key in unknown.keys() {
             let full = if table.is_empty() {
                 key.clone()
@@ -61,7 +61,7 @@ impl Issues {
 
     /// The table at `key`, or the default after reporting that something
     /// else stood there.
-    pub fn table<T: Default>(&mut self, key: &str, section: Option<Section<T>>) -> T {
+    pub(crate) fn table<T: Default>(&mut self, key: &str, section: Option<Section<T>>) -> T {
         match section {
             None => T::default(),
             Some(Section::Table(table)) => table,
@@ -73,7 +73,7 @@ impl Issues {
     }
 
     /// A string value; `None` when absent or of the wrong type (reported).
-    pub fn string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
+    pub(crate) fn string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
         match value? {
             Value::String(s) => Some(s),
             other => {
@@ -87,7 +87,7 @@ impl Issues {
     }
 
     /// A required string; reports its absence with a hint on how to set it.
-    pub fn required_string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
+    pub(crate) fn required_string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
         if value.is_none() {
             let var = format!(
                 "{ENV_PREFIX}{ENV_SEPARATOR}{}",
@@ -101,13 +101,22 @@ impl Issues {
 
     /// A duration written the usual way (`60s`, `15m`, `1h 30m`), greater
     /// than zero.
-    pub fn duration(&mut self, key: &str, value: Option<Value>, default: Duration) -> Duration {
+    pub(crate) fn duration(
+        &mut self,
+        key: &str,
+        value: Option<Value>,
+        default: Duration,
+    ) -> Duration {
         self.optional_duration(key, value).unwrap_or(default)
     }
 
     /// A duration that may be absent (`None`, also after a reported
     /// problem).
-    pub fn optional_duration(&mut self, key: &str, value: Option<Value>) -> Option<Duration> {
+    pub(crate) fn optional_duration(
+        &mut self,
+        key: &str,
+        value: Option<Value>,
+    ) -> Option<Duration> {
         let text = match value? {
             Value::String(s) => s,
             Value::Number(n) => {
@@ -152,7 +161,7 @@ impl Issues {
 
     /// An integer in `min..=max`, which may be absent (environment variables
     /// arrive as text).
-    pub fn optional_integer(
+    pub(crate) fn optional_integer(
         &mut self,
         key: &str,
         value: Option<Value>,
@@ -184,7 +193,7 @@ impl Issues {
 
 impl Issues {
     /// A boolean (environment variables arrive as text).
-    pub fn boolean(&mut self, key: &str, value: Option<Value>, default: bool) -> bool {
+    pub(crate) fn boolean(&mut self, key: &str, value: Option<Value>, default: bool) -> bool {
         match value {
             None => default,
             Some(Value::Bool(b)) => b,

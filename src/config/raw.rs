@@ -15,20 +15,20 @@ pub(crate) type Unknown = BTreeMap<String, Value>;
 /// The whole file, merged with the environment.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawConfig {
-    pub mongodb: Option<Section<RawMongo>>,
-    pub collections: Option<Value>,
-    pub writer: Option<Section<RawWriter>>,
-    pub sequences: Option<Section<RawSequences>>,
-    pub reconcile: Option<Section<RawReconcile>>,
-    pub schedule: Option<Section<RawSchedule>>,
-    pub monitor: Option<Section<RawMonitor>>,
-    pub alerts: Option<Section<RawAlerts>>,
-    pub ha: Option<Section<RawHa>>,
-    pub http: Option<Section<RawHttp>>,
-    pub daemon: Option<Section<RawDaemon>>,
-    pub log: Option<Section<RawLog>>,
+    pub(crate) mongodb: Option<Section<RawMongo>>,
+    pub(crate) collections: Option<Value>,
+    pub(crate) writer: Option<Section<RawWriter>>,
+    pub(crate) sequences: Option<Section<RawSequences>>,
+    pub(crate) reconcile: Option<Section<RawReconcile>>,
+    pub(crate) schedule: Option<Section<RawSchedule>>,
+    pub(crate) monitor: Option<Section<RawMonitor>>,
+    pub(crate) alerts: Option<Section<RawAlerts>>,
+    pub(crate) ha: Option<Section<RawHa>>,
+    pub(crate) http: Option<Section<RawHttp>>,
+    pub(crate) daemon: Option<Section<RawDaemon>>,
+    pub(crate) log: Option<Section<RawLog>>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// A table, or whatever stood where a table was expected.
@@ -42,130 +42,130 @@ pub(crate) enum Section<T> {
 /// `[mongodb]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawMongo {
-    pub uri: Option<Value>,
-    pub database: Option<Value>,
-    pub app_name: Option<Value>,
-    pub connect_timeout: Option<Value>,
-    pub server_selection_timeout: Option<Value>,
-    pub max_idle_time: Option<Value>,
-    pub attempt_timeout: Option<Value>,
+    pub(crate) uri: Option<Value>,
+    pub(crate) database: Option<Value>,
+    pub(crate) app_name: Option<Value>,
+    pub(crate) connect_timeout: Option<Value>,
+    pub(crate) server_selection_timeout: Option<Value>,
+    pub(crate) max_idle_time: Option<Value>,
+    pub(crate) attempt_timeout: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// One `[[collections]]` entry.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawCollection {
-    pub name: Option<Value>,
-    pub counter_field: Option<Value>,
-    pub pending_field: Option<Value>,
-    pub grace: Option<Value>,
-    pub batch_size: Option<Value>,
+    pub(crate) name: Option<Value>,
+    pub(crate) counter_field: Option<Value>,
+    pub(crate) pending_field: Option<Value>,
+    pub(crate) grace: Option<Value>,
+    pub(crate) batch_size: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[writer]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWriter {
-    pub retry_horizon: Option<Value>,
+    pub(crate) retry_horizon: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[reconcile]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawReconcile {
-    pub grace: Option<Value>,
-    pub batch_size: Option<Value>,
+    pub(crate) grace: Option<Value>,
+    pub(crate) batch_size: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[sequences]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawSequences {
-    pub collection: Option<Value>,
-    pub field: Option<Value>,
+    pub(crate) collection: Option<Value>,
+    pub(crate) field: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[log]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawLog {
-    pub level: Option<Value>,
-    pub format: Option<Value>,
+    pub(crate) level: Option<Value>,
+    pub(crate) format: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[schedule]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawSchedule {
-    pub cron: Option<Value>,
-    pub timezone: Option<Value>,
-    pub catch_up: Option<Value>,
+    pub(crate) cron: Option<Value>,
+    pub(crate) timezone: Option<Value>,
+    pub(crate) catch_up: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[monitor]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawMonitor {
-    pub enabled: Option<Value>,
-    pub scan_interval: Option<Value>,
-    pub save_interval: Option<Value>,
+    pub(crate) enabled: Option<Value>,
+    pub(crate) scan_interval: Option<Value>,
+    pub(crate) save_interval: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[alerts]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawAlerts {
-    pub stuck_after: Option<Value>,
-    pub max_pending: Option<Value>,
-    pub repair: Option<Value>,
-    pub monitor_down_after: Option<Value>,
-    pub webhook: Option<Section<RawWebhook>>,
+    pub(crate) stuck_after: Option<Value>,
+    pub(crate) max_pending: Option<Value>,
+    pub(crate) repair: Option<Value>,
+    pub(crate) monitor_down_after: Option<Value>,
+    pub(crate) webhook: Option<Section<RawWebhook>>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[alerts.webhook]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWebhook {
-    pub url: Option<Value>,
-    pub auth_header_env: Option<Value>,
-    pub timeout: Option<Value>,
-    pub max_attempts: Option<Value>,
+    pub(crate) url: Option<Value>,
+    pub(crate) auth_header_env: Option<Value>,
+    pub(crate) timeout: Option<Value>,
+    pub(crate) max_attempts: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[ha]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawHa {
-    pub enabled: Option<Value>,
-    pub lease_ttl: Option<Value>,
-    pub instance: Option<Value>,
+    pub(crate) enabled: Option<Value>,
+    pub(crate) lease_ttl: Option<Value>,
+    pub(crate) instance: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[http]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawHttp {
-    pub listen: Option<Value>,
+    pub(crate) listen: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }
 
 /// `[daemon]`.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawDaemon {
-    pub state_collection: Option<Value>,
-    pub shutdown_timeout: Option<Value>,
+    pub(crate) state_collection: Option<Value>,
+    pub(crate) shutdown_timeout: Option<Value>,
     #[serde(flatten)]
-    pub unknown: Unknown,
+    pub(crate) unknown: Unknown,
 }

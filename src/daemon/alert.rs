@@ -35,24 +35,24 @@ use crate::daemon::metrics::Metrics;
 use crate::redact::Secrets;
 use webhook::{Delivery, Scrubber};
 
-pub use webhook::Backoff;
+pub(crate) use webhook::Backoff;
 
 /// The most sample ids a notification carries; more are cut off, so a
 /// condition on a million documents still makes a small message.
-pub const MAX_SAMPLE_IDS: usize = 10;
+pub(crate) const MAX_SAMPLE_IDS: usize = 10;
 
 /// How many notifications may wait for the webhook. Notifications are sent
 /// only on transitions, so this fills only when the webhook has been down
 /// for long while conditions kept flapping; beyond it the newest are
 /// dropped (logged and counted as `failed`) rather than blocking
 /// [`Alerts::set`].
-pub const QUEUE_CAPACITY: usize = 1024;
+pub(crate) const QUEUE_CAPACITY: usize = 1024;
 
 /// What an alert is about; with a collection name, it identifies one
 /// condition.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum AlertKind {
+pub(crate) enum AlertKind {
     /// Pending tokens older than `[alerts] stuck_after`: their writers are
     /// gone and the counts wait for the fold.
     StuckTokens,
@@ -71,7 +71,7 @@ pub enum AlertKind {
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub const ALL: [AlertKind; 5] = [
+    pub(crate) const ALL: [AlertKind; 5] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::Malformed,
@@ -80,7 +80,7 @@ impl AlertKind {
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
-    pub fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             AlertKind::StuckTokens => "stuck_tokens",
             AlertKind::PendingTooLong => "pending_too_long",
@@ -100,7 +100,7 @@ impl fmt::Display for AlertKind {
 /// Whether a notification opens or closes an alert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum AlertState {
+pub(crate) enum AlertState {
     /// The condition started to hold.
     Firing,
     /// The condition cleared.
@@ -109,7 +109,7 @@ pub enum AlertState {
 
 impl AlertState {
     /// The state's name in logs, metrics labels and webhook bodies.
-    pub fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             AlertState::Firing => "firing",
             AlertState::Resolved => "resolved",
@@ -125,68 +125,68 @@ impl fmt::Display for AlertState {
 
 /// The facts behind a firing alert, as the caller sees them now.
 #[derive(Clone, Debug, PartialEq, Default)]
-pub struct Observation {
+pub(crate) struct Observation {
     /// How many: stuck tokens, oversized or malformed documents, consecutive
     /// failed runs.
-    pub count: u64,
+    pub(crate) count: u64,
     /// The age of the oldest stuck token, or how long the monitor has been
     /// down, when it applies.
-    pub oldest_age: Option<Duration>,
+    pub(crate) oldest_age: Option<Duration>,
     /// A few document `_id`s, as display strings, for the operator to look
     /// at; cut to [`MAX_SAMPLE_IDS`].
-    pub sample_ids: Vec<String>,
+    pub(crate) sample_ids: Vec<String>,
     /// A human-readable line (e.g. a failed run's error). Secrets are
     /// scrubbed from it again before it is logged or sent.
-    pub detail: Option<String>,
+    pub(crate) detail: Option<String>,
 }
 
 /// One notification: the body of one webhook POST, and the fields of the
 /// matching log line. The JSON keys are exactly the field names below.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Notification {
+pub(crate) struct Notification {
     /// What the alert is about: `stuck_tokens`, `pending_too_long`,
     /// `malformed`, `run_failed` or `monitor_down`.
-    pub kind: AlertKind,
+    pub(crate) kind: AlertKind,
     /// `firing` when the condition started to hold, `resolved` when it
     /// cleared. Each firing is followed by at most one resolved.
-    pub state: AlertState,
+    pub(crate) state: AlertState,
     /// The collection the condition is about, as the daemon named it.
-    pub collection: String,
+    pub(crate) collection: String,
     /// For `firing`, the observation's count when the condition started to
     /// hold; for `resolved`, 0 (the condition is clear).
-    pub count: u64,
+    pub(crate) count: u64,
     /// For `firing`, the age of the oldest stuck token (or how long the
     /// monitor has been down) in whole seconds, when it applies; otherwise
     /// `null`. Always `null` for `resolved`.
-    pub oldest_age_seconds: Option<u64>,
+    pub(crate) oldest_age_seconds: Option<u64>,
     /// For `firing`, up to [`MAX_SAMPLE_IDS`] document `_id`s to look at;
     /// empty for `resolved`.
-    pub sample_ids: Vec<String>,
+    pub(crate) sample_ids: Vec<String>,
     /// A human-readable line, or `null`: for `firing` the caller's detail
     /// (e.g. the run's error), for `resolved` how long it fired and the last
     /// count seen.
-    pub detail: Option<String>,
+    pub(crate) detail: Option<String>,
     /// When the transition was observed, RFC 3339 in UTC (not when it was
     /// delivered: a retried notification keeps its time).
-    pub at: String,
+    pub(crate) at: String,
     /// The daemon instance that sent it (`[ha] instance`), when the daemon
     /// gave one; omitted otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub instance: Option<String>,
+    pub(crate) instance: Option<String>,
 }
 
 /// Settings of the engine that do not come from the configuration file.
 #[derive(Clone, Debug)]
-pub struct AlertOptions {
+pub(crate) struct AlertOptions {
     /// Put into every notification's `instance`, so a receiver fed by
     /// several daemons (one active at a time) can tell which one spoke.
     /// Default: none.
-    pub instance: Option<String>,
+    pub(crate) instance: Option<String>,
     /// The wait between webhook attempts. Default: [`Backoff::default`].
-    pub backoff: Backoff,
+    pub(crate) backoff: Backoff,
     /// At shutdown, how long notifications not yet delivered get for one
     /// last attempt each (the daemon's drain has a deadline). Default: 3s.
-    pub shutdown_flush: Duration,
+    pub(crate) shutdown_flush: Duration,
 }
 
 impl Default for AlertOptions {
@@ -202,7 +202,7 @@ impl Default for AlertOptions {
 /// The alert engine: a cheap-to-clone handle shared by every task that
 /// watches a condition.
 #[derive(Clone)]
-pub struct Alerts {
+pub(crate) struct Alerts {
     inner: Arc<Inner>,
 }
 
@@ -244,7 +244,7 @@ impl Alerts {
     /// backoffs in tests); with a webhook configured, its delivery task runs
     /// on `tracker` until `shutdown` (so then it must be called within a
     /// Tokio runtime).
-    pub fn start_with(
+    pub(crate) fn start_with(
         config: &AlertsConfig,
         secrets: Secrets,
         metrics: Metrics,
@@ -290,10 +290,11 @@ impl Alerts {
     /// it holds now, `None` when it is clear. Call it as often as the
     /// condition is checked: only transitions notify (clear → firing sends
     /// one `firing`, firing → clear one `resolved`); while firing, a new
-    /// observation replaces the one [`Alerts::firing`] shows, silently.
+    /// observation silently replaces the one kept (the `resolved` tells the
+    /// last).
     /// Every call sets `tally_alerts_firing{kind,collection}` to 1 or 0.
     /// Never blocks: the webhook gets the notification through a queue.
-    pub fn set(&self, kind: AlertKind, collection: &str, observation: Option<Observation>) {
+    pub(crate) fn set(&self, kind: AlertKind, collection: &str, observation: Option<Observation>) {
         let observation = observation.map(|o| self.tidy(o));
         let gauge = self
             .inner
@@ -325,7 +326,7 @@ impl Alerts {
     /// What is firing now, with the latest observation of each, ordered by
     /// kind then collection, for the tests.
     #[cfg(test)]
-    pub fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
+    pub(crate) fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
         let ledger = self
             .inner
             .ledger

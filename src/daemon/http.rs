@@ -22,14 +22,14 @@ use crate::daemon::metrics::Metrics;
 
 /// What `/readyz` reports: whether the server was reached, and the role.
 #[derive(Clone, Debug)]
-pub struct Readiness {
+pub(crate) struct Readiness {
     connected: Arc<AtomicBool>,
     role: watch::Receiver<Role>,
 }
 
 impl Readiness {
     /// Not connected yet; the role as published by the lease keeper.
-    pub fn new(role: watch::Receiver<Role>) -> Self {
+    pub(crate) fn new(role: watch::Receiver<Role>) -> Self {
         Self {
             connected: Arc::new(AtomicBool::new(false)),
             role,
@@ -37,7 +37,7 @@ impl Readiness {
     }
 
     /// Marks the daemon as having reached the server.
-    pub fn set_connected(&self) {
+    pub(crate) fn set_connected(&self) {
         self.connected.store(true, Ordering::Relaxed);
     }
 }
@@ -49,7 +49,7 @@ struct Shared {
 }
 
 /// Serves the endpoints on `listener` until `shutdown`.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     metrics: Metrics,
     readiness: Readiness,

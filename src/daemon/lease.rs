@@ -28,7 +28,7 @@ const LEASE_ID: &str = "lease";
 
 /// Whether this instance may fold and alert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
+pub(crate) enum Role {
     /// Holds the lease (or `[ha]` is off): folds and alerts.
     Active,
     /// Another instance holds the lease: watches, waits.
@@ -37,7 +37,7 @@ pub enum Role {
 
 impl Role {
     /// `active` or `standby`, as `/readyz` and the logs say it.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Active => "active",
             Self::Standby => "standby",
@@ -47,7 +47,7 @@ impl Role {
 
 /// The lease of one instance.
 #[derive(Clone, Debug)]
-pub struct Lease {
+pub(crate) struct Lease {
     store: Store,
     state: State,
     owner: String,
@@ -56,7 +56,7 @@ pub struct Lease {
 
 impl Lease {
     /// The lease `owner` takes in `state`'s collection, lasting `ttl`.
-    pub fn new(store: &Store, state: &State, owner: &str, ttl: Duration) -> Self {
+    pub(crate) fn new(store: &Store, state: &State, owner: &str, ttl: Duration) -> Self {
         Self {
             store: store.clone(),
             state: state.clone(),
@@ -67,7 +67,7 @@ impl Lease {
 
     /// Takes the lease if it is free or expired, renews it if this instance
     /// holds it; otherwise reports standby.
-    pub async fn acquire_or_renew(&self) -> Result<Role, Error> {
+    pub(crate) async fn acquire_or_renew(&self) -> Result<Role, Error> {
         let now = self.store.server_time().await?;
         let collection = self.state.collection();
         // Create the document first, never by upsert: racing upserts on a new
@@ -107,7 +107,7 @@ impl Lease {
     }
 
     /// Gives the lease up (at shutdown), so a standby takes over at once.
-    pub async fn release(&self) -> Result<(), Error> {
+    pub(crate) async fn release(&self) -> Result<(), Error> {
         let filter = doc! { "_id": LEASE_ID, "owner": &self.owner };
         let update = doc! { "$set": { "owner": "", "expires": DateTime::from_millis(0) } };
         self.store
@@ -119,7 +119,11 @@ impl Lease {
     /// Keeps the lease until `shutdown`: tries every third of the TTL and
     /// publishes the role on the returned channel. A holder that cannot
     /// renew steps down once its lease may have expired.
-    pub fn keep(self, metrics: Metrics, shutdown: CancellationToken) -> watch::Receiver<Role> {
+    pub(crate) fn keep(
+        self,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> watch::Receiver<Role> {
         let (tx, rx) = watch::channel(Role::Standby);
         tokio::spawn(async move {
             let every = self.ttl / 3;

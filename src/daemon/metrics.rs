@@ -15,68 +15,68 @@ use prometheus::{
 
 /// Every metric the daemon exports.
 #[derive(Clone)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     inner: Arc<Inner>,
 }
 
 /// The metric handles; see each field for its name and meaning.
-pub struct Inner {
+pub(crate) struct Inner {
     registry: Registry,
     /// `tally_ready`: 1 once the daemon has reached the server.
-    pub ready: IntGauge,
+    pub(crate) ready: IntGauge,
     /// `tally_lease_active`: 1 while this instance holds the lease (always 1
     /// without `[ha]`).
-    pub lease_active: IntGauge,
+    pub(crate) lease_active: IntGauge,
     /// `tally_reconcile_runs_total{collection,result}`: result is `ok`,
     /// `failed` or `interrupted`.
-    pub reconcile_runs: IntCounterVec,
+    pub(crate) reconcile_runs: IntCounterVec,
     /// `tally_reconcile_duration_seconds{collection}`.
-    pub reconcile_duration: HistogramVec,
+    pub(crate) reconcile_duration: HistogramVec,
     /// `tally_reconcile_documents_folded_total{collection}`.
-    pub documents_folded: IntCounterVec,
+    pub(crate) documents_folded: IntCounterVec,
     /// `tally_reconcile_tokens_folded_total{collection}`.
-    pub tokens_folded: IntCounterVec,
+    pub(crate) tokens_folded: IntCounterVec,
     /// `tally_reconcile_last_success_timestamp_seconds{collection}`: Unix
     /// time of the last run that reconciled the collection completely.
-    pub last_success: GaugeVec,
+    pub(crate) last_success: GaugeVec,
     /// `tally_schedule_ticks_skipped_total`: ticks that came while a run
     /// was still going.
-    pub ticks_skipped: IntCounter,
+    pub(crate) ticks_skipped: IntCounter,
     /// `tally_pending_documents{collection}`: documents holding pending
     /// tokens.
-    pub pending_documents: IntGaugeVec,
+    pub(crate) pending_documents: IntGaugeVec,
     /// `tally_pending_tokens{collection}`.
-    pub pending_tokens: IntGaugeVec,
+    pub(crate) pending_tokens: IntGaugeVec,
     /// `tally_stuck_tokens{collection}`: pending tokens older than
     /// `stuck_after`.
-    pub stuck_tokens: IntGaugeVec,
+    pub(crate) stuck_tokens: IntGaugeVec,
     /// `tally_oldest_pending_age_seconds{collection}` (0 when none).
-    pub oldest_pending_age: GaugeVec,
+    pub(crate) oldest_pending_age: GaugeVec,
     /// `tally_largest_pending{collection}`: the longest pending array.
-    pub largest_pending: IntGaugeVec,
+    pub(crate) largest_pending: IntGaugeVec,
     /// `tally_malformed_documents{collection}`, from the last scan.
-    pub malformed_documents: IntGaugeVec,
+    pub(crate) malformed_documents: IntGaugeVec,
     /// `tally_monitor_up{collection}`: 1 while the change stream is open.
-    pub monitor_up: IntGaugeVec,
+    pub(crate) monitor_up: IntGaugeVec,
     /// `tally_monitor_events_total{collection}`: change events processed.
-    pub monitor_events: IntCounterVec,
+    pub(crate) monitor_events: IntCounterVec,
     /// `tally_monitor_restarts_total{collection,reason}`: reason is
     /// `error`, `history_lost` or `invalidate`.
-    pub monitor_restarts: IntCounterVec,
+    pub(crate) monitor_restarts: IntCounterVec,
     /// `tally_monitor_rescans_total{collection}`: full scans that rebuilt
     /// the view (at start, periodic, after a lost history).
-    pub monitor_rescans: IntCounterVec,
+    pub(crate) monitor_rescans: IntCounterVec,
     /// `tally_monitor_lag_seconds{collection}`: how far behind the server's
     /// clock the last change event processed was.
-    pub monitor_lag: GaugeVec,
+    pub(crate) monitor_lag: GaugeVec,
     /// `tally_alerts_firing{kind,collection}`: 1 while the alert fires.
-    pub alerts_firing: IntGaugeVec,
+    pub(crate) alerts_firing: IntGaugeVec,
     /// `tally_alert_notifications_total{kind,state}`: state is `firing` or
     /// `resolved`.
-    pub alert_notifications: IntCounterVec,
+    pub(crate) alert_notifications: IntCounterVec,
     /// `tally_webhook_deliveries_total{result}`: result is `delivered`,
     /// `retried` or `failed` (given up).
-    pub webhook_deliveries: IntCounterVec,
+    pub(crate) webhook_deliveries: IntCounterVec,
 }
 
 impl std::ops::Deref for Metrics {
@@ -100,7 +100,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// A fresh registry with every metric registered.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let registry = Registry::new();
         let collection = &["collection"];
         let inner = Inner {
@@ -257,7 +257,7 @@ impl Metrics {
     }
 
     /// Everything, in the Prometheus text format.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut out = Vec::new();
         if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             tracing::error!(cause = %err, "cannot render metrics");

@@ -102,29 +102,29 @@ fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
 
 /// What a collection's pending arrays look like at one instant.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     /// Well-formed documents holding pending tokens.
-    pub pending_documents: u64,
+    pub(crate) pending_documents: u64,
     /// Their pending tokens.
-    pub pending_tokens: u64,
+    pub(crate) pending_tokens: u64,
     /// Tokens older than the stuck cutoff.
-    pub stuck_tokens: u64,
+    pub(crate) stuck_tokens: u64,
     /// A few documents holding stuck tokens.
-    pub stuck_sample: Vec<String>,
+    pub(crate) stuck_sample: Vec<String>,
     /// The `_id`s of all documents holding stuck tokens (for a repair).
-    pub stuck_ids: Vec<Bson>,
+    pub(crate) stuck_ids: Vec<Bson>,
     /// The oldest pending token.
-    pub oldest: Option<Token>,
+    pub(crate) oldest: Option<Token>,
     /// Entries in the longest pending array.
-    pub largest_pending: u64,
+    pub(crate) largest_pending: u64,
     /// Documents whose pending array is longer than the limit.
-    pub too_long: u64,
+    pub(crate) too_long: u64,
     /// A few of them.
-    pub too_long_sample: Vec<String>,
+    pub(crate) too_long_sample: Vec<String>,
     /// Malformed documents.
-    pub malformed: u64,
+    pub(crate) malformed: u64,
     /// A few of them.
-    pub malformed_sample: Vec<String>,
+    pub(crate) malformed_sample: Vec<String>,
 }
 
 /// Whether a collection's stream is open.
@@ -147,7 +147,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The live view of every configured collection: a cheap-to-clone handle.
 #[derive(Clone)]
-pub struct Monitor {
+pub(crate) struct Monitor {
     collections: Arc<HashMap<String, Arc<Watched>>>,
 }
 
@@ -172,7 +172,7 @@ struct Watcher {
 impl Monitor {
     /// Starts watching `targets` (one task each, on `tracker`) until
     /// `shutdown`.
-    pub fn start(
+    pub(crate) fn start(
         store: &Store,
         state: &State,
         targets: &[FoldTarget],
@@ -214,7 +214,7 @@ impl Monitor {
 
     /// The collection's pending arrays now: tokens older than `stuck_before`
     /// are stuck, arrays longer than `max_pending` too long.
-    pub fn snapshot(
+    pub(crate) fn snapshot(
         &self,
         collection: &str,
         stuck_before: SystemTime,
@@ -265,7 +265,7 @@ impl Monitor {
 
     /// How long the collection's change stream has been down (`None` while
     /// it is up).
-    pub fn down_for(&self, collection: &str) -> Option<Duration> {
+    pub(crate) fn down_for(&self, collection: &str) -> Option<Duration> {
         let watched = self.collections.get(collection)?;
         let health = *lock(&watched.health);
         if health.up {

@@ -8,8 +8,8 @@
 //!   while the daemon was down happens at start.
 //! - **Daylight saving.** tokio-cron-scheduler fixes a job's UTC offset when
 //!   the job is created, so a local-time schedule would drift by an hour
-//!   after a DST change. [`Ticker`] re-creates the job when the zone's
-//!   offset changes.
+//!   after a DST change. [`Schedule::start`] re-creates the job when the
+//!   zone's offset changes.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -27,7 +27,7 @@ const OFFSET_CHECK: Duration = Duration::from_secs(600);
 
 /// A parsed schedule.
 #[derive(Debug, Clone)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     expression: String,
     cron: croner::Cron,
     timezone: Tz,
@@ -36,7 +36,7 @@ pub struct Schedule {
 /// The schedule could not be started.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot start the schedule {expression:?}: {reason}")]
-pub struct ScheduleError {
+pub(crate) struct ScheduleError {
     expression: String,
     reason: String,
 }
@@ -44,7 +44,7 @@ pub struct ScheduleError {
 impl Schedule {
     /// The schedule `[schedule]` describes (already validated by the
     /// configuration).
-    pub fn new(config: &ScheduleConfig) -> Result<Self, ScheduleError> {
+    pub(crate) fn new(config: &ScheduleConfig) -> Result<Self, ScheduleError> {
         let cron = parse_cron(&config.cron).map_err(|reason| ScheduleError {
             expression: config.cron.clone(),
             reason,
@@ -57,7 +57,7 @@ impl Schedule {
     }
 
     /// The latest scheduled time at or before `now`.
-    pub fn previous(&self, now: SystemTime) -> Option<SystemTime> {
+    pub(crate) fn previous(&self, now: SystemTime) -> Option<SystemTime> {
         let now = DateTime::<Utc>::from(now).with_timezone(&self.timezone);
         self.cron
             .find_previous_occurrence(&now, true)
@@ -66,7 +66,7 @@ impl Schedule {
     }
 
     /// The next scheduled time after `now`.
-    pub fn next(&self, now: SystemTime) -> Option<SystemTime> {
+    pub(crate) fn next(&self, now: SystemTime) -> Option<SystemTime> {
         let now = DateTime::<Utc>::from(now).with_timezone(&self.timezone);
         self.cron
             .find_next_occurrence(&now, false)
@@ -76,7 +76,7 @@ impl Schedule {
 
     /// Whether a scheduled run was due since `last_success` (never run
     /// counts as missed).
-    pub fn missed(&self, last_success: Option<SystemTime>, now: SystemTime) -> bool {
+    pub(crate) fn missed(&self, last_success: Option<SystemTime>, now: SystemTime) -> bool {
         match (self.previous(now), last_success) {
             (Some(due), Some(last)) => last < due,
             (Some(_), None) => true,
@@ -86,7 +86,7 @@ impl Schedule {
 
     /// Starts ticking: `on_tick` is called at every scheduled time until
     /// `shutdown`. It must return quickly (hand the work to another task).
-    pub async fn start(
+    pub(crate) async fn start(
         &self,
         on_tick: Arc<dyn Fn() + Send + Sync>,
         shutdown: CancellationToken,

@@ -20,14 +20,14 @@ use crate::store::Store;
 
 /// Reads and writes the daemon's state documents.
 #[derive(Clone, Debug)]
-pub struct State {
+pub(crate) struct State {
     store: Store,
     collection: Collection<Document>,
 }
 
 impl State {
     /// The state in `collection` of the store's database.
-    pub fn new(store: &Store, collection: &str) -> Self {
+    pub(crate) fn new(store: &Store, collection: &str) -> Self {
         Self {
             store: store.clone(),
             collection: store.collection(collection),
@@ -35,12 +35,12 @@ impl State {
     }
 
     /// The state collection itself (the lease lives there too).
-    pub fn collection(&self) -> &Collection<Document> {
+    pub(crate) fn collection(&self) -> &Collection<Document> {
         &self.collection
     }
 
     /// When the collection was last reconciled completely.
-    pub async fn last_success(&self, collection: &str) -> Result<Option<SystemTime>, Error> {
+    pub(crate) async fn last_success(&self, collection: &str) -> Result<Option<SystemTime>, Error> {
         let found = self.read(&format!("last_success:{collection}")).await?;
         Ok(match found.and_then(|d| d.get("at").cloned()) {
             Some(Bson::DateTime(at)) => Some(at.to_system_time()),
@@ -49,7 +49,11 @@ impl State {
     }
 
     /// Records a complete reconcile run of the collection.
-    pub async fn record_success(&self, collection: &str, at: SystemTime) -> Result<(), Error> {
+    pub(crate) async fn record_success(
+        &self,
+        collection: &str,
+        at: SystemTime,
+    ) -> Result<(), Error> {
         self.write(
             &format!("last_success:{collection}"),
             doc! { "collection": collection, "at": DateTime::from_system_time(at) },
@@ -58,7 +62,10 @@ impl State {
     }
 
     /// Where the collection's change stream stopped, if it was saved.
-    pub async fn resume_token(&self, collection: &str) -> Result<Option<ResumeToken>, Error> {
+    pub(crate) async fn resume_token(
+        &self,
+        collection: &str,
+    ) -> Result<Option<ResumeToken>, Error> {
         let found = self.read(&format!("resume:{collection}")).await?;
         let Some(token) = found.and_then(|d| d.get("token").cloned()) else {
             return Ok(None);
@@ -69,7 +76,7 @@ impl State {
     }
 
     /// Saves where the collection's change stream is.
-    pub async fn save_resume_token(
+    pub(crate) async fn save_resume_token(
         &self,
         collection: &str,
         token: &ResumeToken,
@@ -85,7 +92,7 @@ impl State {
     }
 
     /// Forgets the saved resume token (after the server lost its history).
-    pub async fn forget_resume_token(&self, collection: &str) -> Result<(), Error> {
+    pub(crate) async fn forget_resume_token(&self, collection: &str) -> Result<(), Error> {
         let filter = doc! { "_id": format!("resume:{collection}") };
         let mut budget = crate::error::RetryBudget::retry_once("state.forget", false);
         self.store

@@ -11,7 +11,9 @@ use std::fmt;
 use mongodb::bson::{Bson, oid::ObjectId};
 
 use crate::document::bson_type_name;
-use crate::token::{BadEntry, Entry, Token};
+use crate::token::{Entry, Token};
+
+pub use crate::token::BadEntry;
 
 const EXACT_DOUBLE: i128 = 1 << 53;
 

@@ -19,22 +19,22 @@ use crate::write::counter::CollectionConfig;
 
 /// The field the fold's pipeline uses for its intermediate result; removed
 /// again in the same update. A counter document must not use it.
-pub const WORK_FIELD: &str = "__tally_fold";
+pub(crate) const WORK_FIELD: &str = "__tally_fold";
 
 /// Doubles hold integers exactly up to 2^53.
 const EXACT_DOUBLE: f64 = 9_007_199_254_740_992.0;
 
 /// The reasons the pipeline leaves a document alone, as it records them in
 /// its work field.
-pub mod why {
+pub(crate) mod why {
     /// `pending` exists but is not an array.
-    pub const PENDING_NOT_ARRAY: &str = "pending_not_array";
+    pub(crate) const PENDING_NOT_ARRAY: &str = "pending_not_array";
     /// Some entry is neither an ObjectId nor `{t: ObjectId, n: int}`.
-    pub const BAD_ENTRY: &str = "bad_entry";
+    pub(crate) const BAD_ENTRY: &str = "bad_entry";
     /// The counter is not an integer (int32, int64, or an integral double).
-    pub const COUNTER_NOT_INTEGER: &str = "counter_not_integer";
+    pub(crate) const COUNTER_NOT_INTEGER: &str = "counter_not_integer";
     /// Adding the stale entries would overflow the counter.
-    pub const OVERFLOW: &str = "overflow";
+    pub(crate) const OVERFLOW: &str = "overflow";
 }
 
 fn field(name: &str) -> String {

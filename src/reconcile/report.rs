@@ -127,12 +127,12 @@ impl CollectionRun {
 /// One row of the report: a document and what the model says of it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ReportRow {
-    pub id: Bson,
+    pub(crate) id: Bson,
     /// The two fields as read, for the compare-and-swap.
-    pub counter: Option<Bson>,
-    pub pending: Option<Bson>,
-    pub size: u64,
-    pub plan: Result<model::FoldPlan, model::Malformed>,
+    pub(crate) counter: Option<Bson>,
+    pub(crate) pending: Option<Bson>,
+    pub(crate) size: u64,
+    pub(crate) plan: Result<model::FoldPlan, model::Malformed>,
 }
 
 impl ReportRow {

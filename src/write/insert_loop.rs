@@ -20,7 +20,7 @@ use crate::error::{Error, RetryBudget};
 use crate::store::Store;
 
 /// Default number of inserts tried before giving up.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+pub(crate) const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 
 /// Inserts documents with the next free numeric `_id`.
 #[derive(Clone, Debug)]
@@ -116,7 +116,7 @@ impl InsertLoop {
 
 /// The highest numeric `_id` in `collection` (`None` when it holds none).
 /// Ids of other types are ignored; a non-integral number is an error.
-pub async fn highest_id(
+pub(crate) async fn highest_id(
     store: &Store,
     collection: &Collection<Document>,
 ) -> Result<Option<i64>, Error> {

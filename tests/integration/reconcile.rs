@@ -223,11 +223,16 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
                 let key = format!("k{}", (w + i) % 8);
                 let amount = if rng.bool() { 1 } else { rng.i64(2..5) };
                 if rng.u8(0..10) == 0 {
-                    // A writer crashing after step 1.
-                    let entry = tally::Entry::new(Token::new(), amount).unwrap();
+                    // A writer crashing after step 1, having added the
+                    // entry an increment adds (a bare token for +1).
+                    let token = Token::new().object_id();
+                    let entry = match amount {
+                        1 => Bson::ObjectId(token),
+                        _ => Bson::Document(doc! { "t": token, "n": amount }),
+                    };
                     coll.update_one(
                         doc! { "_id": &key },
-                        doc! { "$addToSet": { "pending": entry.to_bson() } },
+                        doc! { "$addToSet": { "pending": entry } },
                     )
                     .upsert(true)
                     .await

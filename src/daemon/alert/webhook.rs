@@ -31,11 +31,11 @@ const LOGGED_AT_SHUTDOWN: usize = 10;
 /// the first failure, doubling after each further one, never more than
 /// `cap`, each shortened at random by up to a quarter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     /// The wait after the first failed attempt. Default: 1s.
-    pub base: Duration,
+    pub(crate) base: Duration,
     /// The longest wait. Default: 60s.
-    pub cap: Duration,
+    pub(crate) cap: Duration,
 }
 
 impl Default for Backoff {
@@ -50,7 +50,7 @@ impl Default for Backoff {
 impl Backoff {
     /// The wait after failed attempt number `attempt` (1 for the first),
     /// `jitter` in `[0, 1]` taking off that fraction of a quarter.
-    pub fn delay(&self, attempt: u32, jitter: f64) -> Duration {
+    pub(crate) fn delay(&self, attempt: u32, jitter: f64) -> Duration {
         let factor = 2u32.saturating_pow(attempt.saturating_sub(1));
         let full = self.base.saturating_mul(factor).min(self.cap);
         full.mul_f64(1.0 - JITTER * jitter.clamp(0.0, 1.0))
