@@ -18,10 +18,10 @@ use crate::config::Config;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
-pub(crate) use daemon::StatusArgs;
-pub(crate) use increment::{CompleteArgs, IncrArgs, ResumeArgs};
-pub(crate) use reconcile::ReconcileArgs;
-pub(crate) use sequence::SeqCommand;
+use daemon::StatusArgs;
+use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+use reconcile::ReconcileArgs;
+use sequence::SeqCommand;
 
 /// Exit status: success.
 pub(crate) const EXIT_OK: u8 = 0;
