@@ -293,6 +293,7 @@ pub(super) fn validate_collections(
             name: name.unwrap_or_default(),
             counter_field,
             pending_field,
+            settled_field: crate::write::counter::DEFAULT_SETTLED_FIELD.into(),
             grace,
             batch_size,
         });

@@ -33,6 +33,8 @@ use crate::token::{Entry, Token};
 pub(crate) const DEFAULT_COUNTER_FIELD: &str = "counter";
 /// Default name of the field holding a counter's pending entries.
 pub(crate) const DEFAULT_PENDING_FIELD: &str = "pending";
+/// Default name of the field holding the markers of tokens a settle counted.
+pub(crate) const DEFAULT_SETTLED_FIELD: &str = "settled";
 
 /// A counter collection and its field names (in the daemon's configuration,
 /// one `[[collections]]` entry).
@@ -44,6 +46,10 @@ pub struct CollectionConfig {
     pub counter_field: String,
     /// The field holding the pending entries. Default: `pending`.
     pub pending_field: String,
+    /// The field holding a marker `{t, n}` for every token a settle
+    /// (`complete`, `resume`) counted, until the fold prunes it after the
+    /// grace. Default: `settled`.
+    pub settled_field: String,
     /// This collection's fold grace, overriding `[reconcile] grace`.
     #[serde(
         skip_serializing_if = "Option::is_none",
@@ -63,6 +69,7 @@ impl CollectionConfig {
             name: name.into(),
             counter_field: DEFAULT_COUNTER_FIELD.into(),
             pending_field: DEFAULT_PENDING_FIELD.into(),
+            settled_field: DEFAULT_SETTLED_FIELD.into(),
             grace: None,
             batch_size: None,
         }
