@@ -157,6 +157,8 @@ struct Inner {
     load_balanced: bool,
     attempt_timeout: Duration,
     driver_retries_writes: OnceCell<bool>,
+    /// The connection's password, to scrub from the server's messages.
+    secrets: Secrets,
 }
 
 impl Store {
@@ -185,6 +187,13 @@ impl Store {
                 load_balanced: options.load_balanced == Some(true),
                 attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
                 driver_retries_writes: OnceCell::new(),
+                secrets: Secrets::new(
+                    "",
+                    options
+                        .credential
+                        .as_ref()
+                        .and_then(|c| c.password.as_deref()),
+                ),
             }),
         }
     }
@@ -198,6 +207,7 @@ impl Store {
             load_balanced: shared.load_balanced,
             attempt_timeout: shared.attempt_timeout,
             driver_retries_writes: OnceCell::new(),
+            secrets: shared.secrets.clone(),
         });
         Self {
             inner: Arc::new(Inner {
@@ -246,6 +256,11 @@ impl Store {
                 },
             }
         }
+    }
+
+    /// `message` (from the server) without the connection's password.
+    pub(crate) fn scrub(&self, message: &str) -> String {
+        self.inner.secrets.scrub(message)
     }
 
     /// The driver client.

@@ -208,6 +208,7 @@ impl Runner {
             tokens = run.tokens_folded,
             amount = run.amount_folded,
             malformed = run.survey.malformed,
+            refused = run.refused,
             seconds = run.duration.as_secs_f64(),
             "reconcile run"
         );
