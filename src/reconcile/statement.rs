@@ -33,7 +33,7 @@
 //! range its value is pinned too, so a concurrent change cannot push the
 //! sum past the edge unseen.
 
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
 use super::model::{self, FoldPlan, Malformed};
 use crate::document::bson_type_name;
@@ -89,21 +89,22 @@ impl<'a> Read<'a> {
     }
 
     /// The model's plan for these fields at `cutoff`.
-    pub(crate) fn plan(&self, cutoff: mongodb::bson::oid::ObjectId) -> Result<FoldPlan, Malformed> {
+    pub(crate) fn plan(&self, cutoff: ObjectId) -> Result<FoldPlan, Malformed> {
         model::plan(self.counter, self.pending, self.settled, cutoff)
     }
 }
 
 /// The update statements (`{q, u}`, for the `updates` of an `update`
 /// command, in order) that fold `document` — as read, with its `_id` and
-/// the fields `spec` names — at `cutoff` (use [`Token::cutoff`](crate::Token::cutoff)
-/// of the server's time minus the grace). Empty when there is nothing to fold; an
-/// error, and no statement, for a malformed document. For tools that fold
-/// documents their own way; the reconciler builds the same statements.
+/// the fields `spec` names — at `cutoff` (the
+/// [`Token::cutoff`](crate::Token::cutoff) of the server's time minus the
+/// grace). Empty when there is nothing to fold; an error, and no
+/// statement, for a malformed document. For tools that fold documents
+/// their own way; the reconciler sends the same statements.
 pub fn statements(
     spec: &CollectionConfig,
     document: &Document,
-    cutoff: mongodb::bson::oid::ObjectId,
+    cutoff: ObjectId,
 ) -> Result<Vec<Document>, Malformed> {
     let read = Read::of(document, spec);
     let plan = read.plan(cutoff)?;

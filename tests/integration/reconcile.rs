@@ -1240,6 +1240,67 @@ async fn documents_with_large_pending_arrays_fold_in_commands_under_the_size_lim
     }
 }
 
+/// A document whose stale entries are too many for one statement (here
+/// 200,000, ~4 MB) is folded by several, in order, each conditioned on its
+/// own stretch of the array — with a token repeated across the stretches
+/// counted once, a settled token's copies in both dropped, and the fresh
+/// entries kept in order: exactly what the model says.
+#[tokio::test]
+async fn a_document_too_large_for_one_statement_is_folded_in_several() {
+    use crate::common::proxy::{Proxy, upstream_of};
+
+    const ENTRIES: usize = 200_000;
+    let ctx = TestContext::new("fold_split_document").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let mut pending: Vec<Bson> = (0..ENTRIES).map(|_| Bson::ObjectId(stale())).collect();
+    let (repeated, settled) = (stale(), stale());
+    pending[10] = Bson::Document(doc! { "t": repeated, "n": 7i64 });
+    pending[ENTRIES - 10] = Bson::Document(doc! { "n": 7, "t": repeated });
+    pending[5] = Bson::ObjectId(settled);
+    pending[ENTRIES - 5] = Bson::ObjectId(settled);
+    let young = [fresh(), fresh()];
+    pending[ENTRIES / 4] = Bson::ObjectId(young[0]);
+    pending[3 * ENTRIES / 4] = Bson::ObjectId(young[1]);
+    let document = doc! {
+        "_id": "big",
+        "counter": 3i32,
+        "pending": pending,
+        "settled": [{ "t": settled, "n": 1i64 }],
+    };
+    coll.insert_one(&document).await.unwrap();
+    let store = ctx.client_through(&proxy, false).await.store();
+    let reconciler = Reconciler::new(&store);
+    let now = reconciler.server_time().await.unwrap();
+    let plan = plan_of(&document, Token::cutoff(now - GRACE));
+    let run = reconciler
+        .reconcile(
+            &target(CollectionConfig::new("views")),
+            Mode::Fold,
+            now,
+            &CancellationToken::new(),
+            &mut |_| {},
+        )
+        .await;
+    assert!(run.succeeded(), "{:?}", run.error);
+    let statements: usize = proxy
+        .requests("update")
+        .iter()
+        .map(|e| e.body.get_array("updates").unwrap().len())
+        .sum();
+    assert!(statements > 1, "split: {statements} statement(s)");
+    let after = coll.find_one(doc! { "_id": "big" }).await.unwrap().unwrap();
+    assert_folded_as_planned(&document, &after, &plan);
+    let expected = 3 + (ENTRIES as i64 - 2 - 2 - 2) + 7;
+    assert_eq!(after.get("counter"), Some(&Bson::Int32(expected as i32)));
+    assert_eq!(
+        after.get_array("pending").unwrap(),
+        &young.map(Bson::ObjectId).to_vec()
+    );
+    assert!(after.get("settled").is_none());
+}
+
 /// A `writeConcernError` in the fold's reply (issue 11, item 17) is a
 /// failure like any other, classified by its code and labels: a transient
 /// one is retried once and the run succeeds; another one fails the run —
