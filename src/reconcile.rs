@@ -88,8 +88,9 @@ pub struct FoldTarget {
     /// by more than the clock skew between writers and the server. The
     /// daemon's default: 15m.
     pub grace: Duration,
-    /// Documents per fold update: work between two points where a run can
-    /// stop (shutdown) and report progress. The daemon's default: 100.
+    /// Documents per fold batch: work between two points where a run can
+    /// stop (shutdown) and report progress. A batch is one `update` command,
+    /// or several when its statements pass 8 MiB. The daemon's default: 100.
     pub batch_size: u32,
 }
 
