@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::Config;
+use crate::config::{Config, ConfigErrors};
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
@@ -100,6 +100,22 @@ impl TargetArgs {
                 listed.len()
             )),
         }
+    }
+}
+
+impl Cli {
+    /// Loads the configuration from `--config` (or the default file) and
+    /// `env`, with the checks the command needs: `run` and `check-config`
+    /// (which answers for `run`) refuse the same configurations.
+    pub fn load_config(
+        &self,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigErrors> {
+        let config = Config::load(self.config.as_deref(), env)?;
+        if matches!(self.command, Command::Run | Command::CheckConfig) {
+            config.check_daemon()?;
+        }
+        Ok(config)
     }
 }
 

@@ -69,11 +69,6 @@ pub(crate) enum DaemonError {
 
 /// Runs the daemon until `shutdown` is cancelled.
 pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
-    if config.collections.is_empty() {
-        return Err(DaemonError::Config(
-            "no [[collections]] configured: the daemon has nothing to watch".into(),
-        ));
-    }
     let schedule =
         Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
     let secrets = config.secrets();

@@ -13,10 +13,8 @@ use crate::config::{Config, LogFormat};
 /// later calls are ignored (tests install their own).
 pub fn init(config: &Config) {
     let config = &config.log;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(directives) if !directives.trim().is_empty() => {
-            EnvFilter::builder().parse_lossy(directives)
-        }
+    let filter = match &config.rust_log {
+        Some(directives) => EnvFilter::builder().parse_lossy(directives),
         // The scheduler library narrates its own start-up at INFO.
         _ => {
             EnvFilter::builder().parse_lossy(format!("{},tokio_cron_scheduler=warn", config.level))

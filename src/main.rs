@@ -5,11 +5,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tally::cli::{self, Cli};
-use tally::config::{Config, EXIT_CONFIG};
+use tally::config::EXIT_CONFIG;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match Config::load(cli.config.as_deref(), std::env::vars()) {
+    let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
         Err(errors) => {
             eprintln!("{errors}");

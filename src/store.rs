@@ -24,8 +24,9 @@ use tokio::sync::OnceCell;
 use crate::error::{Error, Failure, Next, RetryBudget};
 use crate::redact::{SecretString, Secrets, redact_uri};
 
-/// Default bound on one attempt of an operation.
-pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default bound on one attempt of an operation: longer than the default
+/// server selection timeout, so that a selection timeout surfaces as itself.
+pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default TCP connect timeout, when the URI does not set one.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default server selection timeout, when the URI does not set one.

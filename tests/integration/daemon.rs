@@ -33,21 +33,23 @@ impl Default for Conf {
 }
 
 impl Conf {
-    /// The config file: collection `views`, grace 3 s, retry horizon 2 s.
+    /// The config file: collection `views`, grace 7 s, retry horizon 2 s,
+    /// attempts bounded by 4 s (the grace must outlast the horizon plus one
+    /// attempt).
     pub(crate) fn render(&self, uri: &str, database: &str) -> String {
         format!(
             r#"
 [mongodb]
 uri = "{uri}"
 database = "{database}"
-server_selection_timeout = "5s"
-attempt_timeout = "5s"
+server_selection_timeout = "2s"
+attempt_timeout = "4s"
 [[collections]]
 name = "views"
 [writer]
 retry_horizon = "2s"
 [reconcile]
-grace = "3s"
+grace = "7s"
 batch_size = 10
 [schedule]
 cron = "{cron}"
@@ -66,8 +68,9 @@ scan_interval = "10m"
     }
 }
 
-/// The alerts section most tests use: tokens stuck after 3 s.
-const ALERTS: &str = "[alerts]\nstuck_after = \"3s\"\n";
+/// The alerts section most tests use: tokens stuck after 7 s (the grace:
+/// no shorter).
+const ALERTS: &str = "[alerts]\nstuck_after = \"7s\"\n";
 
 fn start(ctx: &TestContext, conf: &Conf) -> Tallyd {
     let mut text = conf.render(&ctx.child_uri(false), &ctx.db_name);
@@ -134,6 +137,13 @@ async fn the_schedule_folds_and_runs_never_overlap() {
         },
     );
     daemon.wait_ready("active", LONG).await;
+    wait_until("the next run time in the log", LONG, || async {
+        daemon
+            .log()
+            .lines()
+            .any(|line| line.contains("schedule started") && line.contains("next="))
+    })
+    .await;
     // A per-second schedule fires and folds.
     daemon
         .wait_metric(
@@ -582,7 +592,11 @@ async fn the_status_command_shows_pending_stuck_and_malformed() {
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = format!("{}{ALERTS}", ctx.config_toml(false, "[[collections]]\nname = \"views\"\n[writer]\nretry_horizon = \"2s\"\n[reconcile]\ngrace = \"3s\""));
+    let config = ctx.config_toml(
+        false,
+        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"2m\"\n\
+         [alerts]\nstuck_after = \"2m\"",
+    );
     let path = crate::cli::write_config(dir.path(), &config);
     let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
     assert_eq!(output.status.code(), Some(0), "{output:?}");
@@ -610,7 +624,7 @@ async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
     let views = ctx.client(false).await.collection("views");
     let receiver = crate::common::receiver::Receiver::start(2).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"3s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
+        "[alerts]\nstuck_after = \"7s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
          auth_header_env = \"HOOK_TOKEN\"\nmax_attempts = 10\n",
         receiver.addr
     );

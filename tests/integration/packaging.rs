@@ -248,7 +248,8 @@ fn default_shutdown_timeout() -> Duration {
     let path = dir.path().join("tallyd.toml");
     std::fs::write(
         &path,
-        "[mongodb]\nuri = \"mongodb://localhost:27017\"\ndatabase = \"app\"\n",
+        "[mongodb]\nuri = \"mongodb://localhost:27017\"\ndatabase = \"app\"\n\
+         [[collections]]\nname = \"views\"\n",
     )
     .expect("write a minimal configuration");
     // No TALLYD__ variable of this process may change the defaults.
