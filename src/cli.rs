@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{Config, ConfigErrors};
+use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
@@ -119,15 +120,23 @@ impl Cli {
     }
 }
 
-/// Runs a command against a loaded configuration.
-pub async fn run(cli: Cli, config: Config) -> ExitCode {
+/// Runs a command against a loaded configuration; `logging` follows a
+/// reload of `tallyd run`.
+pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     match cli.command {
         Command::CheckConfig => {
             print!("{}", config.to_redacted_toml());
             eprintln!("configuration is valid");
             ExitCode::from(EXIT_OK)
         }
-        Command::Run => daemon::run(config).await,
+        Command::Run => {
+            // A reload reads the configuration again from where this did.
+            let reload = Cli {
+                config: cli.config,
+                command: Command::Run,
+            };
+            daemon::run(&reload, config, &logging).await
+        }
         Command::Status(args) => daemon::status(args, &config).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,

@@ -16,7 +16,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    tally::logging::init(&config);
+    let logging = tally::logging::init(&config);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(err) => {
@@ -24,5 +24,5 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(cli::run(cli, config))
+    runtime.block_on(cli::run(cli, config, logging))
 }

@@ -86,8 +86,10 @@ pub(crate) struct HaConfig {
     /// alerts, the others stand by. Default: false (always active).
     pub(crate) enabled: bool,
     /// How long the lease lasts without renewal; the holder renews it every
-    /// third of that. A standby takes over within the TTL plus one renewal
-    /// after the holder dies. Default: 30s.
+    /// third of that, and steps down on its own clock a tenth of it before
+    /// the lease could expire when no renewal succeeded. A standby takes
+    /// over within the TTL plus one renewal after the holder dies. Default:
+    /// 30s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) lease_ttl: Duration,
     /// This instance's name in the lease. Default: host name and process
@@ -98,7 +100,8 @@ pub(crate) struct HaConfig {
 /// `[http]`: metrics and health endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub(crate) struct HttpConfig {
-    /// The address `/metrics`, `/healthz` and `/readyz` listen on. Default:
+    /// The address `/metrics`, `/healthz` and `/readyz` listen on; one this
+    /// host cannot listen on stops the daemon with exit 78. Default:
     /// `127.0.0.1:9187`.
     pub(crate) listen: SocketAddr,
 }
@@ -117,8 +120,10 @@ pub(crate) struct DaemonConfig {
     /// The collection holding the daemon's state: last successful runs,
     /// change-stream resume tokens, the lease. Default: `tally_state`.
     pub(crate) state_collection: String,
-    /// At SIGTERM/SIGINT, how long a running fold batch may take to finish
-    /// before the daemon exits anyway. Default: 30s.
+    /// At SIGTERM/SIGINT (and before a reload takes over), how long the
+    /// drain may take — a running fold batch, the stream positions, the
+    /// lease — before the daemon goes on anyway (exit 1 at a stop).
+    /// Default: 30s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) shutdown_timeout: Duration,
 }

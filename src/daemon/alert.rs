@@ -175,6 +175,18 @@ pub(crate) struct Notification {
     pub(crate) instance: Option<String>,
 }
 
+/// Which conditions fire: kept by the daemon across configuration reloads,
+/// so an engine started after a reload neither fires again what already
+/// fires nor forgets to resolve it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AlertLedger(Arc<Mutex<Ledger>>);
+
+impl AlertLedger {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// Settings of the engine that do not come from the configuration file.
 #[derive(Clone, Debug)]
 pub(crate) struct AlertOptions {
@@ -187,6 +199,8 @@ pub(crate) struct AlertOptions {
     /// At shutdown, how long notifications not yet delivered get for one
     /// last attempt each (the daemon's drain has a deadline). Default: 3s.
     pub(crate) shutdown_flush: Duration,
+    /// Which conditions fire already (from before a reload). Default: none.
+    pub(crate) ledger: AlertLedger,
 }
 
 impl Default for AlertOptions {
@@ -195,6 +209,7 @@ impl Default for AlertOptions {
             instance: None,
             backoff: Backoff::default(),
             shutdown_flush: Duration::from_secs(3),
+            ledger: AlertLedger::default(),
         }
     }
 }
@@ -207,7 +222,7 @@ pub(crate) struct Alerts {
 }
 
 struct Inner {
-    ledger: Mutex<Ledger>,
+    ledger: AlertLedger,
     metrics: Metrics,
     scrubber: Scrubber,
     instance: Option<String>,
@@ -277,7 +292,7 @@ impl Alerts {
         };
         Self {
             inner: Arc::new(Inner {
-                ledger: Mutex::new(Ledger::default()),
+                ledger: options.ledger,
                 metrics,
                 scrubber,
                 instance: options.instance,
@@ -301,11 +316,7 @@ impl Alerts {
             .metrics
             .alerts_firing
             .with_label_values(&[kind.as_str(), collection]);
-        let mut ledger = self
-            .inner
-            .ledger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut ledger = self.inner.ledger.lock();
         let holds = observation.is_some();
         let change = ledger.apply(kind, collection, observation, Instant::now());
         gauge.set(i64::from(holds));
@@ -323,15 +334,28 @@ impl Alerts {
         self.enqueue(notification);
     }
 
+    /// Resolves every firing condition of a collection `keep` says no (one
+    /// no longer configured after a reload): nothing watches it any more.
+    pub(crate) fn resolve_unless(&self, keep: impl Fn(&str) -> bool) {
+        let gone: Vec<(AlertKind, String)> = self
+            .inner
+            .ledger
+            .lock()
+            .firing
+            .keys()
+            .filter(|(_, collection)| !keep(collection))
+            .cloned()
+            .collect();
+        for (kind, collection) in gone {
+            self.set(kind, &collection, None);
+        }
+    }
+
     /// What is firing now, with the latest observation of each, ordered by
     /// kind then collection, for the tests.
     #[cfg(test)]
     pub(crate) fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
-        let ledger = self
-            .inner
-            .ledger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let ledger = self.inner.ledger.lock();
         ledger
             .firing
             .iter()

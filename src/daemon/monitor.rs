@@ -21,6 +21,7 @@
 //!    capped exponential backoff.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -139,6 +140,9 @@ struct Watched {
     target: FoldTarget,
     view: Mutex<View>,
     health: Mutex<Health>,
+    /// The last attempt to save the stream's position failed (and none
+    /// succeeded since).
+    unsaved: AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -192,6 +196,7 @@ impl Monitor {
                         up: false,
                         down_since: Some(started),
                     }),
+                    unsaved: AtomicBool::new(false),
                 });
                 (target.spec.name.clone(), watched)
             })
@@ -261,6 +266,19 @@ impl Monitor {
             }
         }
         snapshot
+    }
+
+    /// The collections whose latest stream position could not be saved (the
+    /// last attempt failed): the next start resumes from an older one.
+    pub(crate) fn unsaved(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .collections
+            .iter()
+            .filter(|(_, watched)| watched.unsaved.load(Ordering::Relaxed))
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
     }
 
     /// How long the collection's change stream has been down (`None` while
@@ -553,8 +571,12 @@ impl Watcher {
             return;
         }
         match self.state.save_resume_token(self.name(), &token).await {
-            Ok(()) => *saved = Some(token),
+            Ok(()) => {
+                *saved = Some(token);
+                self.watched.unsaved.store(false, Ordering::Relaxed);
+            }
             Err(err) => {
+                self.watched.unsaved.store(true, Ordering::Relaxed);
                 tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token")
             }
         }

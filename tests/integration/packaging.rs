@@ -282,6 +282,14 @@ fn the_daemon_unit_is_a_hardened_notify_service() {
         "ExecStart",
         "/usr/local/bin/tallyd --config /etc/tally/tallyd.toml run",
     );
+    // `systemctl reload`: SIGHUP reads the configuration again.
+    expect(
+        &unit,
+        name,
+        "Service",
+        "ExecReload",
+        "/bin/kill -HUP $MAINPID",
+    );
     expect(&unit, name, "Service", "Restart", "on-failure");
     // A bad configuration must not restart in a loop.
     expect(

@@ -327,6 +327,7 @@ impl Engine {
                 instance: Some("test-instance".into()),
                 backoff,
                 shutdown_flush: Duration::from_millis(500),
+                ..AlertOptions::default()
             },
         );
         Self {
