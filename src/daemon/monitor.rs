@@ -15,10 +15,13 @@
 //!    rebuild the view, and applies events from then on;
 //! 2. saves the resume token every `save_interval` and at shutdown;
 //! 3. rescans every `scan_interval`;
-//! 4. on a lost history (error 286: the saved position fell off the oplog)
-//!    or an invalidate event, logs at WARN, counts it, rescans and opens a
-//!    new stream — never a silent gap; on other errors reconnects with
-//!    capped exponential backoff.
+//! 4. on a lost history (error 286: the saved position fell off the oplog;
+//!    280: the stream cannot go on; 260: the server cannot resume from the
+//!    token) or an invalidate event, logs at WARN, counts it, discards the
+//!    saved position, rescans and opens a new stream — never a silent gap,
+//!    never a reconnect to a position that cannot work; on other errors
+//!    reconnects from the last saved position with capped exponential
+//!    backoff.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -294,6 +297,20 @@ impl Monitor {
     }
 }
 
+/// Whether the server says the stream cannot go on from its position: the
+/// history is gone (286), the stream failed for good (280), or the token
+/// cannot be resumed from (260). Classified by code, never by message.
+fn history_lost(err: &mongodb::error::Error) -> bool {
+    matches!(
+        server_code(err),
+        Some(
+            code::CHANGE_STREAM_HISTORY_LOST
+                | code::CHANGE_STREAM_FATAL_ERROR
+                | code::INVALID_RESUME_TOKEN
+        )
+    )
+}
+
 /// Why a stream ended.
 enum Ended {
     /// Shutdown: stop.
@@ -331,6 +348,9 @@ impl Watcher {
 
     async fn run(self) {
         let mut backoff = Duration::from_secs(1);
+        // Set by a lost history or an invalidate; cleared once a stream
+        // opened from scratch, so later reconnects resume from what that
+        // stream saved.
         let mut fresh_start = false;
         loop {
             if self.shutdown.is_cancelled() {
@@ -338,7 +358,7 @@ impl Watcher {
             }
             let started = Instant::now();
             let ended = if self.config.enabled {
-                self.stream(fresh_start).await
+                self.stream(&mut fresh_start).await
             } else {
                 self.scan_only().await
             };
@@ -392,9 +412,10 @@ impl Watcher {
         }
     }
 
-    /// Opens the stream, scans, and follows it until it ends.
-    async fn stream(&self, fresh_start: bool) -> Ended {
-        let saved = if fresh_start {
+    /// Opens the stream (from scratch when `fresh_start`, which is then
+    /// cleared), scans, and follows it until it ends.
+    async fn stream(&self, fresh_start: &mut bool) -> Ended {
+        let saved = if *fresh_start {
             if let Err(err) = self.state.forget_resume_token(self.name()).await {
                 return Ended::Failed(err);
             }
@@ -410,6 +431,7 @@ impl Watcher {
             Ok(stream) => stream,
             Err(ended) => return ended,
         };
+        *fresh_start = false;
         if resumed {
             tracing::info!(collection = %self.name(), "change stream resumed from the saved position");
         }
@@ -444,8 +466,9 @@ impl Watcher {
             }
             match stream.next_if_any().await {
                 Ok(Some(event)) => {
+                    // An invalidate ends the stream: its position is
+                    // discarded, never saved (nothing can resume after it).
                     if let Some(ended) = self.apply(event) {
-                        self.save(stream.resume_token(), &mut saved_token).await;
                         return ended;
                     }
                 }
@@ -453,12 +476,13 @@ impl Watcher {
                 Ok(None) => return Ended::Restart("invalidate"),
                 Err(err) => {
                     self.save(stream.resume_token(), &mut saved_token).await;
-                    return match server_code(&err) {
-                        Some(code::CHANGE_STREAM_HISTORY_LOST) => Ended::Restart("history_lost"),
-                        _ => Ended::Failed(Error::Server(crate::error::Failure::once(
+                    return if history_lost(&err) {
+                        Ended::Restart("history_lost")
+                    } else {
+                        Ended::Failed(Error::Server(crate::error::Failure::once(
                             "monitor.next",
                             err,
-                        ))),
+                        )))
                     };
                 }
             }
@@ -489,9 +513,7 @@ impl Watcher {
             .await;
         match opened {
             Ok(stream) => Ok(stream),
-            Err(err) if server_code(&err) == Some(code::CHANGE_STREAM_HISTORY_LOST) => {
-                Err(Ended::Restart("history_lost"))
-            }
+            Err(err) if history_lost(&err) => Err(Ended::Restart("history_lost")),
             Err(err) => Err(Ended::Failed(Error::Server(crate::error::Failure::once(
                 "monitor.open",
                 err,

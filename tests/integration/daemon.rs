@@ -119,6 +119,11 @@ async fn pending_documents(coll: &Collection<Document>) -> u64 {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Restarts of `views`' stream after the server lost (or refused) its
+/// history.
+const HISTORY_LOST: &str =
+    "tally_monitor_restarts_total{collection=\"views\",reason=\"history_lost\"}";
+
 /// Whether the state collection holds a saved position of `views`' stream.
 async fn saved_position(state: &Collection<Document>) -> bool {
     state
@@ -144,14 +149,20 @@ async fn watch_one_event(daemon: &Tallyd, views: &Collection<Document>) {
     daemon
         .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
         .await;
+    write_and_see(daemon, views, "warm", 1).await;
+}
+
+/// Inserts the document `id` and waits until the daemon has processed
+/// `events` change events in all.
+async fn write_and_see(daemon: &Tallyd, views: &Collection<Document>, id: &str, events: u32) {
     views
-        .insert_one(doc! { "_id": "warm", "counter": 1i64 })
+        .insert_one(doc! { "_id": id, "counter": 1i64 })
         .await
         .unwrap();
     daemon
         .wait_metric(
             "tally_monitor_events_total{collection=\"views\"}",
-            1.0,
+            f64::from(events),
             LONG,
         )
         .await;
@@ -362,13 +373,7 @@ async fn a_lost_history_rescans_and_misses_nothing() {
     let noise: Vec<Document> = (0..1100).map(|i| doc! { "_id": i }).collect();
     client.collection("noise").insert_many(noise).await.unwrap();
     let daemon = start(&ctx, &conf);
-    daemon
-        .wait_metric(
-            "tally_monitor_restarts_total{collection=\"views\",reason=\"history_lost\"}",
-            1.0,
-            LONG,
-        )
-        .await;
+    daemon.wait_metric(HISTORY_LOST, 1.0, LONG).await;
     assert!(
         daemon.log().contains("restarted with a full rescan"),
         "{}",
@@ -1217,4 +1222,169 @@ async fn a_hanging_renewal_steps_down_before_the_lease_expires() {
             .any(|e| !e.reply_delivered),
         "a renewal is still waiting for its reply"
     );
+}
+
+/// A daemon watching `views` through `proxy`, its stream open and one event
+/// seen.
+async fn watched_through(ctx: &TestContext, proxy: &Proxy) -> (Tallyd, Collection<Document>) {
+    let views = ctx.client(false).await.collection("views");
+    let text = Conf::idle().render(&ctx.child_uri_through(proxy, false), &ctx.db_name);
+    let daemon = Tallyd::start(&format!("{text}{ALERTS}"), &[("RUST_LOG", "info")]);
+    watch_one_event(&daemon, &views).await;
+    (daemon, views)
+}
+
+/// The `$changeStream` stages of the `aggregate`s in `log`, in order.
+fn stream_openings(log: &[crate::common::proxy::Exchange]) -> Vec<Document> {
+    log.iter()
+        .filter(|e| e.command.as_deref() == Some("aggregate"))
+        .filter_map(|e| {
+            e.body
+                .get_array("pipeline")
+                .ok()?
+                .first()?
+                .as_document()?
+                .get_document("$changeStream")
+                .ok()
+                .cloned()
+        })
+        .collect()
+}
+
+/// Codes 280 (ChangeStreamFatalError) and 260 (InvalidResumeToken) are lost
+/// history like 286: a rescan and a new stream, never a reconnect to the
+/// same position forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_stream_error_or_a_bad_resume_token_rescans_like_a_lost_history() {
+    let ctx = TestContext::new("daemon_stream_fatal").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    for (n, (code, name)) in [(280, "ChangeStreamFatalError"), (260, "InvalidResumeToken")]
+        .into_iter()
+        .enumerate()
+    {
+        let _fault = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+            code,
+            name,
+            &[],
+        )));
+        daemon.wait_metric(HISTORY_LOST, (n + 1) as f64, LONG).await;
+        daemon
+            .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+            .await;
+    }
+    assert_eq!(
+        daemon
+            .metric("tally_monitor_restarts_total{collection=\"views\",reason=\"error\"}")
+            .await,
+        None,
+        "{}",
+        daemon.log()
+    );
+    // The new stream sees writes.
+    write_and_see(&daemon, &views, "after", 2).await;
+}
+
+/// After a restart from scratch (a lost history), a later ordinary error
+/// reconnects from the position saved since — it does not throw the saved
+/// position away again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_fresh_start_an_error_resumes_from_the_saved_position() {
+    let ctx = TestContext::new("daemon_fresh_then_error").await;
+    let state = ctx.client(false).await.collection("tally_state");
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    {
+        let _lost = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+            286,
+            "ChangeStreamHistoryLost",
+            &[],
+        )));
+        daemon.wait_metric(HISTORY_LOST, 1.0, LONG).await;
+    }
+    write_and_see(&daemon, &views, "second", 2).await;
+    wait_until("a position saved by the new stream", LONG, || async {
+        saved_position(&state).await
+    })
+    .await;
+
+    proxy.clear_log();
+    let _error = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+        2,
+        "BadValue",
+        &[],
+    )));
+    let log = proxy
+        .wait_until("the stream reopened after the error", LONG, |log| {
+            !stream_openings(log).is_empty()
+        })
+        .await;
+    let opening = &stream_openings(&log)[0];
+    assert!(
+        opening.contains_key("resumeAfter"),
+        "reopened from scratch instead of the saved position: {opening}"
+    );
+    assert!(
+        !log.iter().any(|e| e.command.as_deref() == Some("delete")),
+        "the saved position was discarded"
+    );
+    assert!(saved_position(&state).await);
+}
+
+/// An invalidate (the collection dropped) discards the stream's position:
+/// the invalidate event's own token is never saved first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidate_never_saves_its_own_token() {
+    let ctx = TestContext::new("daemon_invalidate").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    views.drop().await.unwrap();
+    daemon
+        .wait_metric(
+            "tally_monitor_restarts_total{collection=\"views\",reason=\"invalidate\"}",
+            1.0,
+            LONG,
+        )
+        .await;
+    daemon
+        .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+        .await;
+    let log = proxy.log();
+    // The invalidate event's token, and the batch's position after it.
+    let mut after_invalidate = Vec::new();
+    for reply in log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("getMore"))
+        .filter_map(|e| e.reply.as_ref()?.get_document("cursor").ok())
+    {
+        let batch = reply.get_array("nextBatch").cloned().unwrap_or_default();
+        for event in batch.iter().filter_map(Bson::as_document) {
+            if event
+                .get_str("operationType")
+                .is_ok_and(|op| op == "invalidate")
+            {
+                after_invalidate.extend(event.get("_id").cloned());
+                after_invalidate.extend(reply.get("postBatchResumeToken").cloned());
+            }
+        }
+    }
+    assert!(
+        !after_invalidate.is_empty(),
+        "no invalidate event came through the proxy"
+    );
+    let saved: Vec<Bson> = log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("update"))
+        .filter(|e| e.collection.as_deref() == Some("tally_state"))
+        .filter_map(|e| {
+            let statement = e.body.get_array("updates").ok()?.first()?.as_document()?;
+            statement.get_document("u").ok()?.get("token").cloned()
+        })
+        .collect();
+    for token in &after_invalidate {
+        assert!(
+            !saved.contains(token),
+            "the position at the invalidate was saved: {token}"
+        );
+    }
 }
