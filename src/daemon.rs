@@ -253,6 +253,15 @@ pub(crate) async fn run(
     Ok(drained)
 }
 
+/// Sleeps until `at`; forever when there is nothing to wait for (a
+/// disabled branch of a `select!`).
+pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Binds `[http] listen`. An address this host cannot listen on (taken, not
 /// its own, a port it may not bind) is the operator's to fix: restarting
 /// would fail the same way.

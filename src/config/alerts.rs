@@ -62,7 +62,8 @@ pub(crate) struct WebhookConfig {
     /// The `Authorization` header's value, read from `auth_header_env`.
     #[serde(skip)]
     pub(crate) auth_header: Option<SecretString>,
-    /// How long one delivery attempt may take. Default: 5s.
+    /// How long one delivery attempt may take (and hold one of the slots
+    /// for requests in flight). Default: 5s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) timeout: Duration,
     /// Attempts per notification (retried with backoff) before it is given

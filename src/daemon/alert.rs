@@ -12,12 +12,14 @@
 //! - the log, always: `alert firing` at WARN, `alert resolved` at INFO, as
 //!   structured fields;
 //! - a webhook, when `[alerts.webhook]` is configured: one JSON
-//!   [`Notification`] per POST, delivered in order by a single task, retried
-//!   with exponential [`Backoff`], given up after `max_attempts`.
+//!   [`Notification`] per POST, retried with exponential [`Backoff`], given
+//!   up after `max_attempts`; up to eight requests in flight at once, the
+//!   notifications of one condition strictly in order (`lanes`).
 //!
 //! [`Alerts::set`] never blocks and never waits for the network: a
 //! notification is logged at once and queued for the webhook.
 
+mod lanes;
 mod webhook;
 
 use std::collections::BTreeMap;
@@ -33,6 +35,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{AlertsConfig, redact_webhook_url};
 use crate::daemon::metrics::Metrics;
 use crate::redact::Secrets;
+use lanes::Backlog;
 use webhook::{Delivery, Scrubber};
 
 pub(crate) use webhook::Backoff;
@@ -41,11 +44,11 @@ pub(crate) use webhook::Backoff;
 /// condition on a million documents still makes a small message.
 pub(crate) const MAX_SAMPLE_IDS: usize = 10;
 
-/// How many notifications may wait for the webhook. Notifications are sent
-/// only on transitions, so this fills only when the webhook has been down
-/// for long while conditions kept flapping; beyond it the newest are
-/// dropped (logged and counted as `failed`) rather than blocking
-/// [`Alerts::set`].
+/// How many notifications may wait for the webhook (those being sent or
+/// retried included). Notifications are sent only on transitions, so this
+/// fills only when the webhook has been down for long while conditions kept
+/// flapping; beyond it the newest are dropped (logged and counted as
+/// `failed`) rather than blocking [`Alerts::set`].
 pub(crate) const QUEUE_CAPACITY: usize = 1024;
 
 /// What an alert is about; with a collection name, it identifies one
@@ -233,9 +236,11 @@ struct Inner {
 enum Sink {
     /// No webhook configured.
     LogOnly,
-    /// Queued for the delivery task, which sends them in order.
+    /// Queued for the delivery task, which sends those of one condition in
+    /// order.
     Webhook {
-        queue: mpsc::Sender<Notification>,
+        queue: mpsc::UnboundedSender<Notification>,
+        backlog: Backlog,
         shown_url: String,
     },
     /// A webhook is configured but could not be set up (logged at start);
@@ -275,9 +280,14 @@ impl Alerts {
                 let shown_url = redact_webhook_url(webhook.url.expose());
                 match Delivery::new(webhook, scrubber.clone(), metrics.clone(), &options) {
                     Ok(delivery) => {
-                        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
-                        tracker.spawn(delivery.run(receiver, shutdown));
-                        Sink::Webhook { queue, shown_url }
+                        let (queue, receiver) = mpsc::unbounded_channel();
+                        let backlog = Backlog::default();
+                        tracker.spawn(lanes::run(delivery, receiver, backlog.clone(), shutdown));
+                        Sink::Webhook {
+                            queue,
+                            backlog,
+                            shown_url,
+                        }
                     }
                     Err(cause) => {
                         tracing::error!(
@@ -430,19 +440,26 @@ impl Alerts {
             Sink::Unusable { shown_url } => {
                 not_sent(&notification, shown_url, "the webhook cannot be used");
             }
-            Sink::Webhook { queue, shown_url } => match queue.try_send(notification) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(notification)) => not_sent(
-                    &notification,
-                    shown_url,
-                    &format!("more than {QUEUE_CAPACITY} notifications wait for the webhook"),
-                ),
-                Err(mpsc::error::TrySendError::Closed(notification)) => not_sent(
-                    &notification,
-                    shown_url,
-                    "webhook delivery has stopped (shutting down)",
-                ),
-            },
+            Sink::Webhook {
+                queue,
+                backlog,
+                shown_url,
+            } => {
+                if !backlog.admit(QUEUE_CAPACITY) {
+                    not_sent(
+                        &notification,
+                        shown_url,
+                        &format!("{QUEUE_CAPACITY} notifications already wait for the webhook"),
+                    );
+                } else if let Err(mpsc::error::SendError(notification)) = queue.send(notification) {
+                    backlog.release(1);
+                    not_sent(
+                        &notification,
+                        shown_url,
+                        "webhook delivery has stopped (shutting down)",
+                    );
+                }
+            }
         }
     }
 }

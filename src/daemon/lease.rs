@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::daemon::metrics::Metrics;
+use crate::daemon::sleep_until;
 use crate::daemon::state::State;
 use crate::document::{Inserted, insert_if_absent};
 use crate::error::{Error, RetryBudget};
@@ -211,10 +212,3 @@ impl Lease {
 /// expire: room for clocks that run at slightly different rates, and for the
 /// moment between stepping down and stopping work.
 const SAFETY_MARGIN_DIVISOR: u32 = 10;
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}

@@ -15,13 +15,11 @@
 //!    rebuild the view, and applies events from then on;
 //! 2. saves the resume token every `save_interval` and at shutdown;
 //! 3. rescans every `scan_interval`;
-//! 4. on a lost history (error 286: the saved position fell off the oplog;
-//!    280: the stream cannot go on; 260: the server cannot resume from the
-//!    token) or an invalidate event, logs at WARN, counts it, discards the
-//!    saved position, rescans and opens a new stream — never a silent gap,
-//!    never a reconnect to a position that cannot work; on other errors
-//!    reconnects from the last saved position with capped exponential
-//!    backoff.
+//! 4. on a lost history (286, 280, 260: see [`history_lost`]) or an
+//!    invalidate event, logs at WARN, counts it, discards the saved
+//!    position, rescans and opens a new stream — never a silent gap; on
+//!    other errors reconnects from the last saved position with capped
+//!    exponential backoff.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,10 +40,11 @@ use crate::daemon::state::State;
 use crate::error::{Error, code, server_code};
 use crate::reconcile::{FoldTarget, Reconciler, model};
 use crate::store::Store;
-use crate::token::{Entry, Token};
 
-/// How many document ids a snapshot names per condition.
-const SAMPLE: usize = 10;
+mod snapshot;
+use crate::token::Entry;
+pub(crate) use snapshot::Snapshot;
+
 /// How long one read of the stream waits for events on the server: also
 /// how quickly the watcher notices a shutdown or a timer.
 const AWAIT: Duration = Duration::from_millis(500);
@@ -102,33 +101,6 @@ fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
             _ => None,
         },
     }
-}
-
-/// What a collection's pending arrays look like at one instant.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct Snapshot {
-    /// Well-formed documents holding pending tokens.
-    pub(crate) pending_documents: u64,
-    /// Their pending tokens.
-    pub(crate) pending_tokens: u64,
-    /// Tokens older than the stuck cutoff.
-    pub(crate) stuck_tokens: u64,
-    /// A few documents holding stuck tokens.
-    pub(crate) stuck_sample: Vec<String>,
-    /// The `_id`s of all documents holding stuck tokens (for a repair).
-    pub(crate) stuck_ids: Vec<Bson>,
-    /// The oldest pending token.
-    pub(crate) oldest: Option<Token>,
-    /// Entries in the longest pending array.
-    pub(crate) largest_pending: u64,
-    /// Documents whose pending array is longer than the limit.
-    pub(crate) too_long: u64,
-    /// A few of them.
-    pub(crate) too_long_sample: Vec<String>,
-    /// Malformed documents.
-    pub(crate) malformed: u64,
-    /// A few of them.
-    pub(crate) malformed_sample: Vec<String>,
 }
 
 /// Whether a collection's stream is open.
@@ -231,44 +203,7 @@ impl Monitor {
         let Some(watched) = self.collections.get(collection) else {
             return Snapshot::default();
         };
-        let cutoff = Token::cutoff(stuck_before);
-        let view = lock(&watched.view);
-        let mut snapshot = Snapshot::default();
-        for (id, (raw_id, pending)) in &view.documents {
-            match pending {
-                Pending::Malformed(_) => {
-                    snapshot.malformed += 1;
-                    if snapshot.malformed_sample.len() < SAMPLE {
-                        snapshot.malformed_sample.push(id.clone());
-                    }
-                }
-                Pending::Tokens(tokens) => {
-                    snapshot.pending_documents += 1;
-                    let size = tokens.len() as u64;
-                    snapshot.pending_tokens += size;
-                    snapshot.largest_pending = snapshot.largest_pending.max(size);
-                    if size > max_pending {
-                        snapshot.too_long += 1;
-                        if snapshot.too_long_sample.len() < SAMPLE {
-                            snapshot.too_long_sample.push(id.clone());
-                        }
-                    }
-                    let stuck = tokens.iter().filter(|t| **t < cutoff).count() as u64;
-                    if stuck > 0 {
-                        snapshot.stuck_tokens += stuck;
-                        snapshot.stuck_ids.push(raw_id.clone());
-                        if snapshot.stuck_sample.len() < SAMPLE {
-                            snapshot.stuck_sample.push(id.clone());
-                        }
-                    }
-                    if let Some(oldest) = tokens.iter().min() {
-                        let oldest = Token::from_object_id(*oldest);
-                        snapshot.oldest = Some(snapshot.oldest.map_or(oldest, |o| o.min(oldest)));
-                    }
-                }
-            }
-        }
-        snapshot
+        snapshot::take(&lock(&watched.view), stuck_before, max_pending)
     }
 
     /// The collections whose latest stream position could not be saved (the
@@ -297,9 +232,8 @@ impl Monitor {
     }
 }
 
-/// Whether the server says the stream cannot go on from its position: the
-/// history is gone (286), the stream failed for good (280), or the token
-/// cannot be resumed from (260). Classified by code, never by message.
+/// Whether the stream cannot go on from its position: the history is gone
+/// (286), the stream failed for good (280), the token is refused (260).
 fn history_lost(err: &mongodb::error::Error) -> bool {
     matches!(
         server_code(err),
@@ -309,6 +243,15 @@ fn history_lost(err: &mongodb::error::Error) -> bool {
                 | code::INVALID_RESUME_TOKEN
         )
     )
+}
+
+/// How a stream ends on `err` from `operation`.
+fn ended_by(operation: &'static str, err: mongodb::error::Error) -> Ended {
+    if history_lost(&err) {
+        Ended::Restart("history_lost")
+    } else {
+        Ended::Failed(Error::Server(crate::error::Failure::once(operation, err)))
+    }
 }
 
 /// Why a stream ended.
@@ -348,9 +291,8 @@ impl Watcher {
 
     async fn run(self) {
         let mut backoff = Duration::from_secs(1);
-        // Set by a lost history or an invalidate; cleared once a stream
-        // opened from scratch, so later reconnects resume from what that
-        // stream saved.
+        // Cleared once a stream opened from scratch: later reconnects
+        // resume from what that stream saved.
         let mut fresh_start = false;
         loop {
             if self.shutdown.is_cancelled() {
@@ -476,14 +418,7 @@ impl Watcher {
                 Ok(None) => return Ended::Restart("invalidate"),
                 Err(err) => {
                     self.save(stream.resume_token(), &mut saved_token).await;
-                    return if history_lost(&err) {
-                        Ended::Restart("history_lost")
-                    } else {
-                        Ended::Failed(Error::Server(crate::error::Failure::once(
-                            "monitor.next",
-                            err,
-                        )))
-                    };
+                    return ended_by("monitor.next", err);
                 }
             }
         }
@@ -513,11 +448,7 @@ impl Watcher {
             .await;
         match opened {
             Ok(stream) => Ok(stream),
-            Err(err) if history_lost(&err) => Err(Ended::Restart("history_lost")),
-            Err(err) => Err(Ended::Failed(Error::Server(crate::error::Failure::once(
-                "monitor.open",
-                err,
-            )))),
+            Err(err) => Err(ended_by("monitor.open", err)),
         }
     }
 

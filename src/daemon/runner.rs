@@ -15,6 +15,7 @@ use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
+use crate::daemon::sleep_until;
 use crate::daemon::state::State;
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
@@ -77,7 +78,7 @@ impl Runner {
                     Some(request) => request,
                     None => return,
                 },
-                () = sleep_until(next_retry) => {
+                () = sleep_until(next_retry.map(Into::into)) => {
                     let due: Vec<String> = retry_at
                         .iter()
                         .filter(|(_, at)| **at <= Instant::now())
@@ -276,12 +277,5 @@ impl Runner {
             .with_label_values(&[collection])
             .inc_by(folded);
         tracing::info!(collection, documents = folded, "repaired stuck tokens");
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at.into()).await,
-        None => std::future::pending().await,
     }
 }
