@@ -1,6 +1,7 @@
 //! The alert engine: the daemon reports the state of each condition it
 //! watches (stuck tokens, oversized `pending` arrays, malformed documents,
-//! failed runs, a monitor that is down) as often as it likes, and the engine
+//! failed runs, a monitor that is down, documents the server refused to
+//! fold) as often as it likes, and the engine
 //! turns that stream of states into notifications — one `firing` when a
 //! condition starts to hold, one `resolved` when it clears, nothing in
 //! between.
@@ -69,17 +70,22 @@ pub(crate) enum AlertKind {
     RunFailed,
     /// A change stream down for longer than `[alerts] monitor_down_after`.
     MonitorDown,
+    /// Documents the last reconcile run could not fold because the server
+    /// refused to update them (a validator, a document grown too large):
+    /// left untouched, their tokens uncounted.
+    FoldRefused,
 }
 
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 5] = [
+    pub(crate) const ALL: [AlertKind; 6] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::Malformed,
         AlertKind::RunFailed,
         AlertKind::MonitorDown,
+        AlertKind::FoldRefused,
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -90,6 +96,7 @@ impl AlertKind {
             AlertKind::Malformed => "malformed",
             AlertKind::RunFailed => "run_failed",
             AlertKind::MonitorDown => "monitor_down",
+            AlertKind::FoldRefused => "fold_refused",
         }
     }
 }
@@ -148,7 +155,7 @@ pub(crate) struct Observation {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub(crate) struct Notification {
     /// What the alert is about: `stuck_tokens`, `pending_too_long`,
-    /// `malformed`, `run_failed` or `monitor_down`.
+    /// `malformed`, `run_failed`, `monitor_down` or `fold_refused`.
     pub(crate) kind: AlertKind,
     /// `firing` when the condition started to hold, `resolved` when it
     /// cleared. Each firing is followed by at most one resolved.
