@@ -52,13 +52,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Run the daemon: fold on the schedule, watch the counters, alert,
-    /// serve /metrics. Stops at SIGTERM or SIGINT.
+    /// serve /metrics. Stops at SIGTERM or SIGINT; SIGHUP reloads the
+    /// configuration.
     Run,
     /// Show, per collection, the pending and stuck tokens and the malformed
     /// documents.
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
-    /// masked. Exits 78 naming every bad key.
+    /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
     /// Add to a counter with the two-step increment and say exactly what
     /// happened.

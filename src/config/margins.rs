@@ -11,6 +11,9 @@
 //!   its grace is not folded yet, so an alert for it would be noise and a
 //!   repair would find nothing to do, again and again.
 //!
+//! Writers' clocks may then lag the server's by up to `grace −
+//! retry_horizon − attempt_timeout` before a token could be folded early.
+//!
 //! A margin is only judged when the keys it involves were read without a
 //! problem, so one bad value is not reported twice.
 
