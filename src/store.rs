@@ -70,7 +70,8 @@ pub struct StoreConfig {
     /// How long tally waits for one attempt of an operation (server
     /// selection included) before abandoning it as a lost reply — a
     /// transient failure, retried once where that is safe. The driver has no
-    /// socket timeout; this bounds a hung connection. Default: 30s.
+    /// socket timeout; this bounds a hung connection. Default: 60s, longer
+    /// than the default server selection timeout.
     #[serde(serialize_with = "serialize_duration")]
     pub attempt_timeout: Duration,
 }
@@ -190,7 +191,7 @@ impl Store {
         }
     }
 
-    /// The same handle with another bound on each attempt (default 30s).
+    /// The same handle with another bound on each attempt (default 60s).
     pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             client: shared.client.clone(),
