@@ -14,7 +14,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::Config;
+use crate::config::{Config, ConfigErrors};
+use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
@@ -51,13 +52,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Run the daemon: fold on the schedule, watch the counters, alert,
-    /// serve /metrics. Stops at SIGTERM or SIGINT.
+    /// serve /metrics. Stops at SIGTERM or SIGINT; SIGHUP reloads the
+    /// configuration.
     Run,
     /// Show, per collection, the pending and stuck tokens and the malformed
     /// documents.
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
-    /// masked. Exits 78 naming every bad key.
+    /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
     /// Add to a counter with the two-step increment and say exactly what
     /// happened.
@@ -103,15 +105,39 @@ impl TargetArgs {
     }
 }
 
-/// Runs a command against a loaded configuration.
-pub async fn run(cli: Cli, config: Config) -> ExitCode {
+impl Cli {
+    /// Loads the configuration from `--config` (or the default file) and
+    /// `env`, with the checks the command needs: `run` and `check-config`
+    /// (which answers for `run`) refuse the same configurations.
+    pub fn load_config(
+        &self,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigErrors> {
+        let config = Config::load(self.config.as_deref(), env)?;
+        if matches!(self.command, Command::Run | Command::CheckConfig) {
+            config.check_daemon()?;
+        }
+        Ok(config)
+    }
+}
+
+/// Runs a command against a loaded configuration; `logging` follows a
+/// reload of `tallyd run`.
+pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     match cli.command {
         Command::CheckConfig => {
             print!("{}", config.to_redacted_toml());
             eprintln!("configuration is valid");
             ExitCode::from(EXIT_OK)
         }
-        Command::Run => daemon::run(config).await,
+        Command::Run => {
+            // A reload reads the configuration again from where this did.
+            let reload = Cli {
+                config: cli.config,
+                command: Command::Run,
+            };
+            daemon::run(&reload, config, &logging).await
+        }
         Command::Status(args) => daemon::status(args, &config).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,

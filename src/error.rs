@@ -57,6 +57,14 @@ pub(crate) mod code {
     /// daemon's change-stream monitor).
     #[cfg(feature = "daemon")]
     pub(crate) const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
+    /// `ChangeStreamFatalError`: the stream cannot go on from where it is
+    /// (the daemon's monitor starts a new one).
+    #[cfg(feature = "daemon")]
+    pub(crate) const CHANGE_STREAM_FATAL_ERROR: i32 = 280;
+    /// `InvalidResumeToken`: the server cannot resume from the saved token
+    /// (the daemon's monitor starts a new stream).
+    #[cfg(feature = "daemon")]
+    pub(crate) const INVALID_RESUME_TOKEN: i32 = 260;
 
     /// Codes that make a failed attempt transient: the node is not (or no
     /// longer) a writable primary, is recovering or shutting down, or the

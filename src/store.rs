@@ -24,8 +24,9 @@ use tokio::sync::OnceCell;
 use crate::error::{Error, Failure, Next, RetryBudget};
 use crate::redact::{SecretString, Secrets, redact_uri};
 
-/// Default bound on one attempt of an operation.
-pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default bound on one attempt of an operation: longer than the default
+/// server selection timeout, so that a selection timeout surfaces as itself.
+pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default TCP connect timeout, when the URI does not set one.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default server selection timeout, when the URI does not set one.
@@ -69,7 +70,8 @@ pub struct StoreConfig {
     /// How long tally waits for one attempt of an operation (server
     /// selection included) before abandoning it as a lost reply — a
     /// transient failure, retried once where that is safe. The driver has no
-    /// socket timeout; this bounds a hung connection. Default: 30s.
+    /// socket timeout; this bounds a hung connection. Default: 60s, longer
+    /// than the default server selection timeout.
     #[serde(serialize_with = "serialize_duration")]
     pub attempt_timeout: Duration,
 }
@@ -189,7 +191,7 @@ impl Store {
         }
     }
 
-    /// The same handle with another bound on each attempt (default 30s).
+    /// The same handle with another bound on each attempt (default 60s).
     pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             client: shared.client.clone(),

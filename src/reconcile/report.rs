@@ -81,6 +81,11 @@ pub struct CollectionRun {
     /// their batch ran (a writer completed them in between). When this is
     /// not zero, `tokens_folded` and `amount_folded` are upper bounds.
     pub concurrent_changes: u64,
+    /// Documents the server refused to update (a validator, a document that
+    /// would grow too large): left untouched, their tokens uncounted.
+    pub refused: u64,
+    /// A few of them, with what the server said.
+    pub refused_sample: Vec<MalformedDocument>,
     /// Age of the oldest stale token, in seconds, at the cutoff's clock.
     pub oldest_stale_age_seconds: Option<u64>,
     /// How long the run took.
@@ -104,6 +109,8 @@ impl CollectionRun {
             tokens_folded: 0,
             amount_folded: 0,
             concurrent_changes: 0,
+            refused: 0,
+            refused_sample: Vec::new(),
             oldest_stale_age_seconds: None,
             duration: Duration::ZERO,
             interrupted: false,

@@ -111,6 +111,116 @@ async fn a_bad_config_exits_78_naming_every_bad_key() {
     assert!(stderr.contains("TALLYD__LOG__LEVEL"), "{stderr}");
 }
 
+/// Runs `tallyd` like [`tallyd`], killing it if it has not exited within
+/// `limit` (`None` then).
+async fn tallyd_within(
+    limit: std::time::Duration,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Option<Output> {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(limit, child)
+        .await
+        .ok()
+        .map(|output| output.expect("run tallyd"))
+}
+
+/// `check-config` answers for `run`: a configuration one refuses, the other
+/// refuses too — exit 78, naming the key — before connecting to anything.
+#[tokio::test]
+async fn check_config_and_run_refuse_the_same_configurations() {
+    // Nothing listens there: a `run` that got past its configuration would
+    // wait for MongoDB instead of exiting.
+    let base = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=300\"\n\
+                database = \"d\"\n";
+    let views = format!("{base}[[collections]]\nname = \"views\"\n");
+    // (configuration file, environment, what the refusal says)
+    type Case<'a> = (String, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (base.to_owned(), vec![], "collections: none configured"),
+        (
+            format!("{views}[schedule]\ncron = \"0 0 0 30 2 *\"\n"),
+            vec![],
+            "schedule.cron: ",
+        ),
+        (
+            format!("{views}[log]\nlevel = \"inof\"\n"),
+            vec![],
+            "log.level: ",
+        ),
+        (views.clone(), vec![("RUST_LOG", "inof")], "RUST_LOG: "),
+        // The defaults: retry horizon 60s + attempt 60s.
+        (
+            format!("{views}[reconcile]\ngrace = \"90s\"\n"),
+            vec![],
+            "reconcile.grace: ",
+        ),
+        (
+            format!("{views}[alerts]\nstuck_after = \"10m\"\n"),
+            vec![],
+            "alerts.stuck_after: ",
+        ),
+        (
+            views.clone(),
+            vec![("TALLYD__MONGODB__ATTEMPT_TIMEOUT", "200ms")],
+            "mongodb.attempt_timeout: ",
+        ),
+        (
+            views.clone(),
+            vec![("TALLYD__X__Y", "1")],
+            "TALLYD__X__Y (environment): unknown key x",
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let limit = std::time::Duration::from_secs(20);
+    for (config, env, says) in &cases {
+        let path = write_config(dir.path(), config);
+        for command in ["check-config", "run"] {
+            let output = tallyd_within(limit, &["--config", &path, command], env)
+                .await
+                .unwrap_or_else(|| panic!("`{command}` accepted ({says}):\n{config}"));
+            let shown = text(&output);
+            assert_eq!(
+                output.status.code(),
+                Some(78),
+                "`{command}` ({says}):\n{shown}"
+            );
+            assert!(shown.contains(says), "`{command}`: no {says:?} in\n{shown}");
+        }
+    }
+    // The same file with the key fixed passes.
+    let path = write_config(dir.path(), &views);
+    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+}
+
+/// A misspelt level would make tracing log nothing at all: it is refused,
+/// with the forms a level may take.
+#[tokio::test]
+async fn a_misspelt_log_level_is_refused_with_the_accepted_forms() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(
+        dir.path(),
+        "[mongodb]\nuri = \"mongodb://h/d\"\n[[collections]]\nname = \"v\"\n[log]\nlevel = \"inof\"\n",
+    );
+    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
+    assert_eq!(output.status.code(), Some(78));
+    let shown = text(&output);
+    for expected in [
+        "log.level: ",
+        "\"inof\" is not a level",
+        "target=level",
+        "trace, debug, info, warn, error, off",
+    ] {
+        assert!(shown.contains(expected), "no {expected:?} in\n{shown}");
+    }
+}
+
 #[tokio::test]
 async fn a_missing_named_config_file_exits_78() {
     let output = tallyd(

@@ -96,7 +96,8 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
         })
         .collect();
 
-    // Folds every second, grace 3 s, retry horizon 2 s (as the writers').
+    // Folds every second, grace 7 s, retry horizon 2 s (as the writers'),
+    // more than the horizon plus the writers' 2 s attempts.
     let config = Conf::default().render(&ctx.child_uri_through(&proxy, false), &ctx.db_name);
     let mut daemon = Tallyd::start(&config, &[]);
     daemon.wait_ready("active", Duration::from_secs(30)).await;
