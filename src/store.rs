@@ -305,7 +305,9 @@ impl Store {
         .map_err(Error::Server)
     }
 
-    /// One `findOne` with a projection, retried once on a transient failure.
+    /// One `findOne` with a projection, retried once on a transient failure
+    /// (by the read rule: a lost cursor or a majority snapshot not ready yet
+    /// is transient too).
     pub(crate) async fn find_one(
         &self,
         collection: &Collection<Document>,
@@ -313,7 +315,7 @@ impl Store {
         projection: Document,
         operation: &'static str,
     ) -> Result<Option<Document>, Error> {
-        let mut budget = RetryBudget::retry_once(operation, false);
+        let mut budget = RetryBudget::read_once(operation);
         self.with_retry(&mut budget, || {
             collection
                 .find_one(filter.clone())
@@ -339,7 +341,7 @@ impl Store {
     /// failure.
     pub(crate) async fn hello(&self) -> Result<Document, Error> {
         let admin = self.inner.client.database("admin");
-        let mut budget = RetryBudget::retry_once("hello", false);
+        let mut budget = RetryBudget::read_once("hello");
         self.with_retry(&mut budget, || admin.run_command(doc! { "hello": 1 }))
             .await
             .map_err(Error::Server)

@@ -120,7 +120,7 @@ pub(crate) async fn highest_id(
     store: &Store,
     collection: &Collection<Document>,
 ) -> Result<Option<i64>, Error> {
-    let mut budget = RetryBudget::retry_once("insert_loop.highest_id", false);
+    let mut budget = RetryBudget::read_once("insert_loop.highest_id");
     // `$gte: -inf` selects exactly the numbers (type bracketing) and can
     // walk the `_id` index from its top.
     let found = store
