@@ -57,14 +57,15 @@ pub(crate) async fn insert_if_absent(
 
 /// An integral number stored as int32, int64 or an integral double (what
 /// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
-/// including doubles with a fraction or beyond 2^53, where the value is no
-/// longer exact.
+/// including doubles with a fraction and doubles of magnitude 2^53 or more:
+/// from 2^53 on, a double no longer tells two neighbouring integers apart
+/// (2^53 + 1 is stored as 2^53).
 pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
-    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    const EXACT_BELOW: f64 = 9_007_199_254_740_992.0; // 2^53
     match value {
         Bson::Int32(n) => Some(i64::from(*n)),
         Bson::Int64(n) => Some(*n),
-        Bson::Double(d) if d.fract() == 0.0 && d.abs() <= EXACT => Some(*d as i64),
+        Bson::Double(d) if d.fract() == 0.0 && d.abs() < EXACT_BELOW => Some(*d as i64),
         _ => None,
     }
 }
@@ -109,5 +110,24 @@ mod tests {
         assert_eq!(integer_value(&Bson::Double(f64::NAN)), None);
         assert_eq!(integer_value(&Bson::String("1".into())), None);
         assert_eq!(integer_value(&Bson::Null), None);
+    }
+
+    #[test]
+    fn doubles_are_exact_strictly_below_two_to_the_53() {
+        let two_53 = 9_007_199_254_740_992.0_f64;
+        assert_eq!(
+            integer_value(&Bson::Double(two_53 - 1.0)),
+            Some(9_007_199_254_740_991)
+        );
+        assert_eq!(
+            integer_value(&Bson::Double(-(two_53 - 1.0))),
+            Some(-9_007_199_254_740_991)
+        );
+        // 2^53 + 1 rounds to 2^53: the double no longer says which it was.
+        assert_eq!(integer_value(&Bson::Double(two_53)), None);
+        assert_eq!(integer_value(&Bson::Double(-two_53)), None);
+        assert_eq!(integer_value(&Bson::Double(two_53 * 2.0)), None);
+        // Integers are exact at any width.
+        assert_eq!(integer_value(&Bson::Int64(1 << 53)), Some(1 << 53));
     }
 }
