@@ -97,10 +97,35 @@ impl TestContext {
         self.client_with(options, retry_writes)
     }
 
+    /// A client for this test built from the test URI with `uri_options`
+    /// appended (e.g. `w=1`), recording the commands it sends.
+    pub async fn client_with_uri_options(
+        &self,
+        uri_options: &str,
+        retry_writes: bool,
+    ) -> TestClient {
+        let options = ClientOptions::parse(with_options(&self.uri, uri_options))
+            .await
+            .expect("parse test URI with options");
+        self.client_with(options, retry_writes)
+    }
+
     /// A client for this test that reaches the server through `proxy`
     /// (with the test URI's credentials: the proxy's URI has none).
     pub async fn client_through(&self, proxy: &proxy::Proxy, retry_writes: bool) -> TestClient {
-        let mut options = ClientOptions::parse(proxy.uri())
+        self.client_through_with(proxy, retry_writes, "").await
+    }
+
+    /// The same, with `uri_options` appended to the proxy's URI (e.g.
+    /// `serverSelectionTimeoutMS=2000`, so an attempt bound can be short:
+    /// it must exceed server selection).
+    pub async fn client_through_with(
+        &self,
+        proxy: &proxy::Proxy,
+        retry_writes: bool,
+        uri_options: &str,
+    ) -> TestClient {
+        let mut options = ClientOptions::parse(with_options(&proxy.uri(), uri_options))
             .await
             .expect("parse the proxy's URI");
         options.credential = ClientOptions::parse(&self.uri)
@@ -140,7 +165,9 @@ impl TestContext {
     fn client_with(&self, mut options: ClientOptions, retry_writes: bool) -> TestClient {
         options.app_name = Some(self.app_name.clone());
         options.retry_writes = Some(retry_writes);
-        options.server_selection_timeout = Some(Duration::from_secs(10));
+        if options.server_selection_timeout.is_none() {
+            options.server_selection_timeout = Some(Duration::from_secs(10));
+        }
         // Recover quickly after a fault marks the server unknown.
         options.heartbeat_freq = Some(Duration::from_millis(500));
         let events = CommandLog::default();
@@ -197,6 +224,8 @@ pub struct Sent {
     /// For `update`: the update operators (or `pipeline`) of the first
     /// statement, e.g. `["$addToSet", "$setOnInsert"]`.
     pub update_ops: Vec<String>,
+    /// The command's `writeConcern`, as sent.
+    pub write_concern: Option<Document>,
 }
 
 /// Every command a client started, in order.
@@ -223,6 +252,7 @@ impl CommandLog {
                 log.lock().unwrap().push(Sent {
                     name: started.command_name.clone(),
                     update_ops,
+                    write_concern: started.command.get_document("writeConcern").ok().cloned(),
                 });
             }
         })
@@ -246,6 +276,11 @@ impl CommandLog {
             .iter()
             .filter(|s| s.name == "update" && s.update_ops.iter().any(|o| o == op))
             .count()
+    }
+
+    /// Every command started so far, in order.
+    pub fn sent(&self) -> Vec<Sent> {
+        self.0.lock().unwrap().clone()
     }
 
     /// Forgets everything recorded so far.

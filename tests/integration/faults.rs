@@ -26,8 +26,11 @@ use tally::{
 use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
 use crate::common::{TestClient, TestContext, run_reconcile};
 
-/// The bound on one attempt for the client through the proxy.
+/// The bound on one attempt for the client through the proxy (which must
+/// exceed its server selection timeout, [`SELECTION`], by a second).
 const ATTEMPT: Duration = Duration::from_secs(3);
+/// The server selection timeout of the client through the proxy.
+const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 /// A delay well past [`ATTEMPT`]: the client gives up first.
 const DELAY: Duration = Duration::from_secs(6);
 
@@ -206,10 +209,11 @@ impl Rig {
         let ctx = TestContext::new(name).await;
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
         let store = ctx
-            .client_through(&proxy, retry_writes)
+            .client_through_with(&proxy, retry_writes, SELECTION)
             .await
             .store()
             .with_attempt_timeout(ATTEMPT);
+        assert_eq!(store.attempt_timeout(), ATTEMPT);
         let driver_retries = store
             .driver_retries_writes()
             .await

@@ -470,14 +470,16 @@ async fn on_a_standalone_server_tally_makes_the_retry_itself() {
 
 /// A reply that does not come within the attempt timeout is abandoned as a
 /// lost reply and retried once. (Step 2 is conditioned on the token, so the
-/// abandoned attempt cannot count twice when it runs late.)
+/// abandoned attempt cannot count twice when it runs late.) The bound must
+/// exceed server selection (here 1 s).
 #[tokio::test]
 async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
     let ctx = TestContext::new("attempt_timeout").await;
-    let client = ctx.client(false).await;
-    let store = client
-        .store()
-        .with_attempt_timeout(Duration::from_millis(300));
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let store = client.store().with_attempt_timeout(Duration::from_secs(2));
+    assert_eq!(store.attempt_timeout(), Duration::from_secs(2));
     let views = Counters::new(
         &store,
         CollectionConfig::new("views"),
@@ -488,7 +490,7 @@ async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
     let _fail = FailPoint::set(
         &ctx,
         Bson::Document(doc! { "skip": 1, "times": 1 }),
-        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 1500 },
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 4000 },
     )
     .await;
     assert_counted(&views.increment("k", 1).await);
@@ -520,4 +522,122 @@ async fn a_duplicate_on_another_unique_index_is_not_counted_without_retries() {
     };
     assert_eq!(not.cause().class(), Some(ErrorClass::DuplicateKey));
     assert_eq!(client.events.count("update"), 1);
+}
+
+/// Every write tally makes asks for `w: "majority"`, whatever the URI says:
+/// with `w: 1` a step 1 a failover rolls back could still be "counted".
+#[tokio::test]
+async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
+    let ctx = TestContext::new("write_concern_majority").await;
+    let client = ctx.client_with_uri_options("w=1", false).await;
+    assert_eq!(
+        client
+            .options
+            .write_concern
+            .as_ref()
+            .and_then(|wc| wc.w.clone()),
+        Some(mongodb::options::Acknowledgment::Nodes(1)),
+        "the URI asks for w: 1"
+    );
+    let store = client.store();
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    assert_counted(&views.increment("k", 1).await);
+    let sequences = tally::Sequences::new(&store, &tally::SequenceConfig::default());
+    assert_eq!(sequences.next("orders").await.unwrap(), 1);
+    let seats = tally::BoundedCounters::new(&store, tally::BoundedConfig::new("seats"));
+    assert!(seats.create("show", 2).await.unwrap());
+    assert_eq!(
+        seats.take("show", Token::new(), "ann").await.unwrap(),
+        tally::Take::Taken
+    );
+    let id = tally::InsertLoop::new(&store, "orders")
+        .insert(doc! { "a": 1 })
+        .await
+        .unwrap();
+    assert_eq!(id, 1);
+    // The fold's batch command goes through `run_command`.
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    ctx.client(false)
+        .await
+        .collection("views")
+        .update_one(
+            doc! { "_id": "f" },
+            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let target = tally::FoldTarget {
+        spec: CollectionConfig::new("views"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
+    assert_eq!(
+        (
+            run.error.as_ref().map(ToString::to_string),
+            run.tokens_folded
+        ),
+        (None, 1)
+    );
+
+    let writes: Vec<_> = client
+        .events
+        .sent()
+        .into_iter()
+        .filter(|s| ["insert", "update", "findAndModify", "delete"].contains(&s.name.as_str()))
+        .collect();
+    let count = |name: &str| writes.iter().filter(|s| s.name == name).count();
+    // Step 1, step 2, the take, the fold; the sequence's and the bounded
+    // counter's create and the insert loop's insert; the sequence's `next`.
+    assert!(count("update") >= 4, "{writes:?}");
+    assert!(count("insert") >= 3, "{writes:?}");
+    assert!(count("findAndModify") >= 1, "{writes:?}");
+    for sent in &writes {
+        assert_eq!(
+            sent.write_concern,
+            Some(doc! { "w": "majority" }),
+            "{} sent another write concern",
+            sent.name
+        );
+    }
+}
+
+/// A server nobody answers is an outage, not a lost reply: the increment is
+/// not counted (class command) after one attempt — also when the attempt
+/// bound is configured shorter than server selection (the old defaults made
+/// them equal, 30 s each, and the first to fire won).
+#[tokio::test]
+async fn a_server_selection_timeout_is_not_counted_after_one_attempt() {
+    let address = crate::common::tallyd::free_address();
+    let mut config = tally::StoreConfig::new(
+        format!("mongodb://{address}/?directConnection=true&retryWrites=false"),
+        "d",
+    );
+    config.server_selection_timeout = Duration::from_secs(1);
+    config.attempt_timeout = Duration::from_millis(800);
+    let store = tally::Store::connect(&config).await.unwrap();
+    assert!(
+        store.attempt_timeout() > Duration::from_secs(1),
+        "raised above selection: {:?}",
+        store.attempt_timeout()
+    );
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    let outcome = views.increment("k", 1).await;
+    let Increment::NotCounted(not) = &outcome else {
+        panic!("expected not counted, got {outcome:?}");
+    };
+    let Error::Server(failure) = not.cause() else {
+        panic!("expected a server failure, got {:?}", not.cause());
+    };
+    assert_eq!(failure.class, ErrorClass::Command, "{failure}");
+    assert_eq!(failure.attempts, 1, "{failure}");
 }

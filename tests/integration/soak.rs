@@ -34,9 +34,12 @@ const FAULT_SHARE: f64 = 0.026;
 /// Share of increments whose writer "crashes" right after step 1.
 const CRASH_SHARE: f64 = 0.05;
 const DEFAULT_SEED: u64 = 20_261_122;
-/// The writers' bound on one attempt; the delay fault holds replies longer.
-const ATTEMPT: Duration = Duration::from_secs(2);
-const DELAY: Duration = Duration::from_secs(3);
+/// The writers' bound on one attempt (it must exceed their server
+/// selection timeout, [`SELECTION`], by a second); the delay fault holds
+/// replies longer.
+const ATTEMPT: Duration = Duration::from_secs(3);
+const SELECTION: &str = "serverSelectionTimeoutMS=2000";
+const DELAY: Duration = Duration::from_secs(4);
 /// The writers' retry horizon, the same as the daemon's config says.
 const RETRY_HORIZON: Duration = Duration::from_secs(2);
 /// The whole soak must finish within this.
@@ -104,7 +107,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let client = ctx.client_through(&proxy, false).await;
+        let client = ctx.client_through_with(&proxy, false, SELECTION).await;
         let store = client.store().with_attempt_timeout(ATTEMPT);
         let keys = keys.clone();
         let done = done.clone();
