@@ -365,6 +365,23 @@ pub enum Error {
         horizon: Duration,
     },
 
+    /// `resume` was given another amount than the document holds for the
+    /// token (pending, or in the marker of the settle that counted it):
+    /// refused, nothing was written. The ticket and the document disagree
+    /// about what the increment was; resume with the stored amount if the
+    /// ticket is wrong.
+    #[error(
+        "token {token} was added with amount {stored}, not {given}: refused, nothing was written"
+    )]
+    AmountMismatch {
+        /// The token, as 24 hex digits.
+        token: String,
+        /// The amount the document holds for the token.
+        stored: i64,
+        /// The amount the caller gave.
+        given: i64,
+    },
+
     /// The caller passed a value the operation cannot accept; nothing was
     /// sent.
     #[error("invalid argument: {0}")]

@@ -29,7 +29,8 @@ use std::time::Duration;
 use mongodb::bson::{Document, doc};
 use mongodb::error::Error as MongoError;
 use mongodb::options::{
-    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, WriteConcern,
+    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, UpdateModifications,
+    WriteConcern,
 };
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
@@ -357,13 +358,14 @@ impl Store {
             .copied()
     }
 
-    /// One idempotent `updateOne`, retried once on a transient failure
-    /// (leaving the retry to the driver when it makes it).
+    /// One idempotent `updateOne` (operators or a pipeline), retried once on
+    /// a transient failure (leaving the retry to the driver when it makes
+    /// it).
     pub(crate) async fn update_one(
         &self,
         collection: &Collection<Document>,
         filter: Document,
-        update: Document,
+        update: impl Into<UpdateModifications> + Clone,
         operation: &'static str,
     ) -> Result<UpdateResult, Error> {
         let driver_retries = self.driver_retries_writes().await?;

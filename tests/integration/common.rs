@@ -43,7 +43,9 @@ pub fn external() -> bool {
 
 /// `uri` with extra query options appended.
 pub fn with_options(uri: &str, options: &str) -> String {
-    if uri.contains('?') {
+    if options.is_empty() {
+        uri.to_owned()
+    } else if uri.contains('?') {
         format!("{uri}&{options}")
     } else if uri.ends_with('/') {
         format!("{uri}?{options}")

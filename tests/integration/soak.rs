@@ -266,22 +266,25 @@ async fn settle(counters: &Counters, key: &str, rng: &mut fastrand::Rng) -> (Str
             Increment::Counted(_) => break Claim::Counted,
             Increment::Pending(pending) => {
                 if rng.bool() {
-                    let _: Completion = counters.complete(&pending).await;
+                    let _: Completion = counters.complete(pending).await;
                 }
                 break Claim::Counted;
             }
             Increment::NotCounted(_) => break Claim::NotCounted,
-            Increment::Unknown(unknown) => match counters.resume(&unknown).await {
-                Ok(next) => outcome = next,
-                Err(Error::RetryHorizonExceeded { .. }) => break Claim::AtMostOnce,
-                // The lookup failed: ask again, a few times.
-                Err(_) if lookups < 10 => {
-                    lookups += 1;
+            // Still unknown after a few resumes (a read that keeps failing):
+            // given up on, counted at most once.
+            Increment::Unknown(_) if lookups >= 10 => break Claim::AtMostOnce,
+            Increment::Unknown(unknown) => {
+                if lookups > 0 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    outcome = Increment::Unknown(unknown);
                 }
-                Err(_) => break Claim::AtMostOnce,
-            },
+                lookups += 1;
+                match counters.resume(unknown).await {
+                    Ok(next) => outcome = next,
+                    Err(Error::RetryHorizonExceeded { .. }) => break Claim::AtMostOnce,
+                    Err(err) => panic!("resume refused: {err}"),
+                }
+            }
         }
     };
     (key.to_owned(), token, claim)
