@@ -112,6 +112,44 @@ impl TestContext {
         self.client_with(options, retry_writes)
     }
 
+    /// A store on the test server under another application name, so this
+    /// test's fail points (scoped to its own) do not touch it: a rival
+    /// writer.
+    pub async fn rival_store(&self) -> Store {
+        let mut options = ClientOptions::parse(&self.uri)
+            .await
+            .expect("parse test URI");
+        options.app_name = Some(format!("{}-rival", self.app_name));
+        options.retry_writes = Some(false);
+        let client = Client::with_options(options.clone()).expect("build client");
+        Store::from_parts(client, &options, &self.db_name)
+    }
+
+    /// Holds this test's next `insert` on the server for 3 s before it
+    /// executes (until the guard is dropped), and returns once the insert
+    /// `start` began was sent: its caller may have given up on it (a short
+    /// attempt bound) by the time it applies.
+    pub async fn hold_next_insert<T>(
+        &self,
+        sent: &CommandLog,
+        start: impl FnOnce() -> T,
+    ) -> (FailPoint, T) {
+        let fail = FailPoint::set(
+            self,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["insert"], "blockConnection": true, "blockTimeMS": 3000 },
+        )
+        .await;
+        let before = sent.count("insert");
+        let started = start();
+        wait_until("the held insert was sent", Duration::from_secs(10), || {
+            let sent = sent.clone();
+            async move { sent.count("insert") > before }
+        })
+        .await;
+        (fail, started)
+    }
+
     /// A client for this test that reaches the server through `proxy`
     /// (with the test URI's credentials: the proxy's URI has none).
     pub async fn client_through(&self, proxy: &proxy::Proxy, retry_writes: bool) -> TestClient {
@@ -320,6 +358,27 @@ impl FailPoint {
             uri: ctx.uri.clone(),
             _turn: turn,
         }
+    }
+}
+
+impl FailPoint {
+    /// The next `command` of `ctx`'s clients applies, then reports a
+    /// write-concern error with `code` (named `code_name`) and no labels.
+    pub async fn write_concern_error(
+        ctx: &TestContext,
+        command: &str,
+        code: i32,
+        code_name: &str,
+    ) -> Self {
+        Self::set(
+            ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! {
+                "failCommands": [command],
+                "writeConcernError": { "code": code, "codeName": code_name, "errmsg": "injected" },
+            },
+        )
+        .await
     }
 }
 
