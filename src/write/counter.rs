@@ -237,6 +237,9 @@ impl Counters {
                     };
                     return Ok(self.complete(pending).await.into());
                 }
+                // The token turned older than the horizon while step 1 was
+                // being sent: refused, as above.
+                Added::No(cause @ Error::RetryHorizonExceeded { .. }) => return Err(cause),
                 Added::No(cause) => return Ok(not_counted(key, entry, cause)),
                 Added::Unknown(cause) => {
                     return Ok(Increment::Unknown(UnknownToken {
