@@ -22,8 +22,8 @@
 //! let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
 //! match views.increment("home", 1).await {
 //!     Increment::Counted(_) => {}
-//!     Increment::Pending(token) => { let _ = views.complete(&token).await; }
-//!     Increment::Unknown(token) => { let _ = views.resume(&token).await?; }
+//!     Increment::Pending(token) => { let _ = views.complete(token).await; }
+//!     Increment::Unknown(token) => { let _ = views.resume(token).await?; }
 //!     Increment::NotCounted(not) => return Err(not.cause().clone().into()),
 //! }
 //! # Ok(()) }

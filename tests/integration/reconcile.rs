@@ -131,7 +131,7 @@ async fn the_naive_fold_loses_an_increment_that_tallys_fold_keeps() {
         .unwrap()
         .expect("live token pending");
     assert!(matches!(
-        views.complete(&pending).await,
+        views.complete(pending).await,
         tally::Completion::Counted(_)
     ));
     let folded = reconciler
@@ -241,7 +241,7 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
                     match counters.increment(key.as_str(), amount).await {
                         Increment::Counted(_) | Increment::Pending(_) => {}
                         Increment::Unknown(unknown) => {
-                            let resumed = counters.resume(&unknown).await.expect("resume");
+                            let resumed = counters.resume(unknown).await.expect("resume");
                             assert!(!matches!(resumed, Increment::NotCounted(_)), "{resumed:?}");
                         }
                         Increment::NotCounted(not) => panic!("not counted: {:?}", not.cause()),
