@@ -14,7 +14,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::Config;
+use crate::config::{Config, ConfigErrors};
+use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
@@ -51,13 +52,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
     /// Run the daemon: fold on the schedule, watch the counters, alert,
-    /// serve /metrics. Stops at SIGTERM or SIGINT.
+    /// serve /metrics. Stops at SIGTERM or SIGINT; SIGHUP reloads the
+    /// configuration.
     Run,
     /// Show, per collection, the pending and stuck tokens and the malformed
     /// documents.
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
-    /// masked. Exits 78 naming every bad key.
+    /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
     /// Add to a counter with the two-step increment and say exactly what
     /// happened.
@@ -103,15 +105,39 @@ impl TargetArgs {
     }
 }
 
-/// Runs a command against a loaded configuration.
-pub async fn run(cli: Cli, config: Config) -> ExitCode {
+impl Cli {
+    /// Loads the configuration from `--config` (or the default file) and
+    /// `env`, with the checks the command needs: `run` and `check-config`
+    /// (which answers for `run`) refuse the same configurations.
+    pub fn load_config(
+        &self,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigErrors> {
+        let config = Config::load(self.config.as_deref(), env)?;
+        if matches!(self.command, Command::Run | Command::CheckConfig) {
+            config.check_daemon()?;
+        }
+        Ok(config)
+    }
+}
+
+/// Runs a command against a loaded configuration; `logging` follows a
+/// reload of `tallyd run`.
+pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     match cli.command {
         Command::CheckConfig => {
             print!("{}", config.to_redacted_toml());
             eprintln!("configuration is valid");
             ExitCode::from(EXIT_OK)
         }
-        Command::Run => daemon::run(config).await,
+        Command::Run => {
+            // A reload reads the configuration again from where this did.
+            let reload = Cli {
+                config: cli.config,
+                command: Command::Run,
+            };
+            daemon::run(&reload, config, &logging).await
+        }
         Command::Status(args) => daemon::status(args, &config).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,
@@ -122,8 +148,9 @@ pub async fn run(cli: Cli, config: Config) -> ExitCode {
 }
 
 /// The collections a multi-collection command works on (the ones named,
-/// else every configured one), a reconciler, and the server's time — or the
-/// exit code of the failure, already reported.
+/// else every configured one), a reconciler, the server's time, and the
+/// store to shut down at the end — or the exit code of the failure, already
+/// reported.
 async fn survey_setup(
     named: &[String],
     json: bool,
@@ -133,6 +160,7 @@ async fn survey_setup(
         Vec<String>,
         crate::reconcile::Reconciler,
         std::time::SystemTime,
+        crate::store::Store,
     ),
     ExitCode,
 > {
@@ -150,11 +178,15 @@ async fn survey_setup(
         .await
         .map_err(|err| fail(json, &err.to_string(), &secrets))?;
     let reconciler = crate::reconcile::Reconciler::new(&store);
-    let now = reconciler
-        .server_time()
-        .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets))?;
-    Ok((names, reconciler, now))
+    let now = match reconciler.server_time().await {
+        Ok(now) => now,
+        Err(err) => {
+            drop(reconciler);
+            store.shutdown().await;
+            return Err(fail(json, &err.to_string(), &secrets));
+        }
+    };
+    Ok((names, reconciler, now, store))
 }
 
 /// Prints a failure that happened before any outcome was known.

@@ -17,9 +17,10 @@ mod alerts;
 mod daemon;
 mod field;
 mod library;
+mod margins;
 mod raw;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -171,13 +172,23 @@ impl Config {
             .filter(|(k, _)| k.starts_with(&prefix))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let from_env: BTreeSet<String> = env
+        let from_env: BTreeMap<String, String> = env
             .keys()
-            .map(|k| k[prefix.len()..].to_lowercase().replace(ENV_SEPARATOR, "."))
+            .map(|k| {
+                let dotted = k[prefix.len()..].to_lowercase().replace(ENV_SEPARATOR, ".");
+                (dotted, k.clone())
+            })
             .collect();
         let mut builder = config::Config::builder();
+        let mut in_file = BTreeSet::new();
         if let Some(text) = text {
-            builder = builder.add_source(config::File::from_str(text, config::FileFormat::Toml));
+            let file = config::File::from_str(text, config::FileFormat::Toml);
+            let shown = |err| ConfigErrors::single(origin, format!("cannot parse: {err}"));
+            in_file = config::Source::collect(&file)
+                .map_err(shown)?
+                .into_keys()
+                .collect();
+            builder = builder.add_source(file);
         }
         builder = builder.add_source(
             config::Environment::with_prefix(ENV_PREFIX)
@@ -191,7 +202,7 @@ impl Config {
         let raw: RawConfig = merged
             .try_deserialize()
             .map_err(|err| ConfigErrors::single(origin, format!("cannot read: {err}")))?;
-        let mut issues = Issues::new(from_env);
+        let mut issues = Issues::new(from_env, in_file);
         let config = validate(raw, &all_env, &mut issues);
         if issues.is_empty() {
             Ok(config)
@@ -200,6 +211,20 @@ impl Config {
                 issues: issues.into_list(),
             })
         }
+    }
+
+    /// What only the daemon needs besides a valid configuration: collections
+    /// to watch. `tallyd run` refuses to start without them, and `tallyd
+    /// check-config` answers for `run`, so both call this.
+    pub(crate) fn check_daemon(&self) -> Result<(), ConfigErrors> {
+        if self.collections.is_empty() {
+            return Err(ConfigErrors::single(
+                "collections",
+                "none configured: `tallyd run` would have nothing to watch or fold; add a \
+                 [[collections]] table",
+            ));
+        }
+        Ok(())
     }
 
     /// The settings for a collection: its `[[collections]]` entry, or the
@@ -247,21 +272,15 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
     let collections = library::validate_collections(raw.collections, issues);
     let writer = library::validate_writer(issues.table("writer", raw.writer), issues);
     let reconcile = library::validate_reconcile(issues.table("reconcile", raw.reconcile), issues);
-    library::check_graces(&reconcile, &collections, writer.retry_horizon, issues);
     let sequences = library::validate_sequences(issues.table("sequences", raw.sequences), issues);
     let schedule = daemon::validate_schedule(issues.table("schedule", raw.schedule), issues);
     let monitor = daemon::validate_monitor(issues.table("monitor", raw.monitor), issues);
-    let alerts = alerts::validate_alerts(
-        issues.table("alerts", raw.alerts),
-        writer.retry_horizon,
-        env,
-        issues,
-    );
+    let alerts = alerts::validate_alerts(issues.table("alerts", raw.alerts), env, issues);
     let ha = daemon::validate_ha(issues.table("ha", raw.ha), issues);
     let http = daemon::validate_http(issues.table("http", raw.http), issues);
     let daemon = daemon::validate_daemon(issues.table("daemon", raw.daemon), &collections, issues);
-    let log = daemon::validate_log(issues.table("log", raw.log), issues);
-    Config {
+    let log = daemon::validate_log(issues.table("log", raw.log), env, issues);
+    let config = Config {
         mongodb,
         collections,
         writer,
@@ -274,7 +293,9 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         http,
         daemon,
         log,
-    }
+    };
+    margins::check(&config, issues);
+    config
 }
 
 #[cfg(test)]

@@ -1,11 +1,14 @@
 //! `tallyd run`: the long-running daemon (DESIGN §6).
 //!
-//! [`run`] wires the parts together and drives them until `shutdown`:
+//! [`supervise`] ([`supervisor`]) runs the daemon until it is told to stop,
+//! and on a reload drains it and starts it again with the new
+//! configuration, in the same process. [`run`] wires the parts together
+//! and drives them until `shutdown`:
 //!
 //! - the HTTP endpoints ([`http`]) — bound first, so a taken port fails the
 //!   start at once;
-//! - waiting for MongoDB (READY=1 to systemd once it answers, WATCHDOG=1 at
-//!   half the watchdog interval from then on);
+//! - waiting for MongoDB (READY=1 to systemd once it answers), then a
+//!   periodic `hello` that keeps `/readyz` current ([`readiness`]);
 //! - the lease ([`lease`], with `[ha]`), deciding whether this
 //!   instance folds and alerts;
 //! - the monitor ([`monitor`]), the live view of pending tokens;
@@ -18,9 +21,10 @@
 //! The daemon's own records (last successful runs, resume tokens, the
 //! lease) live in MongoDB ([`state`]).
 //!
-//! At shutdown (SIGTERM/SIGINT) no new run starts, a running fold finishes
-//! its batch, the monitors save their resume tokens, the lease is released
-//! — all within `[daemon] shutdown_timeout`.
+//! At shutdown no new run starts, a running fold finishes its batch, the
+//! monitors save their resume tokens, the lease is released — all within
+//! `[daemon] shutdown_timeout`; what could not be done is reported
+//! ([`Drained`]).
 
 pub(crate) mod alert;
 mod evaluator;
@@ -28,14 +32,17 @@ mod http;
 mod lease;
 pub(crate) mod metrics;
 pub(crate) mod monitor;
+mod readiness;
 mod runner;
 pub(crate) mod schedule;
 mod state;
+mod supervisor;
 
 use std::collections::HashMap;
+use std::io::ErrorKind;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -44,22 +51,25 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::reconcile::{FoldTarget, Reconciler};
-use crate::redact::Secrets;
 use crate::store::Store;
-use alert::{AlertOptions, Alerts};
+use alert::{AlertLedger, AlertOptions, Alerts};
 use evaluator::Evaluator;
-use http::Readiness;
 use lease::{Lease, Role};
 use metrics::Metrics;
 use monitor::Monitor;
+use readiness::Readiness;
 use runner::{Request, Runner};
 use schedule::Schedule;
 use state::State;
 
+pub(crate) use supervisor::{Command, supervise};
+
 /// Why the daemon could not run.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum DaemonError {
-    /// The configuration cannot drive a daemon (exit 78).
+    /// The configuration cannot drive a daemon, or the environment refuses
+    /// it in a way only the operator can fix (a taken port, credentials the
+    /// server rejects): exit 78, do not restart.
     #[error("{0}")]
     Config(String),
     /// Something the daemon needs could not be set up.
@@ -67,38 +77,63 @@ pub(crate) enum DaemonError {
     Start(String),
 }
 
-/// Runs the daemon until `shutdown` is cancelled.
-pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
-    if config.collections.is_empty() {
-        return Err(DaemonError::Config(
-            "no [[collections]] configured: the daemon has nothing to watch".into(),
-        ));
+/// How a drain ended: what it could not do before the process goes on (a
+/// reload) or exits. Secrets are scrubbed from every line.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Drained {
+    /// What was not saved or not finished, one line each.
+    pub(crate) not_done: Vec<String>,
+}
+
+impl Drained {
+    /// Everything was saved and finished.
+    pub(crate) fn is_clean(&self) -> bool {
+        self.not_done.is_empty()
     }
+}
+
+/// What outlives one run of the daemon when the configuration is reloaded:
+/// the metrics (counters keep counting) and which alerts fire.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Kept {
+    metrics: Metrics,
+    ledger: AlertLedger,
+}
+
+/// Runs the daemon until `shutdown` is cancelled, then drains it.
+pub(crate) async fn run(
+    config: Config,
+    kept: Kept,
+    shutdown: CancellationToken,
+) -> Result<Drained, DaemonError> {
     let schedule =
         Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
     let secrets = config.secrets();
-    let metrics = Metrics::new();
+    let metrics = kept.metrics.clone();
     let tracker = TaskTracker::new();
-    let listener = TcpListener::bind(config.http.listen).await.map_err(|err| {
-        DaemonError::Start(format!("cannot listen on {}: {err}", config.http.listen))
-    })?;
+    let listener = bind(&config).await?;
     tracing::info!(listen = %config.http.listen, "serving /metrics, /healthz, /readyz");
 
     let store = Store::connect(&config.mongodb)
         .await
-        .map_err(|err| DaemonError::Start(err.to_string()))?;
+        .map_err(|err| DaemonError::Start(secrets.scrub(&err.to_string())))?;
     let state = State::new(&store, &config.daemon.state_collection);
-    // Without `[ha]` the role never changes; its sender lives as long as
+    // Not active before MongoDB answered: with `[ha]` the lease keeper says
+    // so once the lease is taken; without it, this instance becomes active
+    // at the first contact. The sender of the fixed role lives as long as
     // this function, so watchers see a steady channel.
-    let (_fixed_role, role) = if config.ha.enabled {
+    metrics.lease_active.set(0);
+    let (fixed_role, role) = if config.ha.enabled {
         let lease = Lease::new(&store, &state, &config.ha.instance, config.ha.lease_ttl);
-        (None, lease.keep(metrics.clone(), shutdown.clone()))
+        (
+            None,
+            lease.keep(metrics.clone(), &tracker, shutdown.clone()),
+        )
     } else {
-        metrics.lease_active.set(1);
-        let (sender, receiver) = watch::channel(Role::Active);
+        let (sender, receiver) = watch::channel(Role::Standby);
         (Some(sender), receiver)
     };
-    let readiness = Readiness::new(role.clone());
+    let readiness = Readiness::new(role.clone(), metrics.clone());
     tracker.spawn(http::serve(
         listener,
         metrics.clone(),
@@ -106,16 +141,28 @@ pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(
         shutdown.clone(),
     ));
 
-    if !wait_for_server(&store, &secrets, &shutdown).await {
-        return drain(tracker, &config, "before MongoDB answered").await;
+    let reached = match readiness.first_contact(&store, &secrets, &shutdown).await {
+        Ok(reached) => reached,
+        Err(err) => {
+            shutdown.cancel();
+            drain(tracker, &config, "at start").await;
+            return Err(err);
+        }
+    };
+    if !reached {
+        return Ok(drain(tracker, &config, "before MongoDB answered").await);
     }
-    readiness.set_connected();
-    metrics.ready.set(1);
-    notify_systemd(&[sd_notify::NotifyState::Ready]);
+    if let Some(fixed) = &fixed_role {
+        fixed.send_replace(Role::Active);
+        metrics.lease_active.set(1);
+    }
+    tracker.spawn(
+        readiness
+            .clone()
+            .follow(store.clone(), secrets.clone(), shutdown.clone()),
+    );
+    supervisor::notify_systemd(&[sd_notify::NotifyState::Ready]);
     tracing::info!(role = role.borrow().as_str(), "ready");
-    if let Some(interval) = sd_notify::watchdog_enabled() {
-        tracker.spawn(watchdog(interval / 2, shutdown.clone()));
-    }
 
     let targets: Vec<FoldTarget> = config
         .collections
@@ -124,6 +171,7 @@ pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(
         .collect();
     let alert_options = AlertOptions {
         instance: Some(config.ha.instance.clone()),
+        ledger: kept.ledger.clone(),
         ..AlertOptions::default()
     };
     let alerts = Alerts::start_with(
@@ -134,6 +182,7 @@ pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(
         shutdown.clone(),
         alert_options,
     );
+    alerts.resolve_unless(|name| targets.iter().any(|t| t.spec.name == name));
     let monitor = Monitor::start(
         &store,
         &state,
@@ -185,7 +234,7 @@ pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(
 
     let evaluator = Evaluator {
         config: config.clone(),
-        monitor,
+        monitor: monitor.clone(),
         alerts,
         metrics: metrics.clone(),
         role,
@@ -195,64 +244,63 @@ pub(crate) async fn run(config: Config, shutdown: CancellationToken) -> Result<(
     tracker.spawn(evaluator.run(shutdown.clone()));
 
     shutdown.cancelled().await;
-    drain(tracker, &config, "at shutdown").await
+    let mut drained = drain(tracker, &config, "at shutdown").await;
+    for name in monitor.unsaved() {
+        drained
+            .not_done
+            .push(format!("the change-stream position of {name}"));
+    }
+    Ok(drained)
+}
+
+/// Sleeps until `at`; forever when there is nothing to wait for (a
+/// disabled branch of a `select!`).
+pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Binds `[http] listen`. An address this host cannot listen on (taken, not
+/// its own, a port it may not bind) is the operator's to fix: restarting
+/// would fail the same way.
+async fn bind(config: &Config) -> Result<TcpListener, DaemonError> {
+    let listen = config.http.listen;
+    TcpListener::bind(listen).await.map_err(|err| {
+        let message = format!("cannot listen on {listen} ([http] listen): {err}");
+        match err.kind() {
+            ErrorKind::AddrInUse | ErrorKind::AddrNotAvailable | ErrorKind::PermissionDenied => {
+                DaemonError::Config(format!(
+                    "{message}; choose another address in [http] listen, or stop what holds it"
+                ))
+            }
+            _ => DaemonError::Start(message),
+        }
+    })
 }
 
 /// Waits for the tasks to finish their work, up to the shutdown timeout.
-async fn drain(tracker: TaskTracker, config: &Config, when: &str) -> Result<(), DaemonError> {
-    notify_systemd(&[sd_notify::NotifyState::Stopping]);
-    tracing::info!(when, deadline = ?config.daemon.shutdown_timeout, "shutting down");
+async fn drain(tracker: TaskTracker, config: &Config, when: &str) -> Drained {
+    let deadline = config.daemon.shutdown_timeout;
+    tracing::info!(when, ?deadline, "shutting down");
     tracker.close();
-    if tokio::time::timeout(config.daemon.shutdown_timeout, tracker.wait())
+    if tokio::time::timeout(deadline, tracker.wait())
         .await
         .is_err()
     {
         tracing::error!(
-            deadline = ?config.daemon.shutdown_timeout,
+            ?deadline,
             "the shutdown deadline passed with work still running; exiting anyway (a fold \
              batch that was cut off is applied or not as a whole, and will be folded again)"
         );
-    } else {
-        tracing::info!("stopped");
+        return Drained {
+            not_done: vec![format!(
+                "the drain: the shutdown deadline passed ({}) with work still running",
+                humantime::format_duration(deadline)
+            )],
+        };
     }
-    Ok(())
-}
-
-/// Waits until the server answers; `false` if shutdown came first.
-async fn wait_for_server(store: &Store, secrets: &Secrets, shutdown: &CancellationToken) -> bool {
-    let mut backoff = Duration::from_secs(1);
-    loop {
-        match store.hello().await {
-            Ok(_) => return true,
-            Err(err) => {
-                tracing::warn!(
-                    cause = %secrets.scrub(&err.to_string()),
-                    retry_in = ?backoff,
-                    "waiting for MongoDB"
-                );
-            }
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return false,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(30));
-    }
-}
-
-fn notify_systemd(states: &[sd_notify::NotifyState]) {
-    if let Err(err) = sd_notify::notify(states) {
-        tracing::warn!(cause = %err, "cannot notify systemd");
-    }
-}
-
-/// Tells systemd the daemon is alive, every `every`, until shutdown.
-async fn watchdog(every: Duration, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = tick.tick() => notify_systemd(&[sd_notify::NotifyState::Watchdog]),
-        }
-    }
+    tracing::info!("stopped");
+    Drained::default()
 }

@@ -22,8 +22,8 @@
 //! let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
 //! match views.increment("home", 1).await {
 //!     Increment::Counted(_) => {}
-//!     Increment::Pending(token) => { let _ = views.complete(&token).await; }
-//!     Increment::Unknown(token) => { let _ = views.resume(&token).await?; }
+//!     Increment::Pending(token) => { let _ = views.complete(token).await; }
+//!     Increment::Unknown(token) => { let _ = views.resume(token).await?; }
 //!     Increment::NotCounted(not) => return Err(not.cause().clone().into()),
 //! }
 //! # Ok(()) }
@@ -62,9 +62,10 @@
 //! - `config`: the TOML file and its environment overrides, read into the
 //!   library's settings (`library`) and the daemon's own (`daemon`,
 //!   `alerts`), every bad key reported at once (`raw`, `field`).
-//! - `daemon`: `tallyd run` and everything it wires together — `runner`,
-//!   `evaluator`, `monitor`, `alert` (and its `webhook`), `lease`,
-//!   `schedule`, `state`, `http`, `metrics`.
+//! - `daemon`: `tallyd run` and everything it wires together — `supervisor`
+//!   (stop and reload), `runner`, `evaluator`, `monitor` (and its
+//!   `snapshot`), `alert` (and its `lanes` and `webhook`), `lease`,
+//!   `readiness`, `schedule`, `state`, `http`, `metrics`.
 //! - `cli`: the `tallyd` commands, thin layers over the modules above.
 //! - `logging`: tracing to standard error, as text or JSON.
 //!

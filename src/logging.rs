@@ -1,40 +1,75 @@
 //! Logging setup: tracing to standard error, readable text on a terminal or
 //! one JSON object per line, filtered by `RUST_LOG` when set, else by
-//! `[log] level`.
+//! `[log] level`. The filter follows a configuration reload; the format is
+//! chosen once, at start.
 
 use std::io::IsTerminal;
 
-use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::FmtSpan;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry, reload};
 
-use crate::config::{Config, LogFormat};
+use crate::config::{Config, LogConfig, LogFormat};
+
+/// The installed logging: applies the filter of a reloaded configuration.
+#[derive(Debug)]
+pub struct Logging {
+    filter: reload::Handle<EnvFilter, Registry>,
+    format: LogFormat,
+}
 
 /// Installs the global subscriber as `[log]` says. Call once, at start-up;
-/// later calls are ignored (tests install their own).
-pub fn init(config: &Config) {
+/// later calls install nothing (tests install their own) and return a
+/// handle that changes nothing.
+pub fn init(config: &Config) -> Logging {
     let config = &config.log;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(directives) if !directives.trim().is_empty() => {
-            EnvFilter::builder().parse_lossy(directives)
-        }
-        // The scheduler library narrates its own start-up at INFO.
-        _ => {
-            EnvFilter::builder().parse_lossy(format!("{},tokio_cron_scheduler=warn", config.level))
-        }
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let (filter, handle) = reload::Layer::new(filter(config));
+    let output = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_span_events(FmtSpan::NONE);
-    let _ = match config.format {
-        LogFormat::Json => builder
+    let output = match config.format {
+        LogFormat::Json => output
             .json()
             .flatten_event(true)
             .with_current_span(false)
-            .try_init(),
-        LogFormat::Text => builder
+            .boxed(),
+        LogFormat::Text => output
             .with_ansi(std::io::stderr().is_terminal())
             .with_target(false)
-            .try_init(),
+            .boxed(),
     };
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(output)
+        .try_init();
+    Logging {
+        filter: handle,
+        format: config.format,
+    }
+}
+
+impl Logging {
+    /// Applies `config`'s filter (`RUST_LOG`, else `[log] level`); a new
+    /// `[log] format` takes effect at the next start.
+    pub fn apply(&self, config: &Config) {
+        let config = &config.log;
+        if let Err(err) = self.filter.reload(filter(config)) {
+            tracing::warn!(cause = %err, "cannot change the log filter");
+        }
+        if config.format != self.format {
+            tracing::warn!("[log] format changes take effect at the next start");
+        }
+    }
+}
+
+/// The filter `[log]` (or `RUST_LOG`, already checked) describes.
+fn filter(config: &LogConfig) -> EnvFilter {
+    match &config.rust_log {
+        Some(directives) => EnvFilter::builder().parse_lossy(directives),
+        // The scheduler library narrates its own start-up at INFO.
+        None => {
+            EnvFilter::builder().parse_lossy(format!("{},tokio_cron_scheduler=warn", config.level))
+        }
+    }
 }

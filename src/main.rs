@@ -5,18 +5,18 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tally::cli::{self, Cli};
-use tally::config::{Config, EXIT_CONFIG};
+use tally::config::EXIT_CONFIG;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match Config::load(cli.config.as_deref(), std::env::vars()) {
+    let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
         Err(errors) => {
             eprintln!("{errors}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    tally::logging::init(&config);
+    let logging = tally::logging::init(&config);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(err) => {
@@ -24,5 +24,5 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(cli::run(cli, config))
+    runtime.block_on(cli::run(cli, config, logging))
 }

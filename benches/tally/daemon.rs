@@ -42,10 +42,11 @@ impl Daemon {
             &config,
             format!(
                 "[mongodb]\nuri = \"{uri}\"\ndatabase = \"tally_bench_daemon\"\n\
+                 server_selection_timeout = \"500ms\"\nattempt_timeout = \"900ms\"\n\
                  [[collections]]\nname = \"views\"\n[writer]\nretry_horizon = \"2s\"\n\
-                 [reconcile]\ngrace = \"1h\"\n[schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
-                 [alerts]\nstuck_after = \"{}s\"\n[http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n",
-                STUCK_AFTER.as_secs()
+                 [reconcile]\ngrace = \"{stuck}s\"\n[schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
+                 [alerts]\nstuck_after = \"{stuck}s\"\n[http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n",
+                stuck = STUCK_AFTER.as_secs()
             ),
         )
         .expect("config");

@@ -1,15 +1,16 @@
-//! `tallyd run` and `tallyd status`.
+//! `tallyd run` (with its signals) and `tallyd status`.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::mpsc;
 
-use super::{EXIT_CONFIG, EXIT_FAILED, EXIT_OK, fail};
+use super::{Cli, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, fail};
 use crate::config::Config;
-use crate::daemon::{self, DaemonError};
+use crate::daemon::{self, Command, DaemonError};
+use crate::logging::Logging;
 
 /// `tallyd status`.
 #[derive(Debug, Args)]
@@ -23,39 +24,72 @@ pub(crate) struct StatusArgs {
     pub(crate) json: bool,
 }
 
-/// Runs the daemon until SIGTERM or SIGINT.
-pub(super) async fn run(config: Config) -> ExitCode {
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
+/// Runs the daemon until SIGTERM or SIGINT; SIGHUP reloads the
+/// configuration from where it was loaded.
+pub(super) async fn run(cli: &Cli, config: Config, logging: &Logging) -> ExitCode {
     let secrets = config.secrets();
-    match daemon::run(config, shutdown).await {
-        Ok(()) => ExitCode::from(EXIT_OK),
+    let commands = match listen_for_signals() {
+        Ok(commands) => commands,
+        Err(err) => {
+            eprintln!("error: cannot listen for signals: {err}");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let load = || cli.load_config(std::env::vars());
+    match daemon::supervise(config, load, |new| logging.apply(new), commands).await {
+        Ok(drained) if drained.is_clean() => ExitCode::from(EXIT_OK),
+        Ok(drained) => {
+            let not_done = secrets.scrub(&drained.not_done.join("; "));
+            tracing::error!(not_done = %not_done, "stopped, but not everything was saved");
+            eprintln!("error: stopped, but not saved or not finished: {not_done}");
+            ExitCode::from(EXIT_FAILED)
+        }
         Err(DaemonError::Config(message)) => {
-            eprintln!("invalid configuration: {}", secrets.scrub(&message));
+            let message = secrets.scrub(&message);
+            tracing::error!(cause = %message, "cannot start: the configuration must be fixed");
+            eprintln!("invalid configuration: {message}");
             ExitCode::from(EXIT_CONFIG)
         }
         Err(DaemonError::Start(message)) => {
-            tracing::error!(cause = %secrets.scrub(&message), "cannot start");
-            eprintln!("error: {}", secrets.scrub(&message));
+            let message = secrets.scrub(&message);
+            tracing::error!(cause = %message, "cannot start");
+            eprintln!("error: {message}");
             ExitCode::from(EXIT_FAILED)
         }
     }
 }
 
-async fn stop_on_signal(shutdown: CancellationToken) {
-    let mut terminate =
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
-            Err(err) => {
-                tracing::error!(cause = %err, "cannot listen for SIGTERM");
+/// Turns SIGTERM and SIGINT into [`Command::Stop`], SIGHUP into
+/// [`Command::Reload`]. The handlers are installed before this returns, so
+/// a SIGHUP from then on never takes the process down.
+fn listen_for_signals() -> std::io::Result<mpsc::UnboundedReceiver<Command>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut hangup = signal(SignalKind::hangup())?;
+    let (sender, receiver) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let command = tokio::select! {
+                _ = terminate.recv() => {
+                    tracing::info!("SIGTERM received");
+                    Command::Stop
+                }
+                _ = interrupt.recv() => {
+                    tracing::info!("SIGINT received");
+                    Command::Stop
+                }
+                _ = hangup.recv() => {
+                    tracing::info!("SIGHUP received: reloading the configuration");
+                    Command::Reload
+                }
+            };
+            if sender.send(command).is_err() {
                 return;
             }
-        };
-    tokio::select! {
-        _ = terminate.recv() => tracing::info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-    }
-    shutdown.cancel();
+        }
+    });
+    Ok(receiver)
 }
 
 /// Per collection: documents with pending tokens, pending tokens, stuck
@@ -63,7 +97,7 @@ async fn stop_on_signal(shutdown: CancellationToken) {
 /// documents.
 pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let (names, reconciler, now) =
+    let (names, reconciler, now, store) =
         match super::survey_setup(&args.collections, args.json, config).await {
             Ok(setup) => setup,
             Err(code) => return code,
@@ -76,9 +110,14 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
         let target = config.fold_target(name);
         match reconciler.survey(&target, stuck_before).await {
             Ok(survey) => rows.push((name.clone(), survey)),
-            Err(err) => return fail(args.json, &format!("{name}: {err}"), &secrets),
+            Err(err) => {
+                store.shutdown().await;
+                return fail(args.json, &format!("{name}: {err}"), &secrets);
+            }
         }
     }
+    drop(reconciler);
+    store.shutdown().await;
     if args.json {
         let collections: Vec<_> = rows
             .iter()

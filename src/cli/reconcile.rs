@@ -30,7 +30,7 @@ pub(crate) struct ReconcileArgs {
 
 pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let (names, reconciler, now) =
+    let (names, reconciler, now, store) =
         match super::survey_setup(&args.collections, args.json, config).await {
             Ok(setup) => setup,
             Err(code) => return code,
@@ -68,6 +68,8 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
         }
         runs.push((target, run));
     }
+    drop(reconciler);
+    store.shutdown().await;
     let ok = runs.iter().all(|(_, run)| run.succeeded());
     if args.json {
         print_json(&runs, args.dry_run, ok, &secrets);

@@ -15,8 +15,8 @@ use crate::store::serialize_duration;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct AlertsConfig {
     /// A pending token older than this is stuck: its writer is gone and it
-    /// waits for the fold. Must exceed `[writer] retry_horizon`. Default:
-    /// 30m.
+    /// waits for the fold. Must be at least the longest grace (`[reconcile]`
+    /// or a collection's): younger tokens are not folded yet. Default: 30m.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) stuck_after: Duration,
     /// Alert when a document's pending array holds more entries than this
@@ -62,7 +62,8 @@ pub(crate) struct WebhookConfig {
     /// The `Authorization` header's value, read from `auth_header_env`.
     #[serde(skip)]
     pub(crate) auth_header: Option<SecretString>,
-    /// How long one delivery attempt may take. Default: 5s.
+    /// How long one delivery attempt may take (and hold one of the slots
+    /// for requests in flight). Default: 5s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) timeout: Duration,
     /// Attempts per notification (retried with backoff) before it is given
@@ -72,23 +73,12 @@ pub(crate) struct WebhookConfig {
 
 pub(super) fn validate_alerts(
     raw: RawAlerts,
-    retry_horizon: Duration,
     env: &HashMap<String, String>,
     issues: &mut Issues,
 ) -> AlertsConfig {
     issues.unknown_keys("alerts", &raw.unknown);
     let defaults = AlertsConfig::default();
     let stuck_after = issues.duration("alerts.stuck_after", raw.stuck_after, defaults.stuck_after);
-    if stuck_after <= retry_horizon {
-        issues.push(
-            "alerts.stuck_after",
-            format!(
-                "must be longer than [writer] retry_horizon ({}): younger tokens may still be \
-                 completed by their writers",
-                humantime::format_duration(retry_horizon)
-            ),
-        );
-    }
     let max_pending = issues
         .optional_integer("alerts.max_pending", raw.max_pending, 1, 1_000_000)
         .unwrap_or(defaults.max_pending);

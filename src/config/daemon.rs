@@ -1,6 +1,7 @@
 //! The daemon's own sections: `[schedule]`, `[monitor]`, `[ha]`, `[http]`,
 //! `[daemon]` and `[log]`.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -85,8 +86,10 @@ pub(crate) struct HaConfig {
     /// alerts, the others stand by. Default: false (always active).
     pub(crate) enabled: bool,
     /// How long the lease lasts without renewal; the holder renews it every
-    /// third of that. A standby takes over within the TTL plus one renewal
-    /// after the holder dies. Default: 30s.
+    /// third of that, and steps down on its own clock a tenth of it before
+    /// the lease could expire when no renewal succeeded. A standby takes
+    /// over within the TTL plus one renewal after the holder dies. Default:
+    /// 30s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) lease_ttl: Duration,
     /// This instance's name in the lease. Default: host name and process
@@ -97,7 +100,8 @@ pub(crate) struct HaConfig {
 /// `[http]`: metrics and health endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub(crate) struct HttpConfig {
-    /// The address `/metrics`, `/healthz` and `/readyz` listen on. Default:
+    /// The address `/metrics`, `/healthz` and `/readyz` listen on; one this
+    /// host cannot listen on stops the daemon with exit 78. Default:
     /// `127.0.0.1:9187`.
     pub(crate) listen: SocketAddr,
 }
@@ -116,8 +120,10 @@ pub(crate) struct DaemonConfig {
     /// The collection holding the daemon's state: last successful runs,
     /// change-stream resume tokens, the lease. Default: `tally_state`.
     pub(crate) state_collection: String,
-    /// At SIGTERM/SIGINT, how long a running fold batch may take to finish
-    /// before the daemon exits anyway. Default: 30s.
+    /// At SIGTERM/SIGINT (and before a reload takes over), how long the
+    /// drain may take — a running fold batch, the stream positions, the
+    /// lease — before the daemon goes on anyway (exit 1 at a stop).
+    /// Default: 30s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) shutdown_timeout: Duration,
 }
@@ -134,13 +140,17 @@ impl Default for DaemonConfig {
 /// `[log]`: what is logged and how. Logs go to standard error.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct LogConfig {
-    /// A tracing filter: a level (`info`) or directives
-    /// (`info,tally::reconcile=debug`). `RUST_LOG`, when set, wins.
-    /// Default: `info`.
+    /// A tracing filter: comma-separated directives, each a level (`info`)
+    /// or `target=level` (`info,tally::reconcile=debug`). `RUST_LOG`, when
+    /// set, wins. Default: `info`.
     pub(crate) level: String,
     /// `text` (readable on a terminal) or `json` (one object per line).
     /// Default: `text`.
     pub(crate) format: LogFormat,
+    /// `RUST_LOG` from the environment the configuration was loaded with,
+    /// when set and not blank: checked like `level`, and used instead of it.
+    #[serde(skip)]
+    pub(crate) rust_log: Option<String>,
 }
 
 impl Default for LogConfig {
@@ -148,6 +158,7 @@ impl Default for LogConfig {
         Self {
             level: "info".into(),
             format: LogFormat::Text,
+            rust_log: None,
         }
     }
 }
@@ -165,17 +176,6 @@ pub(crate) enum LogFormat {
 pub(super) fn validate_schedule(raw: RawSchedule, issues: &mut Issues) -> ScheduleConfig {
     issues.unknown_keys("schedule", &raw.unknown);
     let defaults = ScheduleConfig::default();
-    let cron = issues
-        .string("schedule.cron", raw.cron)
-        .unwrap_or(defaults.cron);
-    if let Err(err) = parse_cron(&cron) {
-        issues.push(
-            "schedule.cron",
-            format!(
-                "not a cron expression with seconds first ({err}): {cron:?}; e.g. \"0 30 3 * * *\""
-            ),
-        );
-    }
     let timezone = match issues.string("schedule.timezone", raw.timezone) {
         None => defaults.timezone,
         Some(name) => name.parse::<chrono_tz::Tz>().unwrap_or_else(|_| {
@@ -186,12 +186,48 @@ pub(super) fn validate_schedule(raw: RawSchedule, issues: &mut Issues) -> Schedu
             defaults.timezone
         }),
     };
+    let cron = issues
+        .string("schedule.cron", raw.cron)
+        .unwrap_or(defaults.cron);
+    match parse_cron(&cron) {
+        Err(err) => issues.push(
+            "schedule.cron",
+            format!(
+                "not a cron expression with seconds first ({err}): {cron:?}; e.g. \"0 30 3 * * *\""
+            ),
+        ),
+        Ok(parsed) if next_run(&parsed, timezone, chrono::Utc::now()).is_none() => issues.push(
+            "schedule.cron",
+            format!(
+                "{cron:?} never fires: no time matches it within the next {NEVER_YEARS} years \
+                 (a day the month does not have?), so nothing would ever be folded"
+            ),
+        ),
+        Ok(_) => {}
+    }
     let catch_up = issues.boolean("schedule.catch_up", raw.catch_up, defaults.catch_up);
     ScheduleConfig {
         cron,
         timezone,
         catch_up,
     }
+}
+
+/// How far ahead a schedule must fire at least once to be accepted.
+const NEVER_YEARS: i32 = 5;
+
+/// The first time `cron` fires after `now` in `timezone`, if it does within
+/// [`NEVER_YEARS`] years.
+pub(crate) fn next_run(
+    cron: &croner::Cron,
+    timezone: chrono_tz::Tz,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Option<chrono::DateTime<chrono::Utc>> {
+    use chrono::Datelike;
+    let now = now.with_timezone(&timezone);
+    let limit = now.with_year(now.year() + NEVER_YEARS)?;
+    let next = cron.find_next_occurrence(&now, false).ok()?;
+    (next <= limit).then(|| next.with_timezone(&chrono::Utc))
 }
 
 pub(super) fn validate_monitor(raw: RawMonitor, issues: &mut Issues) -> MonitorConfig {
@@ -295,16 +331,26 @@ fn serialize_timezone<S: serde::Serializer>(tz: &chrono_tz::Tz, s: S) -> Result<
     s.serialize_str(tz.name())
 }
 
-pub(super) fn validate_log(raw: RawLog, issues: &mut Issues) -> LogConfig {
+pub(super) fn validate_log(
+    raw: RawLog,
+    env: &HashMap<String, String>,
+    issues: &mut Issues,
+) -> LogConfig {
     issues.unknown_keys("log", &raw.unknown);
     let level = issues
         .string("log.level", raw.level)
         .unwrap_or_else(|| "info".into());
-    if let Err(err) = tracing_subscriber::EnvFilter::builder().parse(&level) {
-        issues.push(
-            "log.level",
-            format!("not a level or filter ({err}): {level:?}"),
-        );
+    if let Err(problem) = check_filter(&level) {
+        issues.push("log.level", format!("{problem}; {FILTER_FORMS}"));
+    }
+    let rust_log = env
+        .get("RUST_LOG")
+        .filter(|directives| !directives.trim().is_empty())
+        .cloned();
+    if let Some(directives) = &rust_log
+        && let Err(problem) = check_filter(directives)
+    {
+        issues.push("RUST_LOG", format!("{problem}; {FILTER_FORMS}"));
     }
     let format = match issues.string("log.format", raw.format).as_deref() {
         None | Some("text") => LogFormat::Text,
@@ -317,5 +363,60 @@ pub(super) fn validate_log(raw: RawLog, issues: &mut Issues) -> LogConfig {
             LogFormat::Text
         }
     };
-    LogConfig { level, format }
+    LogConfig {
+        level,
+        format,
+        rust_log,
+    }
+}
+
+/// What a log filter may say, for the messages that refuse one.
+const FILTER_FORMS: &str = "write comma-separated directives, each a level (trace, debug, info, \
+                            warn, error, off) or target=level, e.g. \"info,tally::reconcile=debug\"";
+
+/// The levels a directive may name, in any case.
+const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+
+/// Checks a filter directive by directive: each is a level, or
+/// `target=level` with a Rust path as the target. (tracing would take a
+/// misspelt level as a target and silently log nothing.)
+fn check_filter(filter: &str) -> Result<(), String> {
+    let is_level = |word: &str| LEVELS.iter().any(|l| l.eq_ignore_ascii_case(word.trim()));
+    if filter.trim().is_empty() {
+        return Err("empty".into());
+    }
+    for directive in filter.split(',') {
+        let directive = directive.trim();
+        match directive.split_once('=') {
+            _ if directive.is_empty() => {
+                return Err(format!("an empty directive in {filter:?}"));
+            }
+            None if is_level(directive) => {}
+            None => {
+                return Err(format!(
+                    "{directive:?} is not a level (for a target, write target=level)"
+                ));
+            }
+            Some((target, level)) => {
+                if !is_rust_path(target.trim()) {
+                    return Err(format!("{target:?} in {directive:?} is not a Rust path"));
+                }
+                if !is_level(level) {
+                    return Err(format!("{level:?} in {directive:?} is not a level"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `name` or `name::name…`, each name an identifier.
+fn is_rust_path(target: &str) -> bool {
+    target.split("::").all(|segment| {
+        let mut chars = segment.chars();
+        chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
 }

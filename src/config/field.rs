@@ -1,6 +1,6 @@
 //! Turning untyped values into typed ones while collecting every problem.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -12,16 +12,28 @@ use super::{ConfigIssue, ENV_PREFIX, ENV_SEPARATOR};
 #[derive(Debug, Default)]
 pub(crate) struct Issues {
     list: Vec<ConfigIssue>,
-    /// Keys (dotted, lower case) that were set by an environment variable.
-    from_env: BTreeSet<String>,
+    /// Keys (dotted, lower case) that were set by an environment variable,
+    /// with the variable's name.
+    from_env: BTreeMap<String, String>,
+    /// The top-level keys the file itself sets.
+    in_file: BTreeSet<String>,
 }
 
 impl Issues {
-    pub(crate) fn new(from_env: BTreeSet<String>) -> Self {
+    /// Collects issues for a configuration whose keys came from `from_env`
+    /// (dotted key → variable name) and from a file setting the top-level
+    /// keys `in_file`.
+    pub(crate) fn new(from_env: BTreeMap<String, String>, in_file: BTreeSet<String>) -> Self {
         Self {
             list: Vec::new(),
             from_env,
+            in_file,
         }
+    }
+
+    /// Whether a problem with `key` was reported.
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.list.iter().any(|issue| issue.key == key)
     }
 
     pub(crate) fn into_list(self) -> Vec<ConfigIssue> {
@@ -37,25 +49,37 @@ impl Issues {
     pub(crate) fn push(&mut self, key: impl Into<String>, message: impl Into<String>) {
         let key = key.into();
         let mut message = message.into();
-        if self.from_env.contains(&key.to_lowercase()) {
-            let var = format!(
-                "{ENV_PREFIX}{ENV_SEPARATOR}{}",
-                key.to_uppercase().replace('.', ENV_SEPARATOR)
-            );
+        if let Some(var) = self.from_env.get(&key.to_lowercase()) {
             message.push_str(&format!(" (set by {var})"));
         }
         self.list.push(ConfigIssue { key, message });
     }
 
-    /// Reports every key of a table that is not part of the schema.
+    /// Reports every key of a table that is not part of the schema. An
+    /// unknown top-level key set from the environment (`TALLYD__X__Y`)
+    /// names its variable, since no table of the file shows it.
     pub(crate) fn unknown_keys(&mut self, table: &str, unknown: &Unknown) {
         for key in unknown.keys() {
-            let full = if table.is_empty() {
-                key.clone()
-            } else {
-                format!("{table}.{key}")
-            };
-            self.push(full, "unknown key");
+            if !table.is_empty() {
+                self.push(format!("{table}.{key}"), "unknown key");
+                continue;
+            }
+            let below = format!("{key}.");
+            let vars: Vec<String> = self
+                .from_env
+                .iter()
+                .filter(|(dotted, _)| *dotted == key || dotted.starts_with(&below))
+                .map(|(_, var)| var.clone())
+                .collect();
+            for var in &vars {
+                self.list.push(ConfigIssue {
+                    key: format!("{var} (environment)"),
+                    message: format!("unknown key {key}"),
+                });
+            }
+            if vars.is_empty() || self.in_file.contains(key) {
+                self.push(key.clone(), "unknown key");
+            }
         }
     }
 
@@ -89,10 +113,7 @@ impl Issues {
     /// A required string; reports its absence with a hint on how to set it.
     pub(crate) fn required_string(&mut self, key: &str, value: Option<Value>) -> Option<String> {
         if value.is_none() {
-            let var = format!(
-                "{ENV_PREFIX}{ENV_SEPARATOR}{}",
-                key.to_uppercase().replace('.', ENV_SEPARATOR)
-            );
+            let var = env_var(key);
             self.push(key, format!("missing (set it in the file or with {var})"));
             return None;
         }
@@ -208,6 +229,14 @@ impl Issues {
             }
         }
     }
+}
+
+/// The environment variable that sets the dotted `key`.
+pub(crate) fn env_var(key: &str) -> String {
+    format!(
+        "{ENV_PREFIX}{ENV_SEPARATOR}{}",
+        key.to_uppercase().replace('.', ENV_SEPARATOR)
+    )
 }
 
 /// A short description of a value for error messages. Strings are quoted

@@ -19,7 +19,7 @@ use crate::redact::{SecretString, Secrets, redact_uri};
 use crate::store::{StoreConfig, serialize_duration};
 use crate::write::counter::{
     CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
-    MIN_RETRY_HORIZON, WriterConfig,
+    DEFAULT_SETTLED_FIELD, MIN_RETRY_HORIZON, WriterConfig,
 };
 use crate::write::sequence::SequenceConfig;
 
@@ -29,8 +29,8 @@ use crate::write::sequence::SequenceConfig;
 pub(crate) struct ReconcileConfig {
     /// Only tokens older than this are folded; younger ones belong to
     /// writers still between their two steps. Must exceed `[writer]
-    /// retry_horizon` by more than the clock skew between writers and the
-    /// server. Default: 15m.
+    /// retry_horizon` plus `[mongodb] attempt_timeout`, by more than the
+    /// clock skew between writers and the server. Default: 15m.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) grace: Duration,
     /// How many documents one fold update covers: work between two points
@@ -78,41 +78,6 @@ pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConf
         );
     }
     WriterConfig { retry_horizon }
-}
-
-/// Every grace (`[reconcile]`'s and each collection's) against the retry
-/// horizon.
-pub(super) fn check_graces(
-    reconcile: &ReconcileConfig,
-    collections: &[CollectionConfig],
-    retry_horizon: Duration,
-    issues: &mut Issues,
-) {
-    check_grace("reconcile.grace", reconcile.grace, retry_horizon, issues);
-    for (i, collection) in collections.iter().enumerate() {
-        if let Some(grace) = collection.grace {
-            check_grace(
-                &format!("collections[{i}].grace"),
-                grace,
-                retry_horizon,
-                issues,
-            );
-        }
-    }
-}
-
-/// A token must never be folded while its writer may still re-send step 1.
-fn check_grace(key: &str, grace: Duration, retry_horizon: Duration, issues: &mut Issues) {
-    if grace <= retry_horizon {
-        issues.push(
-            key,
-            format!(
-                "must be longer than [writer] retry_horizon ({}), or a token could be folded \
-                 while its writer may still re-send it",
-                humantime::format_duration(retry_horizon)
-            ),
-        );
-    }
 }
 
 pub(super) fn validate_mongodb(raw: RawMongo, issues: &mut Issues) -> StoreConfig {
@@ -272,12 +237,24 @@ pub(super) fn validate_collections(
         let pending_field = issues
             .string(&format!("{key}.pending_field"), raw.pending_field)
             .unwrap_or_else(|| DEFAULT_PENDING_FIELD.into());
+        let settled_field = issues
+            .string(&format!("{key}.settled_field"), raw.settled_field)
+            .unwrap_or_else(|| DEFAULT_SETTLED_FIELD.into());
         check_field_name(&format!("{key}.counter_field"), &counter_field, issues);
         check_field_name(&format!("{key}.pending_field"), &pending_field, issues);
+        check_field_name(&format!("{key}.settled_field"), &settled_field, issues);
         if counter_field == pending_field {
             issues.push(
                 format!("{key}.pending_field"),
                 format!("must differ from counter_field (both are {counter_field:?})"),
+            );
+        }
+        if settled_field == counter_field || settled_field == pending_field {
+            issues.push(
+                format!("{key}.settled_field"),
+                format!(
+                    "must differ from counter_field and pending_field (it is {settled_field:?})"
+                ),
             );
         }
         let grace = issues.optional_duration(&format!("{key}.grace"), raw.grace);
@@ -293,7 +270,7 @@ pub(super) fn validate_collections(
             name: name.unwrap_or_default(),
             counter_field,
             pending_field,
-            settled_field: crate::write::counter::DEFAULT_SETTLED_FIELD.into(),
+            settled_field,
             grace,
             batch_size,
         });

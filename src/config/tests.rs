@@ -264,3 +264,211 @@ fn unlisted_collections_use_default_fields() {
     assert_eq!(config.collection("a").counter_field, "c");
     assert_eq!(config.collection("b"), CollectionConfig::new("b"));
 }
+
+/// The keys of every issue, for assertions.
+fn keys(err: &ConfigErrors) -> Vec<&str> {
+    err.issues.iter().map(|i| i.key.as_str()).collect()
+}
+
+/// The message of the issue under `key`.
+fn message<'e>(err: &'e ConfigErrors, key: &str) -> &'e str {
+    err.issues
+        .iter()
+        .find(|i| i.key == key)
+        .map(|i| i.message.as_str())
+        .unwrap_or_else(|| panic!("no issue under {key}: {err}"))
+}
+
+#[test]
+fn a_grace_must_outlast_the_retry_horizon_plus_one_attempt() {
+    // 20s + 15s = 35s: a grace of 30s is too short, though longer than the
+    // horizon alone.
+    let text = format!(
+        "{MINIMAL}attempt_timeout = \"15s\"\nserver_selection_timeout = \"5s\"\n\
+         [writer]\nretry_horizon = \"20s\"\n[reconcile]\ngrace = \"30s\"\n\
+         [[collections]]\nname = \"a\"\ngrace = \"35s\"\n[[collections]]\nname = \"b\"\ngrace = \"36s\"\n\
+         [alerts]\nstuck_after = \"1h\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        ["reconcile.grace", "collections[0].grace"],
+        "{err}"
+    );
+    for key in ["reconcile.grace", "collections[0].grace"] {
+        let said = message(&err, key);
+        assert!(
+            said.contains("writer.retry_horizon") && said.contains("mongodb.attempt_timeout"),
+            "{said}"
+        );
+        assert!(said.contains("35s"), "{said}");
+    }
+    let fixed = text
+        .replace("grace = \"30s\"", "grace = \"36s\"")
+        .replace("grace = \"35s\"", "grace = \"40s\"");
+    Config::from_toml(&fixed, []).unwrap();
+}
+
+#[test]
+fn stuck_after_must_be_at_least_the_longest_grace() {
+    let text = format!(
+        "{MINIMAL}[reconcile]\ngrace = \"15m\"\n[[collections]]\nname = \"a\"\n\
+         [[collections]]\nname = \"b\"\ngrace = \"45m\"\n[alerts]\nstuck_after = \"30m\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(keys(&err), ["alerts.stuck_after"], "{err}");
+    let said = message(&err, "alerts.stuck_after");
+    assert!(said.contains("collections[1].grace"), "{said}");
+    assert!(said.contains("45m"), "{said}");
+    // Equal to the longest grace is enough.
+    Config::from_toml(&text.replace("\"30m\"", "\"45m\""), []).unwrap();
+    // Without collections, [reconcile] grace is the one that counts.
+    let err =
+        Config::from_toml(&format!("{MINIMAL}[reconcile]\ngrace = \"40m\"\n"), []).unwrap_err();
+    assert!(
+        message(&err, "alerts.stuck_after").contains("reconcile.grace"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_attempt_bound_must_outlast_server_selection() {
+    let err = Config::from_toml(
+        &format!("{MINIMAL}attempt_timeout = \"30s\"\nserver_selection_timeout = \"30s\"\n"),
+        [],
+    )
+    .unwrap_err();
+    assert_eq!(keys(&err), ["mongodb.attempt_timeout"], "{err}");
+    assert!(
+        message(&err, "mongodb.attempt_timeout").contains("mongodb.server_selection_timeout"),
+        "{err}"
+    );
+    // The URI's selection timeout counts too.
+    let err = Config::from_toml(
+        "[mongodb]\nuri = \"mongodb://h/d?serverSelectionTimeoutMS=90000\"\n",
+        [],
+    )
+    .unwrap_err();
+    assert_eq!(keys(&err), ["mongodb.attempt_timeout"], "{err}");
+    // The defaults agree with each other and with the library's.
+    let config = Config::from_toml(MINIMAL, []).unwrap();
+    assert_eq!(
+        config.mongodb.attempt_timeout,
+        crate::store::StoreConfig::new("mongodb://h", "d").attempt_timeout
+    );
+    assert!(config.mongodb.attempt_timeout > config.mongodb.server_selection_timeout);
+}
+
+#[test]
+fn log_levels_are_checked_directive_by_directive() {
+    for good in [
+        "info",
+        "WARN",
+        "off",
+        "info,tally::reconcile=debug",
+        "tally=trace,tokio_cron_scheduler=Warn",
+    ] {
+        let text = format!("{MINIMAL}[log]\nlevel = \"{good}\"\n");
+        Config::from_toml(&text, []).unwrap_or_else(|err| panic!("{good}: {err}"));
+    }
+    for (bad, says) in [
+        ("inof", "target=level"),
+        ("info,debugg", "target=level"),
+        ("tally=loud", "trace, debug, info, warn, error, off"),
+        ("tal ly=info", "not a Rust path"),
+        ("=info", "not a Rust path"),
+        ("info,,warn", "empty"),
+        ("", "empty"),
+    ] {
+        let text = format!("{MINIMAL}[log]\nlevel = \"{bad}\"\n");
+        let err = Config::from_toml(&text, []).unwrap_err();
+        let said = message(&err, "log.level");
+        assert!(said.contains(says), "{bad:?}: {said}");
+    }
+}
+
+#[test]
+fn rust_log_is_checked_like_the_level_when_set() {
+    let err = Config::from_toml(MINIMAL, env(&[("RUST_LOG", "inof")])).unwrap_err();
+    assert_eq!(keys(&err), ["RUST_LOG"], "{err}");
+    assert!(message(&err, "RUST_LOG").contains("target=level"), "{err}");
+    let config = Config::from_toml(MINIMAL, env(&[("RUST_LOG", "debug,tally=trace")])).unwrap();
+    assert_eq!(config.log.rust_log.as_deref(), Some("debug,tally=trace"));
+    // Unset or blank: [log] level applies.
+    let config = Config::from_toml(MINIMAL, env(&[("RUST_LOG", "  ")])).unwrap();
+    assert_eq!(config.log.rust_log, None);
+}
+
+#[test]
+fn a_cron_expression_that_never_fires_is_refused() {
+    let text = format!("{MINIMAL}[schedule]\ncron = \"0 0 0 30 2 *\"\n");
+    let started = std::time::Instant::now();
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(keys(&err), ["schedule.cron"], "{err}");
+    assert!(message(&err, "schedule.cron").contains("never"), "{err}");
+    // Rare but real: 29 February comes within the window.
+    Config::from_toml(&text.replace("30 2", "29 2"), []).unwrap();
+}
+
+#[test]
+fn unknown_top_level_environment_keys_name_their_variable() {
+    let err = Config::from_toml(
+        &format!("surprise = 1\n{MINIMAL}"),
+        env(&[("TALLYD__X__Y", "1"), ("TALLYD__ZED", "2")]),
+    )
+    .unwrap_err();
+    let mut found = keys(&err);
+    found.sort();
+    assert_eq!(
+        found,
+        [
+            "TALLYD__X__Y (environment)",
+            "TALLYD__ZED (environment)",
+            "surprise"
+        ],
+        "{err}"
+    );
+    assert_eq!(message(&err, "TALLYD__X__Y (environment)"), "unknown key x");
+    assert!(
+        err.to_string()
+            .contains("  TALLYD__X__Y (environment): unknown key x")
+    );
+}
+
+#[test]
+fn the_daemon_needs_at_least_one_collection() {
+    let config = Config::from_toml(MINIMAL, []).unwrap();
+    let err = config.check_daemon().unwrap_err();
+    assert_eq!(keys(&err), ["collections"], "{err}");
+    let with = Config::from_toml(&format!("{MINIMAL}[[collections]]\nname = \"a\"\n"), []).unwrap();
+    with.check_daemon().unwrap();
+}
+#[test]
+fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
+    let config = Config::from_toml(
+        &format!("{MINIMAL}\n[[collections]]\nname = \"a\"\nsettled_field = \"done\"\n"),
+        [],
+    )
+    .unwrap();
+    assert_eq!(config.collection("a").settled_field, "done");
+    assert_eq!(config.collection("b").settled_field, "settled");
+    let bad = format!(
+        "{MINIMAL}\n[[collections]]\nname = \"a\"\nsettled_field = \"pending\"\n\
+         [[collections]]\nname = \"b\"\nsettled_field = \"x.t\"\n\
+         [[collections]]\nname = \"c\"\ncounter_field = \"n\"\nsettled_field = \"n\"\n"
+    );
+    let err = Config::from_toml(&bad, []).unwrap_err();
+    let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+    for expected in [
+        "collections[0].settled_field",
+        "collections[1].settled_field",
+        "collections[2].settled_field",
+    ] {
+        assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+    }
+}

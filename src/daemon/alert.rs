@@ -1,6 +1,7 @@
 //! The alert engine: the daemon reports the state of each condition it
 //! watches (stuck tokens, oversized `pending` arrays, malformed documents,
-//! failed runs, a monitor that is down) as often as it likes, and the engine
+//! failed runs, a monitor that is down, documents the server refused to
+//! fold) as often as it likes, and the engine
 //! turns that stream of states into notifications — one `firing` when a
 //! condition starts to hold, one `resolved` when it clears, nothing in
 //! between.
@@ -12,12 +13,14 @@
 //! - the log, always: `alert firing` at WARN, `alert resolved` at INFO, as
 //!   structured fields;
 //! - a webhook, when `[alerts.webhook]` is configured: one JSON
-//!   [`Notification`] per POST, delivered in order by a single task, retried
-//!   with exponential [`Backoff`], given up after `max_attempts`.
+//!   [`Notification`] per POST, retried with exponential [`Backoff`], given
+//!   up after `max_attempts`; up to eight requests in flight at once, the
+//!   notifications of one condition strictly in order (`lanes`).
 //!
 //! [`Alerts::set`] never blocks and never waits for the network: a
 //! notification is logged at once and queued for the webhook.
 
+mod lanes;
 mod webhook;
 
 use std::collections::BTreeMap;
@@ -33,6 +36,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{AlertsConfig, redact_webhook_url};
 use crate::daemon::metrics::Metrics;
 use crate::redact::Secrets;
+use lanes::Backlog;
 use webhook::{Delivery, Scrubber};
 
 pub(crate) use webhook::Backoff;
@@ -41,11 +45,11 @@ pub(crate) use webhook::Backoff;
 /// condition on a million documents still makes a small message.
 pub(crate) const MAX_SAMPLE_IDS: usize = 10;
 
-/// How many notifications may wait for the webhook. Notifications are sent
-/// only on transitions, so this fills only when the webhook has been down
-/// for long while conditions kept flapping; beyond it the newest are
-/// dropped (logged and counted as `failed`) rather than blocking
-/// [`Alerts::set`].
+/// How many notifications may wait for the webhook (those being sent or
+/// retried included). Notifications are sent only on transitions, so this
+/// fills only when the webhook has been down for long while conditions kept
+/// flapping; beyond it the newest are dropped (logged and counted as
+/// `failed`) rather than blocking [`Alerts::set`].
 pub(crate) const QUEUE_CAPACITY: usize = 1024;
 
 /// What an alert is about; with a collection name, it identifies one
@@ -66,17 +70,22 @@ pub(crate) enum AlertKind {
     RunFailed,
     /// A change stream down for longer than `[alerts] monitor_down_after`.
     MonitorDown,
+    /// Documents the last reconcile run could not fold because the server
+    /// refused to update them (a validator, a document grown too large):
+    /// left untouched, their tokens uncounted.
+    FoldRefused,
 }
 
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 5] = [
+    pub(crate) const ALL: [AlertKind; 6] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::Malformed,
         AlertKind::RunFailed,
         AlertKind::MonitorDown,
+        AlertKind::FoldRefused,
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -87,6 +96,7 @@ impl AlertKind {
             AlertKind::Malformed => "malformed",
             AlertKind::RunFailed => "run_failed",
             AlertKind::MonitorDown => "monitor_down",
+            AlertKind::FoldRefused => "fold_refused",
         }
     }
 }
@@ -145,7 +155,7 @@ pub(crate) struct Observation {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub(crate) struct Notification {
     /// What the alert is about: `stuck_tokens`, `pending_too_long`,
-    /// `malformed`, `run_failed` or `monitor_down`.
+    /// `malformed`, `run_failed`, `monitor_down` or `fold_refused`.
     pub(crate) kind: AlertKind,
     /// `firing` when the condition started to hold, `resolved` when it
     /// cleared. Each firing is followed by at most one resolved.
@@ -175,6 +185,18 @@ pub(crate) struct Notification {
     pub(crate) instance: Option<String>,
 }
 
+/// Which conditions fire: kept by the daemon across configuration reloads,
+/// so an engine started after a reload neither fires again what already
+/// fires nor forgets to resolve it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AlertLedger(Arc<Mutex<Ledger>>);
+
+impl AlertLedger {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// Settings of the engine that do not come from the configuration file.
 #[derive(Clone, Debug)]
 pub(crate) struct AlertOptions {
@@ -187,6 +209,8 @@ pub(crate) struct AlertOptions {
     /// At shutdown, how long notifications not yet delivered get for one
     /// last attempt each (the daemon's drain has a deadline). Default: 3s.
     pub(crate) shutdown_flush: Duration,
+    /// Which conditions fire already (from before a reload). Default: none.
+    pub(crate) ledger: AlertLedger,
 }
 
 impl Default for AlertOptions {
@@ -195,6 +219,7 @@ impl Default for AlertOptions {
             instance: None,
             backoff: Backoff::default(),
             shutdown_flush: Duration::from_secs(3),
+            ledger: AlertLedger::default(),
         }
     }
 }
@@ -207,7 +232,7 @@ pub(crate) struct Alerts {
 }
 
 struct Inner {
-    ledger: Mutex<Ledger>,
+    ledger: AlertLedger,
     metrics: Metrics,
     scrubber: Scrubber,
     instance: Option<String>,
@@ -218,9 +243,11 @@ struct Inner {
 enum Sink {
     /// No webhook configured.
     LogOnly,
-    /// Queued for the delivery task, which sends them in order.
+    /// Queued for the delivery task, which sends those of one condition in
+    /// order.
     Webhook {
-        queue: mpsc::Sender<Notification>,
+        queue: mpsc::UnboundedSender<Notification>,
+        backlog: Backlog,
         shown_url: String,
     },
     /// A webhook is configured but could not be set up (logged at start);
@@ -260,9 +287,14 @@ impl Alerts {
                 let shown_url = redact_webhook_url(webhook.url.expose());
                 match Delivery::new(webhook, scrubber.clone(), metrics.clone(), &options) {
                     Ok(delivery) => {
-                        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
-                        tracker.spawn(delivery.run(receiver, shutdown));
-                        Sink::Webhook { queue, shown_url }
+                        let (queue, receiver) = mpsc::unbounded_channel();
+                        let backlog = Backlog::default();
+                        tracker.spawn(lanes::run(delivery, receiver, backlog.clone(), shutdown));
+                        Sink::Webhook {
+                            queue,
+                            backlog,
+                            shown_url,
+                        }
                     }
                     Err(cause) => {
                         tracing::error!(
@@ -277,7 +309,7 @@ impl Alerts {
         };
         Self {
             inner: Arc::new(Inner {
-                ledger: Mutex::new(Ledger::default()),
+                ledger: options.ledger,
                 metrics,
                 scrubber,
                 instance: options.instance,
@@ -301,11 +333,7 @@ impl Alerts {
             .metrics
             .alerts_firing
             .with_label_values(&[kind.as_str(), collection]);
-        let mut ledger = self
-            .inner
-            .ledger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut ledger = self.inner.ledger.lock();
         let holds = observation.is_some();
         let change = ledger.apply(kind, collection, observation, Instant::now());
         gauge.set(i64::from(holds));
@@ -323,15 +351,28 @@ impl Alerts {
         self.enqueue(notification);
     }
 
+    /// Resolves every firing condition of a collection `keep` says no (one
+    /// no longer configured after a reload): nothing watches it any more.
+    pub(crate) fn resolve_unless(&self, keep: impl Fn(&str) -> bool) {
+        let gone: Vec<(AlertKind, String)> = self
+            .inner
+            .ledger
+            .lock()
+            .firing
+            .keys()
+            .filter(|(_, collection)| !keep(collection))
+            .cloned()
+            .collect();
+        for (kind, collection) in gone {
+            self.set(kind, &collection, None);
+        }
+    }
+
     /// What is firing now, with the latest observation of each, ordered by
     /// kind then collection, for the tests.
     #[cfg(test)]
     pub(crate) fn firing(&self) -> Vec<(AlertKind, String, Observation)> {
-        let ledger = self
-            .inner
-            .ledger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let ledger = self.inner.ledger.lock();
         ledger
             .firing
             .iter()
@@ -406,19 +447,26 @@ impl Alerts {
             Sink::Unusable { shown_url } => {
                 not_sent(&notification, shown_url, "the webhook cannot be used");
             }
-            Sink::Webhook { queue, shown_url } => match queue.try_send(notification) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(notification)) => not_sent(
-                    &notification,
-                    shown_url,
-                    &format!("more than {QUEUE_CAPACITY} notifications wait for the webhook"),
-                ),
-                Err(mpsc::error::TrySendError::Closed(notification)) => not_sent(
-                    &notification,
-                    shown_url,
-                    "webhook delivery has stopped (shutting down)",
-                ),
-            },
+            Sink::Webhook {
+                queue,
+                backlog,
+                shown_url,
+            } => {
+                if !backlog.admit(QUEUE_CAPACITY) {
+                    not_sent(
+                        &notification,
+                        shown_url,
+                        &format!("{QUEUE_CAPACITY} notifications already wait for the webhook"),
+                    );
+                } else if let Err(mpsc::error::SendError(notification)) = queue.send(notification) {
+                    backlog.release(1);
+                    not_sent(
+                        &notification,
+                        shown_url,
+                        "webhook delivery has stopped (shutting down)",
+                    );
+                }
+            }
         }
     }
 }

@@ -2,11 +2,8 @@
 //!
 //! - `/metrics`: every metric, in the Prometheus text format;
 //! - `/healthz`: 200 while the process serves requests (liveness);
-//! - `/readyz`: 200 with `active` or `standby` once the daemon has reached
-//!   MongoDB, 503 before (readiness).
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+//! - `/readyz`: 200 with `active` or `standby` while MongoDB answers, 503
+//!   before it first did and during an outage ([`Readiness`]).
 
 use axum::Router;
 use axum::extract::State as AxumState;
@@ -14,33 +11,10 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
-
-/// What `/readyz` reports: whether the server was reached, and the role.
-#[derive(Clone, Debug)]
-pub(crate) struct Readiness {
-    connected: Arc<AtomicBool>,
-    role: watch::Receiver<Role>,
-}
-
-impl Readiness {
-    /// Not connected yet; the role as published by the lease keeper.
-    pub(crate) fn new(role: watch::Receiver<Role>) -> Self {
-        Self {
-            connected: Arc::new(AtomicBool::new(false)),
-            role,
-        }
-    }
-
-    /// Marks the daemon as having reached the server.
-    pub(crate) fn set_connected(&self) {
-        self.connected.store(true, Ordering::Relaxed);
-    }
-}
+use crate::daemon::readiness::Readiness;
 
 #[derive(Clone)]
 struct Shared {
@@ -79,13 +53,13 @@ async fn metrics_text(AxumState(shared): AxumState<Shared>) -> impl IntoResponse
 }
 
 async fn ready(AxumState(shared): AxumState<Shared>) -> impl IntoResponse {
-    if shared.readiness.connected.load(Ordering::Relaxed) {
-        let role = *shared.readiness.role.borrow();
+    if shared.readiness.is_ready() {
+        let role = shared.readiness.role();
         (StatusCode::OK, format!("{}\n", role.as_str()))
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: waiting for MongoDB\n".to_owned(),
+            "not ready: MongoDB does not answer\n".to_owned(),
         )
     }
 }

@@ -6,19 +6,23 @@
 //! The fold is safe with any number of active instances — the lease only
 //! saves duplicate work and duplicate alerts — so the rules lean towards
 //! availability: a standby takes an expired lease at once, and a holder
-//! that cannot renew steps down when its lease may have expired.
+//! that cannot renew steps down before its lease may have expired, on a
+//! timer of its own, whatever the renewal in flight is doing.
 //!
 //! Expiry is judged on the server's clock (`hello`'s `localTime`), so
 //! instances on hosts with skewed clocks agree.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mongodb::bson::{DateTime, Document, doc};
 use mongodb::options::ReturnDocument;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::daemon::metrics::Metrics;
+use crate::daemon::sleep_until;
 use crate::daemon::state::State;
 use crate::document::{Inserted, insert_if_absent};
 use crate::error::{Error, RetryBudget};
@@ -116,48 +120,70 @@ impl Lease {
             .map(|_| ())
     }
 
-    /// Keeps the lease until `shutdown`: tries every third of the TTL and
-    /// publishes the role on the returned channel. A holder that cannot
-    /// renew steps down once its lease may have expired.
+    /// Keeps the lease until `shutdown` (a task on `tracker`, so the drain
+    /// waits for its release): tries every third of the TTL and publishes
+    /// the role on the returned channel.
+    ///
+    /// The holder's own clock decides when it stops acting active: its
+    /// lease runs from the start of the last successful renewal (the server
+    /// computed the expiry from a later instant), so it steps down at that
+    /// instant plus the TTL minus a margin — also while a renewal is still
+    /// in flight, which can take several attempt timeouts. A late answer
+    /// that renewed the lease makes it active again only if that still
+    /// leaves time.
     pub(crate) fn keep(
         self,
         metrics: Metrics,
+        tracker: &TaskTracker,
         shutdown: CancellationToken,
     ) -> watch::Receiver<Role> {
         let (tx, rx) = watch::channel(Role::Standby);
-        tokio::spawn(async move {
+        tracker.spawn(async move {
             let every = self.ttl / 3;
-            let mut last_renewed: Option<Instant> = None;
+            let margin = self.ttl / SAFETY_MARGIN_DIVISOR;
+            // While active: when this instance must have stepped down.
+            let mut held_until: Option<Instant> = None;
+            let mut next_attempt = Instant::now();
+            let mut started = Instant::now();
+            let mut renewal = None;
             loop {
-                let attempt = Instant::now();
-                let role = match self.acquire_or_renew().await {
-                    Ok(role) => {
-                        if role == Role::Active {
-                            last_renewed = Some(attempt);
-                        }
-                        role
-                    }
-                    Err(err) => {
-                        let still_held = last_renewed
-                            .is_some_and(|at| at.elapsed() < self.ttl.saturating_sub(every));
-                        tracing::warn!(cause = %err, still_held, "cannot renew the lease");
-                        if still_held {
-                            Role::Active
-                        } else {
-                            Role::Standby
-                        }
-                    }
-                };
-                if *tx.borrow() != role {
-                    tracing::info!(role = role.as_str(), owner = %self.owner, "lease role changed");
-                }
-                metrics.lease_active.set(i64::from(role == Role::Active));
-                tx.send_replace(role);
                 tokio::select! {
                     () = shutdown.cancelled() => break,
-                    () = tokio::time::sleep(every) => {}
+                    () = tokio::time::sleep_until(next_attempt), if renewal.is_none() => {
+                        started = Instant::now();
+                        renewal = Some(Box::pin(self.acquire_or_renew()));
+                    }
+                    result = async { renewal.as_mut().expect("guarded").await }, if renewal.is_some() => {
+                        renewal = None;
+                        next_attempt = started + every;
+                        let role = match result {
+                            Ok(Role::Active) if Instant::now() < started + self.ttl - margin => {
+                                held_until = Some(started + self.ttl - margin);
+                                Role::Active
+                            }
+                            Ok(_) => {
+                                held_until = None;
+                                Role::Standby
+                            }
+                            Err(err) => {
+                                let still_held = held_until.is_some();
+                                tracing::warn!(cause = %err, still_held, "cannot renew the lease");
+                                if still_held { Role::Active } else { Role::Standby }
+                            }
+                        };
+                        self.publish(&tx, &metrics, role, "renewal");
+                    }
+                    () = sleep_until(held_until), if held_until.is_some() => {
+                        held_until = None;
+                        tracing::warn!(
+                            in_flight = renewal.is_some(),
+                            "no renewal succeeded within the lease: stepping down before it expires"
+                        );
+                        self.publish(&tx, &metrics, Role::Standby, "lease running out");
+                    }
                 }
             }
+            drop(renewal);
             if *tx.borrow() == Role::Active {
                 match self.release().await {
                     Ok(()) => tracing::info!("lease released"),
@@ -171,4 +197,18 @@ impl Lease {
         });
         rx
     }
+
+    /// Publishes `role` (and `tally_lease_active`), logging a change.
+    fn publish(&self, tx: &watch::Sender<Role>, metrics: &Metrics, role: Role, why: &str) {
+        if *tx.borrow() != role {
+            tracing::info!(role = role.as_str(), owner = %self.owner, why, "lease role changed");
+        }
+        metrics.lease_active.set(i64::from(role == Role::Active));
+        tx.send_replace(role);
+    }
 }
+
+/// The holder steps down this fraction of the TTL before its lease could
+/// expire: room for clocks that run at slightly different rates, and for the
+/// moment between stepping down and stopping work.
+const SAFETY_MARGIN_DIVISOR: u32 = 10;

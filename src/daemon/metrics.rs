@@ -56,6 +56,10 @@ pub(crate) struct Inner {
     pub(crate) largest_pending: IntGaugeVec,
     /// `tally_malformed_documents{collection}`, from the last scan.
     pub(crate) malformed_documents: IntGaugeVec,
+    /// `tally_fold_refused_documents{collection}`: documents the last
+    /// complete reconcile run could not fold because the server refused the
+    /// update.
+    pub(crate) fold_refused: IntGaugeVec,
     /// `tally_monitor_up{collection}`: 1 while the change stream is open.
     pub(crate) monitor_up: IntGaugeVec,
     /// `tally_monitor_events_total{collection}`: change events processed.
@@ -190,6 +194,12 @@ impl Metrics {
                 &registry,
                 "tally_malformed_documents",
                 "Malformed documents found by the last scan",
+                collection,
+            ),
+            fold_refused: gauge_vec(
+                &registry,
+                "tally_fold_refused_documents",
+                "Documents the last reconcile run could not fold: the server refused the update",
                 collection,
             ),
             monitor_up: gauge_vec(

@@ -15,12 +15,14 @@
 //!    rebuild the view, and applies events from then on;
 //! 2. saves the resume token every `save_interval` and at shutdown;
 //! 3. rescans every `scan_interval`;
-//! 4. on a lost history (error 286: the saved position fell off the oplog)
-//!    or an invalidate event, logs at WARN, counts it, rescans and opens a
-//!    new stream — never a silent gap; on other errors reconnects with
-//!    capped exponential backoff.
+//! 4. on a lost history (286, 280, 260: see [`history_lost`]) or an
+//!    invalidate event, logs at WARN, counts it, discards the saved
+//!    position, rescans and opens a new stream — never a silent gap; on
+//!    other errors reconnects from the last saved position with capped
+//!    exponential backoff.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -38,10 +40,11 @@ use crate::daemon::state::State;
 use crate::error::{Error, code, server_code};
 use crate::reconcile::{FoldTarget, Reconciler, model};
 use crate::store::Store;
-use crate::token::{Entry, Token};
 
-/// How many document ids a snapshot names per condition.
-const SAMPLE: usize = 10;
+mod snapshot;
+use crate::token::Entry;
+pub(crate) use snapshot::Snapshot;
+
 /// How long one read of the stream waits for events on the server: also
 /// how quickly the watcher notices a shutdown or a timer.
 const AWAIT: Duration = Duration::from_millis(500);
@@ -106,33 +109,6 @@ fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
     }
 }
 
-/// What a collection's pending arrays look like at one instant.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct Snapshot {
-    /// Well-formed documents holding pending tokens.
-    pub(crate) pending_documents: u64,
-    /// Their pending tokens.
-    pub(crate) pending_tokens: u64,
-    /// Tokens older than the stuck cutoff.
-    pub(crate) stuck_tokens: u64,
-    /// A few documents holding stuck tokens.
-    pub(crate) stuck_sample: Vec<String>,
-    /// The `_id`s of all documents holding stuck tokens (for a repair).
-    pub(crate) stuck_ids: Vec<Bson>,
-    /// The oldest pending token.
-    pub(crate) oldest: Option<Token>,
-    /// Entries in the longest pending array.
-    pub(crate) largest_pending: u64,
-    /// Documents whose pending array is longer than the limit.
-    pub(crate) too_long: u64,
-    /// A few of them.
-    pub(crate) too_long_sample: Vec<String>,
-    /// Malformed documents.
-    pub(crate) malformed: u64,
-    /// A few of them.
-    pub(crate) malformed_sample: Vec<String>,
-}
-
 /// Whether a collection's stream is open.
 #[derive(Debug, Clone, Copy)]
 struct Health {
@@ -145,6 +121,9 @@ struct Watched {
     target: FoldTarget,
     view: Mutex<View>,
     health: Mutex<Health>,
+    /// The last attempt to save the stream's position failed (and none
+    /// succeeded since).
+    unsaved: AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -198,6 +177,7 @@ impl Monitor {
                         up: false,
                         down_since: Some(started),
                     }),
+                    unsaved: AtomicBool::new(false),
                 });
                 (target.spec.name.clone(), watched)
             })
@@ -229,44 +209,20 @@ impl Monitor {
         let Some(watched) = self.collections.get(collection) else {
             return Snapshot::default();
         };
-        let cutoff = Token::cutoff(stuck_before);
-        let view = lock(&watched.view);
-        let mut snapshot = Snapshot::default();
-        for (id, (raw_id, pending)) in &view.documents {
-            match pending {
-                Pending::Malformed(_) => {
-                    snapshot.malformed += 1;
-                    if snapshot.malformed_sample.len() < SAMPLE {
-                        snapshot.malformed_sample.push(id.clone());
-                    }
-                }
-                Pending::Tokens(tokens) => {
-                    snapshot.pending_documents += 1;
-                    let size = tokens.len() as u64;
-                    snapshot.pending_tokens += size;
-                    snapshot.largest_pending = snapshot.largest_pending.max(size);
-                    if size > max_pending {
-                        snapshot.too_long += 1;
-                        if snapshot.too_long_sample.len() < SAMPLE {
-                            snapshot.too_long_sample.push(id.clone());
-                        }
-                    }
-                    let stuck = tokens.iter().filter(|t| **t < cutoff).count() as u64;
-                    if stuck > 0 {
-                        snapshot.stuck_tokens += stuck;
-                        snapshot.stuck_ids.push(raw_id.clone());
-                        if snapshot.stuck_sample.len() < SAMPLE {
-                            snapshot.stuck_sample.push(id.clone());
-                        }
-                    }
-                    if let Some(oldest) = tokens.iter().min() {
-                        let oldest = Token::from_object_id(*oldest);
-                        snapshot.oldest = Some(snapshot.oldest.map_or(oldest, |o| o.min(oldest)));
-                    }
-                }
-            }
-        }
-        snapshot
+        snapshot::take(&lock(&watched.view), stuck_before, max_pending)
+    }
+
+    /// The collections whose latest stream position could not be saved (the
+    /// last attempt failed): the next start resumes from an older one.
+    pub(crate) fn unsaved(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .collections
+            .iter()
+            .filter(|(_, watched)| watched.unsaved.load(Ordering::Relaxed))
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
     }
 
     /// How long the collection's change stream has been down (`None` while
@@ -279,6 +235,28 @@ impl Monitor {
         } else {
             health.down_since.map(|since| since.elapsed())
         }
+    }
+}
+
+/// Whether the stream cannot go on from its position: the history is gone
+/// (286), the stream failed for good (280), the token is refused (260).
+fn history_lost(err: &mongodb::error::Error) -> bool {
+    matches!(
+        server_code(err),
+        Some(
+            code::CHANGE_STREAM_HISTORY_LOST
+                | code::CHANGE_STREAM_FATAL_ERROR
+                | code::INVALID_RESUME_TOKEN
+        )
+    )
+}
+
+/// How a stream ends on `err` from `operation`.
+fn ended_by(operation: &'static str, err: mongodb::error::Error) -> Ended {
+    if history_lost(&err) {
+        Ended::Restart("history_lost")
+    } else {
+        Ended::Failed(Error::Server(crate::error::Failure::once(operation, err)))
     }
 }
 
@@ -319,6 +297,8 @@ impl Watcher {
 
     async fn run(self) {
         let mut backoff = Duration::from_secs(1);
+        // Cleared once a stream opened from scratch: later reconnects
+        // resume from what that stream saved.
         let mut fresh_start = false;
         loop {
             if self.shutdown.is_cancelled() {
@@ -326,7 +306,7 @@ impl Watcher {
             }
             let started = Instant::now();
             let ended = if self.config.enabled {
-                self.stream(fresh_start).await
+                self.stream(&mut fresh_start).await
             } else {
                 self.scan_only().await
             };
@@ -380,9 +360,10 @@ impl Watcher {
         }
     }
 
-    /// Opens the stream, scans, and follows it until it ends.
-    async fn stream(&self, fresh_start: bool) -> Ended {
-        let saved = if fresh_start {
+    /// Opens the stream (from scratch when `fresh_start`, which is then
+    /// cleared), scans, and follows it until it ends.
+    async fn stream(&self, fresh_start: &mut bool) -> Ended {
+        let saved = if *fresh_start {
             if let Err(err) = self.state.forget_resume_token(self.name()).await {
                 return Ended::Failed(err);
             }
@@ -398,6 +379,7 @@ impl Watcher {
             Ok(stream) => stream,
             Err(ended) => return ended,
         };
+        *fresh_start = false;
         if resumed {
             tracing::info!(collection = %self.name(), "change stream resumed from the saved position");
         }
@@ -432,8 +414,9 @@ impl Watcher {
             }
             match stream.next_if_any().await {
                 Ok(Some(event)) => {
+                    // An invalidate ends the stream: its position is
+                    // discarded, never saved (nothing can resume after it).
                     if let Some(ended) = self.apply(event) {
-                        self.save(stream.resume_token(), &mut saved_token).await;
                         return ended;
                     }
                 }
@@ -441,13 +424,7 @@ impl Watcher {
                 Ok(None) => return Ended::Restart("invalidate"),
                 Err(err) => {
                     self.save(stream.resume_token(), &mut saved_token).await;
-                    return match server_code(&err) {
-                        Some(code::CHANGE_STREAM_HISTORY_LOST) => Ended::Restart("history_lost"),
-                        _ => Ended::Failed(Error::Server(crate::error::Failure::once(
-                            "monitor.next",
-                            err,
-                        ))),
-                    };
+                    return ended_by("monitor.next", err);
                 }
             }
         }
@@ -477,13 +454,7 @@ impl Watcher {
             .await;
         match opened {
             Ok(stream) => Ok(stream),
-            Err(err) if server_code(&err) == Some(code::CHANGE_STREAM_HISTORY_LOST) => {
-                Err(Ended::Restart("history_lost"))
-            }
-            Err(err) => Err(Ended::Failed(Error::Server(crate::error::Failure::once(
-                "monitor.open",
-                err,
-            )))),
+            Err(err) => Err(ended_by("monitor.open", err)),
         }
     }
 
@@ -559,8 +530,12 @@ impl Watcher {
             return;
         }
         match self.state.save_resume_token(self.name(), &token).await {
-            Ok(()) => *saved = Some(token),
+            Ok(()) => {
+                *saved = Some(token);
+                self.watched.unsaved.store(false, Ordering::Relaxed);
+            }
             Err(err) => {
+                self.watched.unsaved.store(true, Ordering::Relaxed);
                 tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token")
             }
         }

@@ -15,6 +15,7 @@ use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
+use crate::daemon::sleep_until;
 use crate::daemon::state::State;
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
@@ -50,6 +51,34 @@ pub(super) struct Runner {
     pub(super) shutdown: CancellationToken,
 }
 
+/// `fold_refused` and `tally_fold_refused_documents` from a run: firing
+/// while the collection's last run left documents the server refused to
+/// update, resolved by a complete run that refused none. A run that failed
+/// or was interrupted says nothing about the documents it did not reach,
+/// unless it found refusals itself.
+fn report_refused(alerts: &Alerts, metrics: &Metrics, run: &CollectionRun) {
+    if run.refused == 0 && !run.succeeded() {
+        return;
+    }
+    let name = run.collection.as_str();
+    metrics
+        .fold_refused
+        .with_label_values(&[name])
+        .set(i64::try_from(run.refused).unwrap_or(i64::MAX));
+    let refused = (run.refused > 0).then(|| Observation {
+        count: run.refused,
+        oldest_age: None,
+        sample_ids: run.refused_sample.iter().map(|d| d.id.clone()).collect(),
+        detail: Some(
+            "the server refused to update these documents; they are left untouched and their \
+             pending tokens uncounted: fix the document (or the validator), and the next run \
+             folds it"
+                .into(),
+        ),
+    });
+    alerts.set(AlertKind::FoldRefused, name, refused);
+}
+
 impl Runner {
     pub(super) async fn run(mut self, mut inbox: mpsc::Receiver<Request>) {
         let mut failures: BTreeMap<String, u32> = BTreeMap::new();
@@ -77,7 +106,7 @@ impl Runner {
                     Some(request) => request,
                     None => return,
                 },
-                () = sleep_until(next_retry) => {
+                () = sleep_until(next_retry.map(Into::into)) => {
                     let due: Vec<String> = retry_at
                         .iter()
                         .filter(|(_, at)| **at <= Instant::now())
@@ -212,6 +241,7 @@ impl Runner {
             seconds = run.duration.as_secs_f64(),
             "reconcile run"
         );
+        report_refused(&self.alerts, &self.metrics, run);
         match &run.error {
             None if run.interrupted => {}
             None => {
@@ -280,9 +310,89 @@ impl Runner {
     }
 }
 
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at.into()).await,
-        None => std::future::pending().await,
+#[cfg(test)]
+mod tests {
+    use tokio_util::task::TaskTracker;
+
+    use super::*;
+    use crate::config::AlertsConfig;
+    use crate::daemon::alert::AlertOptions;
+    use crate::reconcile::RefusedDocument;
+    use crate::redact::Secrets;
+
+    fn engine(metrics: &Metrics) -> Alerts {
+        Alerts::start_with(
+            &AlertsConfig::default(),
+            Secrets::default(),
+            metrics.clone(),
+            &TaskTracker::new(),
+            CancellationToken::new(),
+            AlertOptions::default(),
+        )
+    }
+
+    fn run_refusing(ids: &[&str]) -> CollectionRun {
+        let mut run =
+            CollectionRun::failed("views", crate::error::Error::InvalidArgument("x".into()));
+        run.error = None;
+        run.refused = ids.len() as u64;
+        run.refused_sample = ids
+            .iter()
+            .map(|id| RefusedDocument {
+                id: (*id).to_owned(),
+                code: 121,
+                reason: "Document failed validation".into(),
+            })
+            .collect();
+        run
+    }
+
+    fn gauge(metrics: &Metrics) -> i64 {
+        metrics.fold_refused.with_label_values(&["views"]).get()
+    }
+
+    #[test]
+    fn refused_documents_fire_until_a_complete_run_refuses_none() {
+        let metrics = Metrics::new();
+        let alerts = engine(&metrics);
+        report_refused(&alerts, &metrics, &run_refusing(&["1", "2"]));
+        let firing = alerts.firing();
+        assert_eq!(firing.len(), 1, "{firing:?}");
+        let (kind, collection, observation) = &firing[0];
+        assert_eq!(
+            (*kind, collection.as_str()),
+            (AlertKind::FoldRefused, "views")
+        );
+        assert_eq!(observation.count, 2);
+        assert_eq!(observation.sample_ids, ["1", "2"]);
+        assert_eq!(gauge(&metrics), 2);
+        let text = metrics.render();
+        assert!(
+            text.contains("tally_fold_refused_documents{collection=\"views\"} 2"),
+            "{text}"
+        );
+
+        // A run that failed or was interrupted before the end says nothing
+        // new about the documents it did not reach.
+        let mut failed = run_refusing(&[]);
+        failed.error = Some(crate::error::Error::InvalidArgument("down".into()));
+        report_refused(&alerts, &metrics, &failed);
+        let mut interrupted = run_refusing(&[]);
+        interrupted.interrupted = true;
+        report_refused(&alerts, &metrics, &interrupted);
+        assert_eq!(alerts.firing().len(), 1);
+        assert_eq!(gauge(&metrics), 2);
+
+        // A complete run that refused nothing resolves it.
+        report_refused(&alerts, &metrics, &run_refusing(&[]));
+        assert!(alerts.firing().is_empty());
+        assert_eq!(gauge(&metrics), 0);
+        let notifications = |state| {
+            metrics
+                .alert_notifications
+                .with_label_values(&["fold_refused", state])
+                .get()
+        };
+        assert_eq!((notifications("firing"), notifications("resolved")), (1, 1));
     }
 }

@@ -9,6 +9,7 @@ use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tally::Token;
 
+use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
 use crate::common::server::{ServerOptions, TestServer};
 use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{FailPoint, TestContext, counter, external, wait_until};
@@ -18,6 +19,8 @@ pub(crate) struct Conf {
     pub(crate) cron: &'static str,
     pub(crate) catch_up: bool,
     pub(crate) monitor: bool,
+    /// How often the change streams' positions are saved.
+    pub(crate) save_interval: &'static str,
     pub(crate) extra: String,
 }
 
@@ -27,47 +30,61 @@ impl Default for Conf {
             cron: "* * * * * *",
             catch_up: true,
             monitor: true,
+            save_interval: "200ms",
             extra: String::new(),
         }
     }
 }
 
 impl Conf {
-    /// The config file: collection `views`, grace 3 s, retry horizon 2 s.
+    /// No fold unless a test asks for one: nightly, no catch-up at start.
+    pub(crate) fn idle() -> Self {
+        Self {
+            cron: "0 30 3 * * *",
+            catch_up: false,
+            ..Self::default()
+        }
+    }
+
+    /// The config file: collection `views`, grace 7 s, retry horizon 2 s,
+    /// attempts bounded by 4 s (the grace must outlast the horizon plus one
+    /// attempt).
     pub(crate) fn render(&self, uri: &str, database: &str) -> String {
         format!(
             r#"
 [mongodb]
 uri = "{uri}"
 database = "{database}"
-server_selection_timeout = "5s"
-attempt_timeout = "5s"
+server_selection_timeout = "2s"
+attempt_timeout = "4s"
 [[collections]]
 name = "views"
 [writer]
 retry_horizon = "2s"
 [reconcile]
-grace = "3s"
+grace = "7s"
 batch_size = 10
 [schedule]
 cron = "{cron}"
 catch_up = {catch_up}
 [monitor]
 enabled = {monitor}
-save_interval = "200ms"
+save_interval = "{save_interval}"
 scan_interval = "10m"
 {extra}
 "#,
             cron = self.cron,
             catch_up = self.catch_up,
             monitor = self.monitor,
+            save_interval = self.save_interval,
             extra = self.extra,
         )
     }
 }
 
-/// The alerts section most tests use: tokens stuck after 3 s.
-const ALERTS: &str = "[alerts]\nstuck_after = \"3s\"\n";
+/// The alerts section most tests use: tokens stuck after 7 s (the grace:
+/// no shorter).
+const ALERTS: &str = "[alerts]\nstuck_after = \"7s\"\n";
 
 fn start(ctx: &TestContext, conf: &Conf) -> Tallyd {
     let mut text = conf.render(&ctx.child_uri(false), &ctx.db_name);
@@ -102,19 +119,50 @@ async fn pending_documents(coll: &Collection<Document>) -> u64 {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Restarts of `views`' stream after the server lost (or refused) its
+/// history.
+const HISTORY_LOST: &str =
+    "tally_monitor_restarts_total{collection=\"views\",reason=\"history_lost\"}";
+
+/// Whether the state collection holds a saved position of `views`' stream.
+async fn saved_position(state: &Collection<Document>) -> bool {
+    state
+        .find_one(doc! { "_id": "resume:views" })
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// Makes every `update` of the test's clients, the daemon's included, take
+/// `ms` milliseconds, until dropped.
+async fn slow_updates(ctx: &TestContext, ms: i32) -> FailPoint {
+    FailPoint::set(
+        ctx,
+        Bson::String("alwaysOn".into()),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": ms },
+    )
+    .await
+}
+
 /// Waits until the daemon's change stream is open and has seen one write.
 async fn watch_one_event(daemon: &Tallyd, views: &Collection<Document>) {
     daemon
         .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
         .await;
+    write_and_see(daemon, views, "warm", 1).await;
+}
+
+/// Inserts the document `id` and waits until the daemon has processed
+/// `events` change events in all.
+async fn write_and_see(daemon: &Tallyd, views: &Collection<Document>, id: &str, events: u32) {
     views
-        .insert_one(doc! { "_id": "warm", "counter": 1i64 })
+        .insert_one(doc! { "_id": id, "counter": 1i64 })
         .await
         .unwrap();
     daemon
         .wait_metric(
             "tally_monitor_events_total{collection=\"views\"}",
-            1.0,
+            f64::from(events),
             LONG,
         )
         .await;
@@ -134,6 +182,13 @@ async fn the_schedule_folds_and_runs_never_overlap() {
         },
     );
     daemon.wait_ready("active", LONG).await;
+    wait_until("the next run time in the log", LONG, || async {
+        daemon
+            .log()
+            .lines()
+            .any(|line| line.contains("schedule started") && line.contains("next="))
+    })
+    .await;
     // A per-second schedule fires and folds.
     daemon
         .wait_metric(
@@ -248,22 +303,11 @@ async fn a_restart_resumes_the_change_stream_where_it_stopped() {
     let client = ctx.client(false).await;
     let views = client.collection("views");
     let state = client.collection("tally_state");
-    let conf = Conf {
-        cron: "0 30 3 * * *",
-        catch_up: false,
-        ..Conf::default()
-    };
+    let conf = Conf::idle();
     let mut daemon = start(&ctx, &conf);
     watch_one_event(&daemon, &views).await;
     assert!(daemon.terminate().success(), "{}", daemon.log());
-    assert!(
-        state
-            .find_one(doc! { "_id": "resume:views" })
-            .await
-            .unwrap()
-            .is_some(),
-        "the resume token was saved"
-    );
+    assert!(saved_position(&state).await, "the resume token was saved");
 
     // Written while no daemon runs.
     for k in 0..5 {
@@ -310,11 +354,7 @@ async fn a_lost_history_rescans_and_misses_nothing() {
     let ctx = TestContext::on("daemon_history_lost", server.uri()).await;
     let client = ctx.client(false).await;
     let views = client.collection("views");
-    let conf = Conf {
-        cron: "0 30 3 * * *",
-        catch_up: false,
-        ..Conf::default()
-    };
+    let conf = Conf::idle();
     let mut daemon = start(&ctx, &conf);
     watch_one_event(&daemon, &views).await;
     assert!(daemon.terminate().success());
@@ -333,13 +373,7 @@ async fn a_lost_history_rescans_and_misses_nothing() {
     let noise: Vec<Document> = (0..1100).map(|i| doc! { "_id": i }).collect();
     client.collection("noise").insert_many(noise).await.unwrap();
     let daemon = start(&ctx, &conf);
-    daemon
-        .wait_metric(
-            "tally_monitor_restarts_total{collection=\"views\",reason=\"history_lost\"}",
-            1.0,
-            LONG,
-        )
-        .await;
+    daemon.wait_metric(HISTORY_LOST, 1.0, LONG).await;
     assert!(
         daemon.log().contains("restarted with a full rescan"),
         "{}",
@@ -455,50 +489,79 @@ async fn an_idle_connection_cut_by_the_server_does_not_break_the_next_run() {
     );
 }
 
+/// A stand-in for systemd's notification socket: what the daemon sends to
+/// `NOTIFY_SOCKET`, in order.
+struct Notifications {
+    socket: UnixDatagram,
+    path: String,
+    heard: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Notifications {
+    fn bind() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify.sock");
+        let socket = UnixDatagram::bind(&path).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        Self {
+            socket,
+            path: path.to_str().unwrap().to_owned(),
+            heard: Vec::new(),
+            _dir: dir,
+        }
+    }
+
+    /// Reads notifications until `done` holds for all heard so far; panics
+    /// after 30 s without one.
+    fn until(&mut self, what: &str, done: impl Fn(&[String]) -> bool) -> &[String] {
+        let mut buffer = [0u8; 512];
+        while !done(&self.heard) {
+            let n = self.socket.recv(&mut buffer).unwrap_or_else(|err| {
+                panic!("{what}: nothing within 30 s ({err}): {:?}", self.heard)
+            });
+            self.heard
+                .push(String::from_utf8_lossy(&buffer[..n]).into_owned());
+        }
+        &self.heard
+    }
+}
+
+/// Whether `heard` has `first`, then `then` after it.
+fn in_order(heard: &[String], first: &str, then: &str) -> bool {
+    heard
+        .iter()
+        .skip_while(|m| !m.contains(first))
+        .any(|m| m.contains(then))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_hears_ready_watchdog_and_stopping() {
     let ctx = TestContext::new("daemon_sd_notify").await;
-    let dir = tempfile::tempdir().unwrap();
-    let socket_path = dir.path().join("notify.sock");
-    let socket = UnixDatagram::bind(&socket_path).unwrap();
-    socket
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let text = Conf {
-        cron: "0 30 3 * * *",
-        catch_up: false,
-        ..Conf::default()
-    }
-    .render(&ctx.child_uri(false), &ctx.db_name);
+    let mut systemd = Notifications::bind();
+    let text = Conf::idle().render(&ctx.child_uri(false), &ctx.db_name);
     let mut daemon = Tallyd::start(
         &format!("{text}\n{ALERTS}"),
         &[
-            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            ("NOTIFY_SOCKET", &systemd.path),
             ("WATCHDOG_USEC", "600000"),
             ("RUST_LOG", "info"),
         ],
     );
-    let mut heard = Vec::new();
-    let mut buffer = [0u8; 512];
-    while !(heard.iter().any(|m: &String| m.contains("READY=1"))
-        && heard.iter().any(|m| m.contains("WATCHDOG=1")))
-    {
-        let n = socket
-            .recv(&mut buffer)
-            .expect("a notification within 30 s");
-        heard.push(String::from_utf8_lossy(&buffer[..n]).into_owned());
-    }
+    systemd.until("READY=1 and WATCHDOG=1", |heard| {
+        heard.iter().any(|m| m.contains("READY=1"))
+            && heard.iter().any(|m| m.contains("WATCHDOG=1"))
+    });
     assert!(
         daemon.ready().await.is_some(),
         "READY=1 came after the first connection"
     );
     assert!(daemon.terminate().success(), "{}", daemon.log());
-    loop {
-        let n = socket.recv(&mut buffer).expect("STOPPING=1 within 30 s");
-        if String::from_utf8_lossy(&buffer[..n]).contains("STOPPING=1") {
-            break;
-        }
-    }
+    systemd.until("STOPPING=1", |heard| {
+        heard.iter().any(|m| m.contains("STOPPING=1"))
+    });
 }
 
 /// SIGTERM while a fold is under way: the batch in flight finishes, the
@@ -520,12 +583,7 @@ async fn sigterm_during_a_fold_exits_0_with_every_counter_exact() {
         expected.push(10 + amount);
     }
     // Each fold batch (10 documents) takes 300 ms or more.
-    let _slow = FailPoint::set(
-        &ctx,
-        Bson::String("alwaysOn".into()),
-        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 300 },
-    )
-    .await;
+    let _slow = slow_updates(&ctx, 300).await;
     let mut daemon = start(
         &ctx,
         &Conf {
@@ -582,7 +640,11 @@ async fn the_status_command_shows_pending_stuck_and_malformed() {
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = format!("{}{ALERTS}", ctx.config_toml(false, "[[collections]]\nname = \"views\"\n[writer]\nretry_horizon = \"2s\"\n[reconcile]\ngrace = \"3s\""));
+    let config = ctx.config_toml(
+        false,
+        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"3m\"\n\
+         [alerts]\nstuck_after = \"3m\"",
+    );
     let path = crate::cli::write_config(dir.path(), &config);
     let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
     assert_eq!(output.status.code(), Some(0), "{output:?}");
@@ -610,7 +672,7 @@ async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
     let views = ctx.client(false).await.collection("views");
     let receiver = crate::common::receiver::Receiver::start(2).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"3s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
+        "[alerts]\nstuck_after = \"7s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
          auth_header_env = \"HOOK_TOKEN\"\nmax_attempts = 10\n",
         receiver.addr
     );
@@ -782,13 +844,7 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
     );
     assert!(!log.contains("tally-pw"), "the password never appears");
     let state = admin.database(db).collection::<Document>("tally_state");
-    assert!(
-        state
-            .find_one(doc! { "_id": "resume:views" })
-            .await
-            .unwrap()
-            .is_some()
-    );
+    assert!(saved_position(&state).await);
     // The role really is that narrow: actions it does not grant are refused.
     // (The test server applies a privilege to the whole database rather than
     // to the one collection it names; MongoDB scopes it to the collection.)
@@ -805,4 +861,530 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
         views_as_tally.drop().await.is_err(),
         "dropCollection must be refused"
     );
+}
+
+/// A server on a fixed port and data directory, which a test can stop and
+/// start again; `users` (name, password) are created before `auth`
+/// switches authentication on.
+struct OwnServer {
+    options: ServerOptions,
+    _data: tempfile::TempDir,
+}
+
+impl OwnServer {
+    fn new() -> Self {
+        let data = tempfile::tempdir().unwrap();
+        let options = ServerOptions {
+            port: free_address().port(),
+            storage_path: Some(data.path().to_owned()),
+            ..Default::default()
+        };
+        Self {
+            options,
+            _data: data,
+        }
+    }
+
+    fn start(&self) -> TestServer {
+        TestServer::start(&self.options)
+    }
+
+    /// Creates `user` with `password` as root, then requires authentication
+    /// from the next start on.
+    async fn with_user(mut self, user: &str, password: &str) -> Self {
+        let mut server = self.start();
+        let admin = mongodb::Client::with_uri_str(server.uri()).await.unwrap();
+        admin
+            .database("admin")
+            .run_command(doc! { "createUser": user, "pwd": password, "roles": ["root"] })
+            .await
+            .unwrap();
+        server.stop();
+        self.options.auth = true;
+        self
+    }
+
+    /// A URI for the daemon, with `credentials` (`user:password@`) if any.
+    fn uri(&self, credentials: &str, name: &str) -> String {
+        format!(
+            "mongodb://{credentials}127.0.0.1:{}/?directConnection=true&authSource=admin\
+             &appName=tally-test-{name}&retryWrites=false",
+            self.options.port
+        )
+    }
+}
+
+/// Readiness follows MongoDB: a `hello` every 5 s; not ready once none has
+/// succeeded for 15 s, ready again at the first success. Before MongoDB
+/// first answered, the instance is neither ready nor active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_server_through_an_outage() {
+    if external() {
+        return; // stops and restarts its own server
+    }
+    let own = OwnServer::new();
+    let conf = Conf::idle().render(&own.uri("", "daemon_readiness"), "t_daemon_readiness");
+    let daemon = Tallyd::start(&format!("{conf}\n{ALERTS}"), &[("RUST_LOG", "info")]);
+    wait_until("503 before MongoDB answered", LONG, || async {
+        daemon.ready_status().await == Some(503)
+    })
+    .await;
+    assert_eq!(daemon.metric("tally_ready").await, Some(0.0));
+    assert_eq!(
+        daemon.metric("tally_lease_active").await,
+        Some(0.0),
+        "not active before MongoDB ever answered"
+    );
+
+    let mut server = own.start();
+    daemon.wait_ready("active", Duration::from_secs(60)).await;
+    daemon.wait_metric("tally_ready", 1.0, LONG).await;
+    daemon.wait_metric("tally_lease_active", 1.0, LONG).await;
+
+    server.stop();
+    let stopped = Instant::now();
+    wait_until("503 during the outage", LONG, || async {
+        daemon.ready_status().await == Some(503)
+    })
+    .await;
+    let took = stopped.elapsed();
+    assert!(
+        took >= Duration::from_secs(9),
+        "one failed probe is not an outage: not ready after {took:?}"
+    );
+    assert_eq!(daemon.metric("tally_ready").await, Some(0.0));
+    assert!(
+        daemon.log().contains("MongoDB has not answered"),
+        "{}",
+        daemon.log()
+    );
+
+    let _server = own.start();
+    daemon.wait_ready("active", Duration::from_secs(60)).await;
+    daemon.wait_metric("tally_ready", 1.0, LONG).await;
+}
+
+/// Another process holds the HTTP port: exit 78 (systemd does not restart
+/// on it) naming `[http] listen`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_already_in_use_exits_78_naming_http_listen() {
+    let ctx = TestContext::new("daemon_port_in_use").await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut text = Conf::default().render(&ctx.child_uri(false), &ctx.db_name);
+    text.push_str(ALERTS);
+    let mut daemon = Tallyd::start_on(&text, &[], taken.local_addr().unwrap());
+    let status = daemon.wait(LONG);
+    let log = daemon.log();
+    assert_eq!(status.code(), Some(78), "{log}");
+    assert!(log.contains("[http] listen"), "{log}");
+}
+
+/// A wrong password is a configuration the operator must fix: exit 78 at
+/// start, saying so, instead of waiting for MongoDB forever. (A server that
+/// is merely down is waited for: `the_daemon_waits_for_the_server_...`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_exits_78_at_start() {
+    if external() {
+        return; // needs a server with authentication
+    }
+    let own = OwnServer::new().with_user("tally", "right-pw").await;
+    let _server = own.start();
+    let conf = Conf::default().render(&own.uri("tally:Wr0ng-pw@", "wrong_pw"), "t_wrong_pw");
+    let mut daemon = Tallyd::start(&format!("{conf}\n{ALERTS}"), &[("RUST_LOG", "info")]);
+    let status = daemon.wait(LONG);
+    let log = daemon.log();
+    assert_eq!(status.code(), Some(78), "{log}");
+    assert!(log.contains("authentication failed"), "{log}");
+    assert!(!log.contains("Wr0ng-pw"), "{log}");
+}
+
+/// SIGTERM when a change stream's position cannot be saved: exit 1, naming
+/// what was not saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_exits_1_naming_the_positions_it_could_not_save() {
+    let ctx = TestContext::new("daemon_unsaved").await;
+    let client = ctx.client(false).await;
+    let views = client.collection("views");
+    let conf = Conf::idle();
+    let mut daemon = start(&ctx, &conf);
+    watch_one_event(&daemon, &views).await;
+    // Every update fails from now on, the state collection's included.
+    let _fail = FailPoint::set(
+        &ctx,
+        Bson::String("alwaysOn".into()),
+        doc! { "failCommands": ["update"], "errorCode": 2 },
+    )
+    .await;
+    views.insert_one(doc! { "_id": "moved" }).await.unwrap();
+    daemon
+        .wait_metric(
+            "tally_monitor_events_total{collection=\"views\"}",
+            2.0,
+            LONG,
+        )
+        .await;
+    let status = daemon.terminate();
+    let log = daemon.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("not saved") && log.contains("change-stream position of views"),
+        "{log}"
+    );
+}
+
+/// SIGTERM while a fold batch outlasts `[daemon] shutdown_timeout`: exit 1,
+/// saying the drain was cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_exits_1_when_the_drain_deadline_passes() {
+    let ctx = TestContext::new("daemon_drain_deadline").await;
+    let views = ctx.client(false).await.collection("views");
+    seed_stale(&views, 0..30).await;
+    // Each fold batch takes 3 s; the drain may take 1 s.
+    let _slow = slow_updates(&ctx, 3000).await;
+    let mut daemon = start(
+        &ctx,
+        &Conf {
+            cron: "0 30 3 * * *",
+            extra: "[daemon]\nshutdown_timeout = \"1s\"\n".into(),
+            ..Conf::default()
+        },
+    );
+    wait_until("the catch-up fold to start", LONG, || async {
+        daemon.log().contains("catching up on a missed run")
+    })
+    .await;
+    let status = daemon.terminate();
+    let log = daemon.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("shutdown deadline passed"), "{log}");
+}
+
+/// SIGHUP with a changed, valid configuration: the daemon drains (the
+/// stream positions are saved), starts again with the new settings in the
+/// same process, and tells systemd RELOADING=1 … READY=1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_a_changed_configuration_without_stopping() {
+    let ctx = TestContext::new("daemon_sighup").await;
+    let client = ctx.client(false).await;
+    let views = client.collection("views");
+    let state = client.collection("tally_state");
+    let mut systemd = Notifications::bind();
+    // Nightly, and positions saved only at shutdown: what a reload saves is
+    // what the drain saved.
+    let nightly = Conf {
+        cron: "0 30 3 * * *",
+        catch_up: false,
+        save_interval: "10m",
+        ..Conf::default()
+    };
+    let render = |conf: &Conf| {
+        format!(
+            "{}{ALERTS}",
+            conf.render(&ctx.child_uri(false), &ctx.db_name)
+        )
+    };
+    let mut daemon = Tallyd::start(
+        &render(&nightly),
+        &[("NOTIFY_SOCKET", &systemd.path), ("RUST_LOG", "info")],
+    );
+    watch_one_event(&daemon, &views).await;
+    seed_stale(&views, 0..3).await;
+    assert!(
+        !saved_position(&state).await,
+        "nothing saved before the reload"
+    );
+
+    daemon.rewrite_config(&render(&Conf {
+        cron: "* * * * * *",
+        ..nightly
+    }));
+    daemon.signal("HUP");
+    wait_until("the new schedule to fold", LONG, || async {
+        pending_documents(&views).await == 0
+    })
+    .await;
+    assert!(daemon.running(), "{}", daemon.log());
+    assert!(
+        saved_position(&state).await,
+        "the drain saved the stream position"
+    );
+    let log = daemon.log();
+    assert!(log.contains("SIGHUP received"), "{log}");
+    assert!(log.contains("configuration reloaded"), "{log}");
+    daemon.wait_ready("active", LONG).await;
+    let heard = systemd.until("RELOADING=1 then READY=1", |heard| {
+        in_order(heard, "RELOADING=1", "READY=1")
+    });
+    assert!(
+        !heard.iter().any(|m| m.contains("STOPPING=1")),
+        "a reload is not a stop: {heard:?}"
+    );
+    assert!(daemon.terminate().success(), "{}", daemon.log());
+}
+
+/// SIGHUP with an invalid file: every bad key is logged and the daemon
+/// keeps running with the configuration it had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_with_an_invalid_file_keeps_the_old_configuration() {
+    let ctx = TestContext::new("daemon_sighup_invalid").await;
+    let views = ctx.client(false).await.collection("views");
+    let conf = Conf::idle();
+    let mut daemon = start(&ctx, &conf);
+    daemon.wait_ready("active", LONG).await;
+    let broken = conf
+        .render(&ctx.child_uri(false), &ctx.db_name)
+        .replace("0 30 3 * * *", "0 0 0 30 2 *")
+        + "[log]\nlevel = \"inof\"\n";
+    daemon.rewrite_config(&broken);
+    daemon.signal("HUP");
+    wait_until("the refused reload in the log", LONG, || async {
+        daemon.log().contains("configuration not reloaded")
+    })
+    .await;
+    let log = daemon.log();
+    assert!(log.contains("schedule.cron"), "{log}");
+    assert!(log.contains("log.level"), "{log}");
+    assert!(!log.contains("configuration reloaded"), "{log}");
+    assert!(daemon.running(), "{log}");
+    // Still serving with the old configuration: its monitor sees writes.
+    watch_one_event(&daemon, &views).await;
+    assert_eq!(daemon.ready().await.as_deref(), Some("active"));
+}
+
+/// A renewal whose reply hangs (the black-pipe proxy holds it back): the
+/// holder steps down on its own timer — the start of its last successful
+/// renewal plus the TTL minus a margin — while the call is still in flight,
+/// and a standby on a direct connection takes over. At no moment do both
+/// report active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_renewal_steps_down_before_the_lease_expires() {
+    let ctx = TestContext::new("daemon_lease_hang").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let conf = |instance: &str| Conf {
+        cron: "0 30 3 * * *",
+        catch_up: false,
+        extra: format!("[ha]\nenabled = true\nlease_ttl = \"3s\"\ninstance = \"{instance}\"\n"),
+        ..Conf::default()
+    };
+    let render = |conf: &Conf, uri: &str| format!("{}{ALERTS}", conf.render(uri, &ctx.db_name));
+    let held = Tallyd::start(
+        &render(&conf("held"), &ctx.child_uri_through(&proxy, false)),
+        &[("RUST_LOG", "info")],
+    );
+    held.wait_ready("active", LONG).await;
+    let standby = Tallyd::start(
+        &render(&conf("standby"), &ctx.child_uri(false)),
+        &[("RUST_LOG", "info")],
+    );
+    standby.wait_ready("standby", LONG).await;
+
+    // From now on every renewal's reply is held back far longer than the
+    // lease (and than the attempt timeouts of its retry).
+    let _hang = proxy.rule(
+        Rule::command("findAndModify")
+            .collection("tally_state")
+            .then(Action::DelayReply(Duration::from_secs(60))),
+    );
+    let hung = Instant::now();
+    let mut held_stepped_down = None;
+    loop {
+        let (a, b) = (held.ready().await, standby.ready().await);
+        assert!(
+            !(a.as_deref() == Some("active") && b.as_deref() == Some("active")),
+            "both active {:?} after the renewals began to hang\nheld:\n{}",
+            hung.elapsed(),
+            held.log()
+        );
+        if held_stepped_down.is_none() && a.as_deref() == Some("standby") {
+            held_stepped_down = Some(hung.elapsed());
+        }
+        if b.as_deref() == Some("active") {
+            break;
+        }
+        assert!(hung.elapsed() < LONG, "the standby never took over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The last renewal began at most 1 s (a third of the TTL) before the
+    // hang; the lease is 3 s.
+    let stepped_down = held_stepped_down.expect("the holder stepped down first");
+    assert!(stepped_down < Duration::from_secs(3), "{stepped_down:?}");
+    assert_eq!(held.metric("tally_lease_active").await, Some(0.0));
+    assert!(
+        held.log().contains("stepping down before it expires"),
+        "{}",
+        held.log()
+    );
+    // The renewal is still in flight (its reply comes after 60 s).
+    assert!(
+        proxy
+            .requests("findAndModify")
+            .iter()
+            .any(|e| !e.reply_delivered),
+        "a renewal is still waiting for its reply"
+    );
+}
+
+/// A daemon watching `views` through `proxy`, its stream open and one event
+/// seen.
+async fn watched_through(ctx: &TestContext, proxy: &Proxy) -> (Tallyd, Collection<Document>) {
+    let views = ctx.client(false).await.collection("views");
+    let text = Conf::idle().render(&ctx.child_uri_through(proxy, false), &ctx.db_name);
+    let daemon = Tallyd::start(&format!("{text}{ALERTS}"), &[("RUST_LOG", "info")]);
+    watch_one_event(&daemon, &views).await;
+    (daemon, views)
+}
+
+/// The `$changeStream` stages of the `aggregate`s in `log`, in order.
+fn stream_openings(log: &[crate::common::proxy::Exchange]) -> Vec<Document> {
+    log.iter()
+        .filter(|e| e.command.as_deref() == Some("aggregate"))
+        .filter_map(|e| {
+            e.body
+                .get_array("pipeline")
+                .ok()?
+                .first()?
+                .as_document()?
+                .get_document("$changeStream")
+                .ok()
+                .cloned()
+        })
+        .collect()
+}
+
+/// Codes 280 (ChangeStreamFatalError) and 260 (InvalidResumeToken) are lost
+/// history like 286: a rescan and a new stream, never a reconnect to the
+/// same position forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_stream_error_or_a_bad_resume_token_rescans_like_a_lost_history() {
+    let ctx = TestContext::new("daemon_stream_fatal").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    for (n, (code, name)) in [(280, "ChangeStreamFatalError"), (260, "InvalidResumeToken")]
+        .into_iter()
+        .enumerate()
+    {
+        let _fault = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+            code,
+            name,
+            &[],
+        )));
+        daemon.wait_metric(HISTORY_LOST, (n + 1) as f64, LONG).await;
+        daemon
+            .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+            .await;
+    }
+    assert_eq!(
+        daemon
+            .metric("tally_monitor_restarts_total{collection=\"views\",reason=\"error\"}")
+            .await,
+        None,
+        "{}",
+        daemon.log()
+    );
+    // The new stream sees writes.
+    write_and_see(&daemon, &views, "after", 2).await;
+}
+
+/// After a restart from scratch (a lost history), a later ordinary error
+/// reconnects from the position saved since — it does not throw the saved
+/// position away again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_fresh_start_an_error_resumes_from_the_saved_position() {
+    let ctx = TestContext::new("daemon_fresh_then_error").await;
+    let state = ctx.client(false).await.collection("tally_state");
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    {
+        let _lost = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+            286,
+            "ChangeStreamHistoryLost",
+            &[],
+        )));
+        daemon.wait_metric(HISTORY_LOST, 1.0, LONG).await;
+    }
+    write_and_see(&daemon, &views, "second", 2).await;
+    wait_until("a position saved by the new stream", LONG, || async {
+        saved_position(&state).await
+    })
+    .await;
+
+    proxy.clear_log();
+    let _error = proxy.rule(Rule::command("getMore").nth(1).then(Action::error(
+        2,
+        "BadValue",
+        &[],
+    )));
+    let log = proxy
+        .wait_until("the stream reopened after the error", LONG, |log| {
+            !stream_openings(log).is_empty()
+        })
+        .await;
+    let opening = &stream_openings(&log)[0];
+    assert!(
+        opening.contains_key("resumeAfter"),
+        "reopened from scratch instead of the saved position: {opening}"
+    );
+    assert!(
+        !log.iter().any(|e| e.command.as_deref() == Some("delete")),
+        "the saved position was discarded"
+    );
+    assert!(saved_position(&state).await);
+}
+
+/// An invalidate (the collection dropped) discards the stream's position:
+/// the invalidate event's own token is never saved first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidate_never_saves_its_own_token() {
+    let ctx = TestContext::new("daemon_invalidate").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (daemon, views) = watched_through(&ctx, &proxy).await;
+    views.drop().await.unwrap();
+    daemon
+        .wait_metric(
+            "tally_monitor_restarts_total{collection=\"views\",reason=\"invalidate\"}",
+            1.0,
+            LONG,
+        )
+        .await;
+    daemon
+        .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+        .await;
+    let log = proxy.log();
+    // The invalidate event's token, and the batch's position after it.
+    let mut after_invalidate = Vec::new();
+    for reply in log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("getMore"))
+        .filter_map(|e| e.reply.as_ref()?.get_document("cursor").ok())
+    {
+        let batch = reply.get_array("nextBatch").cloned().unwrap_or_default();
+        for event in batch.iter().filter_map(Bson::as_document) {
+            if event
+                .get_str("operationType")
+                .is_ok_and(|op| op == "invalidate")
+            {
+                after_invalidate.extend(event.get("_id").cloned());
+                after_invalidate.extend(reply.get("postBatchResumeToken").cloned());
+            }
+        }
+    }
+    assert!(
+        !after_invalidate.is_empty(),
+        "no invalidate event came through the proxy"
+    );
+    let saved: Vec<Bson> = log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("update"))
+        .filter(|e| e.collection.as_deref() == Some("tally_state"))
+        .filter_map(|e| {
+            let statement = e.body.get_array("updates").ok()?.first()?.as_document()?;
+            statement.get_document("u").ok()?.get("token").cloned()
+        })
+        .collect();
+    for token in &after_invalidate {
+        assert!(
+            !saved.contains(token),
+            "the position at the invalidate was saved: {token}"
+        );
+    }
 }

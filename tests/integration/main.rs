@@ -14,4 +14,5 @@ mod packaging;
 mod proxy;
 mod reconcile;
 mod sequence;
+mod settle;
 mod soak;

@@ -106,7 +106,9 @@ fn alert_rules_use_only_metrics_the_daemon_exports() {
     let rules = read("config/alerts.yml");
     let metrics = exported_metrics();
     let used = tally_identifiers(&rules);
-    assert!(used.contains("tally_stuck_tokens"), "{used:?}");
+    for expected in ["tally_stuck_tokens", "tally_fold_refused_documents"] {
+        assert!(used.contains(expected), "no rule uses {expected}: {used:?}");
+    }
     let unknown: Vec<&String> = used.difference(&metrics).collect();
     assert!(
         unknown.is_empty(),
@@ -248,7 +250,8 @@ fn default_shutdown_timeout() -> Duration {
     let path = dir.path().join("tallyd.toml");
     std::fs::write(
         &path,
-        "[mongodb]\nuri = \"mongodb://localhost:27017\"\ndatabase = \"app\"\n",
+        "[mongodb]\nuri = \"mongodb://localhost:27017\"\ndatabase = \"app\"\n\
+         [[collections]]\nname = \"views\"\n",
     )
     .expect("write a minimal configuration");
     // No TALLYD__ variable of this process may change the defaults.
@@ -280,6 +283,14 @@ fn the_daemon_unit_is_a_hardened_notify_service() {
         "Service",
         "ExecStart",
         "/usr/local/bin/tallyd --config /etc/tally/tallyd.toml run",
+    );
+    // `systemctl reload`: SIGHUP reads the configuration again.
+    expect(
+        &unit,
+        name,
+        "Service",
+        "ExecReload",
+        "/bin/kill -HUP $MAINPID",
     );
     expect(&unit, name, "Service", "Restart", "on-failure");
     // A bad configuration must not restart in a loop.

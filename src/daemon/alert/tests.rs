@@ -327,6 +327,7 @@ impl Engine {
                 instance: Some("test-instance".into()),
                 backoff,
                 shutdown_flush: Duration::from_millis(500),
+                ..AlertOptions::default()
             },
         );
         Self {
@@ -392,9 +393,9 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Fires a marker alert and waits until the receiver has it. Delivery is
-/// in order, so anything sent before the marker has arrived by then: what
-/// the receiver holds is everything that was sent.
+/// Fires a marker alert, then waits until every notification sent so far
+/// (the marker's included) was delivered or given up: what the receiver
+/// holds then is everything that was sent.
 async fn sync_with_marker(engine: &Engine, receiver: &Receiver) {
     engine
         .alerts
@@ -406,10 +407,21 @@ async fn sync_with_marker(engine: &Engine, receiver: &Receiver) {
             .any(|b| b["collection"] == "marker")
     })
     .await;
+    let sent: u64 = AlertKind::ALL
+        .iter()
+        .flat_map(|kind| ["firing", "resolved"].map(|state| engine.notifications(*kind, state)))
+        .sum();
+    eventually("every notification delivered or given up", || {
+        engine.deliveries("delivered") + engine.deliveries("failed") == sent
+    })
+    .await;
 }
 
+/// (kind, state, collection) of each body, grouped by collection then
+/// kind: the order within one condition is the order of delivery (across
+/// conditions there is none).
 fn summary(bodies: &[Value]) -> Vec<(String, String, String)> {
-    bodies
+    let mut summary: Vec<(String, String, String)> = bodies
         .iter()
         .map(|b| {
             (
@@ -418,7 +430,9 @@ fn summary(bodies: &[Value]) -> Vec<(String, String, String)> {
                 b["collection"].as_str().unwrap_or("?").to_owned(),
             )
         })
-        .collect()
+        .collect();
+    summary.sort_by(|a, b| (&a.2, &a.0).cmp(&(&b.2, &b.0)));
+    summary
 }
 
 fn entry(kind: &str, state: &str, collection: &str) -> (String, String, String) {
@@ -438,13 +452,17 @@ async fn the_webhook_receives_firing_then_resolved_once_each() {
     sync_with_marker(&engine, &receiver).await;
 
     let requests = receiver.requests();
-    let bodies = receiver.delivered();
+    let bodies: Vec<Value> = receiver
+        .delivered()
+        .into_iter()
+        .filter(|b| b["collection"] == "views")
+        .collect();
     assert_eq!(
-        summary(&bodies),
+        summary(&receiver.delivered()),
         [
+            entry("malformed", "firing", "marker"),
             entry("stuck_tokens", "firing", "views"),
             entry("stuck_tokens", "resolved", "views"),
-            entry("malformed", "firing", "marker"),
         ]
     );
     assert_eq!(requests.len(), 3, "no retries were needed: {requests:?}");
@@ -508,14 +526,12 @@ async fn repeated_reports_while_firing_send_nothing_more() {
     assert_eq!(
         summary(&bodies),
         [
-            entry("stuck_tokens", "firing", "views"),
             entry("malformed", "firing", "marker"),
+            entry("stuck_tokens", "firing", "views"),
         ]
     );
-    assert_eq!(
-        bodies[0]["count"], 1,
-        "the firing tells the first observation"
-    );
+    let firing = bodies.iter().find(|b| b["collection"] == "views").unwrap();
+    assert_eq!(firing["count"], 1, "the firing tells the first observation");
     let firing = engine.alerts.firing();
     assert_eq!(
         firing
@@ -615,8 +631,8 @@ async fn a_webhook_that_is_down_is_given_up_on_without_blocking_and_the_engine_g
     eventually("the resolved after the webhook came back", || {
         receiver
             .delivered()
-            .last()
-            .is_some_and(|b| b["kind"] == "stuck_tokens" && b["state"] == "resolved")
+            .iter()
+            .any(|b| b["kind"] == "stuck_tokens" && b["state"] == "resolved")
     })
     .await;
     // 1 firing + 6 monitor_down + 1 resolved, each delivered or given up
@@ -653,7 +669,8 @@ async fn a_full_queue_drops_the_newest_without_blocking() {
         elapsed < Duration::from_secs(2),
         "1200 reports took {elapsed:?}"
     );
-    let queued = QUEUE_CAPACITY as u64;
+    // The one waiting for its retry holds a place in the queue too.
+    let queued = QUEUE_CAPACITY as u64 - 1;
     assert_eq!(engine.deliveries("failed"), 1200 - queued);
     assert_eq!(engine.notifications(AlertKind::MonitorDown, "firing"), 600);
 
@@ -711,6 +728,85 @@ async fn shutdown_delivers_what_is_queued_when_the_webhook_answers() {
         ]
     );
     assert_eq!(engine.deliveries("delivered"), 2);
+}
+
+/// An endpoint that hangs for one alert (its requests are never answered)
+/// does not hold the others back: an alert of another collection arrives
+/// within one attempt's timeout, not after every attempt of the first.
+#[tokio::test]
+async fn an_alert_that_hangs_does_not_hold_back_the_others() {
+    let receiver = Receiver::start_hanging_for("slow").await;
+    // 3 attempts of 2 s each for the hanging one.
+    let engine = Engine::start(&config_for(receiver.addr, 3), FAST);
+
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "slow", Some(stuck(1)));
+    eventually("the first request to hang", || {
+        receiver.requests().len() == 1
+    })
+    .await;
+    let reported = Instant::now();
+    engine
+        .alerts
+        .set(AlertKind::StuckTokens, "fast", Some(stuck(1)));
+    eventually("the other alert", || {
+        receiver
+            .delivered()
+            .iter()
+            .any(|b| b["collection"] == "fast")
+    })
+    .await;
+    let waited = reported.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "the other alert waited {waited:?} behind the hanging one"
+    );
+    // The hanging one is still retried, and its resolved still waits
+    // behind it.
+    engine.alerts.set(AlertKind::StuckTokens, "slow", None);
+    eventually("the hanging alert given up", || {
+        engine.deliveries("failed") == 1
+    })
+    .await;
+    eventually("its resolved sent after it", || {
+        receiver
+            .requests()
+            .iter()
+            .any(|r| r.body["collection"] == "slow" && r.body["state"] == "resolved")
+    })
+    .await;
+    let slow: Vec<String> = receiver
+        .requests()
+        .iter()
+        .filter(|r| r.body["collection"] == "slow")
+        .map(|r| r.body["state"].as_str().unwrap_or("?").to_owned())
+        .collect();
+    assert_eq!(slow, ["firing", "firing", "firing", "resolved"]);
+}
+
+/// However many conditions hang, at most eight requests are in flight at
+/// once; the rest wait for a slot, which a timed-out request frees.
+#[tokio::test]
+async fn at_most_eight_requests_are_in_flight() {
+    let receiver = Receiver::start_hanging_for("slow").await;
+    let engine = Engine::start(&config_for(receiver.addr, 1), FAST);
+    let started = Instant::now();
+    for n in 0..10 {
+        engine
+            .alerts
+            .set(AlertKind::StuckTokens, &format!("slow{n}"), Some(stuck(1)));
+    }
+    eventually("eight requests", || receiver.requests().len() == 8).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        receiver.requests().len(),
+        8,
+        "a ninth request while eight hang"
+    );
+    // The first timeouts (2 s) free slots for the other two.
+    eventually("ten requests", || receiver.requests().len() == 10).await;
+    assert!(started.elapsed() >= Duration::from_secs(2));
 }
 
 /// A log sink for one test: everything written, kept in memory.

@@ -1,18 +1,15 @@
-//! The webhook sink: one task POSTs notifications in the order they
-//! happened, retrying each with exponential backoff before it moves on to
-//! the next (a `resolved` must never overtake its `firing`).
+//! The webhook sink: how one notification is POSTed ([`Delivery::attempt`]),
+//! how long to wait before trying it again ([`Backoff`]), and how foreign
+//! messages lose their secrets ([`Scrubber`]). Which notification is
+//! attempted when is the delivery task's business (`lanes`).
 //!
 //! Nothing it logs shows the webhook URL beyond its scheme and host, nor
 //! the `Authorization` value: request errors are taken without their URL
 //! and scrubbed of every secret before they are printed.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use reqwest::header::{AUTHORIZATION, HeaderValue};
-use tokio::sync::mpsc;
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::{AlertOptions, Notification};
 use crate::config::{WebhookConfig, redact_webhook_url};
@@ -22,10 +19,6 @@ use crate::redact::{MASK, Secrets};
 /// The most a retry wait is shortened at random (a quarter), so that
 /// daemons that failed together do not retry in step.
 const JITTER: f64 = 0.25;
-
-/// How many undelivered notifications are logged one by one at shutdown;
-/// the rest are summed up in one line.
-const LOGGED_AT_SHUTDOWN: usize = 10;
 
 /// The wait between two attempts to deliver one notification: `base` after
 /// the first failure, doubling after each further one, never more than
@@ -59,7 +52,7 @@ impl Backoff {
 
 /// Why one attempt did not deliver.
 #[derive(Debug, thiserror::Error)]
-enum AttemptError {
+pub(super) enum AttemptError {
     /// The webhook answered, but not with a 2xx status.
     #[error("the webhook answered {0}")]
     Status(reqwest::StatusCode),
@@ -75,19 +68,10 @@ enum AttemptError {
     /// Shutdown left no time for the attempt.
     #[error("shutting down: no time left to send it")]
     NoTimeLeft,
-}
-
-/// How delivering one notification ended.
-enum Outcome {
-    /// Delivered, or given up after `max_attempts`: on to the next.
-    Done,
-    /// Shutdown came while it waited to be retried: it gets one last
-    /// attempt with the rest.
-    Interrupted,
-    /// Shutdown came during an attempt, which then failed or ran out of
-    /// time: it had its last chance, and the webhook is presumed down for
-    /// the rest.
-    CutShort(AttemptError),
+    /// An earlier notification of the same condition could not be sent
+    /// before shutdown, so this one was not tried (order matters).
+    #[error("an earlier notification of the same condition was not sent")]
+    Behind,
 }
 
 /// Removes secrets from foreign messages: the configuration's, plus the
@@ -128,17 +112,16 @@ impl Scrubber {
     }
 }
 
-/// The delivery task's state: the HTTP client and everything an attempt
-/// needs.
+/// The HTTP client and everything an attempt needs.
 pub(super) struct Delivery {
     client: reqwest::Client,
     url: reqwest::Url,
-    shown_url: String,
+    pub(super) shown_url: String,
     auth: Option<HeaderValue>,
-    timeout: Duration,
-    max_attempts: u32,
-    backoff: Backoff,
-    shutdown_flush: Duration,
+    pub(super) timeout: Duration,
+    pub(super) max_attempts: u32,
+    pub(super) backoff: Backoff,
+    pub(super) shutdown_flush: Duration,
     scrubber: Scrubber,
     metrics: Metrics,
 }
@@ -192,170 +175,8 @@ impl Delivery {
         })
     }
 
-    /// Delivers queued notifications in order until `shutdown`, then gives
-    /// those still waiting one last attempt within the shutdown flush and
-    /// logs what could not be sent.
-    pub(super) async fn run(
-        self,
-        mut queue: mpsc::Receiver<Notification>,
-        shutdown: CancellationToken,
-    ) {
-        let mut unsent = VecDeque::new();
-        let mut failure = None;
-        loop {
-            let next = tokio::select! {
-                biased;
-                () = shutdown.cancelled() => break,
-                next = queue.recv() => next,
-            };
-            // Every handle is gone: nothing more will come.
-            let Some(notification) = next else { return };
-            match self.deliver(&notification, &shutdown).await {
-                Outcome::Done => {}
-                Outcome::Interrupted => {
-                    unsent.push_back(notification);
-                    break;
-                }
-                Outcome::CutShort(err) => {
-                    unsent.push_back(notification);
-                    failure = Some(err);
-                    break;
-                }
-            }
-        }
-        self.flush(unsent, failure, queue).await;
-    }
-
-    /// Delivers one notification, retrying with backoff, unless shutdown
-    /// interrupts.
-    async fn deliver(&self, notification: &Notification, shutdown: &CancellationToken) -> Outcome {
-        for attempt in 1..=self.max_attempts {
-            let sending = self.attempt(notification, self.timeout);
-            tokio::pin!(sending);
-            let result = tokio::select! {
-                biased;
-                result = &mut sending => result,
-                () = shutdown.cancelled() => {
-                    // A started attempt may finish, within the flush time.
-                    return match tokio::time::timeout(self.shutdown_flush, sending).await {
-                        Ok(Ok(())) => {
-                            self.count("delivered");
-                            Outcome::Done
-                        }
-                        Ok(Err(err)) => Outcome::CutShort(err),
-                        Err(_) => Outcome::CutShort(AttemptError::Timeout(self.shutdown_flush)),
-                    };
-                }
-            };
-            let err = match result {
-                Ok(()) => {
-                    self.count("delivered");
-                    tracing::debug!(
-                        kind = %notification.kind,
-                        state = %notification.state,
-                        collection = %notification.collection,
-                        attempt,
-                        "alert delivered to the webhook"
-                    );
-                    return Outcome::Done;
-                }
-                Err(err) => err,
-            };
-            if attempt == self.max_attempts {
-                self.count("failed");
-                tracing::error!(
-                    kind = %notification.kind,
-                    state = %notification.state,
-                    collection = %notification.collection,
-                    webhook = %self.shown_url,
-                    attempts = attempt,
-                    cause = %err,
-                    "alert not delivered: the webhook failed every attempt; giving up"
-                );
-                return Outcome::Done;
-            }
-            self.count("retried");
-            let wait = self.backoff.delay(attempt, fastrand::f64());
-            tracing::warn!(
-                kind = %notification.kind,
-                state = %notification.state,
-                collection = %notification.collection,
-                webhook = %self.shown_url,
-                attempt,
-                max_attempts = self.max_attempts,
-                retry_in_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
-                cause = %err,
-                "webhook delivery failed; will retry"
-            );
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return Outcome::Interrupted,
-                () = tokio::time::sleep(wait) => {}
-            }
-        }
-        Outcome::Done
-    }
-
-    /// At shutdown: one last attempt each for the notifications still
-    /// waiting, in order, within the flush time; stops at the first failure
-    /// (the webhook is down, and order matters) and logs every notification
-    /// not delivered.
-    async fn flush(
-        &self,
-        mut unsent: VecDeque<Notification>,
-        mut failure: Option<AttemptError>,
-        mut queue: mpsc::Receiver<Notification>,
-    ) {
-        queue.close();
-        while let Ok(notification) = queue.try_recv() {
-            unsent.push_back(notification);
-        }
-        let deadline = Instant::now() + self.shutdown_flush;
-        while failure.is_none() {
-            let Some(notification) = unsent.front() else {
-                break;
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                failure = Some(AttemptError::NoTimeLeft);
-                break;
-            }
-            match self.attempt(notification, left.min(self.timeout)).await {
-                Ok(()) => {
-                    self.count("delivered");
-                    unsent.pop_front();
-                }
-                Err(err) => failure = Some(err),
-            }
-        }
-        let cause = failure.map(|err| err.to_string()).unwrap_or_default();
-        for notification in unsent.iter().take(LOGGED_AT_SHUTDOWN) {
-            tracing::error!(
-                kind = %notification.kind,
-                state = %notification.state,
-                collection = %notification.collection,
-                webhook = %self.shown_url,
-                cause = %cause,
-                "alert not delivered before shutdown"
-            );
-        }
-        if unsent.len() > LOGGED_AT_SHUTDOWN {
-            tracing::error!(
-                more = unsent.len() - LOGGED_AT_SHUTDOWN,
-                webhook = %self.shown_url,
-                cause = %cause,
-                "more alerts not delivered before shutdown"
-            );
-        }
-        self.metrics
-            .webhook_deliveries
-            .with_label_values(&["failed"])
-            .inc_by(unsent.len() as u64);
-        tracing::debug!(undelivered = unsent.len(), "webhook delivery stopped");
-    }
-
-    /// One POST of one notification.
-    async fn attempt(
+    /// One POST of one notification, given up after `timeout`.
+    pub(super) async fn attempt(
         &self,
         notification: &Notification,
         timeout: Duration,
@@ -386,7 +207,8 @@ impl Delivery {
         }
     }
 
-    fn count(&self, result: &str) {
+    /// Counts one delivery result (`delivered`, `retried`, `failed`).
+    pub(super) fn count(&self, result: &str) {
         self.metrics
             .webhook_deliveries
             .with_label_values(&[result])

@@ -27,6 +27,9 @@ pub(crate) struct Received {
 struct ReceiverState {
     /// Requests still to be answered 500.
     fail_next: AtomicUsize,
+    /// Requests for collections starting with this are never answered
+    /// (recorded with status 408): an endpoint that hangs.
+    hang_for: Option<String>,
     requests: Mutex<Vec<Received>>,
 }
 
@@ -43,7 +46,17 @@ impl Receiver {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind a loopback port for the test webhook");
-        Self::serve(listener, fail_next)
+        Self::serve(listener, fail_next, None)
+    }
+
+    /// A receiver that never answers the requests for collections whose
+    /// name starts with `prefix` (they are recorded with status 408) and
+    /// answers 200 to the rest.
+    pub(crate) async fn start_hanging_for(prefix: &str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port for the test webhook");
+        Self::serve(listener, 0, Some(prefix.to_owned()))
     }
 
     /// A receiver on a port that was free a moment ago (a webhook coming
@@ -52,13 +65,14 @@ impl Receiver {
         let listener = TcpListener::bind(addr)
             .await
             .unwrap_or_else(|err| panic!("rebind {addr} for the test webhook: {err}"));
-        Self::serve(listener, 0)
+        Self::serve(listener, 0, None)
     }
 
-    fn serve(listener: TcpListener, fail_next: usize) -> Self {
+    fn serve(listener: TcpListener, fail_next: usize, hang_for: Option<String>) -> Self {
         let addr = listener.local_addr().expect("listener address");
         let state = Arc::new(ReceiverState {
             fail_next: AtomicUsize::new(fail_next),
+            hang_for,
             ..ReceiverState::default()
         });
         let app = axum::Router::new()
@@ -111,6 +125,17 @@ async fn receive(
     } else {
         StatusCode::OK
     };
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let hang = state
+        .hang_for
+        .as_deref()
+        .zip(body["collection"].as_str())
+        .is_some_and(|(prefix, collection)| collection.starts_with(prefix));
+    let status = if hang {
+        StatusCode::REQUEST_TIMEOUT
+    } else {
+        status
+    };
     let header = |name: &str| {
         headers
             .get(name)
@@ -121,7 +146,10 @@ async fn receive(
         path: uri.path().to_owned(),
         authorization: header("authorization"),
         content_type: header("content-type"),
-        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        body,
     });
+    if hang {
+        std::future::pending::<()>().await;
+    }
     status
 }

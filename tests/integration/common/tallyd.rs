@@ -14,11 +14,17 @@ pub fn free_address() -> SocketAddr {
         .expect("a free port")
 }
 
+/// Writes `config` plus an `[http]` section listening on `http`.
+fn write_config(path: &std::path::Path, config: &str, http: SocketAddr) {
+    std::fs::write(path, format!("{config}\n[http]\nlisten = \"{http}\"\n")).expect("write config");
+}
+
 /// A running `tallyd run`.
 pub struct Tallyd {
     child: Child,
     /// Where `/metrics`, `/healthz` and `/readyz` listen.
     pub http: SocketAddr,
+    path: PathBuf,
     log: PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -27,11 +33,14 @@ impl Tallyd {
     /// Starts `tallyd --config <file> run` with `config` (which must not
     /// have an `[http]` section: one is added on a free port) and `env`.
     pub fn start(config: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_on(config, env, free_address())
+    }
+
+    /// The same, with the HTTP endpoints on `http`.
+    pub fn start_on(config: &str, env: &[(&str, &str)], http: SocketAddr) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let http = free_address();
         let path = dir.path().join("tallyd.toml");
-        std::fs::write(&path, format!("{config}\n[http]\nlisten = \"{http}\"\n"))
-            .expect("write config");
+        write_config(&path, config, http);
         let log = dir.path().join("tallyd.log");
         let child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
             .arg("--config")
@@ -47,9 +56,30 @@ impl Tallyd {
         Self {
             child,
             http,
+            path,
             log,
             _dir: dir,
         }
+    }
+
+    /// Replaces its configuration file with `config` (plus the same
+    /// `[http]` section); a SIGHUP makes it read the file again.
+    pub fn rewrite_config(&self, config: &str) {
+        write_config(&self.path, config, self.http);
+    }
+
+    /// Sends `signal` (`HUP`, `TERM`, ...).
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{signal} failed");
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Everything it logged so far.
@@ -130,9 +160,7 @@ impl Tallyd {
 
     /// Sends SIGTERM and waits (up to 40 s) for the exit.
     pub fn terminate(&mut self) -> ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        self.signal("TERM");
         self.wait(Duration::from_secs(40))
     }
 

@@ -1,0 +1,81 @@
+//! What the view says at one instant: the numbers metrics and alerts are
+//! made of.
+
+use std::time::SystemTime;
+
+use mongodb::bson::Bson;
+
+use super::{Pending, View};
+use crate::token::Token;
+
+/// How many document ids a snapshot names per condition.
+const SAMPLE: usize = 10;
+
+/// What a collection's pending arrays look like at one instant.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Snapshot {
+    /// Well-formed documents holding pending tokens.
+    pub(crate) pending_documents: u64,
+    /// Their pending tokens.
+    pub(crate) pending_tokens: u64,
+    /// Tokens older than the stuck cutoff.
+    pub(crate) stuck_tokens: u64,
+    /// A few documents holding stuck tokens.
+    pub(crate) stuck_sample: Vec<String>,
+    /// The `_id`s of all documents holding stuck tokens (for a repair).
+    pub(crate) stuck_ids: Vec<Bson>,
+    /// The oldest pending token.
+    pub(crate) oldest: Option<Token>,
+    /// Entries in the longest pending array.
+    pub(crate) largest_pending: u64,
+    /// Documents whose pending array is longer than the limit.
+    pub(crate) too_long: u64,
+    /// A few of them.
+    pub(crate) too_long_sample: Vec<String>,
+    /// Malformed documents.
+    pub(crate) malformed: u64,
+    /// A few of them.
+    pub(crate) malformed_sample: Vec<String>,
+}
+
+/// The view's pending arrays now: tokens older than `stuck_before` are
+/// stuck, arrays longer than `max_pending` too long.
+pub(super) fn take(view: &View, stuck_before: SystemTime, max_pending: u64) -> Snapshot {
+    let cutoff = Token::cutoff(stuck_before);
+    let mut snapshot = Snapshot::default();
+    for (id, (raw_id, pending)) in &view.documents {
+        match pending {
+            Pending::Malformed(_) => {
+                snapshot.malformed += 1;
+                if snapshot.malformed_sample.len() < SAMPLE {
+                    snapshot.malformed_sample.push(id.clone());
+                }
+            }
+            Pending::Tokens(tokens) => {
+                snapshot.pending_documents += 1;
+                let size = tokens.len() as u64;
+                snapshot.pending_tokens += size;
+                snapshot.largest_pending = snapshot.largest_pending.max(size);
+                if size > max_pending {
+                    snapshot.too_long += 1;
+                    if snapshot.too_long_sample.len() < SAMPLE {
+                        snapshot.too_long_sample.push(id.clone());
+                    }
+                }
+                let stuck = tokens.iter().filter(|t| **t < cutoff).count() as u64;
+                if stuck > 0 {
+                    snapshot.stuck_tokens += stuck;
+                    snapshot.stuck_ids.push(raw_id.clone());
+                    if snapshot.stuck_sample.len() < SAMPLE {
+                        snapshot.stuck_sample.push(id.clone());
+                    }
+                }
+                if let Some(oldest) = tokens.iter().min() {
+                    let oldest = Token::from_object_id(*oldest);
+                    snapshot.oldest = Some(snapshot.oldest.map_or(oldest, |o| o.min(oldest)));
+                }
+            }
+        }
+    }
+    snapshot
+}

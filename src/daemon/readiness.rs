@@ -1,0 +1,175 @@
+//! Whether the daemon can do its work now: `/readyz` and `tally_ready`.
+//!
+//! The daemon first waits for MongoDB to answer (as long as it takes: a
+//! server that is down may come back), except when the server refuses its
+//! credentials, which no wait can fix. From then on a `hello` every
+//! [`PROBE_EVERY`], each bounded by [`PROBE_TIMEOUT`], keeps the state
+//! current: the daemon is not ready once no probe has succeeded for
+//! [`NOT_READY_AFTER`] (a debounce: one lost probe is not an outage), and
+//! ready again at the first probe that succeeds.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use mongodb::bson::doc;
+use mongodb::error::ErrorKind;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::daemon::DaemonError;
+use crate::daemon::lease::Role;
+use crate::daemon::metrics::Metrics;
+use crate::error::Error;
+use crate::redact::Secrets;
+use crate::store::Store;
+
+/// How often MongoDB is asked whether it is there.
+pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(5);
+/// How long one probe may take before it counts as failed.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long without a successful probe before the daemon is not ready.
+pub(crate) const NOT_READY_AFTER: Duration = Duration::from_secs(15);
+
+/// The longest wait between two attempts to reach MongoDB at start.
+const MAX_WAIT: Duration = Duration::from_secs(30);
+
+/// What `/readyz` reports: whether MongoDB answers, and the role.
+#[derive(Clone, Debug)]
+pub(crate) struct Readiness {
+    ready: Arc<AtomicBool>,
+    role: watch::Receiver<Role>,
+    metrics: Metrics,
+}
+
+impl Readiness {
+    /// Not ready yet; the role as published by the lease keeper.
+    pub(crate) fn new(role: watch::Receiver<Role>, metrics: Metrics) -> Self {
+        metrics.ready.set(0);
+        Self {
+            ready: Arc::new(AtomicBool::new(false)),
+            role,
+            metrics,
+        }
+    }
+
+    /// Whether MongoDB answered recently enough.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// The role this instance has now.
+    pub(crate) fn role(&self) -> Role {
+        *self.role.borrow()
+    }
+
+    fn set(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+        self.metrics.ready.set(i64::from(ready));
+    }
+
+    /// Waits until MongoDB answers, then marks the daemon ready: `Ok(true)`;
+    /// `Ok(false)` when shutdown came first. Credentials the server refuses
+    /// are a configuration to fix, not an outage to wait out.
+    pub(crate) async fn first_contact(
+        &self,
+        store: &Store,
+        secrets: &Secrets,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, DaemonError> {
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            match store.hello().await {
+                Ok(_) => {
+                    self.set(true);
+                    return Ok(true);
+                }
+                Err(err) if refused_credentials(&err) => {
+                    return Err(DaemonError::Config(format!(
+                        "MongoDB refused the credentials ([mongodb] uri): authentication failed \
+                         ({}); fix the user name, password or authSource",
+                        secrets.scrub(&err.to_string())
+                    )));
+                }
+                Err(err) => tracing::warn!(
+                    cause = %secrets.scrub(&err.to_string()),
+                    retry_in = ?backoff,
+                    "waiting for MongoDB"
+                ),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(false),
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(MAX_WAIT);
+        }
+    }
+
+    /// After the first contact: probes MongoDB every [`PROBE_EVERY`] until
+    /// `shutdown`, keeping the state current.
+    pub(crate) async fn follow(self, store: Store, secrets: Secrets, shutdown: CancellationToken) {
+        let admin = store.client().database("admin");
+        let mut last_success = Instant::now();
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let probe = admin.run_command(doc! { "hello": 1 });
+            let failure = match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+                Ok(Ok(_)) => None,
+                Ok(Err(err)) => Some(secrets.scrub(&err.to_string())),
+                Err(_) => Some(format!("no answer within {PROBE_TIMEOUT:?}")),
+            };
+            let now = Instant::now();
+            if failure.is_none() {
+                last_success = now;
+            }
+            let ready = judge(last_success, now);
+            match (self.is_ready(), ready) {
+                (false, true) => tracing::info!("MongoDB answers again: ready"),
+                (true, false) => tracing::warn!(
+                    cause = failure.as_deref().unwrap_or(""),
+                    silent_for = ?now.duration_since(last_success),
+                    "MongoDB has not answered for {NOT_READY_AFTER:?}: not ready"
+                ),
+                _ => {}
+            }
+            self.set(ready);
+        }
+    }
+}
+
+/// Ready while the last successful probe is less than [`NOT_READY_AFTER`]
+/// old.
+fn judge(last_success: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(last_success) < NOT_READY_AFTER
+}
+
+/// Whether the server refused the credentials: the driver's
+/// authentication error kind, never its message.
+fn refused_credentials(err: &Error) -> bool {
+    match err {
+        Error::Server(failure) => matches!(*failure.source.kind, ErrorKind::Authentication { .. }),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_lost_probe_is_not_an_outage_three_are() {
+        let start = Instant::now();
+        assert!(judge(start, start));
+        assert!(judge(start, start + PROBE_EVERY));
+        assert!(judge(start, start + PROBE_EVERY * 2));
+        assert!(!judge(start, start + PROBE_EVERY * 3));
+        assert!(!judge(start, start + NOT_READY_AFTER));
+    }
+}
