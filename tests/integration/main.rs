@@ -12,6 +12,7 @@ mod insert_loop;
 mod layout;
 mod packaging;
 mod proxy;
+mod review1;
 mod reconcile;
 mod sequence;
 mod settle;
