@@ -183,3 +183,99 @@ async fn review1_a_late_step_1_after_a_settle_is_not_counted_again_by_a_fold_in_
         coll.find_one(doc! { "_id": "k" }).await.unwrap()
     );
 }
+
+/// FINDING C. A document too large for one fold statement is folded by
+/// several "prefix" statements, one per stretch of the pending array, sent
+/// in one unordered `update`. Their doc (statement.rs) says "they apply
+/// only in order", and the model relies on it: a token repeated across
+/// stretches is counted on its *last* stale entry, its earlier copies
+/// removed uncounted. But statement k>1 only checks that the array from
+/// offset `fresh entries kept by the earlier stretches` on equals its
+/// stretch as read — it does not check that the earlier stretches applied.
+/// When the first stretch shrank by exactly its number of stale entries
+/// (here: one fresh entry completed by its writer — a busy document does
+/// this all the time), the first statement refuses and the second applies
+/// out of order. It counts token T (its last entry, `{t: T, n: 1}`, is in
+/// the second stretch) and leaves T's earlier bare copy pending; the
+/// re-read round (or the next run) counts T again. README: "One token,
+/// one count … whatever their forms".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review1_a_token_split_across_fold_statements_is_counted_once_when_a_writer_is_busy() {
+    const FRESH: usize = 160_000;
+    let ctx = TestContext::new("review1_fold_chunks_out_of_order").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    let fresh: Vec<ObjectId> = (0..FRESH).map(|_| ObjectId::new()).collect();
+    let mut pending = vec![Bson::ObjectId(t)];
+    pending.extend(fresh.iter().map(|f| Bson::ObjectId(*f)));
+    // T's second entry (another client's `{t, n}` form), in the second
+    // stretch, and one more stale token there.
+    pending.push(Bson::Document(doc! { "t": t, "n": 1i64 }));
+    pending.push(Bson::ObjectId(stale()));
+    let document = doc! { "_id": "k", "counter": 0i64, "pending": pending };
+    coll.insert_one(&document).await.unwrap();
+
+    // Sanity: the fold writes this document with two statements.
+    let reconciler = Reconciler::new(&client.store());
+    let now = reconciler.server_time().await.unwrap();
+    let cutoff = Token::cutoff(now - GRACE);
+    let statements =
+        tally::reconcile::statement::statements(&CollectionConfig::new("views"), &document, cutoff)
+            .unwrap();
+    assert_eq!(statements.len(), 2, "split in two stretches");
+
+    // Hold the fold's update while a writer completes one fresh entry of
+    // the first stretch.
+    let fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 8000 },
+    )
+    .await;
+    let store = client.store();
+    let events = client.events.clone();
+    let fold = tokio::spawn(async move {
+        let reconciler = Reconciler::new(&store);
+        reconciler
+            .reconcile(
+                &target(CollectionConfig::new("views")),
+                Mode::Fold,
+                now,
+                &CancellationToken::new(),
+                &mut |_| {},
+            )
+            .await
+    });
+    wait_until("the fold's update was sent", Duration::from_secs(30), || {
+        let events = events.clone();
+        async move { events.count("update") > 0 }
+    })
+    .await;
+    let rival = ctx.rival_store().await;
+    let writer = Counters::new(&rival, CollectionConfig::new("views"), WriterConfig::default());
+    let pending = writer
+        .find_pending("k", Token::from_object_id(fresh[100]))
+        .await
+        .unwrap()
+        .expect("pending");
+    let completion = writer.complete(pending).await;
+    assert!(matches!(completion, tally::Completion::Counted(_)), "{completion:?}");
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    let again = crate::common::run_reconcile(
+        &client.store(),
+        &target(CollectionConfig::new("views")),
+        Mode::Fold,
+    )
+    .await;
+    assert!(again.error.is_none(), "{:?}", again.error);
+    // T once, the other stale token once, the completed fresh entry once.
+    assert_eq!(
+        exact_counter(&coll, "k").await,
+        3,
+        "runs: {run:?} / {again:?}"
+    );
+}
