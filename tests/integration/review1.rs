@@ -279,3 +279,56 @@ async fn review1_a_token_split_across_fold_statements_is_counted_once_when_a_wri
         "runs: {run:?} / {again:?}"
     );
 }
+
+/// FINDING B (defaults). `attempt_timeout` and `retry_horizon` both
+/// default to 60 s, and nothing relates them (check-config only asks
+/// grace > horizon + attempt). A step 1 whose attempt runs out of time is
+/// "a lost reply: transient, retried once" (README) — but by then the
+/// token is one attempt old, i.e. at the horizon, so the retry is never
+/// sent, the increment is `Unknown` already past its horizon, and `resume`
+/// — the documented way to count it "exactly once … within the retry
+/// horizon", which the CLI's hint says to run "soon (within the retry
+/// horizon of 1m)" — refuses. When the hung request never executed (a
+/// black-holed connection), the count is lost although the caller did
+/// everything the API asks, at once. Scaled down here: both 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review1_a_timed_out_step_1_with_the_default_proportions_can_still_be_counted() {
+    let ctx = TestContext::new("review1_timeout_at_horizon").await;
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let coll = client.collection("views");
+    let attempt = Duration::from_secs(3);
+    let store = client.store().with_attempt_timeout(attempt);
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig {
+            retry_horizon: attempt, // the defaults: 60 s and 60 s
+        },
+    );
+    // Step 1's first attempt hangs past the attempt bound and never
+    // executes (a black-holed request).
+    let fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 5000,
+               "errorCode": 2 },
+    )
+    .await;
+    let outcome = views.increment("home", 1).await;
+    let unknown = match outcome {
+        Increment::Unknown(unknown) => unknown,
+        other => panic!("expected unknown, got {other:?}"),
+    };
+    let age = unknown.token().age(SystemTime::now());
+    drop(fail);
+    // The caller resumes at once, as told.
+    let resumed = views.resume(unknown).await;
+    assert!(
+        matches!(resumed, Ok(Increment::Counted(_))),
+        "the ticket came back {age:?} old (horizon {attempt:?}): resume gives {resumed:?}; \
+         nothing was ever written: {:?}",
+        coll.find_one(doc! { "_id": "home" }).await.unwrap()
+    );
+}
