@@ -20,7 +20,7 @@
 //! draws the k-th number of its generator). Timing still differs between
 //! runs — which request is the k-th, how calls interleave — so a replay
 //! makes the same choices, not necessarily the same history.
-//! `TALLY_HISTORY_SECONDS` sets how long the clients run (default 35).
+//! `TALLY_HISTORY_SECONDS` sets how long the clients run (default 30).
 
 mod checker;
 mod record;
@@ -57,7 +57,7 @@ const WORKERS: usize = 8;
 /// Workers with retryable writes on (the test server slows down after
 /// ~10k retryable writes, so only a few).
 const RETRYING_WORKERS: usize = 2;
-const DEFAULT_SECONDS: u64 = 35;
+const DEFAULT_SECONDS: u64 = 30;
 /// Share of the faultable requests each run faults, over all actions.
 const FAULT_SHARE: f64 = 0.08;
 /// The clients' bound on one attempt (it must exceed their server
@@ -65,11 +65,13 @@ const FAULT_SHARE: f64 = 0.08;
 const ATTEMPT: Duration = Duration::from_secs(3);
 const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 const DELAY: Duration = Duration::from_secs(4);
-/// Every ticket is settled well within it (or the test fails).
-const RETRY_HORIZON: Duration = Duration::from_secs(10);
+/// Every ticket is settled well within it (or the test fails): an
+/// increment whose step 1 timed out twice is 6 s old when it is resumed,
+/// and each resume that meets a delayed reply takes another 3 s.
+const RETRY_HORIZON: Duration = Duration::from_secs(15);
 /// The fold's grace: more than the horizon plus one attempt, as the
 /// daemon's configuration requires.
-const GRACE: Duration = Duration::from_secs(15);
+const GRACE: Duration = Duration::from_secs(20);
 const FOLD_EVERY: Duration = Duration::from_secs(1);
 const MAX_CHILDREN: usize = 24;
 
@@ -463,6 +465,19 @@ fn oracle(log: &[Exchange]) -> Oracle {
                         oracle.step_1_reached.insert(token, (key, amount));
                     }
                 }
+                Some("seats") => {
+                    let pulled = statement
+                        .get_document("u")
+                        .and_then(|u| u.get_document("$pull"))
+                        .and_then(|pull| pull.get_document("holders"))
+                        .and_then(|holder| holder.get_object_id("token"));
+                    if let Ok(token) = pulled
+                        && exchange.reached_server
+                        && matched(exchange)
+                    {
+                        oracle.given_back.insert(token);
+                    }
+                }
                 Some("docs") => {
                     let token = statement
                         .get_object_id("_tally_token")
@@ -507,20 +522,29 @@ fn step_1(statement: &Document) -> Option<(String, ObjectId, i64)> {
 /// upsert): counted already. A reply the client never saw is assumed
 /// applied: the request was on the server.
 fn step_1_applied(exchange: &Exchange, statement: &Document) -> bool {
-    let Some(reply) = &exchange.reply else {
-        return true;
-    };
     let settle = statement
         .get_document("q")
         .is_ok_and(|q| q.contains_key("settled.t"));
-    let matched = reply.get_i32("n").is_ok_and(|n| n >= 1);
-    let duplicate = reply.get_array("writeErrors").is_ok_and(|errors| {
-        errors
-            .iter()
-            .filter_map(Bson::as_document)
-            .any(|e| e.get_i32("code").is_ok_and(|c| c == 11000))
-    });
-    matched || (settle && duplicate)
+    let duplicate = exchange
+        .reply
+        .as_ref()
+        .and_then(|reply| reply.get_array("writeErrors").ok())
+        .is_some_and(|errors| {
+            errors
+                .iter()
+                .filter_map(Bson::as_document)
+                .any(|e| e.get_i32("code").is_ok_and(|c| c == 11000))
+        });
+    matched(exchange) || (settle && duplicate)
+}
+
+/// Whether an `update` that reached the server matched a document; a reply
+/// the proxy never saw counts as matched.
+fn matched(exchange: &Exchange) -> bool {
+    exchange
+        .reply
+        .as_ref()
+        .is_none_or(|reply| integer(reply.get("n")).is_some_and(|n| n >= 1))
 }
 
 fn outcome_counts(ops: &[record::Op]) -> BTreeMap<String, u64> {

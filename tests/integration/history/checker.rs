@@ -78,7 +78,7 @@ pub fn check(ops: &[Op], end: &FinalState, oracle: &Oracle) -> Vec<Violation> {
     counters::check(ops, end, oracle, &mut found);
     ids::check_sequences(ops, end, &mut found);
     ids::check_inserts(ops, end, oracle, &mut found);
-    bounded::check(ops, end, &mut found);
+    bounded::check(ops, end, oracle, &mut found);
     found
 }
 

@@ -4,7 +4,7 @@
 //! proxy's log read as an oracle). The checker judges these and nothing
 //! else.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -300,6 +300,10 @@ pub struct Oracle {
     pub step_1_reached: HashMap<ObjectId, (String, i64)>,
     /// Every token an insert-loop insert carried.
     pub inserts: HashMap<ObjectId, InsertSent>,
+    /// Every bounded-counter token a give-back `update` reached the server
+    /// for and matched (a reply the proxy never saw counts as matched): a
+    /// `NotHeld` after it is that call's own earlier attempt.
+    pub given_back: HashSet<ObjectId>,
 }
 
 /// The inserts that carried one token (one insert-loop call's).

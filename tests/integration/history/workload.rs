@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 
 use super::record::{Call, Outcome, Recorder};
 use super::{BOUNDED, KEYS, SEQUENCES};
-use settle::{complete_until_counted, resume_until_known, settle_unknown};
+use settle::{complete_until_counted, settle_unknown};
 
 /// Everything one client host has: the public API on its own connection
 /// through the proxy, and the raw collection a crashing writer uses.
@@ -39,7 +39,6 @@ pub struct Host {
 /// A ticket (or a unit) still to settle when the network heals.
 pub enum Leftover {
     Pending(PendingToken),
-    Unknown(UnknownToken),
     Take(String, Token),
     GiveBack(String, Token),
 }
@@ -342,8 +341,8 @@ async fn insert(shared: &Shared, me: &str, host: &Host, tagged: bool) {
 }
 
 /// Settles what the workers left, once the network healed: every pending
-/// ticket completed, every unknown one resumed, every take and give-back
-/// made definite.
+/// ticket completed (unknown ones were resumed until they were known, or
+/// refused), every take and give-back made definite.
 pub async fn settle_leftovers(shared: &Shared) {
     let me = "settle";
     let host = &shared.hosts[0];
@@ -358,10 +357,6 @@ pub async fn settle_leftovers(shared: &Shared) {
                         Err(still) => pending = still,
                     }
                 }
-            }
-            Leftover::Unknown(unknown) => {
-                // Past the horizon it is refused, and the checker says so.
-                let _ = resume_until_known(shared, me, host, unknown).await;
             }
             Leftover::Take(key, token) => {
                 for _ in 0..20 {

@@ -6,10 +6,10 @@ use mongodb::bson::oid::ObjectId;
 use tally::{GiveBack, Take};
 
 use super::Violation;
-use crate::history::record::{Call, FinalState, Op, Outcome};
+use crate::history::record::{Call, FinalState, Op, Oracle, Outcome};
 
 /// Every violation of the bounded counters' rules.
-pub(super) fn check(ops: &[Op], end: &FinalState, found: &mut Vec<Violation>) {
+pub(super) fn check(ops: &[Op], end: &FinalState, oracle: &Oracle, found: &mut Vec<Violation>) {
     // Per (counter, token): the calls about it, in the order invoked.
     let mut tokens: BTreeMap<(&str, ObjectId), Vec<usize>> = BTreeMap::new();
     for (i, op) in ops.iter().enumerate() {
@@ -72,8 +72,10 @@ pub(super) fn check(ops: &[Op], end: &FinalState, found: &mut Vec<Violation>) {
                     }
                     holds = Some(false);
                 }
+                // Unless an earlier attempt of this call, whose reply was
+                // lost, gave it back: the library retried and found none.
                 (Call::GiveBack { .. }, Outcome::GiveBack(GiveBack::NotHeld)) => {
-                    if holds == Some(true) {
+                    if holds == Some(true) && !oracle.given_back.contains(&token) {
                         flag(
                             format!("{key}: token {token} held a unit, but give_back found none"),
                             vec![i],

@@ -21,7 +21,8 @@ pub(super) fn check(ops: &[Op], end: &FinalState, oracle: &Oracle, found: &mut V
 /// How an increment ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fate {
-    /// A call said counted.
+    /// A call said counted, or pending: its step 1 applied, and the token
+    /// is counted by a `complete` or the fold.
     Counted,
     /// A call said not counted, none counted.
     NotCounted,
@@ -107,7 +108,7 @@ impl Increments {
                 let claims = || std::iter::once(t.origin).chain(t.settles.iter().copied());
                 let reached = oracle.step_1_reached.contains_key(token);
                 let said = |o: fn(&Outcome) -> bool| claims().any(|i| o(&ops[i].outcome));
-                let fate = if said(|o| matches!(o, Outcome::Counted { .. })) {
+                let fate = if said(|o| matches!(o, Outcome::Counted { .. } | Outcome::Pending)) {
                     Fate::Counted
                 } else if said(|o| *o == Outcome::NotCounted) {
                     Fate::NotCounted
@@ -157,12 +158,15 @@ impl Increments {
             }
             let counted = with(&|o| matches!(o, Outcome::Counted { .. }));
             let pending = with(&|o| *o == Outcome::Pending);
-            if reached.is_none() && !(counted.is_empty() && pending.is_empty()) {
+            let not_counted = with(&|o| *o == Outcome::NotCounted);
+            // Either says the step 1 applied.
+            let applied = [counted.clone(), pending].concat();
+            if reached.is_none() && !applied.is_empty() {
                 flag(
                     format!(
                         "token {token}: a call said counted or pending, but no step 1 of it reached the server"
                     ),
-                    [counted.clone(), pending].concat(),
+                    applied.clone(),
                 );
             }
             if let Some((key, amount)) = reached
@@ -183,10 +187,11 @@ impl Increments {
                         "token {token} ({:+}) ended not counted, but its step 1 reached the server",
                         t.amount
                     ),
-                    with(&|o| *o == Outcome::NotCounted),
+                    not_counted.clone(),
                 );
             }
-            if let Fate::Unsettled { .. } = fate {
+            let abandoned = matches!(fate, Fate::Unclaimed { .. });
+            if !abandoned && counted.is_empty() && not_counted.is_empty() {
                 flag(format!("ticket {token} was left unsettled"), calls.clone());
             }
             for i in with(&|o| matches!(o, Outcome::Refused(_))) {
@@ -195,14 +200,16 @@ impl Increments {
                     vec![i],
                 );
             }
-            if let Some(&first_counted) = counted.iter().min_by_key(|&&i| ops[i].ret) {
-                for i in with(&|o| *o == Outcome::NotCounted) {
-                    if ops[i].invoke > ops[first_counted].ret {
+            // Once a call said its step 1 applied, no later call may say
+            // it did not: a resume reads the token (or its marker) first.
+            if let Some(&first) = applied.iter().min_by_key(|&&i| ops[i].ret) {
+                for &i in &not_counted {
+                    if ops[i].invoke > ops[first].ret {
                         flag(
                             format!(
-                                "token {token}: said not counted after another call had said counted"
+                                "token {token}: said not counted after another call had said counted or pending"
                             ),
-                            vec![first_counted, i],
+                            vec![first, i],
                         );
                     }
                 }

@@ -281,6 +281,18 @@ fn not_counted_after_counted_is_caught() {
 }
 
 #[test]
+fn a_concurrent_not_counted_beside_a_pending_settle_counts_it() {
+    // One host's resume is refused its step 1 (nothing written) while
+    // another's applies and leaves the token pending, for the fold.
+    let mut case = good();
+    case.replace(4, resume(50, 60, 3, 2, Outcome::NotCounted));
+    case.replace(5, resume(50, 62, 3, 2, Outcome::Pending));
+    assert_eq!(case.violations(), Vec::<String>::new());
+    case.ops.push(resume(70, 80, 3, 2, Outcome::NotCounted));
+    case.caught("said not counted after another call had said counted or pending");
+}
+
+#[test]
 fn a_refused_resume_is_caught() {
     let mut case = good();
     case.ops
@@ -445,6 +457,14 @@ fn a_unit_that_vanished_before_its_give_back_is_caught() {
     let mut case = good();
     case.replace(20, give_back(30, 6, GiveBack::NotHeld));
     case.caught("held a unit, but give_back found none");
+}
+
+#[test]
+fn not_held_after_the_calls_own_lost_give_back_passes() {
+    let mut case = good();
+    case.replace(20, give_back(30, 6, GiveBack::NotHeld));
+    case.oracle.given_back.insert(oid(6));
+    assert_eq!(case.violations(), Vec::<String>::new());
 }
 
 #[test]

@@ -81,8 +81,8 @@ pub(super) async fn settle_unknown(
     };
     let counted = match resume_until_known(shared, me, host, unknown).await {
         Ok(counted) => counted,
-        Err(left) => {
-            shared.leave(left);
+        Err(pending) => {
+            shared.leave(Leftover::Pending(pending));
             false
         }
     };
@@ -100,15 +100,16 @@ pub(super) async fn settle_unknown(
     }
 }
 
-/// Resumes until the ticket is no longer unknown. `Ok(true)` once counted,
-/// `Ok(false)` when not counted or refused; the ticket back when it is
-/// still open close to the horizon (or pending after a few completes).
-pub(super) async fn resume_until_known(
+/// Resumes until the ticket is no longer unknown — counted, not counted,
+/// or refused past the horizon (which the checker reports). `Ok(true)`
+/// once counted; the ticket back when it is still pending after a few
+/// completes.
+async fn resume_until_known(
     shared: &Shared,
     me: &str,
     host: &Host,
     unknown: UnknownToken,
-) -> Result<bool, Leftover> {
+) -> Result<bool, PendingToken> {
     let mut unknown = unknown;
     loop {
         let call = Call::Resume {
@@ -128,16 +129,11 @@ pub(super) async fn resume_until_known(
             Ok(Increment::Pending(pending)) => {
                 return complete_until_counted(shared, me, host, pending)
                     .await
-                    .map(|()| true)
-                    .map_err(Leftover::Pending);
+                    .map(|()| true);
             }
             Ok(Increment::Unknown(next)) => {
-                // Close to the horizon: a resume now could be refused.
-                if next.token().age(SystemTime::now()) + Duration::from_secs(3) >= RETRY_HORIZON {
-                    return Err(Leftover::Unknown(next));
-                }
                 unknown = next;
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
@@ -209,6 +205,11 @@ async fn child(shared: &Shared, command: &str, key: &str, token: Token, amount: 
         "tallyd complete"
     });
     let _slot = shared.child_slots.acquire().await.expect("slots stay open");
+    // An operator resumes soon, or not at all: a resume of a token the
+    // document does not show, past the horizon, is refused.
+    if token.age(SystemTime::now()) > RETRY_HORIZON / 2 {
+        return;
+    }
     let me = format!("tallyd#{n}");
     let config = shared.child_config.display().to_string();
     let (token_hex, by) = (token.to_string(), amount.to_string());
