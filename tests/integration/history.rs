@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::proxy::{Action, Exchange, Proxy, Rule, RuleGuard, upstream_of};
 use crate::common::server::{ServerOptions, TestServer};
-use crate::common::{TestContext, external};
+use crate::common::{TestClient, TestContext, external};
 use record::{BoundedState, Call, FinalState, InsertedDoc, Oracle, Outcome, Recorder};
 use workload::{Host, Shared};
 
@@ -78,19 +78,7 @@ const MAX_CHILDREN: usize = 24;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_histories_through_faults_are_exact() {
     assert!(GRACE > RETRY_HORIZON + ATTEMPT + Duration::from_secs(1));
-    let seed = std::env::var("TALLY_HISTORY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            let now = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap();
-            now.as_nanos() as u64 % 1_000_000_000
-        });
-    let seconds: u64 = std::env::var("TALLY_HISTORY_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SECONDS);
+    let (seed, seconds) = seed_and_seconds();
     eprintln!("history seed: {seed} (replay with TALLY_HISTORY_SEED={seed}), {seconds} s of calls");
     let started = Instant::now();
 
@@ -102,27 +90,12 @@ async fn random_histories_through_faults_are_exact() {
         None => TestContext::new("history").await,
     };
     let direct = ctx.client(false).await;
-    let views = direct.collection("views");
-    views
-        .insert_many(KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
-        .await
-        .expect("create the counters");
-    let seats = BoundedCounters::new(&direct.store(), BoundedConfig::new("seats"));
-    for (key, units) in BOUNDED {
-        assert!(
-            seats
-                .create(key, units)
-                .await
-                .expect("create a bounded counter")
-        );
-    }
-
+    create_counters(&direct).await;
     let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let rules = faults(&proxy, seed);
     let config_dir = tempfile::tempdir().unwrap();
     let child_config = config_dir.path().join("tallyd.toml");
     std::fs::write(&child_config, child_config_text(&ctx, &proxy)).unwrap();
-
     let mut hosts = Vec::new();
     for w in 0..WORKERS {
         let client = ctx
@@ -142,16 +115,15 @@ async fn random_histories_through_faults_are_exact() {
         until: Instant::now() + Duration::from_secs(seconds),
         tally: Mutex::default(),
     });
-
     let fold_client = ctx.client_through_with(&proxy, false, SELECTION).await;
-    let fold_store = fold_client.store().with_attempt_timeout(ATTEMPT);
+    let reconciler = Reconciler::new(&fold_client.store().with_attempt_timeout(ATTEMPT));
+
     let stop_folding = CancellationToken::new();
     let folding = tokio::spawn(fold_periodically(
         shared.clone(),
-        Reconciler::new(&fold_store),
+        reconciler.clone(),
         stop_folding.clone(),
     ));
-
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| {
             let rng = fastrand::Rng::with_seed(seed ^ ((w as u64 + 1) << 40));
@@ -159,7 +131,9 @@ async fn random_histories_through_faults_are_exact() {
         })
         .collect();
     for worker in workers {
-        worker.await.expect("a worker panicked");
+        if let Err(err) = worker.await {
+            panic!("seed {seed}: a worker panicked: {err}");
+        }
     }
     let calls_done = started.elapsed();
 
@@ -168,32 +142,13 @@ async fn random_histories_through_faults_are_exact() {
     workload::settle_leftovers(&shared).await;
     stop_folding.cancel();
     folding.await.expect("the fold task panicked");
-    let reconciler = Reconciler::new(&fold_store);
-    let deadline = Instant::now() + GRACE + Duration::from_secs(30);
-    loop {
-        fold_once(&shared, &reconciler).await;
-        let left = views
-            .count_documents(doc! { "pending.0": { "$exists": true } })
-            .await
-            .expect("count pending");
-        if left == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "seed {seed}: {left} counters still hold pending tokens {:?} after the calls ended",
-            GRACE + Duration::from_secs(30)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    fold_until_nothing_is_pending(&shared, &reconciler, &direct.collection("views"), seed).await;
 
     let end = final_state(&direct).await;
     let log = proxy.log();
-    let oracle = oracle(&log);
     let ops = shared.rec.ops();
-    let violations = checker::check(&ops, &end, &oracle);
-    let faulted = log.iter().filter(|e| e.action.is_some()).count();
     let exercised = shared.tally.lock().unwrap().clone();
+    let faulted = log.iter().filter(|e| e.action.is_some()).count();
     eprintln!(
         "history seed {seed}: {} calls, {} requests ({faulted} faulted); calls for {calls_done:.0?}, \
          all done in {:.0?}\nexercised: {exercised:?}\noutcomes: {:?}\ncounters: {:?}",
@@ -203,6 +158,7 @@ async fn random_histories_through_faults_are_exact() {
         outcome_counts(&ops),
         end.counters,
     );
+    let violations = checker::check(&ops, &end, &oracle(&log));
     if !violations.is_empty() {
         let mut report = format!(
             "seed {seed} (replay with TALLY_HISTORY_SEED={seed}): {} violations\n",
@@ -213,7 +169,80 @@ async fn random_histories_through_faults_are_exact() {
         }
         panic!("{report}");
     }
-    // A run that exercised nothing proves nothing.
+    assert_exercised(seed, &exercised, &ops, &log);
+}
+
+/// The seed (`TALLY_HISTORY_SEED`, else from the clock) and how many
+/// seconds the clients run (`TALLY_HISTORY_SECONDS`).
+fn seed_and_seconds() -> (u64, u64) {
+    let seed = std::env::var("TALLY_HISTORY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let now = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap();
+            now.as_nanos() as u64 % 1_000_000_000
+        });
+    let seconds = std::env::var("TALLY_HISTORY_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_SECONDS);
+    (seed, seconds)
+}
+
+/// The counters exist before the first step 1 (so one that reaches the
+/// server always applies: the oracle relies on it); so do the bounded
+/// counters. Sequences are created by their first use, under faults.
+async fn create_counters(direct: &TestClient) {
+    direct
+        .collection("views")
+        .insert_many(KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
+        .await
+        .expect("create the counters");
+    let seats = BoundedCounters::new(&direct.store(), BoundedConfig::new("seats"));
+    for (key, units) in BOUNDED {
+        let created = seats.create(key, units).await;
+        assert!(created.expect("create a bounded counter"));
+    }
+}
+
+/// The fold, once every ticket is settled, until no counter holds a
+/// pending entry (the abandoned tokens are folded once older than the
+/// grace).
+async fn fold_until_nothing_is_pending(
+    shared: &Shared,
+    reconciler: &Reconciler,
+    views: &Collection<Document>,
+    seed: u64,
+) {
+    let patience = GRACE + Duration::from_secs(30);
+    let deadline = Instant::now() + patience;
+    loop {
+        fold_once(shared, reconciler).await;
+        let left = views
+            .count_documents(doc! { "pending.0": { "$exists": true } })
+            .await
+            .expect("count pending");
+        if left == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: {left} counters still hold pending tokens {patience:?} after the calls ended"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// A run that exercised nothing proves nothing: every kind of call was
+/// made, the fold folded, and the proxy faulted its share.
+fn assert_exercised(
+    seed: u64,
+    exercised: &BTreeMap<&str, u64>,
+    ops: &[record::Op],
+    log: &[Exchange],
+) {
     for what in [
         "increment",
         "resume",
@@ -244,6 +273,7 @@ async fn random_histories_through_faults_are_exact() {
         .sum();
     assert!(folded > 0, "seed {seed}: the fold folded nothing");
     let faultable = log.iter().filter(|e| faultable(e)).count();
+    let faulted = log.iter().filter(|e| e.action.is_some()).count();
     assert!(
         faulted as f64 > FAULT_SHARE / 2.0 * faultable as f64,
         "seed {seed}: only {faulted} of {faultable} requests were faulted"
@@ -397,7 +427,7 @@ async fn all(collection: Collection<Document>) -> Vec<Document> {
 }
 
 /// What the run left, read directly (not through the proxy).
-async fn final_state(direct: &crate::common::TestClient) -> FinalState {
+async fn final_state(direct: &TestClient) -> FinalState {
     let mut end = FinalState::default();
     for d in all(direct.collection("views")).await {
         let key = d.get_str("_id").expect("string keys").to_owned();
