@@ -184,6 +184,8 @@ struct Inner {
     server_selection_timeout: Duration,
     attempt_timeout: Duration,
     driver_retries_writes: OnceCell<bool>,
+    /// The connection's password, to scrub from the server's messages.
+    secrets: Secrets,
 }
 
 impl Store {
@@ -224,6 +226,13 @@ impl Store {
                 server_selection_timeout,
                 attempt_timeout: attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout),
                 driver_retries_writes: OnceCell::new(),
+                secrets: Secrets::new(
+                    "",
+                    options
+                        .credential
+                        .as_ref()
+                        .and_then(|c| c.password.as_deref()),
+                ),
             }),
         }
     }
@@ -241,6 +250,7 @@ impl Store {
             server_selection_timeout: shared.server_selection_timeout,
             attempt_timeout: shared.attempt_timeout,
             driver_retries_writes: OnceCell::new(),
+            secrets: shared.secrets.clone(),
         });
         let bound = attempt_bound(timeout, inner.server_selection_timeout);
         if bound != timeout {
@@ -317,6 +327,11 @@ impl Store {
                 },
             }
         }
+    }
+
+    /// `message` (from the server) without the connection's password.
+    pub(crate) fn scrub(&self, message: &str) -> String {
+        self.inner.secrets.scrub(message)
     }
 
     /// The driver client.

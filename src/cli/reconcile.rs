@@ -110,11 +110,23 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
         let result = match (&run.error, run.interrupted) {
             (Some(err), _) => format!("FAILED: {}", secrets.scrub(&err.to_string())),
             (None, true) => "interrupted".into(),
-            (None, false) if run.concurrent_changes > 0 => format!(
-                "ok ({} changed by writers meanwhile)",
-                run.concurrent_changes
-            ),
-            (None, false) => "ok".into(),
+            (None, false) => {
+                let mut notes = Vec::new();
+                if run.refused > 0 {
+                    notes.push(format!("{} refused by the server", run.refused));
+                }
+                if run.concurrent_changes > 0 {
+                    notes.push(format!(
+                        "{} changed by writers meanwhile",
+                        run.concurrent_changes
+                    ));
+                }
+                if notes.is_empty() {
+                    "ok".into()
+                } else {
+                    format!("ok ({})", notes.join(", "))
+                }
+            }
         };
         println!(
             "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9.2}  {}",
@@ -144,6 +156,26 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
             );
             for doc in &run.survey.malformed_sample {
                 println!("  _id {}: {}", doc.id, doc.reason);
+            }
+        }
+        if run.refused > 0 {
+            println!(
+                "\n{}: {} document(s) refused by the server, left unchanged{}:",
+                target.spec.name,
+                run.refused,
+                if run.refused as usize > run.refused_sample.len() {
+                    " (first few)"
+                } else {
+                    ""
+                }
+            );
+            for doc in &run.refused_sample {
+                println!(
+                    "  _id {}: error {}: {}",
+                    doc.id,
+                    doc.code,
+                    secrets.scrub(&doc.reason)
+                );
             }
         }
     }

@@ -53,6 +53,8 @@ pub(crate) use config::{
     MIN_RETRY_HORIZON,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
+// The fold adds to counters the way step 2 does.
+pub(crate) use step::inc_operand;
 
 use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
 use crate::store::Store;

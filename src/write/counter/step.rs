@@ -122,7 +122,7 @@ fn counter_plus(counter_field: &str, amount: i64) -> Document {
 /// The `$inc` (or `$add`) operand for an amount: int32 when it fits, so an
 /// int32 counter stays int32 (widened to int64 on overflow, never to a
 /// double), int64 otherwise.
-fn inc_operand(amount: i64) -> Bson {
+pub(crate) fn inc_operand(amount: i64) -> Bson {
     match i32::try_from(amount) {
         Ok(small) => Bson::Int32(small),
         Err(_) => Bson::Int64(amount),
