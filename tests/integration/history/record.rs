@@ -111,6 +111,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// What an increment (or a resume that got that far) said.
     pub fn of_increment(outcome: &Increment) -> Self {
         match outcome {
             Increment::Counted(c) => Self::Counted {
@@ -122,6 +123,7 @@ impl Outcome {
         }
     }
 
+    /// What a `complete` said.
     pub fn of_completion(outcome: &Completion) -> Self {
         match outcome {
             Completion::Counted(c) => Self::Counted {
@@ -131,6 +133,7 @@ impl Outcome {
         }
     }
 
+    /// What a `resume` said: an outcome, or a refusal.
     pub fn of_resume(outcome: &Result<Increment, Error>) -> Self {
         match outcome {
             Ok(outcome) => Self::of_increment(outcome),
@@ -225,6 +228,7 @@ pub struct Recorder {
 }
 
 impl Recorder {
+    /// An empty history whose clock starts now.
     pub fn new() -> Self {
         Self {
             start: Instant::now(),

@@ -64,6 +64,7 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Counts one more `what` for the run's summary.
     pub fn count(&self, what: &'static str) {
         *self.tally.lock().unwrap().entry(what).or_default() += 1;
     }
