@@ -7,6 +7,7 @@ mod cli;
 mod common;
 mod daemon;
 mod faults;
+mod history;
 mod increment;
 mod insert_loop;
 mod layout;
