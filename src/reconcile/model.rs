@@ -91,6 +91,8 @@ pub struct StaleEntry {
     pub position: usize,
     /// The value as stored.
     pub value: Bson,
+    /// Its token.
+    pub token: Token,
     /// What removing it adds to the counter: its token's amount on the
     /// token's last stale entry, 0 on the others and on every entry of a
     /// token a settle counted. Removing a prefix of the stale entries with
@@ -190,7 +192,6 @@ pub fn plan(
     // Each stale token: its amount and the index (in `plan.stale`) of its
     // last entry.
     let mut tokens: BTreeMap<ObjectId, (i64, usize)> = BTreeMap::new();
-    let mut stale_tokens = Vec::new();
     for (position, (value, entry)) in entries.iter().zip(&parsed).enumerate() {
         let token = entry.token().object_id();
         if token >= cutoff {
@@ -215,9 +216,9 @@ pub fn plan(
         plan.stale.push(StaleEntry {
             position,
             value: value.clone(),
+            token: entry.token(),
             adds: 0,
         });
-        stale_tokens.push(token);
     }
     let mut sum: i128 = 0;
     for (token, (amount, last)) in &tokens {
@@ -227,8 +228,8 @@ pub fn plan(
             plan.stale[*last].adds = *amount;
         }
     }
-    for (entry, token) in plan.stale.iter().zip(&stale_tokens) {
-        if marked.contains(token) {
+    for entry in &plan.stale {
+        if marked.contains(&entry.token.object_id()) {
             plan.settled_copies += 1;
         } else if entry.adds == 0 {
             plan.duplicate_entries += 1;

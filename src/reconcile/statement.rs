@@ -2,13 +2,15 @@
 //! they remove (DESIGN §4, the per-document conditioned write).
 //!
 //! A statement applies only while the document still holds what the plan
-//! removes, and leaves everything else a writer may have changed in the
-//! meantime alone. A concurrent step 1 adds an entry, which the statement
+//! removes and none of the tokens it counts has a settle marker, and leaves
+//! everything else a writer may have changed in the meantime alone. A concurrent step 1 adds an entry, which the statement
 //! keeps; a concurrent step 2 of another token removes one, which the
 //! statement does not bring back; a concurrent step 2 (or another fold) that
 //! took one of the stale entries makes the statement match nothing, and the
-//! reconciler reads the document again. Running a statement twice applies it
-//! once: afterwards the document no longer holds what it removes.
+//! reconciler reads the document again; so does a settle that counted one
+//! of them (its marker), even when a late step 1 re-added the token.
+//! Running a statement twice applies it once: afterwards the document no
+//! longer holds what it removes.
 //!
 //! Two forms, chosen per document by size:
 //!
@@ -35,9 +37,9 @@
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::model::{self, FoldPlan, Malformed};
+use super::model::{self, FoldPlan, Malformed, StaleEntry};
 use crate::document::bson_type_name;
-use crate::write::counter::{CollectionConfig, inc_operand};
+use crate::write::counter::{CollectionConfig, inc_operand, marker_path};
 
 /// The field the prefix form keeps its check in, removed again in the same
 /// update. A counter document must not use it.
@@ -174,6 +176,7 @@ fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document 
         if !removed.is_empty() {
             q.insert(&spec.pending_field, doc! { "$all": removed.clone() });
         }
+        q.extend(unmarked(spec, &plan.stale));
         set.insert(&spec.pending_field, without(&spec.pending_field, removed));
     }
     if touches(
@@ -185,6 +188,26 @@ fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document 
         set.insert(&spec.settled_field, without(&spec.settled_field, pruned));
     }
     doc! { "q": q, "u": [{ "$set": set }] }
+}
+
+/// The filter condition that none of the tokens `stale` counts (the
+/// entries whose removal adds to the counter) has a settle marker. A
+/// settle that counted one after the document was read, and a late step 1
+/// that re-added it, would otherwise let the statement count it again; so
+/// it matches nothing, and the re-read finds the marker and drops the copy.
+fn unmarked<'a>(
+    spec: &CollectionConfig,
+    stale: impl IntoIterator<Item = &'a StaleEntry>,
+) -> Document {
+    let counted: Vec<Bson> = stale
+        .into_iter()
+        .filter(|e| e.adds != 0)
+        .map(|e| Bson::ObjectId(e.token.object_id()))
+        .collect();
+    if counted.is_empty() {
+        return Document::new();
+    }
+    doc! { marker_path(spec): { "$nin": counted } }
 }
 
 /// Whether the fold rewrites an array field: it exists, and something in
@@ -306,6 +329,10 @@ fn prefix(
             .map(|p| pending[p].clone())
             .collect();
         let mut q = doc! { "_id": read.id.clone() };
+        q.extend(unmarked(
+            spec,
+            plan.stale.iter().filter(|e| range.contains(&e.position)),
+        ));
         let mut checks = Vec::new();
         let mut set = Document::new();
         let writes_counter = sum != 0 || before.is_none();

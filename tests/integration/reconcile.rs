@@ -1372,3 +1372,120 @@ async fn a_write_concern_error_fails_the_run_unless_a_retry_clears_it() {
         assert_eq!(again.survey.documents_scanned, 0, "{name}");
     }
 }
+
+/// Starts a fold of `views` at `now` whose first `update` the server holds
+/// for `hold` before it executes, and returns once that update was sent:
+/// what a test does meanwhile happens between the fold's read and its
+/// write. The fail point is switched off when the guard is dropped.
+async fn fold_held_on_the_server(
+    ctx: &TestContext,
+    client: &TestClient,
+    now: SystemTime,
+    hold: Duration,
+) -> (FailPoint, tokio::task::JoinHandle<tally::CollectionRun>) {
+    let fail = FailPoint::set(
+        ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true,
+        "blockTimeMS": hold.as_millis() as i64 },
+    )
+    .await;
+    let store = client.store();
+    let before = client.events.count("update");
+    let fold = tokio::spawn(async move {
+        Reconciler::new(&store)
+            .reconcile(
+                &target(CollectionConfig::new("views")),
+                Mode::Fold,
+                now,
+                &CancellationToken::new(),
+                &mut |_| {},
+            )
+            .await
+    });
+    let events = client.events.clone();
+    wait_until(
+        "the fold's update was sent",
+        Duration::from_secs(30),
+        || {
+            let events = events.clone();
+            async move { events.count("update") > before }
+        },
+    )
+    .await;
+    (fail, fold)
+}
+
+/// A fold in flight never counts again a token a settle counted, even when
+/// the token's original step 1, held up in the network, re-adds it before
+/// the fold's update lands: every statement also requires that none of the
+/// tokens it counts has a settle marker, so it matches nothing, and the
+/// re-read drops the copy uncounted. Found by the adversarial review of
+/// issue 11 (finding D): the fold read T pending (no marker), `complete`
+/// counted T and left its marker, the late step 1 re-added T, and the
+/// fold's update — `pending: {$all: [T]}` held again — counted T twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
+    let ctx = TestContext::new("fold_marker_race").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    // An increment whose step 2 was never confirmed, older than the grace
+    // (a writer holding a `Pending` ticket: `complete` is safe at any age).
+    coll.insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [t] })
+        .await
+        .unwrap();
+    let now = Reconciler::new(&client.store())
+        .server_time()
+        .await
+        .unwrap();
+    let (fail, fold) =
+        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
+
+    // Another process (not held by the fail point): the writer settles its
+    // pending ticket...
+    let rival = ctx.rival_store().await;
+    let writer = Counters::new(
+        &rival,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    let pending = writer
+        .find_pending("k", Token::from_object_id(t))
+        .await
+        .unwrap()
+        .expect("pending");
+    let completion = writer.complete(pending).await;
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
+    // ...and the increment's original step 1, held up in the network,
+    // lands now (as `settle::a_delayed_original_step_1_…` writes it).
+    rival
+        .collection("views")
+        .update_one(
+            doc! { "_id": "k" },
+            doc! { "$addToSet": { "pending": t }, "$setOnInsert": { "counter": 0i64 } },
+        )
+        .await
+        .unwrap();
+    let marked = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
+    assert!(
+        marked.get_array("settled").is_ok_and(|m| !m.is_empty()),
+        "the settle's marker is there: {marked:?}"
+    );
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    // A later run (the marker still protects the copy) changes nothing.
+    let again = fold_views(&client).await;
+    assert_eq!(
+        counter(&coll, "k").await,
+        1,
+        "one increment, counted by `complete`; runs: {run:?} / {again:?}; now {:?}",
+        coll.find_one(doc! { "_id": "k" }).await.unwrap()
+    );
+    assert_eq!(pending_len(&coll, "k").await, 0, "the copy is dropped");
+}

@@ -148,7 +148,7 @@ pub(crate) fn inc_operand(amount: i64) -> Bson {
 }
 
 /// `<settled>.t`: the tokens of the markers, for a filter.
-fn marker_path(spec: &CollectionConfig) -> String {
+pub(crate) fn marker_path(spec: &CollectionConfig) -> String {
     format!("{}.{TOKEN_FIELD}", spec.settled_field)
 }
 
