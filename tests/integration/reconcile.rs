@@ -57,6 +57,20 @@ async fn fold_views(client: &TestClient) -> tally::CollectionRun {
     .await
 }
 
+/// One fold of the collection `views` with the default fields, at the
+/// server time `now`.
+async fn fold_views_at(store: &Store, now: SystemTime) -> tally::CollectionRun {
+    Reconciler::new(store)
+        .reconcile(
+            &target(CollectionConfig::new("views")),
+            Mode::Fold,
+            now,
+            &CancellationToken::new(),
+            &mut |_| {},
+        )
+        .await
+}
+
 async fn raw(coll: &Collection<Document>, id: impl Into<Bson>) -> RawDocumentBuf {
     coll.clone_with_type::<RawDocumentBuf>()
         .find_one(doc! { "_id": id.into() })
@@ -1282,15 +1296,7 @@ async fn a_document_too_large_for_one_statement_is_folded_in_several() {
     let reconciler = Reconciler::new(&store);
     let now = reconciler.server_time().await.unwrap();
     let plan = plan_of(&document, Token::cutoff(now - GRACE));
-    let run = reconciler
-        .reconcile(
-            &target(CollectionConfig::new("views")),
-            Mode::Fold,
-            now,
-            &CancellationToken::new(),
-            &mut |_| {},
-        )
-        .await;
+    let run = fold_views_at(&store, now).await;
     assert!(run.succeeded(), "{:?}", run.error);
     let statements: usize = proxy
         .requests("update")
@@ -1392,17 +1398,7 @@ async fn fold_held_on_the_server(
     .await;
     let store = client.store();
     let before = client.events.count("update");
-    let fold = tokio::spawn(async move {
-        Reconciler::new(&store)
-            .reconcile(
-                &target(CollectionConfig::new("views")),
-                Mode::Fold,
-                now,
-                &CancellationToken::new(),
-                &mut |_| {},
-            )
-            .await
-    });
+    let fold = tokio::spawn(async move { fold_views_at(&store, now).await });
     let events = client.events.clone();
     wait_until(
         "the fold's update was sent",
