@@ -54,7 +54,7 @@ pub(crate) use config::{
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
 // The fold adds to counters the way step 2 does, and reads markers alike.
-pub(crate) use step::{inc_operand, marker_path};
+pub(crate) use step::{exact_as_double, inc_operand, marker_path};
 
 use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
 use crate::store::Store;

@@ -1379,6 +1379,26 @@ async fn a_write_concern_error_fails_the_run_unless_a_retry_clears_it() {
     }
 }
 
+/// The server's time, as the fold reads it.
+async fn server_now(client: &TestClient) -> SystemTime {
+    Reconciler::new(&client.store())
+        .server_time()
+        .await
+        .unwrap()
+}
+
+/// A writer of `views` on another connection, which this test's fail
+/// points do not touch, and its store.
+async fn rival_views(ctx: &TestContext) -> (Store, Counters) {
+    let rival = ctx.rival_store().await;
+    let writer = Counters::new(
+        &rival,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    (rival, writer)
+}
+
 /// Starts a fold of `views` at `now` whose first `update` the server holds
 /// for `hold` before it executes, and returns once that update was sent:
 /// what a test does meanwhile happens between the fold's read and its
@@ -1431,21 +1451,13 @@ async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
     coll.insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [t] })
         .await
         .unwrap();
-    let now = Reconciler::new(&client.store())
-        .server_time()
-        .await
-        .unwrap();
+    let now = server_now(&client).await;
     let (fail, fold) =
         fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
 
     // Another process (not held by the fail point): the writer settles its
     // pending ticket...
-    let rival = ctx.rival_store().await;
-    let writer = Counters::new(
-        &rival,
-        CollectionConfig::new("views"),
-        WriterConfig::default(),
-    );
+    let (rival, writer) = rival_views(&ctx).await;
     let pending = writer
         .find_pending("k", Token::from_object_id(t))
         .await
@@ -1484,4 +1496,107 @@ async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
         coll.find_one(doc! { "_id": "k" }).await.unwrap()
     );
     assert_eq!(pending_len(&coll, "k").await, 0, "the copy is dropped");
+}
+
+/// The statements folding one document too large for one statement apply
+/// only in order: each later one also requires that the entries before its
+/// stretch are all fresh — the earlier statements removed their stale
+/// entries — so a token repeated across stretches is counted once even
+/// when a writer changed the first stretch. Found by the adversarial review
+/// of issue 11 (finding C): a writer completing one fresh entry of the
+/// first stretch shifted the array by exactly the first stretch's stale
+/// entries, the first statement refused, the second applied out of order
+/// and counted T on its last entry, leaving T's earlier copy to be counted
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_split_across_fold_statements_is_counted_once_when_a_writer_changes_the_array() {
+    const FRESH: usize = 160_000;
+    let ctx = TestContext::new("fold_split_out_of_order").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    let young: Vec<ObjectId> = (0..FRESH).map(|_| fresh()).collect();
+    let mut pending = vec![Bson::ObjectId(t)];
+    pending.extend(young.iter().map(|f| Bson::ObjectId(*f)));
+    // T's second entry (another client's `{t, n}` form) and one more stale
+    // token, in the second stretch.
+    pending.push(Bson::Document(doc! { "t": t, "n": 1i64 }));
+    pending.push(Bson::ObjectId(stale()));
+    let document = doc! { "_id": "k", "counter": 0i64, "pending": pending };
+    coll.insert_one(&document).await.unwrap();
+    let now = server_now(&client).await;
+    let statements = tally::reconcile::statement::statements(
+        &CollectionConfig::new("views"),
+        &document,
+        Token::cutoff(now - GRACE),
+    )
+    .unwrap();
+    assert_eq!(statements.len(), 2, "split in two stretches");
+
+    // The fold's update is held while a writer completes one fresh entry
+    // of the first stretch.
+    let (fail, fold) = fold_held_on_the_server(&ctx, &client, now, Duration::from_secs(8)).await;
+    let (_, writer) = rival_views(&ctx).await;
+    let pending = writer
+        .find_pending("k", Token::from_object_id(young[100]))
+        .await
+        .unwrap()
+        .expect("pending");
+    let completion = writer.complete(pending).await;
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    let again = fold_views(&client).await;
+    // T once, the other stale token once, the completed fresh entry once.
+    assert_eq!(counter(&coll, "k").await, 3, "runs: {run:?} / {again:?}");
+    assert_eq!(pending_len(&coll, "k").await, FRESH - 1);
+}
+
+/// The fold never turns an int64 counter into a double: each statement
+/// requires that adding its sum to the counter as it is then stays an
+/// int64, so a step 2 that moved the counter near the limit after the fold
+/// read it makes the statement match nothing, and the re-read finds the
+/// document would overflow (malformed, left unchanged). `$add` would
+/// otherwise quietly return a double, and the counter would no longer be
+/// exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_never_turns_an_int64_counter_into_a_double_when_a_step_2_moved_it() {
+    let ctx = TestContext::new("fold_overflow_race").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    let big = 1i64 << 61;
+    coll.insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [{ "t": t, "n": big }] })
+        .await
+        .unwrap();
+    let now = server_now(&client).await;
+    let (fail, fold) =
+        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
+    // A writer's increment lands meanwhile and takes the counter near the
+    // int64 limit: `counter + big` no longer fits.
+    let (_, writer) = rival_views(&ctx).await;
+    let near = i64::MAX - 5;
+    let outcome = writer.increment("k", near).await;
+    assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    assert_eq!(
+        field(&coll, "k", "counter").await,
+        Some(Bson::Int64(near)),
+        "run: {run:?}"
+    );
+    assert_eq!(
+        field(&coll, "k", "pending").await,
+        Some(Bson::Array(vec![Bson::Document(doc! { "t": t, "n": big })])),
+        "the stale token stays, uncounted"
+    );
+    let again = fold_views(&client).await;
+    assert_eq!(again.survey.malformed, 1, "{again:?}");
 }

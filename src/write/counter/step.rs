@@ -103,13 +103,9 @@ pub(super) fn count(
 fn counter_plus(counter_field: &str, amount: i64) -> Document {
     let counter = field(counter_field);
     let counter_type = doc! { "$type": &counter };
-    let exact = EXACT_DOUBLE as f64;
     let stays_exact = doc! { "$and": [
-        { "$eq": [&counter, { "$trunc": &counter }] },
-        { "$gt": [&counter, -exact] },
-        { "$lt": [&counter, exact] },
-        { "$gt": ["$$sum", -exact] },
-        { "$lt": ["$$sum", exact] },
+        exact_as_double(&counter),
+        exact_as_double("$$sum"),
         // The amount becomes a double too: it must be exact as one.
         i128::from(amount).abs() < EXACT_DOUBLE,
     ] };
@@ -135,6 +131,19 @@ fn counter_plus(counter_field: &str, amount: i64) -> Document {
             ] },
         },
     }
+}
+
+/// Whether the number `value` (an aggregation expression) is an integer a
+/// double holds exactly: integral, of magnitude below 2^53. NaN (which
+/// sorts below every number) and the infinities are not.
+pub(crate) fn exact_as_double(value: impl Into<Bson>) -> Document {
+    let value = value.into();
+    let exact = EXACT_DOUBLE as f64;
+    doc! { "$and": [
+        { "$eq": [&value, { "$trunc": &value }] },
+        { "$gt": [&value, -exact] },
+        { "$lt": [&value, exact] },
+    ] }
 }
 
 /// The `$inc` (or `$add`) operand for an amount: int32 when it fits, so an
