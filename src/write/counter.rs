@@ -50,7 +50,7 @@ pub use config::{CollectionConfig, WriterConfig};
 #[cfg(feature = "daemon")]
 pub(crate) use config::{
     DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD,
-    MIN_RETRY_HORIZON,
+    MIN_RETRY_HORIZON, least_retry_horizon,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
 // The fold adds to counters the way step 2 does, and reads markers alike.
@@ -103,16 +103,18 @@ enum Added {
 
 impl Counters {
     /// Increments in `spec`'s collection, through `store`. A retry horizon
-    /// shorter than 2 s is raised to 2 s (with a warning).
+    /// shorter than two of the store's attempts, or than 2 s, is raised to
+    /// that (with a warning).
     pub fn new(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
-        let least = config::MIN_RETRY_HORIZON;
+        let least = config::least_retry_horizon(store.attempt_timeout());
         if writer.retry_horizon < least {
             tracing::warn!(
                 collection = %spec.name,
                 retry_horizon = ?writer.retry_horizon,
+                attempt_timeout = ?store.attempt_timeout(),
                 raised_to = ?least,
-                "the retry horizon is below the minimum: a token's time has one-second \
-                 resolution; raised"
+                "the retry horizon is below two attempts (or 2 s): a step 1 whose attempt \
+                 timed out could be neither retried nor resumed; raised"
             );
         }
         Self {
@@ -128,7 +130,7 @@ impl Counters {
         &self.spec
     }
 
-    /// The retry horizon in force (at least 2 s).
+    /// The retry horizon in force (at least two attempts, and 2 s).
     pub fn retry_horizon(&self) -> Duration {
         self.retry_horizon
     }

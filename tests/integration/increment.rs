@@ -356,7 +356,7 @@ async fn resume_past_the_horizon_refuses_and_writes_nothing() {
     let ctx = TestContext::new("resume_past_horizon").await;
     let client = ctx.client(false).await;
     let views = counters(&client, "views");
-    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(600));
     let unknown = UnknownToken::new("k", old, 1).unwrap();
     client.events.clear();
     let err = views.resume(unknown).await.expect_err("must refuse");
@@ -379,7 +379,7 @@ async fn resume_past_the_horizon_still_completes_a_token_that_is_there() {
     let client = ctx.client(false).await;
     let views = counters(&client, "views");
     let coll = client.collection("views");
-    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(600));
     coll.insert_one(
         doc! { "_id": "k", "counter": 10i64, "pending": [{ "t": old.object_id(), "n": 3i64 }] },
     )
@@ -841,4 +841,52 @@ async fn a_double_counter_is_counted_only_while_it_stays_below_2_53() {
     assert_eq!(value("below").await, Some(Bson::Double(two_53 - 1.0)));
     assert_counted(&views.increment("legacy", 5).await);
     assert_eq!(value("legacy").await, Some(Bson::Double(5.0)));
+}
+
+/// A step 1 whose attempt runs out of time is retried — the retry horizon
+/// is always at least two attempts — so it is counted exactly once, or
+/// comes back `Unknown` young enough to resume. Found by the adversarial
+/// review of issue 11 (finding B): with the defaults of then (both 60 s,
+/// here scaled to 3 s) the token was at the horizon when its attempt timed
+/// out, so the retry was never sent and `resume` refused: a black-holed
+/// request lost the count although the caller did what the API asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_step_1_is_retried_or_resumed_when_the_horizon_is_one_attempt() {
+    let ctx = TestContext::new("timeout_at_horizon").await;
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let attempt = Duration::from_secs(3);
+    let store = client.store().with_attempt_timeout(attempt);
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig {
+            retry_horizon: attempt,
+        },
+    );
+    // Step 1's first attempt hangs past the attempt bound and never
+    // executes (a black-holed request).
+    let fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 5000,
+               "errorCode": 2 },
+    )
+    .await;
+    let outcome = views.increment("home", 1).await;
+    drop(fail);
+    let outcome = match outcome {
+        Increment::Unknown(unknown) => {
+            let age = unknown.token().age(SystemTime::now());
+            // The caller resumes at once, as told.
+            views
+                .resume(unknown)
+                .await
+                .unwrap_or_else(|err| panic!("resume of a ticket {age:?} old: {err}"))
+        }
+        other => other,
+    };
+    assert_counted(&outcome);
+    assert_eq!(counter(&client.collection("views"), "home").await, 1);
 }
