@@ -58,7 +58,7 @@ use mongodb::bson::{Bson, Document, doc};
 use mongodb::error::{Error as MongoError, ErrorKind, WriteError, WriteFailure};
 use tokio_util::sync::CancellationToken;
 
-use crate::document::integer_value;
+use crate::document::{display_id, integer_value};
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
@@ -425,6 +425,6 @@ fn report_failed(err: mongodb::error::Error) -> Error {
 
 fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u64) {
     if seen <= MALFORMED_LOGGED {
-        tracing::warn!(collection, id = %id, reason = %reason, "malformed document left unchanged");
+        tracing::warn!(collection, id = %display_id(id), reason = %reason, "malformed document left unchanged");
     }
 }

@@ -7,6 +7,7 @@ use mongodb::bson::{Bson, Document, oid::ObjectId};
 use serde::Serialize;
 
 use super::{FoldTarget, Mode, model};
+use crate::document::display_id;
 use crate::error::Error;
 use crate::token::Token;
 
@@ -16,7 +17,8 @@ pub const MALFORMED_SAMPLE: usize = 10;
 /// A document the fold leaves alone, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MalformedDocument {
-    /// The `_id`, as extended JSON.
+    /// The `_id`: a string id as itself, any other as relaxed extended
+    /// JSON (`{"$oid":"…"}`, `7`).
     pub id: String,
     /// What is wrong with it.
     pub reason: String,
@@ -175,7 +177,7 @@ impl Survey {
                 self.malformed += 1;
                 if self.malformed_sample.len() < MALFORMED_SAMPLE {
                     self.malformed_sample.push(MalformedDocument {
-                        id: row.id.to_string(),
+                        id: display_id(&row.id),
                         reason: reason.to_string(),
                     });
                 }

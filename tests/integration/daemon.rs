@@ -1388,3 +1388,64 @@ async fn an_invalidate_never_saves_its_own_token() {
         );
     }
 }
+
+/// A webhook's and a log's `sample_ids` show each document id as it is: a
+/// string id as itself (`docs`, not `"docs"`), any other BSON type as its
+/// relaxed extended JSON (`{"$oid":"…"}`, `7`, `{"a":1}`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sample_ids_show_document_ids_as_they_are() {
+    let ctx = TestContext::new("daemon_sample_ids").await;
+    let views = ctx.client(false).await.collection("views");
+    let object_id = ObjectId::new();
+    let ids = [
+        Bson::String("docs".into()),
+        Bson::ObjectId(object_id),
+        Bson::Int32(7),
+        Bson::Document(doc! { "a": 1 }),
+    ];
+    for id in &ids {
+        views
+            .insert_one(doc! { "_id": id.clone(), "counter": 0i64, "pending": [stale()] })
+            .await
+            .unwrap();
+    }
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let alerts = format!(
+        "[alerts]\nstuck_after = \"7s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        receiver.addr
+    );
+    let conf = Conf {
+        extra: alerts,
+        ..Conf::idle()
+    };
+    let daemon = Tallyd::start(
+        &conf.render(&ctx.child_uri(false), &ctx.db_name),
+        &[("RUST_LOG", "info")],
+    );
+    wait_until("the stuck-token alert delivered", LONG, || async {
+        !receiver.delivered().is_empty()
+    })
+    .await;
+    let firing = &receiver.delivered()[0];
+    assert_eq!(firing["kind"], "stuck_tokens", "{firing}");
+    let mut shown: Vec<String> = firing["sample_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap().to_owned())
+        .collect();
+    shown.sort();
+    let mut expected = vec![
+        "docs".to_owned(),
+        format!("{{\"$oid\":\"{}\"}}", object_id.to_hex()),
+        "7".to_owned(),
+        "{\"a\":1}".to_owned(),
+    ];
+    expected.sort();
+    assert_eq!(shown, expected);
+    let log = daemon.log();
+    assert!(
+        log.contains("\"docs\"") && !log.contains("\\\"docs\\\""),
+        "{log}"
+    );
+}
