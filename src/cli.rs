@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{Config, ConfigErrors};
+use crate::daemon::clock::{Clock, ClockOffset};
 use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
@@ -42,6 +43,21 @@ pub struct Cli {
     /// absent when the environment (TALLYD__SECTION__KEY) sets everything.
     #[arg(long, short, global = true, value_name = "PATH")]
     pub config: Option<PathBuf>,
+
+    /// A testing aid, hidden from help: pretend this host's clock is off by
+    /// this much (`10m` ahead, `-10m` behind) when its skew against the
+    /// server's is measured (`doctor`, and the daemon's `clock_skew`
+    /// alert). Nothing else reads the moved clock.
+    #[arg(
+        long,
+        global = true,
+        hide = true,
+        env = "TALLYD_CLOCK_OFFSET",
+        hide_env = true,
+        value_name = "DURATION",
+        allow_hyphen_values = true
+    )]
+    pub(crate) clock_offset: Option<ClockOffset>,
 
     /// What to do.
     #[command(subcommand)]
@@ -106,6 +122,11 @@ impl TargetArgs {
 }
 
 impl Cli {
+    /// This host's clock, as `--clock-offset` moves it.
+    pub(crate) fn clock(&self) -> Clock {
+        Clock::with_offset(self.clock_offset.unwrap_or_default())
+    }
+
     /// Loads the configuration from `--config` (or the default file) and
     /// `env`, with the checks the command needs: `run` and `check-config`
     /// (which answers for `run`) refuse the same configurations.
@@ -134,6 +155,7 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             // A reload reads the configuration again from where this did.
             let reload = Cli {
                 config: cli.config,
+                clock_offset: cli.clock_offset,
                 command: Command::Run,
             };
             daemon::run(&reload, config, &logging).await

@@ -1449,3 +1449,66 @@ async fn sample_ids_show_document_ids_as_they_are() {
         "{log}"
     );
 }
+
+/// The daemon measures this host's clock against the server's at each
+/// readiness probe (`tally_clock_skew_seconds`) and fires `clock_skew` for
+/// each collection whose margin (`grace − retry_horizon − attempt_timeout`)
+/// the skew uses more than half of: with the clock moved 10 minutes back
+/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 7 s: a 1 s
+/// margin) fires, `clicks` (grace 60 m) does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
+    let ctx = TestContext::new("daemon_clock_skew").await;
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let extra = format!(
+        "[[collections]]\nname = \"clicks\"\ngrace = \"60m\"\n\
+         [alerts]\nstuck_after = \"60m\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        receiver.addr
+    );
+    let conf = Conf {
+        extra,
+        ..Conf::idle()
+    };
+    let daemon = Tallyd::start(
+        &conf.render(&ctx.child_uri(false), &ctx.db_name),
+        &[("RUST_LOG", "info"), ("TALLYD_CLOCK_OFFSET", "-10m")],
+    );
+    wait_until("the clock_skew alert delivered", LONG, || async {
+        receiver
+            .delivered()
+            .iter()
+            .any(|b| b["kind"] == "clock_skew")
+    })
+    .await;
+    let delivered = receiver.delivered();
+    let skewed: Vec<&serde_json::Value> = delivered
+        .iter()
+        .filter(|b| b["kind"] == "clock_skew")
+        .collect();
+    assert_eq!(skewed.len(), 1, "{delivered:?}");
+    let firing = skewed[0];
+    assert_eq!(firing["collection"], "views", "{firing}");
+    assert_eq!(firing["state"], "firing", "{firing}");
+    let seconds = firing["count"].as_u64().unwrap();
+    assert!((599..=601).contains(&seconds), "{firing}");
+    let detail = firing["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("behind") && detail.contains("grace 7s"),
+        "{detail}"
+    );
+    let skew = daemon.metric("tally_clock_skew_seconds").await.unwrap();
+    assert!(
+        (-601.0..=-599.0).contains(&skew),
+        "tally_clock_skew_seconds {skew}"
+    );
+    assert_eq!(
+        daemon.metric("tally_clock_skew_margin_seconds").await,
+        Some(1.0)
+    );
+    let firing_for = |collection: &'static str| {
+        format!("tally_alerts_firing{{collection=\"{collection}\",kind=\"clock_skew\"}}")
+    };
+    assert_eq!(daemon.metric(&firing_for("views")).await, Some(1.0));
+    assert_eq!(daemon.metric(&firing_for("clicks")).await, Some(0.0));
+    assert!(daemon.log().contains("clock_skew"), "{}", daemon.log());
+}
