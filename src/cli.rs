@@ -5,6 +5,7 @@
 //! 78 (`EX_CONFIG`) bad configuration.
 
 mod daemon;
+mod doctor;
 mod increment;
 mod reconcile;
 mod sequence;
@@ -21,6 +22,7 @@ use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
 use daemon::StatusArgs;
+use doctor::DoctorArgs;
 use increment::{CompleteArgs, IncrArgs, ResumeArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
@@ -77,6 +79,11 @@ pub(crate) enum Command {
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
+    /// Connect with the configured URI and say, check by check, what is
+    /// safe and what is not: topology, write concern, clock skew, indexes,
+    /// privileges, change-stream history. Exits 1 when a check fails
+    /// (warnings allowed).
+    Doctor(DoctorArgs),
     /// Add to a counter with the two-step increment and say exactly what
     /// happened.
     Incr(IncrArgs),
@@ -145,6 +152,7 @@ impl Cli {
 /// Runs a command against a loaded configuration; `logging` follows a
 /// reload of `tallyd run`.
 pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
+    let clock = cli.clock();
     match cli.command {
         Command::CheckConfig => {
             print!("{}", config.to_redacted_toml());
@@ -161,6 +169,7 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             daemon::run(&reload, config, &logging).await
         }
         Command::Status(args) => daemon::status(args, &config).await,
+        Command::Doctor(args) => doctor::run(args, &config, clock).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,
         Command::Resume(args) => increment::resume(args, &config).await,
