@@ -10,7 +10,7 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tally::Token;
 
 use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
-use crate::common::server::{ServerOptions, TestServer};
+use crate::common::server::{AuthServer, ServerOptions, TestServer, create_tallyd_role};
 use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{FailPoint, TestContext, counter, external, wait_until};
 
@@ -758,46 +758,23 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
     if external() {
         return; // needs a server it can restart with authentication
     }
-    let data = tempfile::tempdir().unwrap();
-    let port = free_address().port();
-    let mut options = ServerOptions {
-        port,
-        storage_path: Some(data.path().to_owned()),
-        ..Default::default()
-    };
     let db = "t_least_privilege";
-    {
-        // Users are provisioned before authentication is switched on.
-        let mut server = TestServer::start(&options);
-        let admin = mongodb::Client::with_uri_str(server.uri()).await.unwrap();
+    let server = AuthServer::start(|admin| async move {
         admin
             .database("admin")
             .run_command(doc! { "createUser": "admin", "pwd": "admin-pw", "roles": ["root"] })
             .await
             .unwrap();
         let app = admin.database(db);
-        app.run_command(doc! {
-            "createRole": "tallyd",
-            "privileges": [
-                { "resource": { "db": db, "collection": "views" }, "actions": ["find", "update", "changeStream"] },
-                { "resource": { "db": db, "collection": "tally_state" }, "actions": ["find", "insert", "update", "remove"] },
-            ],
-            "roles": [],
-        })
-        .await
-        .unwrap();
+        create_tallyd_role(&app, "tallyd", &["find", "update", "changeStream"]).await;
         app.run_command(doc! { "createUser": "tally", "pwd": "tally-pw", "roles": ["tallyd"] })
             .await
             .unwrap();
-        server.stop();
-    }
-    options.auth = true;
-    let _server = TestServer::start(&options);
-    let admin = mongodb::Client::with_uri_str(format!(
-        "mongodb://admin:admin-pw@127.0.0.1:{port}/?directConnection=true&authSource=admin"
-    ))
-    .await
-    .unwrap();
+    })
+    .await;
+    let admin = mongodb::Client::with_uri_str(server.uri("admin", "admin-pw", "admin"))
+        .await
+        .unwrap();
     let views = admin.database(db).collection::<Document>("views");
     seed_stale(&views, 0..3).await;
     admin
@@ -807,9 +784,7 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
         .await
         .unwrap();
 
-    let uri = format!(
-        "mongodb://tally:tally-pw@127.0.0.1:{port}/?directConnection=true&authSource={db}&retryWrites=false"
-    );
+    let uri = format!("{}&retryWrites=false", server.uri("tally", "tally-pw", db));
     let conf = Conf {
         extra: "[ha]\nenabled = true\nlease_ttl = \"3s\"\n".into(),
         ..Conf::default()

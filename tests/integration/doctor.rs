@@ -11,7 +11,7 @@ use mongodb::bson::{Document, doc};
 use serde_json::Value;
 
 use crate::cli::{tallyd, write_config};
-use crate::common::server::{ServerOptions, TestServer};
+use crate::common::server::{AuthServer, ServerOptions, TestServer, create_tallyd_role};
 use crate::common::tallyd::free_address;
 use crate::common::{TestContext, external, with_options};
 
@@ -265,52 +265,23 @@ async fn the_least_privileged_role_passes_and_one_without_change_stream_fails() 
     if external() {
         return; // starts its own server with authentication
     }
-    let data = tempfile::tempdir().unwrap();
-    let port = free_address().port();
-    let mut options = ServerOptions {
-        port,
-        storage_path: Some(data.path().to_owned()),
-        ..Default::default()
-    };
     let db = "t_doctor_privileges";
-    {
-        // Users are provisioned before authentication is switched on.
-        let mut server = TestServer::start(&options);
-        let admin = mongodb::Client::with_uri_str(server.uri()).await.unwrap();
-        let app = admin.database(db);
+    let server = AuthServer::start(|client| async move {
+        let app = client.database(db);
         app.collection::<Document>("views")
             .insert_one(doc! { "_id": "home", "counter": 0i64 })
             .await
             .unwrap();
-        for (role, counter_actions) in [
-            ("tallyd", vec!["find", "update", "changeStream"]),
-            ("nochange", vec!["find", "update"]),
-        ] {
-            app.run_command(doc! {
-                "createRole": role,
-                "privileges": [
-                    { "resource": { "db": db, "collection": "views" }, "actions": counter_actions },
-                    { "resource": { "db": db, "collection": "tally_state" }, "actions": ["find", "insert", "update", "remove"] },
-                ],
-                "roles": [],
-            })
-            .await
-            .unwrap();
-        }
+        create_tallyd_role(&app, "tallyd", &["find", "update", "changeStream"]).await;
+        create_tallyd_role(&app, "nochange", &["find", "update"]).await;
         for (user, role) in [("tally", "tallyd"), ("partial", "nochange")] {
             app.run_command(doc! { "createUser": user, "pwd": "Pw-of-doctor", "roles": [role] })
                 .await
                 .unwrap();
         }
-        server.stop();
-    }
-    options.auth = true;
-    let _server = TestServer::start(&options);
-    let uri = |user: &str| {
-        format!(
-            "mongodb://{user}:Pw-of-doctor@127.0.0.1:{port}/?directConnection=true&authSource={db}"
-        )
-    };
+    })
+    .await;
+    let uri = |user: &str| server.uri(user, "Pw-of-doctor", db);
 
     let (code, checks, output) = doctor(&config(&uri("tally"), db), &[]).await;
     let (privileges, message) = verdict(&checks, "privileges");
