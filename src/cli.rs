@@ -6,6 +6,7 @@
 
 mod daemon;
 mod doctor;
+mod generate;
 mod increment;
 mod reconcile;
 mod sequence;
@@ -23,6 +24,7 @@ use crate::write::counter::CollectionConfig;
 
 use daemon::StatusArgs;
 use doctor::DoctorArgs;
+use generate::{CompletionsArgs, ManArgs};
 use increment::{CompleteArgs, IncrArgs, ResumeArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
@@ -98,6 +100,12 @@ pub(crate) enum Command {
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
+    /// Print the shell completion script (for packaging).
+    #[command(hide = true)]
+    Completions(CompletionsArgs),
+    /// Write the man pages into a directory (for packaging).
+    #[command(hide = true)]
+    Man(ManArgs),
 }
 
 /// Options shared by the commands that work on one collection.
@@ -129,6 +137,16 @@ impl TargetArgs {
 }
 
 impl Cli {
+    /// Runs the commands that need no configuration (the completions and
+    /// man pages of packaging): `Some(exit)` when this was one.
+    pub fn run_without_config(&self) -> Option<ExitCode> {
+        match &self.command {
+            Command::Completions(args) => Some(generate::completions(args)),
+            Command::Man(args) => Some(generate::man(args)),
+            _ => None,
+        }
+    }
+
     /// This host's clock, as `--clock-offset` moves it.
     pub(crate) fn clock(&self) -> Clock {
         Clock::with_offset(self.clock_offset.unwrap_or_default())
@@ -175,6 +193,8 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
+        Command::Completions(args) => generate::completions(&args),
+        Command::Man(args) => generate::man(&args),
     }
 }
 

@@ -1,7 +1,9 @@
-//! What ships beside the binary: the systemd units in `systemd/` and the
-//! Prometheus rules in `config/alerts.yml`, checked against the code they
-//! describe (metric names, the config exit code, the shutdown deadline) and
-//! against the tool that reads them (`systemd-analyze verify`). The alert
+//! What ships beside the binary: the systemd units in `systemd/`, the
+//! Prometheus rules in `config/alerts.yml`, the man pages and shell
+//! completions the binary generates, checked against the code they
+//! describe (metric names, the config exit code, the shutdown deadline, the
+//! commands) and against the tools that read them (`systemd-analyze
+//! verify`, bash). The alert
 //! rules are also checked by `promtool` in `.ci/run` (`scripts/check-alert-rules`).
 //! No database needed.
 
@@ -363,4 +365,87 @@ fn systemd_analyze_verifies_the_units() {
         binary.display(),
         output_text(&output)
     );
+}
+
+// --- man pages and completions ----------------------------------------------
+
+/// Runs the built `tallyd` with `args`, with an empty environment.
+fn tallyd(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .env_clear()
+        .args(args)
+        .output()
+        .expect("run tallyd")
+}
+
+/// Every command `--help` shows, nested ones as `seq-next`.
+fn visible_commands() -> Vec<String> {
+    use clap::CommandFactory;
+    fn walk(prefix: &str, command: &clap::Command, names: &mut Vec<String>) {
+        for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+            let name = format!("{prefix}{}", sub.get_name());
+            names.push(name.clone());
+            walk(&format!("{name}-"), sub, names);
+        }
+    }
+    let mut names = Vec::new();
+    walk("", &tally::cli::Cli::command(), &mut names);
+    names
+}
+
+/// `tallyd man DIR` (what the package ships) writes `tallyd.1`, which names
+/// every command, and a page for each — no configuration needed.
+#[test]
+fn the_man_pages_name_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), dir.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    let main = std::fs::read_to_string(dir.path().join("tallyd.1")).expect("tallyd.1 written");
+    let commands = visible_commands();
+    for expected in ["run", "doctor", "check-config", "seq", "seq-next"] {
+        assert!(commands.iter().any(|c| c == expected), "{commands:?}");
+    }
+    for command in &commands {
+        let page = dir.path().join(format!("tallyd-{command}.1"));
+        assert!(page.exists(), "no man page {}", page.display());
+        if !command.contains('-') || command == "check-config" {
+            // roff escapes the dash: tallyd\-run(1)
+            let named = format!("tallyd\\-{}(1)", command.replace('-', "\\-"));
+            assert!(
+                main.contains(&named),
+                "tallyd.1 does not name {named}:\n{main}"
+            );
+        }
+    }
+    assert!(
+        !main.contains("completions"),
+        "hidden commands stay out of the pages"
+    );
+}
+
+/// The bash completion script loads and registers `tallyd`; zsh and fish
+/// scripts are generated too.
+#[test]
+fn the_bash_completion_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    for shell in ["bash", "zsh", "fish"] {
+        let output = tallyd(&["completions".as_ref(), shell.as_ref()]);
+        assert!(output.status.success(), "{shell}: {}", output_text(&output));
+        let script = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            script.contains("doctor"),
+            "{shell} completes every command:\n{script}"
+        );
+        std::fs::write(dir.path().join(shell), &output.stdout).unwrap();
+    }
+    let loaded = Command::new("bash")
+        .arg("-c")
+        .arg("source \"$1\" && complete -p tallyd")
+        .arg("bash")
+        .arg(dir.path().join("bash"))
+        .output()
+        .expect("run bash");
+    assert!(loaded.status.success(), "{}", output_text(&loaded));
+    let shown = String::from_utf8_lossy(&loaded.stdout);
+    assert!(shown.contains("-F _tallyd tallyd"), "{shown}");
 }
