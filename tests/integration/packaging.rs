@@ -119,6 +119,62 @@ fn alert_rules_use_only_metrics_the_daemon_exports() {
     );
 }
 
+/// Every PromQL query of the Grafana dashboard: each panel target's `expr`
+/// and each template variable's `query`.
+fn dashboard_queries() -> Vec<String> {
+    fn walk(value: &serde_json::Value, queries: &mut Vec<String>) {
+        match value {
+            serde_json::Value::Object(object) => {
+                for (key, value) in object {
+                    match (key.as_str(), value) {
+                        ("expr" | "definition", serde_json::Value::String(query)) => {
+                            queries.push(query.clone());
+                        }
+                        _ => walk(value, queries),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, queries)),
+            _ => {}
+        }
+    }
+    let dashboard: serde_json::Value = serde_json::from_str(&read("config/grafana-dashboard.json"))
+        .expect("config/grafana-dashboard.json is JSON");
+    let mut queries = Vec::new();
+    walk(&dashboard["panels"], &mut queries);
+    walk(&dashboard["templating"], &mut queries);
+    queries
+}
+
+/// The dashboard queries only metrics `/metrics` serves, and shows every
+/// one of them (a histogram through its series).
+#[test]
+fn the_dashboard_queries_exactly_the_metrics_the_daemon_exports() {
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 20, "{queries:?}");
+    let used: BTreeSet<String> = queries.iter().flat_map(|q| tally_identifiers(q)).collect();
+    let metrics = exported_metrics();
+    let unknown: Vec<&String> = used.difference(&metrics).collect();
+    assert!(
+        unknown.is_empty(),
+        "config/grafana-dashboard.json queries metrics src/daemon/metrics.rs does not define: \
+         {unknown:?}"
+    );
+    let histograms: BTreeSet<String> = metrics
+        .iter()
+        .filter_map(|m| m.strip_suffix("_bucket").map(str::to_owned))
+        .collect();
+    let unshown: Vec<&String> = metrics
+        .iter()
+        .filter(|m| !histograms.contains(m.as_str()))
+        .filter(|m| !used.contains(m.as_str()))
+        .collect();
+    assert!(
+        unshown.is_empty(),
+        "metrics no panel of config/grafana-dashboard.json shows: {unshown:?}"
+    );
+}
+
 #[test]
 fn every_alert_rule_has_a_duration_a_severity_and_instructions() {
     let rules = read("config/alerts.yml");
