@@ -199,8 +199,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
 }
 
 /// The collections a multi-collection command works on (the ones named,
-/// else every configured one), a reconciler, and the server's time — or the
-/// exit code of the failure, already reported.
+/// else every configured one), a reconciler, the server's time, and the
+/// store to shut down at the end — or the exit code of the failure, already
+/// reported.
 async fn survey_setup(
     named: &[String],
     json: bool,
@@ -210,6 +211,7 @@ async fn survey_setup(
         Vec<String>,
         crate::reconcile::Reconciler,
         std::time::SystemTime,
+        crate::store::Store,
     ),
     ExitCode,
 > {
@@ -227,11 +229,15 @@ async fn survey_setup(
         .await
         .map_err(|err| fail(json, &err.to_string(), &secrets))?;
     let reconciler = crate::reconcile::Reconciler::new(&store);
-    let now = reconciler
-        .server_time()
-        .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets))?;
-    Ok((names, reconciler, now))
+    let now = match reconciler.server_time().await {
+        Ok(now) => now,
+        Err(err) => {
+            drop(reconciler);
+            store.shutdown().await;
+            return Err(fail(json, &err.to_string(), &secrets));
+        }
+    };
+    Ok((names, reconciler, now, store))
 }
 
 /// Prints a failure that happened before any outcome was known.

@@ -12,20 +12,27 @@ use crate::store::Store;
 pub(crate) enum Inserted {
     /// This call inserted the document.
     New,
-    /// A document with the same `_id` exists.
-    Existing {
-        /// The document found under that `_id`.
-        found: Document,
-        /// An attempt of this call failed in a way that may have applied:
-        /// the document found may be our own.
-        maybe_ours: bool,
-    },
+    /// A document with the same `_id` exists: the one found under it. It
+    /// may be this call's own, if an attempt whose reply was lost applied —
+    /// only a field no one else writes (a token) can tell.
+    Existing(Document),
+    /// An attempt may have applied and the last one failed: the document
+    /// may or may not be there. Only a field no one else writes (a token)
+    /// can tell, later.
+    Unsure(Error),
 }
 
-/// Inserts `document` unless one with its `_id` exists. A duplicate key is
-/// checked by reading the `_id` back (the driver does not keep the
-/// server's `keyPattern` for inserts): if nothing is there, the duplicate
-/// was on another unique index and is returned as the error it is.
+/// Inserts `document` unless one with its `_id` exists, retrying once on a
+/// transient failure. A duplicate key is checked by reading the `_id` back
+/// (the driver does not keep the server's `keyPattern` for inserts): if
+/// nothing is there, the duplicate was on another unique index and is
+/// returned as the error it is.
+///
+/// A write-concern error means the insert applied on the primary but its
+/// replication is unconfirmed (DESIGN §1): with a transient code or the
+/// retryable label it is treated as a lost reply (retried: the retry's
+/// duplicate key finds the document), otherwise it is the command error it
+/// is.
 pub(crate) async fn insert_if_absent(
     store: &Store,
     collection: &Collection<Document>,
@@ -38,8 +45,18 @@ pub(crate) async fn insert_if_absent(
         .await
     {
         Ok(_) => return Ok(Inserted::New),
-        Err(failure) if failure.effect == Effect::AppliedUnconfirmed => return Ok(Inserted::New),
         Err(failure) if failure.class == ErrorClass::DuplicateKey => failure,
+        // Applied on the primary, replication unconfirmed, and not worth a
+        // retry: the command error it is.
+        Err(failure)
+            if failure.class == ErrorClass::Command
+                && failure.effect == Effect::AppliedUnconfirmed =>
+        {
+            return Err(Error::Server(failure));
+        }
+        Err(failure) if budget.maybe_applied() => {
+            return Ok(Inserted::Unsure(Error::Server(failure)));
+        }
         Err(failure) => return Err(Error::Server(failure)),
     };
     let id = document.get("_id").cloned().unwrap_or(Bson::Null);
@@ -47,24 +64,22 @@ pub(crate) async fn insert_if_absent(
         .find_one(collection, doc! { "_id": &id }, doc! {}, operation)
         .await?;
     match found {
-        Some(found) => Ok(Inserted::Existing {
-            found,
-            maybe_ours: budget.maybe_applied(),
-        }),
+        Some(found) => Ok(Inserted::Existing(found)),
         None => Err(Error::Server(failure)),
     }
 }
 
 /// An integral number stored as int32, int64 or an integral double (what
 /// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
-/// including doubles with a fraction or beyond 2^53, where the value is no
-/// longer exact.
+/// including doubles with a fraction and doubles of magnitude 2^53 or more:
+/// from 2^53 on, a double no longer tells two neighbouring integers apart
+/// (2^53 + 1 is stored as 2^53).
 pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
-    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    const EXACT_BELOW: f64 = 9_007_199_254_740_992.0; // 2^53
     match value {
         Bson::Int32(n) => Some(i64::from(*n)),
         Bson::Int64(n) => Some(*n),
-        Bson::Double(d) if d.fract() == 0.0 && d.abs() <= EXACT => Some(*d as i64),
+        Bson::Double(d) if d.fract() == 0.0 && d.abs() < EXACT_BELOW => Some(*d as i64),
         _ => None,
     }
 }
@@ -119,6 +134,25 @@ mod tests {
         assert_eq!(integer_value(&Bson::Double(f64::NAN)), None);
         assert_eq!(integer_value(&Bson::String("1".into())), None);
         assert_eq!(integer_value(&Bson::Null), None);
+    }
+
+    #[test]
+    fn doubles_are_exact_strictly_below_two_to_the_53() {
+        let two_53 = 9_007_199_254_740_992.0_f64;
+        assert_eq!(
+            integer_value(&Bson::Double(two_53 - 1.0)),
+            Some(9_007_199_254_740_991)
+        );
+        assert_eq!(
+            integer_value(&Bson::Double(-(two_53 - 1.0))),
+            Some(-9_007_199_254_740_991)
+        );
+        // 2^53 + 1 rounds to 2^53: the double no longer says which it was.
+        assert_eq!(integer_value(&Bson::Double(two_53)), None);
+        assert_eq!(integer_value(&Bson::Double(-two_53)), None);
+        assert_eq!(integer_value(&Bson::Double(two_53 * 2.0)), None);
+        // Integers are exact at any width.
+        assert_eq!(integer_value(&Bson::Int64(1 << 53)), Some(1 << 53));
     }
 
     #[test]

@@ -53,6 +53,12 @@ pub(crate) mod code {
     pub(crate) const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
     /// `DuplicateKeyValue` (a duplicate found while building an index).
     pub(crate) const DUPLICATE_KEY_VALUE: i32 = 12582;
+    /// `CursorNotFound`: the server no longer has a cursor (killed, timed
+    /// out, or on a node that stepped down). A read sent again starts anew.
+    pub(crate) const CURSOR_NOT_FOUND: i32 = 43;
+    /// `ReadConcernMajorityNotAvailableYet`: a node that just started or
+    /// stepped up cannot serve a majority read yet.
+    pub(crate) const READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET: i32 = 134;
     /// `ChangeStreamHistoryLost`: a resume token fell off the oplog (the
     /// daemon's change-stream monitor).
     #[cfg(feature = "daemon")]
@@ -83,6 +89,12 @@ pub(crate) mod code {
         NOT_PRIMARY_NO_SECONDARY_OK,
         NOT_PRIMARY_OR_SECONDARY,
     ];
+
+    /// Codes that make a failed *read* transient besides [`TRANSIENT`]: the
+    /// read changed nothing, and sent again it may well succeed. A write
+    /// never sees them.
+    pub(crate) const READ_TRANSIENT: [i32; 2] =
+        [CURSOR_NOT_FOUND, READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET];
 
     /// Codes that mean "a document with this unique key already exists".
     pub(crate) const DUPLICATE_KEY_CODES: [i32; 3] =
@@ -244,6 +256,17 @@ impl Facts {
         }
     }
 
+    /// The class of a failed *read* (find, aggregate, getMore): the write
+    /// rule, plus [`code::READ_TRANSIENT`] — a read applies nothing, so a
+    /// cursor the server lost or a majority snapshot not ready yet is worth
+    /// one more try.
+    pub(crate) fn read_class(self) -> ErrorClass {
+        match self.kind {
+            FailureKind::Command(c) if code::READ_TRANSIENT.contains(&c) => ErrorClass::Transient,
+            _ => self.class(),
+        }
+    }
+
     /// What the failure tells about the write it carried.
     pub(crate) fn effect(self) -> Effect {
         match (self.kind, self.class()) {
@@ -350,6 +373,23 @@ pub enum Error {
         horizon: Duration,
     },
 
+    /// `resume` was given another amount than the document holds for the
+    /// token (pending, or in the marker of the settle that counted it):
+    /// refused, nothing was written. The ticket and the document disagree
+    /// about what the increment was; resume with the stored amount if the
+    /// ticket is wrong.
+    #[error(
+        "token {token} was added with amount {stored}, not {given}: refused, nothing was written"
+    )]
+    AmountMismatch {
+        /// The token, as 24 hex digits.
+        token: String,
+        /// The amount the document holds for the token.
+        stored: i64,
+        /// The amount the caller gave.
+        given: i64,
+    },
+
     /// The caller passed a value the operation cannot accept; nothing was
     /// sent.
     #[error("invalid argument: {0}")]
@@ -396,6 +436,8 @@ impl Error {
 #[derive(Debug)]
 pub(crate) struct RetryBudget {
     operation: &'static str,
+    /// A read: classified by [`Facts::read_class`].
+    read: bool,
     driver_retries_writes: bool,
     transient_left: u32,
     duplicate_left: u32,
@@ -420,11 +462,22 @@ impl RetryBudget {
     pub(crate) fn retry_once(operation: &'static str, driver_retries_writes: bool) -> Self {
         Self {
             operation,
+            read: false,
             driver_retries_writes,
             transient_left: 1,
             duplicate_left: 0,
             attempts: 0,
             maybe_applied: false,
+        }
+    }
+
+    /// One transient retry for a read (find, aggregate, `hello`), which the
+    /// driver never retries on tally's behalf here; classified by the read
+    /// rule ([`Facts::read_class`]).
+    pub(crate) fn read_once(operation: &'static str) -> Self {
+        Self {
+            read: true,
+            ..Self::retry_once(operation, false)
         }
     }
 
@@ -454,7 +507,11 @@ impl RetryBudget {
     /// Decides what follows a failed attempt, and logs a retry.
     pub(crate) fn after_failure(&mut self, err: MongoError) -> Next {
         let facts = Facts::of(&err);
-        let class = facts.class();
+        let class = if self.read {
+            facts.read_class()
+        } else {
+            facts.class()
+        };
         let effect = facts.effect();
         if effect != Effect::NotApplied {
             self.maybe_applied = true;
@@ -602,6 +659,53 @@ mod tests {
         };
         assert_eq!(facts.class(), ErrorClass::Command);
         assert_eq!(facts.effect(), Effect::NotApplied);
+    }
+
+    #[test]
+    fn reads_also_retry_a_lost_cursor_and_a_majority_snapshot_not_ready() {
+        // CursorNotFound, ReadConcernMajorityNotAvailableYet: written out
+        // again rather than taken from `code`.
+        for code in [43, 134] {
+            let facts = Facts::of(&command_error(code));
+            assert_eq!(
+                facts.read_class(),
+                ErrorClass::Transient,
+                "read, code {code}"
+            );
+            assert_eq!(facts.class(), ErrorClass::Command, "write, code {code}");
+            let mut read = RetryBudget::read_once("find");
+            read.start_attempt();
+            assert!(matches!(
+                read.after_failure(command_error(code)),
+                Next::Retry
+            ));
+            read.start_attempt();
+            let Next::GiveUp(failure) = read.after_failure(command_error(code)) else {
+                panic!("a read is retried once, code {code}");
+            };
+            assert_eq!(failure.class, ErrorClass::Transient);
+            let mut write = RetryBudget::retry_once("update", false);
+            write.start_attempt();
+            assert!(matches!(
+                write.after_failure(command_error(code)),
+                Next::GiveUp(_)
+            ));
+        }
+        // The read rule adds to the write rule; it takes nothing away.
+        for code in DESIGN_TRANSIENT {
+            assert_eq!(
+                Facts::of(&command_error(code)).read_class(),
+                ErrorClass::Transient
+            );
+        }
+        assert_eq!(
+            Facts::of(&command_error(2)).read_class(),
+            ErrorClass::Command
+        );
+        assert_eq!(
+            Facts::of(&command_error(11000)).read_class(),
+            ErrorClass::DuplicateKey
+        );
     }
 
     #[test]
@@ -753,6 +857,7 @@ mod tests {
         let code = prop_oneof![
             proptest::sample::select(code::TRANSIENT.to_vec()),
             proptest::sample::select(code::DUPLICATE_KEY_CODES.to_vec()),
+            proptest::sample::select(code::READ_TRANSIENT.to_vec()),
             any::<i32>(),
         ];
         prop_oneof![
@@ -806,6 +911,13 @@ mod tests {
             }
             if kind == FailureKind::ServerSelection {
                 prop_assert_eq!(class, ErrorClass::Command);
+            }
+            // Reads differ from writes only by the read-transient codes.
+            let read_only = matches!(kind, FailureKind::Command(c) if [43, 134].contains(&c));
+            if read_only {
+                prop_assert_eq!(facts.read_class(), ErrorClass::Transient);
+            } else {
+                prop_assert_eq!(facts.read_class(), class);
             }
             prop_assert_eq!(class, Facts { kind, retryable_label: label }.class());
         }

@@ -22,8 +22,8 @@
 //! let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
 //! match views.increment("home", 1).await {
 //!     Increment::Counted(_) => {}
-//!     Increment::Pending(token) => { let _ = views.complete(&token).await; }
-//!     Increment::Unknown(token) => { let _ = views.resume(&token).await?; }
+//!     Increment::Pending(token) => { let _ = views.complete(token).await; }
+//!     Increment::Unknown(token) => { let _ = views.resume(token).await?; }
 //!     Increment::NotCounted(not) => return Err(not.cause().clone().into()),
 //! }
 //! # Ok(()) }
@@ -53,8 +53,9 @@
 //!   `insert_loop`, `bounded`.
 //! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — [`reconcile::model`] (its specification),
-//!   [`reconcile::pipeline`] (the fold on the server), `report` (what a run
-//!   found and did).
+//!   [`reconcile::statement`] (a document's fold as conditioned update
+//!   statements), `batch` (sending them, reading what the server did),
+//!   `report` (what a run found and did).
 //!
 //! With the `daemon` feature:
 //!
@@ -114,7 +115,7 @@ pub mod logging;
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use reconcile::{
     CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, Reconciler,
-    Survey,
+    RefusedDocument, Survey,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};

@@ -4,38 +4,38 @@
 //! leaves its token in the pending array. Once the token is older than the
 //! collection's `grace` — so no writer can still be working on it — the fold
 //! adds it to the counter and removes it, exactly once, on live documents,
-//! however often and by however many daemons it runs.
+//! however often and by however many daemons it runs. It also prunes the
+//! markers settles leave (`settled`) once they are older than the grace,
+//! and removes fields left empty.
 //!
 //! # How
 //!
 //! 1. **Report.** One aggregation pass selects the documents holding the
-//!    pending field and projects the two fields tally owns. Each row is
-//!    judged by [`model::plan`] — the fold's specification — into a plan
-//!    (stale entries, their sum, the counter after the fold, the entries
-//!    that stay) or a reason it is malformed. Rows are streamed: tally keeps
-//!    totals and a small sample, never the documents.
-//! 2. **Fold.** Each batch of planned documents is folded by one `update`
-//!    command holding one compare-and-swap per document: filter on `_id`
-//!    alone, and a one-stage pipeline that writes the planned counter and
-//!    pending array only if both fields are still exactly what the report
-//!    read. A document a writer touched in between (a step 1 or a step 2
-//!    landed) is left alone by its swap, and the batch's swapped-out
-//!    documents are then folded by [`pipeline::fold`], which judges each
-//!    document as it is at that moment. Either way a step 2 that landed
-//!    first has already removed its token, one that lands later finds it
-//!    gone, and no step 1 is ever erased. Running the fold again finds
-//!    nothing stale, so a retried, repeated or concurrent fold is exact.
-//!    Only documents the model judged well-formed are ever swapped, and the
-//!    pipeline leaves a malformed document alone, so malformed documents
-//!    are never modified.
+//!    pending or the settled field — no other document is read, so the
+//!    reads grow with the documents holding tokens, not with the collection
+//!    — and projects the three fields tally owns. Each row is judged by
+//!    [`model::plan`] — the fold's specification — into a plan or a reason
+//!    it is malformed. Rows are streamed: tally keeps totals, a small
+//!    sample and one batch of plans, never the collection.
+//! 2. **Fold.** Each planned document becomes an update statement
+//!    conditioned on exactly what it removes ([`statement`]); a batch of
+//!    them goes to the server in one unordered `update` command (several,
+//!    when large arrays make the batch bigger than a command may be). A
+//!    statement applies only while the document still holds its stale
+//!    entries, so a concurrent step 1 is kept, a concurrent step 2 is never
+//!    overwritten, and a second or concurrent fold finds nothing. When a
+//!    batch applied fewer statements than it sent, its documents are read
+//!    again and re-planned, up to three times; what still changes under the
+//!    fold's feet is left to the next run.
+//! 3. **Refusals.** A statement the server refuses for a reason of its
+//!    document's (a validator, a document grown too large) leaves that
+//!    document unchanged; it is logged with its `_id` and reported
+//!    ([`CollectionRun::refused`]), and everything else is folded. Only a
+//!    failure of the whole command — after its one retry when transient,
+//!    a write-concern error included — fails the run.
 //!
-//! **Why this shape** (measured on the test server, 100k documents, 10%
-//! holding 1–3 stale tokens; BENCHMARKS.md): a set-based `updateMany` whose
-//! pipeline finds stale entries and checks well-formedness itself costs the
-//! server an expression evaluation per entry — 4× the bare floor there. The
-//! per-document swap needs no per-entry evaluation on the server (tally's
-//! model did it while reading), is exact per document, and keeps batches:
-//! points where a run can stop for a shutdown and report progress.
+//! Malformed documents are never modified: the model refuses them before
+//! any statement is built.
 //!
 //! # Time
 //!
@@ -47,25 +47,29 @@
 //! the server by less than `grace − retry_horizon` (14 minutes with the
 //! defaults); a writer ahead of the server only delays the fold.
 
+mod batch;
 pub mod model;
-pub mod pipeline;
 mod report;
+pub mod statement;
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc};
-use mongodb::error::{Error as MongoError, ErrorKind, WriteError, WriteFailure};
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tokio_util::sync::CancellationToken;
 
-use crate::document::{display_id, integer_value};
+use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
 use crate::write::counter::CollectionConfig;
-use report::{ReportRow, account};
+use report::ReportRow;
+use statement::{Read, Statement};
 
-pub use report::{CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, Survey};
+pub use report::{
+    CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, RefusedDocument, Survey,
+};
 
 /// Default fold grace (the daemon's `[reconcile] grace`).
 #[cfg(feature = "daemon")]
@@ -85,8 +89,9 @@ pub struct FoldTarget {
     /// by more than the clock skew between writers and the server. The
     /// daemon's default: 15m.
     pub grace: Duration,
-    /// Documents per fold update: work between two points where a run can
-    /// stop (shutdown) and report progress. The daemon's default: 100.
+    /// Documents per fold batch: work between two points where a run can
+    /// stop (shutdown) and report progress. A batch is one `update` command,
+    /// or several when its statements pass 8 MiB. The daemon's default: 100.
     pub batch_size: u32,
 }
 
@@ -131,7 +136,8 @@ impl Reconciler {
         let cutoff = Token::cutoff(cutoff);
         let mut rows = self.report(target).await?;
         while let Some(row) = rows.try_next().await.map_err(report_failed)? {
-            survey.add(&ReportRow::read(row, target, cutoff));
+            let read = Read::of(&row, &target.spec);
+            survey.add(&ReportRow::of(&read, cutoff));
         }
         Ok(survey)
     }
@@ -182,40 +188,36 @@ impl Reconciler {
     ) -> Result<(), Error> {
         let name = &target.spec.name;
         let cutoff = Token::cutoff(run.cutoff);
-        let fold = pipeline::fold(&target.spec, cutoff);
         let mut rows = self.report(target).await?;
-        let mut batch: Vec<ReportRow> = Vec::with_capacity(target.batch_size as usize);
+        let mut batch = Batch::default();
         loop {
             let row = rows.try_next().await.map_err(report_failed)?;
             let finished = row.is_none();
-            if let Some(row) = row {
-                let row = ReportRow::read(row, target, cutoff);
-                run.survey.add(&row);
-                match &row.plan {
-                    Err(reason) => log_malformed(name, &row.id, reason, run.survey.malformed),
-                    Ok(plan) if plan.stale_tokens > 0 => batch.push(row),
-                    Ok(_) => {}
-                }
-            }
-            let full = batch.len() >= target.batch_size as usize;
+            let work = row.and_then(|row| plan_row(target, &row, cutoff, mode, run));
+            let full = work
+                .as_ref()
+                .is_some_and(|w| batch.is_full(w, target.batch_size));
             if (full || finished) && !batch.is_empty() {
                 if stop.is_cancelled() {
                     run.interrupted = true;
                     tracing::warn!(collection = %name, folded = run.documents_folded, "reconcile stopped by shutdown");
                     return Ok(());
                 }
+                let documents = std::mem::take(&mut batch).documents;
                 match mode {
-                    Mode::Fold => self.fold_batch(target, &fold, &batch, run).await?,
+                    Mode::Fold => self.fold_batch(target, cutoff, documents, run).await?,
                     Mode::DryRun => {
-                        run.documents_folded += batch.len() as u64;
-                        account(run, &batch);
+                        run.documents_folded += documents.len() as u64;
+                        run.account(documents.iter().map(|w| &w.plan));
                     }
                 }
-                batch.clear();
                 progress(Progress {
                     examined: run.survey.documents_scanned,
                     folded: run.documents_folded,
                 });
+            }
+            if let Some(work) = work {
+                batch.push(work);
             }
             if finished {
                 if run.survey.malformed > MALFORMED_LOGGED {
@@ -230,139 +232,168 @@ impl Reconciler {
         }
     }
 
-    /// Folds the stale tokens of the documents `ids` now (tokens older than
-    /// `now − grace`), whatever a report said about them before: each
-    /// document is judged as it is when the update reaches it. Returns how
-    /// many documents changed. Used by the daemon to repair stuck tokens at
-    /// once.
+    /// Folds the documents `ids` now (tokens older than `now − grace`),
+    /// whatever a report said about them before: each is read and planned
+    /// afresh, then folded as a run folds. Returns how many documents
+    /// changed. Used by the daemon to repair stuck tokens at once.
     pub async fn fold_documents(
         &self,
         target: &FoldTarget,
         ids: Vec<Bson>,
         now: SystemTime,
     ) -> Result<u64, Error> {
-        let cutoff = now
+        let cutoff_time = now
             .checked_sub(target.grace)
             .unwrap_or(SystemTime::UNIX_EPOCH);
-        let fold = pipeline::fold(&target.spec, Token::cutoff(cutoff));
-        self.update_batch(target, &fold, ids).await
+        let cutoff = Token::cutoff(cutoff_time);
+        let mut run = CollectionRun::new(&target.spec.name, Mode::Fold, cutoff_time);
+        let mut documents = Vec::new();
+        for document in self.read_documents(target, ids).await? {
+            let read = Read::of(&document, &target.spec);
+            match read.plan(cutoff) {
+                Ok(plan) if plan.has_work() => {
+                    documents.push(Work::new(target, &read, plan, Mode::Fold));
+                }
+                Ok(_) => {}
+                Err(reason) => log_malformed(&target.spec.name, read.id, &reason, 0),
+            }
+        }
+        self.fold_batch(target, cutoff, documents, &mut run).await?;
+        Ok(run.documents_folded)
     }
 
-    /// The pipeline fold of a batch of documents, in one update. Retried
-    /// once on a transient failure: a fold applied twice folds nothing the
-    /// second time.
-    async fn update_batch(
-        &self,
-        target: &FoldTarget,
-        fold: &[Document],
-        ids: Vec<Bson>,
-    ) -> Result<u64, Error> {
-        let collection = self.store.collection(&target.spec.name);
-        let filter = doc! { "_id": { "$in": ids } };
-        let mut budget = RetryBudget::retry_once("reconcile.fold", false);
-        let result = self
-            .store
-            .with_retry(&mut budget, || {
-                collection.update_many(filter.clone(), fold.to_vec())
-            })
-            .await
-            .map_err(Error::Server)?;
-        Ok(result.modified_count)
-    }
-
-    /// Folds one batch of report rows and accounts for it: one
-    /// compare-and-swap per document, then the pipeline for the documents
-    /// whose swap found them changed.
+    /// Folds one batch of planned documents and accounts for it. A document
+    /// the server refuses is reported and dropped from the batch; when
+    /// fewer statements applied than were sent, the documents are read
+    /// again, and those still holding work are planned and sent again, up to
+    /// [`FOLD_ROUNDS`] times.
     async fn fold_batch(
         &self,
         target: &FoldTarget,
-        fold: &[Document],
-        batch: &[ReportRow],
+        cutoff: ObjectId,
+        mut documents: Vec<Work>,
         run: &mut CollectionRun,
     ) -> Result<(), Error> {
-        let swaps: Vec<Bson> = batch
-            .iter()
-            .filter_map(|row| row.stale().map(|plan| compare_and_swap(target, row, plan)))
-            .map(Bson::Document)
-            .collect();
-        let mut command = doc! {
-            "update": &target.spec.name,
-            "updates": swaps,
-            "ordered": false,
-        };
-        if let Some(concern) = self.store.database().write_concern() {
-            let concern = mongodb::bson::serialize_to_document(concern).map_err(|err| {
-                Error::InvalidArgument(format!("cannot encode the write concern: {err}"))
-            })?;
-            command.insert("writeConcern", concern);
-        }
-        // Re-sending the swaps is safe: a swap that applied no longer
-        // matches what it compares against.
-        let sent = Instant::now();
-        let mut budget = RetryBudget::retry_once("reconcile.fold", false);
-        let reply = self
-            .store
-            .with_retry(&mut budget, || {
-                self.store.database().run_command(command.clone())
-            })
-            .await
-            .map_err(Error::Server)?;
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            // Classified like any server error (by the first one's code), so
-            // the run's failure says whether it is worth running again.
-            let first = errors
-                .first()
-                .and_then(Bson::as_document)
-                .cloned()
-                .unwrap_or_default();
-            tracing::error!(
-                collection = %target.spec.name,
-                refused = errors.len(),
-                of = batch.len(),
-                first = %first,
-                "fold updates refused by the server"
+        let name = &target.spec.name;
+        for round in 1..=FOLD_ROUNDS {
+            if documents.is_empty() {
+                return Ok(());
+            }
+            let sent = Instant::now();
+            let statements: Vec<(usize, &Statement)> = documents
+                .iter()
+                .enumerate()
+                .flat_map(|(i, w)| w.statements.iter().map(move |s| (i, s)))
+                .collect();
+            let outcome = batch::send(&self.store, name, &statements).await?;
+            let mut refused = vec![false; documents.len()];
+            for refusal in &outcome.refused {
+                if !std::mem::replace(&mut refused[refusal.document], true) {
+                    let id = &documents[refusal.document].id;
+                    if run.refused < MALFORMED_LOGGED {
+                        tracing::warn!(
+                            collection = %name,
+                            id = %display_id(id),
+                            code = refusal.code,
+                            reason = %refusal.message,
+                            "the server refused to fold a document; left unchanged"
+                        );
+                    }
+                    run.add_refused(id, refusal.code, refusal.message.clone());
+                }
+            }
+            let expected = statements.len() - outcome.refused.len();
+            tracing::debug!(
+                collection = %name,
+                round,
+                documents = documents.len(),
+                statements = statements.len(),
+                modified = outcome.modified,
+                refused = outcome.refused.len(),
+                millis = sent.elapsed().as_millis() as u64,
+                "fold batch"
             );
-            let code = first.get("code").and_then(integer_value).unwrap_or(0);
-            let message = first.get_str("errmsg").unwrap_or("(no message)");
-            let error: WriteError = mongodb::bson::deserialize_from_document(
-                doc! { "code": i32::try_from(code).unwrap_or(0), "errmsg": message },
-            )
-            .map_err(|err| {
-                Error::InvalidArgument(format!("cannot read a fold write error: {err}"))
-            })?;
-            let source = MongoError::from(ErrorKind::Write(WriteFailure::WriteError(error)));
-            return Err(Error::Server(Failure::once("reconcile.fold", source)));
+            let remaining: Vec<Work> = documents
+                .into_iter()
+                .zip(refused)
+                .filter_map(|(w, refused)| (!refused).then_some(w))
+                .collect();
+            if outcome.modified >= expected as u64 {
+                run.documents_folded += remaining.len() as u64;
+                run.account(remaining.iter().map(|w| &w.plan));
+                return Ok(());
+            }
+            // Some documents changed since they were read in a way the
+            // statements refuse: see what they hold now.
+            let ids = remaining.iter().map(|w| w.id.clone()).collect();
+            let mut now: HashMap<String, Document> = self
+                .read_documents(target, ids)
+                .await?
+                .into_iter()
+                .map(|d| (d.get("_id").unwrap_or(&Bson::Null).to_string(), d))
+                .collect();
+            let mut done = Vec::new();
+            documents = Vec::new();
+            for work in remaining {
+                let Some(document) = now.remove(&work.id.to_string()) else {
+                    run.concurrent_changes += 1;
+                    continue;
+                };
+                let read = Read::of(&document, &target.spec);
+                match read.plan(cutoff) {
+                    Ok(plan) if plan.has_work() => {
+                        documents.push(Work::new(target, &read, plan, Mode::Fold));
+                    }
+                    Ok(_) => done.push(work),
+                    Err(reason) => {
+                        log_malformed(name, read.id, &reason, 0);
+                        run.concurrent_changes += 1;
+                    }
+                }
+            }
+            let ours = outcome.modified.min(done.len() as u64);
+            run.documents_folded += ours;
+            run.concurrent_changes += done.len() as u64 - ours;
+            run.account(done.iter().map(|w| &w.plan));
         }
-        let swapped = reply
-            .get("nModified")
-            .and_then(integer_value)
-            .unwrap_or(0)
-            .max(0) as u64;
-        let mut folded = swapped;
-        if swapped < batch.len() as u64 {
-            // Writers touched some documents since the report: fold those
-            // as they are now (the pipeline leaves the swapped ones alone,
-            // having nothing stale left).
-            let ids = batch.iter().map(|r| r.id.clone()).collect();
-            folded += self.update_batch(target, fold, ids).await?;
+        if !documents.is_empty() {
+            tracing::info!(
+                collection = %name,
+                documents = documents.len(),
+                "documents kept changing under the fold; the next run folds them"
+            );
+            run.concurrent_changes += documents.len() as u64;
         }
-        tracing::debug!(
-            collection = %target.spec.name,
-            documents = batch.len(),
-            swapped,
-            folded,
-            millis = sent.elapsed().as_millis() as u64,
-            "fold batch"
-        );
-        run.documents_folded += folded;
-        run.concurrent_changes += (batch.len() as u64).saturating_sub(folded);
-        account(run, batch);
         Ok(())
     }
 
-    /// The report's pass: the documents holding the pending field, with the
-    /// two fields tally owns (an index on the pending field can serve the
-    /// `$exists` match when it is sparse).
+    /// The documents `ids`, with the three fields tally owns, as they are
+    /// now.
+    async fn read_documents(
+        &self,
+        target: &FoldTarget,
+        ids: Vec<Bson>,
+    ) -> Result<Vec<Document>, Error> {
+        let spec = &target.spec;
+        let collection = self.store.collection(&spec.name);
+        let filter = doc! { "_id": { "$in": ids } };
+        let mut budget = RetryBudget::retry_once("reconcile.read", false);
+        let cursor = self
+            .store
+            .with_retry(&mut budget, || {
+                collection.find(filter.clone()).projection(projection(spec))
+            })
+            .await
+            .map_err(Error::Server)?;
+        cursor
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once("reconcile.read", err)))
+    }
+
+    /// The report's pass: the documents holding the pending or the settled
+    /// field, with the three fields tally owns. A sparse index on each of
+    /// the two fields can serve the `$exists` matches.
     pub(crate) async fn report(
         &self,
         target: &FoldTarget,
@@ -370,8 +401,11 @@ impl Reconciler {
         let spec = &target.spec;
         let collection = self.store.collection(&spec.name);
         let pipeline = vec![
-            doc! { "$match": { &spec.pending_field: { "$exists": true } } },
-            doc! { "$project": { &spec.counter_field: 1, &spec.pending_field: 1 } },
+            doc! { "$match": { "$or": [
+                { &spec.pending_field: { "$exists": true } },
+                { &spec.settled_field: { "$exists": true } },
+            ] } },
+            doc! { "$project": projection(spec) },
         ];
         let mut budget = RetryBudget::retry_once("reconcile.report", false);
         self.store
@@ -385,35 +419,85 @@ impl Reconciler {
     }
 }
 
-/// One document's fold as a compare-and-swap statement: `_id` alone in the
-/// filter (the cheapest lookup a server has), and a pipeline that writes the
-/// planned fields only when both are still exactly as read.
-fn compare_and_swap(target: &FoldTarget, row: &ReportRow, plan: &model::FoldPlan) -> Document {
-    let spec = &target.spec;
-    let counter = format!("${}", spec.counter_field);
-    let pending = format!("${}", spec.pending_field);
-    let counter_unchanged = match &row.counter {
-        None => doc! { "$eq": [{ "$type": counter.as_str() }, "missing"] },
-        Some(value) => doc! { "$eq": [counter.as_str(), { "$literal": value }] },
-    };
-    let unchanged = doc! {
-        "$and": [
-            counter_unchanged,
-            { "$eq": [pending.as_str(), { "$literal": row.pending.clone().unwrap_or(Bson::Null) }] },
-        ]
-    };
-    let kept = if plan.keep.is_empty() {
-        Bson::String("$$REMOVE".into())
-    } else {
-        Bson::Document(doc! { "$literal": plan.keep.clone() })
-    };
-    doc! {
-        "q": { "_id": &row.id },
-        "u": [{ "$set": {
-            &spec.counter_field: { "$cond": [unchanged.clone(), { "$literal": &plan.counter }, counter.as_str()] },
-            &spec.pending_field: { "$cond": [unchanged, kept, pending.as_str()] },
-        }}],
+/// Reads one report row into the run's survey; the document's work when
+/// it has any. A malformed document is logged.
+fn plan_row(
+    target: &FoldTarget,
+    row: &Document,
+    cutoff: ObjectId,
+    mode: Mode,
+    run: &mut CollectionRun,
+) -> Option<Work> {
+    let read = Read::of(row, &target.spec);
+    let report = ReportRow::of(&read, cutoff);
+    run.survey.add(&report);
+    match report.plan {
+        Err(reason) => {
+            log_malformed(&target.spec.name, read.id, &reason, run.survey.malformed);
+            None
+        }
+        Ok(plan) if plan.has_work() => Some(Work::new(target, &read, plan, mode)),
+        Ok(_) => None,
     }
+}
+
+/// How many times a batch is sent (and its documents read again in
+/// between) before what keeps changing is left to the next run.
+const FOLD_ROUNDS: u32 = 3;
+
+/// One document the fold has work on: its plan, and the statements that
+/// carry it out (none in a dry run).
+struct Work {
+    id: Bson,
+    plan: model::FoldPlan,
+    statements: Vec<Statement>,
+    bytes: usize,
+}
+
+impl Work {
+    fn new(target: &FoldTarget, read: &Read<'_>, plan: model::FoldPlan, mode: Mode) -> Self {
+        let statements = match mode {
+            Mode::Fold => statement::build(&target.spec, read, &plan),
+            Mode::DryRun => Vec::new(),
+        };
+        Self {
+            id: read.id.clone(),
+            bytes: statements.iter().map(|s| s.bytes).sum(),
+            plan,
+            statements,
+        }
+    }
+}
+
+/// The documents of the next batch: at most `batch_size` of them, and no
+/// more statement bytes than one command carries (unless one document
+/// alone needs more).
+#[derive(Default)]
+struct Batch {
+    documents: Vec<Work>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.documents.is_empty()
+    }
+
+    /// Whether `next` must wait for the next batch.
+    fn is_full(&self, next: &Work, batch_size: u32) -> bool {
+        self.documents.len() >= batch_size as usize
+            || (!self.is_empty() && self.bytes + next.bytes > batch::COMMAND_BYTES)
+    }
+
+    fn push(&mut self, work: Work) {
+        self.bytes += work.bytes;
+        self.documents.push(work);
+    }
+}
+
+/// The three fields tally owns.
+fn projection(spec: &CollectionConfig) -> Document {
+    doc! { &spec.counter_field: 1, &spec.pending_field: 1, &spec.settled_field: 1 }
 }
 
 /// A report cursor that broke off mid-stream cannot be resumed where it

@@ -6,6 +6,19 @@
 //! supports them). That fact is learned from one `hello`, lazily, so a
 //! `Store` can be built while the server is still down.
 //!
+//! Two settings are tally's own, whatever the connection string says:
+//!
+//! - **write concern `majority`** for every write (the database handle
+//!   carries it, so every collection and command made from it does): with
+//!   `w: 1`, a step 1 that a failover rolls back could still be "counted" by
+//!   step 2, and a sequence number rolled back could be handed out twice. A
+//!   URI asking for another `w` is overridden, with a warning.
+//! - **an attempt bound longer than server selection**: a server that cannot
+//!   be selected must surface as the command error it is (nothing was sent:
+//!   not counted), not as an attempt that ran out of time (a lost reply:
+//!   unknown). The bound is raised to the selection timeout plus a margin
+//!   when it is set shorter, with a warning.
+//!
 //! [`StoreConfig`] says how to reach the server; the daemon's `[mongodb]`
 //! section is read into one.
 
@@ -15,7 +28,10 @@ use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
 use mongodb::error::Error as MongoError;
-use mongodb::options::{ClientOptions, ConnectionString};
+use mongodb::options::{
+    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, UpdateModifications,
+    WriteConcern,
+};
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
 use serde::Serialize;
@@ -25,8 +41,15 @@ use crate::error::{Error, Failure, Next, RetryBudget};
 use crate::redact::{SecretString, Secrets, redact_uri};
 
 /// Default bound on one attempt of an operation: longer than the default
-/// server selection timeout, so that a selection timeout surfaces as itself.
+/// server selection timeout, so an outage is told apart from a lost reply.
 pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How much longer than server selection an attempt is allowed at least:
+/// the time between the driver giving up on selection and the error
+/// reaching tally.
+pub(crate) const SELECTION_MARGIN: Duration = Duration::from_secs(1);
+/// How long [`Store::shutdown`] waits for the driver's clean-up before it
+/// closes everything at once.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 /// Default TCP connect timeout, when the URI does not set one.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default server selection timeout, when the URI does not set one.
@@ -70,8 +93,9 @@ pub struct StoreConfig {
     /// How long tally waits for one attempt of an operation (server
     /// selection included) before abandoning it as a lost reply — a
     /// transient failure, retried once where that is safe. The driver has no
-    /// socket timeout; this bounds a hung connection. Default: 60s, longer
-    /// than the default server selection timeout.
+    /// socket timeout; this bounds a hung connection. Always longer than
+    /// `server_selection_timeout` (raised to it plus 1s if set shorter), so
+    /// a server that cannot be selected is reported as such. Default: 60s.
     #[serde(serialize_with = "serialize_duration")]
     pub attempt_timeout: Duration,
 }
@@ -157,8 +181,11 @@ struct Inner {
     database: Database,
     retry_writes_requested: bool,
     load_balanced: bool,
+    server_selection_timeout: Duration,
     attempt_timeout: Duration,
     driver_retries_writes: OnceCell<bool>,
+    /// The connection's password, to scrub from the server's messages.
+    secrets: Secrets,
 }
 
 impl Store {
@@ -176,34 +203,68 @@ impl Store {
     }
 
     /// Wraps an existing client. `options` are the ones the client was built
-    /// with: they say whether retryable writes were requested.
+    /// with: they say whether retryable writes were requested, and how long
+    /// server selection waits. Whatever write concern they ask for, tally's
+    /// own writes use `majority` (a warning says so when they asked for
+    /// another `w`).
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
-        let database = client.database(database);
+        let database = client.database_with_options(
+            database,
+            DatabaseOptions::builder()
+                .write_concern(majority_over(options.write_concern.as_ref()))
+                .build(),
+        );
+        let server_selection_timeout = options
+            .server_selection_timeout
+            .unwrap_or(DEFAULT_SERVER_SELECTION_TIMEOUT);
         Self {
             inner: Arc::new(Inner {
                 client,
                 database,
                 retry_writes_requested: options.retry_writes != Some(false),
                 load_balanced: options.load_balanced == Some(true),
-                attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
+                server_selection_timeout,
+                attempt_timeout: attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout),
                 driver_retries_writes: OnceCell::new(),
+                secrets: Secrets::new(
+                    "",
+                    options
+                        .credential
+                        .as_ref()
+                        .and_then(|c| c.password.as_deref()),
+                ),
             }),
         }
     }
 
     /// The same handle with another bound on each attempt (default 60s).
+    /// A bound not longer than server selection is raised to the selection
+    /// timeout plus 1s, with a warning: an attempt must never run out of
+    /// time before the driver says no server could be selected.
     pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             client: shared.client.clone(),
             database: shared.database.clone(),
             retry_writes_requested: shared.retry_writes_requested,
             load_balanced: shared.load_balanced,
+            server_selection_timeout: shared.server_selection_timeout,
             attempt_timeout: shared.attempt_timeout,
             driver_retries_writes: OnceCell::new(),
+            secrets: shared.secrets.clone(),
         });
+        let bound = attempt_bound(timeout, inner.server_selection_timeout);
+        if bound != timeout {
+            tracing::warn!(
+                attempt_timeout = %humantime::format_duration(timeout),
+                server_selection_timeout = %humantime::format_duration(inner.server_selection_timeout),
+                raised_to = %humantime::format_duration(bound),
+                "the attempt timeout must exceed server selection, or an outage would look like a \
+                 lost reply; raised"
+            );
+        }
         Self {
             inner: Arc::new(Inner {
-                attempt_timeout: timeout,
+                attempt_timeout: bound,
                 ..inner
             }),
         }
@@ -212,6 +273,24 @@ impl Store {
     /// How long one attempt may take before it counts as a lost reply.
     pub fn attempt_timeout(&self) -> Duration {
         self.inner.attempt_timeout
+    }
+
+    /// Shuts the client down in order: waits (up to 10 s) for the driver's
+    /// clean-up of server-side resources, ends the server sessions and
+    /// closes the connections. Call it before the runtime stops — at the end
+    /// of a command-line program — or the driver's clean-up may race the
+    /// runtime's shutdown. Clones of this handle, and everything made from
+    /// it, fail afterwards.
+    pub async fn shutdown(self) {
+        let client = self.inner.client.clone();
+        drop(self);
+        if tokio::time::timeout(SHUTDOWN_WAIT, client.clone().shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the MongoDB client did not shut down in time; closing it now");
+            client.shutdown().immediate(true).await;
+        }
     }
 
     /// Runs one attempt, bounded by the attempt timeout. An attempt that
@@ -248,6 +327,11 @@ impl Store {
                 },
             }
         }
+    }
+
+    /// `message` (from the server) without the connection's password.
+    pub(crate) fn scrub(&self, message: &str) -> String {
+        self.inner.secrets.scrub(message)
     }
 
     /// The driver client.
@@ -289,13 +373,14 @@ impl Store {
             .copied()
     }
 
-    /// One idempotent `updateOne`, retried once on a transient failure
-    /// (leaving the retry to the driver when it makes it).
+    /// One idempotent `updateOne` (operators or a pipeline), retried once on
+    /// a transient failure (leaving the retry to the driver when it makes
+    /// it).
     pub(crate) async fn update_one(
         &self,
         collection: &Collection<Document>,
         filter: Document,
-        update: Document,
+        update: impl Into<UpdateModifications> + Clone,
         operation: &'static str,
     ) -> Result<UpdateResult, Error> {
         let driver_retries = self.driver_retries_writes().await?;
@@ -307,7 +392,9 @@ impl Store {
         .map_err(Error::Server)
     }
 
-    /// One `findOne` with a projection, retried once on a transient failure.
+    /// One `findOne` with a projection, retried once on a transient failure
+    /// (by the read rule: a lost cursor or a majority snapshot not ready yet
+    /// is transient too).
     pub(crate) async fn find_one(
         &self,
         collection: &Collection<Document>,
@@ -315,7 +402,7 @@ impl Store {
         projection: Document,
         operation: &'static str,
     ) -> Result<Option<Document>, Error> {
-        let mut budget = RetryBudget::retry_once(operation, false);
+        let mut budget = RetryBudget::read_once(operation);
         self.with_retry(&mut budget, || {
             collection
                 .find_one(filter.clone())
@@ -341,11 +428,42 @@ impl Store {
     /// failure.
     pub(crate) async fn hello(&self) -> Result<Document, Error> {
         let admin = self.inner.client.database("admin");
-        let mut budget = RetryBudget::retry_once("hello", false);
+        let mut budget = RetryBudget::read_once("hello");
         self.with_retry(&mut budget, || admin.run_command(doc! { "hello": 1 }))
             .await
             .map_err(Error::Server)
     }
+}
+
+/// The bound on one attempt: `configured`, raised to `server_selection`
+/// plus [`SELECTION_MARGIN`] when shorter.
+fn attempt_bound(configured: Duration, server_selection: Duration) -> Duration {
+    configured.max(server_selection + SELECTION_MARGIN)
+}
+
+/// Write concern `majority`, keeping the `wtimeout` and `j` that `asked`
+/// (the client's write concern) sets. A warning names the `w` that `asked`
+/// gave up — never the URI it came from.
+fn majority_over(asked: Option<&WriteConcern>) -> WriteConcern {
+    if let Some(w) = asked.and_then(|c| c.w.as_ref())
+        && *w != Acknowledgment::Majority
+    {
+        let shown = match w {
+            Acknowledgment::Nodes(n) => n.to_string(),
+            Acknowledgment::Custom(tag) => format!("{tag:?}"),
+            other => format!("{other:?}"),
+        };
+        tracing::warn!(
+            w = %shown,
+            "the connection asks for write concern w: {shown}; tally uses w: \"majority\" for its \
+             own writes (with w: {shown}, a write a failover rolls back could be counted)"
+        );
+    }
+    WriteConcern::builder()
+        .w(Acknowledgment::Majority)
+        .w_timeout(asked.and_then(|c| c.w_timeout))
+        .journal(asked.and_then(|c| c.journal))
+        .build()
 }
 
 /// The URI could not be turned into a client. The message has every secret
@@ -353,3 +471,40 @@ impl Store {
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("cannot create a MongoDB client: {0}")]
 pub struct ConnectError(String);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_attempt_bound_exceeds_server_selection() {
+        let config = StoreConfig::new("mongodb://127.0.0.1:9/", "d");
+        assert!(
+            config.attempt_timeout >= config.server_selection_timeout + SELECTION_MARGIN,
+            "{config:?}"
+        );
+    }
+
+    #[test]
+    fn writes_use_majority_keeping_the_uris_timeout_and_journal() {
+        assert_eq!(majority_over(None), WriteConcern::majority());
+        let asked = WriteConcern::builder()
+            .w(Acknowledgment::Nodes(1))
+            .w_timeout(Duration::from_secs(5))
+            .journal(true)
+            .build();
+        let used = majority_over(Some(&asked));
+        assert_eq!(used.w, Some(Acknowledgment::Majority));
+        assert_eq!(used.w_timeout, Some(Duration::from_secs(5)));
+        assert_eq!(used.journal, Some(true));
+    }
+
+    #[test]
+    fn an_attempt_bound_not_longer_than_server_selection_is_raised() {
+        let secs = Duration::from_secs;
+        assert_eq!(attempt_bound(secs(2), secs(5)), secs(6));
+        assert_eq!(attempt_bound(secs(5), secs(5)), secs(6));
+        assert_eq!(attempt_bound(secs(6), secs(5)), secs(6));
+        assert_eq!(attempt_bound(secs(9), secs(5)), secs(9));
+    }
+}

@@ -4,6 +4,10 @@
 //! creation time in whole seconds, which is all tally needs to know a token's
 //! age. An entry is either the bare token (`+1`, the form other clients of
 //! this technique write) or `{t: token, n: amount}` (`+n`, `n != 0`).
+//!
+//! A settle marker — the record, in the `settled` array, that a settle
+//! counted a token — has the `{t, n}` form whatever the amount, with `n` an
+//! int64.
 
 use std::fmt;
 use std::str::FromStr;
@@ -195,14 +199,18 @@ impl Entry {
         }
     }
 
-    /// A `$pull` condition that removes exactly this entry.
-    pub(crate) fn pull_condition(&self) -> Bson {
-        match self.form {
-            EntryForm::Bare => Bson::ObjectId(self.token.0),
-            EntryForm::Tagged => Bson::Document(doc! {
-                TOKEN_FIELD: self.token.0,
-                AMOUNT_FIELD: self.amount,
-            }),
+    /// The settle marker for this entry: `{t: token, n: amount}`, the
+    /// amount as an int64.
+    pub(crate) fn marker(&self) -> Document {
+        doc! { TOKEN_FIELD: self.token.0, AMOUNT_FIELD: self.amount }
+    }
+
+    /// Parses one element of a `settled` array: exactly `{t: ObjectId, n:
+    /// non-zero integer}`.
+    pub(crate) fn parse_marker(value: &Bson) -> Result<Self, BadEntry> {
+        match value {
+            Bson::Document(doc) => Self::parse_tagged(doc),
+            other => Err(BadEntry::WrongType(bson_type_name(other))),
         }
     }
 
@@ -305,6 +313,22 @@ mod tests {
         for (value, expected) in cases {
             assert_eq!(Entry::parse(&value), Err(expected), "{value:?}");
         }
+    }
+
+    #[test]
+    fn markers_are_tagged_int64_whatever_the_amount() {
+        let token = Token::new();
+        for amount in [1, -3, 1 << 40] {
+            let entry = Entry::new(token, amount).unwrap();
+            let marker = entry.marker();
+            assert_eq!(marker.get("n"), Some(&Bson::Int64(amount)));
+            let parsed = Entry::parse_marker(&Bson::Document(marker)).unwrap();
+            assert_eq!((parsed.token(), parsed.amount()), (token, amount));
+        }
+        assert_eq!(
+            Entry::parse_marker(&Bson::ObjectId(token.object_id())),
+            Err(BadEntry::WrongType("objectId"))
+        );
     }
 
     #[test]

@@ -6,10 +6,9 @@
 //!   unconditioned `$set`/`$unset` per document, sequentially;
 //! - the floor: one bare server-side `updateMany` doing the same fold.
 //!
-//! Two other shapes are measured beside them, to show why tally's fold has
-//! the shape it has: one `updateMany` over the whole collection with tally's
-//! pipeline, and the per-document conditioned write. Then the peak RSS of
-//! `tallyd reconcile` at 10k and 100k documents.
+//! Another shape is measured beside them, to show why tally's fold has the
+//! shape it has: the per-document conditioned write, one round trip each.
+//! Then the peak RSS of `tallyd reconcile` at 10k and 100k documents.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime};
@@ -17,7 +16,6 @@ use std::time::{Duration, Instant, SystemTime};
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
 use mongodb::{Client, Collection, Database};
-use tally::reconcile::pipeline;
 use tally::{CollectionConfig, FoldTarget, Mode, Reconciler, Store, Token};
 use tokio_util::sync::CancellationToken;
 
@@ -37,7 +35,6 @@ pub async fn run(settings: &Settings) {
         ("floor: one bare updateMany", Side::Floor),
         ("article's loop", Side::Loop),
         ("tally's fold", Side::Tally),
-        ("alt: one updateMany, tally pipeline", Side::OneUpdate),
         ("alt: per-document conditioned", Side::PerDocument),
         ("tally's report alone (dry run)", Side::DryRun),
     ]
@@ -117,7 +114,6 @@ enum Side {
     Floor,
     Loop,
     Tally,
-    OneUpdate,
     PerDocument,
     DryRun,
 }
@@ -182,19 +178,6 @@ impl Side {
                     )
                     .await;
                 assert!(run.error.is_none(), "{:?}", run.error);
-            }
-            Side::OneUpdate => {
-                // tally's report, then the whole fold as one updateMany
-                // over every document with stale entries.
-                let reconciler = Reconciler::new(store);
-                let now = reconciler.server_time().await.unwrap();
-                let target = target(coll);
-                let cutoff = now - target.grace;
-                reconciler.survey(&target, cutoff).await.unwrap();
-                let stale = doc! { "pending": { "$lt": Token::cutoff(cutoff) } };
-                coll.update_many(stale, pipeline::fold(&target.spec, Token::cutoff(cutoff)))
-                    .await
-                    .expect("one updateMany");
             }
             Side::PerDocument => {
                 let cutoff = Token::cutoff(SystemTime::now() - Duration::from_secs(900));

@@ -2,11 +2,16 @@
 //!
 //! Two round trips are the floor for the two-step increment, so the target
 //! is a throughput ratio of at least 0.47× (the floor is 0.5×).
+//!
+//! A fourth side sends the two steps as tally sent them before step 2
+//! became an update pipeline (`$pull` + `$inc`, raw through the driver, with
+//! the same write concern), so the pipeline's cost is measured in the same
+//! run: the `pipeline / $pull` ratio.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use mongodb::bson::{Document, doc};
+use mongodb::bson::{Document, doc, oid::ObjectId};
 use mongodb::{Client, Collection};
 use tally::{CollectionConfig, Counters, Increment, Store, WriterConfig};
 
@@ -23,13 +28,16 @@ pub async fn run(settings: &Settings) {
     db.drop().await.expect("drop bench database");
     let plain: Collection<Document> = db.collection("plain");
     let two_step: Collection<Document> = db.collection("two_step");
-    for coll in [&plain, &two_step] {
+    let pull: Collection<Document> = db.collection("pull_step_2");
+    for coll in [&plain, &two_step, &pull] {
         let docs: Vec<Document> = (0..KEYS)
             .map(|k| doc! { "_id": format!("k{k}"), "counter": 0i64 })
             .collect();
         coll.insert_many(docs).await.expect("seed keys");
     }
     let store = Store::from_parts(client.clone(), &options, "tally_bench_increment");
+    // tally's write concern (majority), so only step 2's shape differs.
+    let pull = store.collection(pull.name());
     let counters = Arc::new(Counters::new(
         &store,
         CollectionConfig::new("two_step"),
@@ -46,29 +54,37 @@ pub async fn run(settings: &Settings) {
         "writers", "kind", "ops/s", "p50 ms", "p99 ms"
     );
     for writers in [1usize, 16] {
-        let mut runs: [Vec<Run>; 3] = Default::default();
+        let mut runs: [Vec<Run>; 4] = Default::default();
         for round in 0..settings.rounds {
             // Rotate which side goes first, so drift hits every side alike.
-            for k in 0..3 {
-                let side = (k + round) % 3;
+            for k in 0..4 {
+                let side = (k + round) % 4;
                 let run = match side {
                     0 => run_plain(&plain, writers, settings.run, 1).await,
                     1 => run_plain(&plain, writers, settings.run, 2).await,
+                    2 => run_pull_step_2(&pull, writers, settings.run).await,
                     _ => run_two_step(&counters, writers, settings.run).await,
                 };
                 runs[side].push(run);
             }
         }
-        let [plain_runs, double_runs, tally_runs] = runs;
-        let (plain_run, double, tally) = (merge(plain_runs), merge(double_runs), merge(tally_runs));
+        let [plain_runs, double_runs, pull_runs, tally_runs] = runs;
+        let (plain_run, double) = (merge(plain_runs), merge(double_runs));
+        let (pull_run, tally) = (merge(pull_runs), merge(tally_runs));
         print_row(writers, "plain", &plain_run);
         print_row(writers, "2x plain", &double);
+        print_row(writers, "$pull", &pull_run);
         print_row(writers, "two-step", &tally);
         println!(
             "{:>7}  ratio two-step / plain = {:.3}x (target >= 0.47x); two plain round trips = {:.3}x",
             writers,
             tally.per_second() / plain_run.per_second(),
             double.per_second() / plain_run.per_second(),
+        );
+        println!(
+            "{:>7}  ratio pipeline step 2 / $pull step 2 = {:.3}x",
+            writers,
+            tally.per_second() / pull_run.per_second(),
         );
     }
     let total = store
@@ -118,6 +134,36 @@ async fn run_plain(
                     .await
                     .expect("plain $inc");
             }
+        }
+    })
+    .await
+}
+
+/// The two steps as tally sent them before step 2 became a pipeline: an
+/// `$addToSet` upsert, then a conditioned `$pull` + `$inc` (which leaves an
+/// empty pending array behind).
+async fn run_pull_step_2(coll: &Collection<Document>, writers: usize, duration: Duration) -> Run {
+    let coll = coll.clone();
+    timed(writers, duration, move |w, i| {
+        let coll = coll.clone();
+        async move {
+            let key = format!("k{}", (w * 7919 + i * 31) % KEYS);
+            let token = ObjectId::new();
+            coll.update_one(
+                doc! { "_id": &key },
+                doc! { "$addToSet": { "pending": token }, "$setOnInsert": { "counter": 0i64 } },
+            )
+            .upsert(true)
+            .await
+            .expect("step 1");
+            let counted = coll
+                .update_one(
+                    doc! { "_id": &key, "pending": token },
+                    doc! { "$pull": { "pending": token }, "$inc": { "counter": 1 } },
+                )
+                .await
+                .expect("$pull step 2");
+            assert_eq!(counted.matched_count, 1, "$pull step 2 counted nothing");
         }
     })
     .await

@@ -104,7 +104,7 @@ fn listen_for_signals() -> std::io::Result<mpsc::UnboundedReceiver<Command>> {
 /// documents.
 pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let (names, reconciler, now) =
+    let (names, reconciler, now, store) =
         match super::survey_setup(&args.collections, args.json, config).await {
             Ok(setup) => setup,
             Err(code) => return code,
@@ -117,9 +117,14 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
         let target = config.fold_target(name);
         match reconciler.survey(&target, stuck_before).await {
             Ok(survey) => rows.push((name.clone(), survey)),
-            Err(err) => return fail(args.json, &format!("{name}: {err}"), &secrets),
+            Err(err) => {
+                store.shutdown().await;
+                return fail(args.json, &format!("{name}: {err}"), &secrets);
+            }
         }
     }
+    drop(reconciler);
+    store.shutdown().await;
     if args.json {
         let collections: Vec<_> = rows
             .iter()

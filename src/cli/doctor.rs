@@ -16,7 +16,6 @@ mod access;
 mod deployment;
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Args;
 use mongodb::bson::{Document, doc};
@@ -143,6 +142,7 @@ async fn examine(config: &Config, clock: Clock) -> Vec<Check> {
     let hello = match store.hello().await {
         Ok(hello) => hello,
         Err(err) => {
+            store.shutdown().await;
             let message = format!("cannot reach MongoDB with [mongodb] uri: {err}");
             return vec![Check::new("connection", Verdict::Fail, message)];
         }
@@ -156,8 +156,7 @@ async fn examine(config: &Config, clock: Clock) -> Vec<Check> {
     checks.extend(access::indexes(&store, config).await);
     checks.push(access::privileges(&store, config).await);
     checks.push(deployment::history(&store, &topology).await);
-    // The driver ends its sessions before the runtime goes away.
-    let _ = tokio::time::timeout(Duration::from_secs(10), store.client().clone().shutdown()).await;
+    store.shutdown().await;
     checks
 }
 

@@ -30,7 +30,7 @@ pub(crate) struct ReconcileArgs {
 
 pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let (names, reconciler, now) =
+    let (names, reconciler, now, store) =
         match super::survey_setup(&args.collections, args.json, config).await {
             Ok(setup) => setup,
             Err(code) => return code,
@@ -68,6 +68,8 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
         }
         runs.push((target, run));
     }
+    drop(reconciler);
+    store.shutdown().await;
     let ok = runs.iter().all(|(_, run)| run.succeeded());
     if args.json {
         print_json(&runs, args.dry_run, ok, &secrets);
@@ -108,11 +110,23 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
         let result = match (&run.error, run.interrupted) {
             (Some(err), _) => format!("FAILED: {}", secrets.scrub(&err.to_string())),
             (None, true) => "interrupted".into(),
-            (None, false) if run.concurrent_changes > 0 => format!(
-                "ok ({} changed by writers meanwhile)",
-                run.concurrent_changes
-            ),
-            (None, false) => "ok".into(),
+            (None, false) => {
+                let mut notes = Vec::new();
+                if run.refused > 0 {
+                    notes.push(format!("{} refused by the server", run.refused));
+                }
+                if run.concurrent_changes > 0 {
+                    notes.push(format!(
+                        "{} changed by writers meanwhile",
+                        run.concurrent_changes
+                    ));
+                }
+                if notes.is_empty() {
+                    "ok".into()
+                } else {
+                    format!("ok ({})", notes.join(", "))
+                }
+            }
         };
         println!(
             "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9.2}  {}",
@@ -142,6 +156,26 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
             );
             for doc in &run.survey.malformed_sample {
                 println!("  _id {}: {}", doc.id, doc.reason);
+            }
+        }
+        if run.refused > 0 {
+            println!(
+                "\n{}: {} document(s) refused by the server, left unchanged{}:",
+                target.spec.name,
+                run.refused,
+                if run.refused as usize > run.refused_sample.len() {
+                    " (first few)"
+                } else {
+                    ""
+                }
+            );
+            for doc in &run.refused_sample {
+                println!(
+                    "  _id {}: error {}: {}",
+                    doc.id,
+                    doc.code,
+                    secrets.scrub(&doc.reason)
+                );
             }
         }
     }

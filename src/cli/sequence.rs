@@ -86,6 +86,8 @@ pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
                 })
         }
     };
+    drop(sequences);
+    store.shutdown().await;
     match result {
         Ok(line) => {
             println!("{line}");

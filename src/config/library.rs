@@ -19,7 +19,7 @@ use crate::redact::{SecretString, Secrets, redact_uri};
 use crate::store::{StoreConfig, serialize_duration};
 use crate::write::counter::{
     CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
-    MIN_RETRY_HORIZON, WriterConfig,
+    DEFAULT_SETTLED_FIELD, MIN_RETRY_HORIZON, WriterConfig,
 };
 use crate::write::sequence::SequenceConfig;
 
@@ -237,12 +237,24 @@ pub(super) fn validate_collections(
         let pending_field = issues
             .string(&format!("{key}.pending_field"), raw.pending_field)
             .unwrap_or_else(|| DEFAULT_PENDING_FIELD.into());
+        let settled_field = issues
+            .string(&format!("{key}.settled_field"), raw.settled_field)
+            .unwrap_or_else(|| DEFAULT_SETTLED_FIELD.into());
         check_field_name(&format!("{key}.counter_field"), &counter_field, issues);
         check_field_name(&format!("{key}.pending_field"), &pending_field, issues);
+        check_field_name(&format!("{key}.settled_field"), &settled_field, issues);
         if counter_field == pending_field {
             issues.push(
                 format!("{key}.pending_field"),
                 format!("must differ from counter_field (both are {counter_field:?})"),
+            );
+        }
+        if settled_field == counter_field || settled_field == pending_field {
+            issues.push(
+                format!("{key}.settled_field"),
+                format!(
+                    "must differ from counter_field and pending_field (it is {settled_field:?})"
+                ),
             );
         }
         let grace = issues.optional_duration(&format!("{key}.grace"), raw.grace);
@@ -258,6 +270,7 @@ pub(super) fn validate_collections(
             name: name.unwrap_or_default(),
             counter_field,
             pending_field,
+            settled_field,
             grace,
             batch_size,
         });

@@ -59,6 +59,7 @@ pub(crate) struct RawCollection {
     pub(crate) name: Option<Value>,
     pub(crate) counter_field: Option<Value>,
     pub(crate) pending_field: Option<Value>,
+    pub(crate) settled_field: Option<Value>,
     pub(crate) grace: Option<Value>,
     pub(crate) batch_size: Option<Value>,
     #[serde(flatten)]

@@ -448,3 +448,27 @@ fn the_daemon_needs_at_least_one_collection() {
     let with = Config::from_toml(&format!("{MINIMAL}[[collections]]\nname = \"a\"\n"), []).unwrap();
     with.check_daemon().unwrap();
 }
+#[test]
+fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
+    let config = Config::from_toml(
+        &format!("{MINIMAL}\n[[collections]]\nname = \"a\"\nsettled_field = \"done\"\n"),
+        [],
+    )
+    .unwrap();
+    assert_eq!(config.collection("a").settled_field, "done");
+    assert_eq!(config.collection("b").settled_field, "settled");
+    let bad = format!(
+        "{MINIMAL}\n[[collections]]\nname = \"a\"\nsettled_field = \"pending\"\n\
+         [[collections]]\nname = \"b\"\nsettled_field = \"x.t\"\n\
+         [[collections]]\nname = \"c\"\ncounter_field = \"n\"\nsettled_field = \"n\"\n"
+    );
+    let err = Config::from_toml(&bad, []).unwrap_err();
+    let keys: Vec<&str> = err.issues.iter().map(|i| i.key.as_str()).collect();
+    for expected in [
+        "collections[0].settled_field",
+        "collections[1].settled_field",
+        "collections[2].settled_field",
+    ] {
+        assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
+    }
+}

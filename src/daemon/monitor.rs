@@ -86,8 +86,14 @@ impl View {
 fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
     let pending = document.get(&target.spec.pending_field)?;
     let counter = document.get(&target.spec.counter_field);
+    let settled = document.get(&target.spec.settled_field);
     // No cutoff: only the shape matters here (overflow is the fold's call).
-    match model::plan(counter, Some(pending), ObjectId::from_bytes([0; 12])) {
+    match model::plan(
+        counter,
+        Some(pending),
+        settled,
+        ObjectId::from_bytes([0; 12]),
+    ) {
         Err(reason) => Some(Pending::Malformed(reason.to_string())),
         Ok(_) => match pending {
             Bson::Array(entries) if entries.is_empty() => None,

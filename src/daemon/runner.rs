@@ -317,7 +317,7 @@ mod tests {
     use super::*;
     use crate::config::AlertsConfig;
     use crate::daemon::alert::AlertOptions;
-    use crate::reconcile::MalformedDocument;
+    use crate::reconcile::RefusedDocument;
     use crate::redact::Secrets;
 
     fn engine(metrics: &Metrics) -> Alerts {
@@ -338,9 +338,10 @@ mod tests {
         run.refused = ids.len() as u64;
         run.refused_sample = ids
             .iter()
-            .map(|id| MalformedDocument {
+            .map(|id| RefusedDocument {
                 id: (*id).to_owned(),
-                reason: "Document failed validation (121)".into(),
+                code: 121,
+                reason: "Document failed validation".into(),
             })
             .collect();
         run

@@ -3,15 +3,16 @@
 
 use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{Bson, Document, oid::ObjectId};
+use mongodb::bson::{Bson, oid::ObjectId};
 use serde::Serialize;
 
-use super::{FoldTarget, Mode, model};
+use super::{Mode, model};
 use crate::document::display_id;
 use crate::error::Error;
 use crate::token::Token;
 
-/// How many malformed documents a run names in its report and logs.
+/// How many malformed (and how many refused) documents a run names in its
+/// report.
 pub const MALFORMED_SAMPLE: usize = 10;
 
 /// A document the fold leaves alone, and why.
@@ -24,10 +25,23 @@ pub struct MalformedDocument {
     pub reason: String,
 }
 
+/// A document the server refused to fold: left unchanged, and reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RefusedDocument {
+    /// The `_id`: a string id as itself, any other as relaxed extended
+    /// JSON (`{"$oid":"…"}`, `7`).
+    pub id: String,
+    /// The server's error code (e.g. 121, document validation failure).
+    pub code: i32,
+    /// The server's message, every secret of the connection removed.
+    pub reason: String,
+}
+
 /// What one collection holds in its pending arrays, from one report pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Survey {
-    /// Documents holding the pending field: every one is read by the report.
+    /// Documents holding the pending or the settled field: every one is
+    /// read by the report, and no other.
     pub documents_scanned: u64,
     /// Well-formed documents with at least one pending entry.
     pub documents_pending: u64,
@@ -40,10 +54,17 @@ pub struct Survey {
     pub largest_pending: u64,
     /// Well-formed documents with entries older than the cutoff.
     pub documents_stale: u64,
-    /// Entries older than the cutoff.
+    /// Tokens older than the cutoff that the fold counts (each once).
     pub stale_tokens: u64,
     /// What they add up to.
     pub stale_amount: i64,
+    /// Stale entries repeating a token counted once (removed uncounted).
+    pub duplicate_entries: u64,
+    /// Stale entries of tokens a settle (`complete`, `resume`) counted
+    /// already: copies re-added later, removed uncounted.
+    pub settled_copies: u64,
+    /// Settle markers older than the cutoff (pruned).
+    pub stale_markers: u64,
     /// Documents the fold must leave alone.
     pub malformed: u64,
     /// The first few of them.
@@ -73,21 +94,25 @@ pub struct CollectionRun {
     /// The report's findings.
     #[serde(flatten)]
     pub survey: Survey,
-    /// Documents the fold changed (the server's count).
+    /// Documents the fold changed (the server's count): stale tokens
+    /// counted, markers pruned or empty fields removed.
     pub documents_folded: u64,
-    /// Tokens folded, from the report rows of the documents folded.
+    /// Tokens counted, from the plans of the documents folded.
     pub tokens_folded: u64,
     /// What they added to the counters.
     pub amount_folded: i64,
-    /// Documents the report found stale that needed no fold by the time
-    /// their batch ran (a writer completed them in between). When this is
+    /// Documents that changed between the report and their fold in a way
+    /// the fold's conditions refuse (a writer completed a stale token,
+    /// another daemon folded them), and either needed no fold any more or
+    /// still did after three reads (left for the next run). When this is
     /// not zero, `tokens_folded` and `amount_folded` are upper bounds.
     pub concurrent_changes: u64,
-    /// Documents the server refused to update (a validator, a document that
-    /// would grow too large): left untouched, their tokens uncounted.
+    /// Documents the server refused to update (a validator, a document
+    /// grown too large, a unique index): left unchanged, logged with their
+    /// `_id`; every other document is folded. Each run tries them again.
     pub refused: u64,
-    /// A few of them, with what the server said.
-    pub refused_sample: Vec<MalformedDocument>,
+    /// The first few of them, with the server's code and message.
+    pub refused_sample: Vec<RefusedDocument>,
     /// Age of the oldest stale token, in seconds, at the cutoff's clock.
     pub oldest_stale_age_seconds: Option<u64>,
     /// How long the run took.
@@ -137,32 +162,44 @@ impl CollectionRun {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ReportRow {
     pub(crate) id: Bson,
-    /// The two fields as read, for the compare-and-swap.
-    pub(crate) counter: Option<Bson>,
-    pub(crate) pending: Option<Bson>,
+    /// Entries in its pending array.
     pub(crate) size: u64,
     pub(crate) plan: Result<model::FoldPlan, model::Malformed>,
 }
 
 impl ReportRow {
-    pub(super) fn read(row: Document, target: &FoldTarget, cutoff: ObjectId) -> Self {
-        let counter = row.get(&target.spec.counter_field).cloned();
-        let pending = row.get(&target.spec.pending_field).cloned();
-        let plan = model::plan(counter.as_ref(), pending.as_ref(), cutoff);
+    /// The row of a document read as `read`, planned at `cutoff`.
+    pub(super) fn of(read: &super::statement::Read<'_>, cutoff: ObjectId) -> Self {
         Self {
-            id: row.get("_id").cloned().unwrap_or(Bson::Null),
-            size: match &pending {
+            id: read.id.clone(),
+            size: match read.pending {
                 Some(Bson::Array(entries)) => entries.len() as u64,
                 _ => 0,
             },
-            counter,
-            pending,
-            plan,
+            plan: read.plan(cutoff),
+        }
+    }
+}
+
+impl CollectionRun {
+    /// Records a document the server refused to fold.
+    pub(super) fn add_refused(&mut self, id: &Bson, code: i32, reason: String) {
+        self.refused += 1;
+        if self.refused_sample.len() < MALFORMED_SAMPLE {
+            self.refused_sample.push(RefusedDocument {
+                id: display_id(id),
+                code,
+                reason,
+            });
         }
     }
 
-    pub(super) fn stale(&self) -> Option<&model::FoldPlan> {
-        self.plan.as_ref().ok().filter(|p| p.stale_tokens > 0)
+    /// Adds the plans of documents folded to the run's totals.
+    pub(super) fn account<'a>(&mut self, plans: impl IntoIterator<Item = &'a model::FoldPlan>) {
+        for plan in plans {
+            self.tokens_folded += plan.stale_tokens;
+            self.amount_folded = self.amount_folded.saturating_add(plan.stale_amount);
+        }
     }
 }
 
@@ -188,11 +225,14 @@ impl Survey {
         self.documents_pending += u64::from(row.size > 0);
         self.largest_pending = self.largest_pending.max(row.size);
         self.oldest_pending = min_token(self.oldest_pending, plan.oldest);
-        if plan.stale_tokens > 0 {
+        if !plan.stale.is_empty() {
             self.documents_stale += 1;
-            self.stale_tokens += plan.stale_tokens;
-            self.stale_amount = self.stale_amount.saturating_add(plan.stale_amount);
         }
+        self.stale_tokens += plan.stale_tokens;
+        self.stale_amount = self.stale_amount.saturating_add(plan.stale_amount);
+        self.duplicate_entries += plan.duplicate_entries;
+        self.settled_copies += plan.settled_copies;
+        self.stale_markers += plan.stale_markers.len() as u64;
     }
 }
 
@@ -200,14 +240,6 @@ fn min_token(a: Option<Token>, b: Option<Token>) -> Option<Token> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
-    }
-}
-
-/// Adds a batch's planned tokens and amounts to the run.
-pub(super) fn account(run: &mut CollectionRun, batch: &[ReportRow]) {
-    for plan in batch.iter().filter_map(ReportRow::stale) {
-        run.tokens_folded += plan.stale_tokens;
-        run.amount_folded = run.amount_folded.saturating_add(plan.stale_amount);
     }
 }
 

@@ -11,6 +11,19 @@
 //! records the holder in the same write. The token makes a retried take
 //! recognisable: a take whose reply was lost and that is sent again finds its
 //! token and reports [`Take::AlreadyTaken`] instead of taking a second unit.
+//!
+//! **A delayed take after `give_back`.** A take held up in the network that
+//! executes *after* its token gave the unit back finds the token no longer
+//! among the holders, and takes a unit again (held by that token until it is
+//! given back once more). Like an increment's delayed step 1 (README,
+//! Limits), tally cannot tell it from a new take with the same token: give
+//! back only what a take confirmed, and never reuse a token.
+//!
+//! [`BoundedCounters::create`] decides "this call created it" by a token,
+//! never by content: the document it inserts carries a fresh token in
+//! `_tally_token`, and after a lost reply a duplicate key is this call's own
+//! insert only if the stored token is its own — another caller may have
+//! created the same counter with the same units meanwhile.
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
@@ -19,6 +32,7 @@ use crate::document::{Inserted, bson_type_name, insert_if_absent, integer_value}
 use crate::error::Error;
 use crate::store::Store;
 use crate::token::Token;
+use crate::write::insert_loop::TOKEN_FIELD;
 
 /// How often a take that matched nothing is tried again when the document
 /// shows units left (someone gave one back in between).
@@ -96,24 +110,31 @@ impl BoundedCounters {
         }
     }
 
-    /// Creates the counter `key` with `units` available and no holders.
-    /// Returns `false` (and changes nothing) when it already exists.
+    /// Creates the counter `key` with `units` available and no holders
+    /// (and this call's token in `_tally_token`). Returns `false` (and
+    /// changes nothing) when it already exists. An error after an attempt
+    /// that may have applied leaves it unknown whether this call created
+    /// it; calling again then returns `false` either way.
     pub async fn create(&self, key: impl Into<Bson>, units: i64) -> Result<bool, Error> {
         if units < 0 {
             return Err(Error::InvalidArgument("units must not be negative".into()));
         }
+        let token = Bson::ObjectId(Token::new().object_id());
         let document = doc! {
             "_id": key.into(),
             &self.spec.available_field: units,
             &self.spec.holders_field: [],
+            TOKEN_FIELD: &token,
         };
         let inserted =
             insert_if_absent(&self.store, &self.collection, &document, "bounded.create").await?;
-        Ok(match inserted {
-            Inserted::New => true,
-            // After a lost reply the counter found may be our own insert.
-            Inserted::Existing { found, maybe_ours } => maybe_ours && found == document,
-        })
+        match inserted {
+            Inserted::New => Ok(true),
+            // After a lost reply, the counter found is ours only if it
+            // holds our token.
+            Inserted::Existing(found) => Ok(found.get(TOKEN_FIELD) == Some(&token)),
+            Inserted::Unsure(cause) => Err(cause),
+        }
     }
 
     /// Takes one unit of `key` for `holder`, identified by `token` (make a

@@ -2,7 +2,9 @@
 //! steps with a pending token (DESIGN §3).
 //!
 //! 1. **add the token**: `updateOne({_id: k}, {$addToSet: {pending: e}}, {upsert: true})`;
-//! 2. **count the token**: `updateOne({_id: k, pending: e}, {$pull: {pending: e}, $inc: {counter: n}})`.
+//! 2. **count the token**: conditioned on the entry being pending, one
+//!    update adds its amount to the counter and removes every entry of the
+//!    token — and the pending field with the last one ([`step`]).
 //!
 //! Step 1 is idempotent because `$addToSet` is; step 2 because it is
 //! conditioned on the token, which it removes. Each is retried once on a
@@ -14,121 +16,57 @@
 //! `resume` — which may re-send step 1 — can never be called on a token whose
 //! step 2 may have applied.
 //!
-//! The settings live here too: [`CollectionConfig`] (a counter collection's
-//! field names, shared with the fold) and [`WriterConfig`] (the retry
-//! horizon).
+//! **Settling twice counts once.** `complete` and `resume` may run again —
+//! a caller's retry, an operator re-running `tallyd resume`, two hosts
+//! settling the same ticket — and once a settle counted a token, the
+//! document no longer shows it as pending. So a settle's step 2 writes a
+//! marker `{t: token, n: amount}` into the settled field in the same update
+//! that counts the token, and applies only while there is none; `resume`
+//! reads the marker first, and its re-sent step 1 applies only while there
+//! is none. Why that is enough: a marker exists exactly when a settle
+//! counted the token; the fold removes markers only after its `grace`,
+//! which exceeds the retry horizon; and `resume` refuses to re-send step 1
+//! past the horizon. So two resumes, a resume after a `complete` or a
+//! `complete` after a resume, from any number of hosts, count once — and a
+//! copy of the token re-added later (the original step 1, held up in the
+//! network) is never counted by a settle (the fold drops it).
+//!
+//! The settings live in [`config`]: [`CollectionConfig`] (a counter
+//! collection's field names, shared with the fold) and [`WriterConfig`]
+//! (the retry horizon); the outcomes in [`outcome`].
+
+mod config;
+mod outcome;
+mod step;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
-use serde::Serialize;
 
-use crate::error::{Effect, Error, Next, RetryBudget};
-use crate::store::{Store, serialize_duration, serialize_optional_duration};
-use crate::token::{Entry, Token};
-
-/// Default name of the field holding a counter's value.
-pub(crate) const DEFAULT_COUNTER_FIELD: &str = "counter";
-/// Default name of the field holding a counter's pending entries.
-pub(crate) const DEFAULT_PENDING_FIELD: &str = "pending";
-
-/// A counter collection and its field names (in the daemon's configuration,
-/// one `[[collections]]` entry).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct CollectionConfig {
-    /// The collection's name.
-    pub name: String,
-    /// The field holding the counter's value. Default: `counter`.
-    pub counter_field: String,
-    /// The field holding the pending entries. Default: `pending`.
-    pub pending_field: String,
-    /// This collection's fold grace, overriding `[reconcile] grace`.
-    #[serde(
-        skip_serializing_if = "Option::is_none",
-        serialize_with = "serialize_optional_duration"
-    )]
-    pub grace: Option<Duration>,
-    /// This collection's fold batch size, overriding `[reconcile]
-    /// batch_size`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub batch_size: Option<u32>,
-}
-
-impl CollectionConfig {
-    /// A collection with the default field names.
-    pub fn new(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            counter_field: DEFAULT_COUNTER_FIELD.into(),
-            pending_field: DEFAULT_PENDING_FIELD.into(),
-            grace: None,
-            batch_size: None,
-        }
-    }
-
-    /// The same collection with other field names.
-    pub fn with_fields(mut self, counter: impl Into<String>, pending: impl Into<String>) -> Self {
-        self.counter_field = counter.into();
-        self.pending_field = pending.into();
-        self
-    }
-}
-
-/// How the library's increments behave (the daemon's `[writer]` section).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct WriterConfig {
-    /// Step 1 of an increment is never (re)sent for a token older than this,
-    /// so a token can never be re-added after the daemon may have folded it.
-    /// Must stay below the daemon's `grace`. Default: 60s.
-    #[serde(serialize_with = "serialize_duration")]
-    pub retry_horizon: Duration,
-}
-
-impl Default for WriterConfig {
-    fn default() -> Self {
-        Self {
-            retry_horizon: DEFAULT_RETRY_HORIZON,
-        }
-    }
-}
-
-/// Default retry horizon.
-pub(crate) const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
-/// The shortest retry horizon: a token's timestamp has one-second
-/// resolution, so a fresh token may already look a second old. Checked by
-/// the daemon's configuration.
+pub use config::{CollectionConfig, WriterConfig};
+// The daemon's configuration reads its defaults from here.
 #[cfg(feature = "daemon")]
-pub(crate) const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
+pub(crate) use config::{
+    DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD,
+    MIN_RETRY_HORIZON,
+};
+pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
+// The fold adds to counters the way step 2 does.
+pub(crate) use step::inc_operand;
 
-/// How many duplicate-key failures step 1 retries: each is an upsert race
-/// that applied nothing.
+use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
+use crate::store::Store;
+use crate::token::{Entry, Token};
+use step::By;
+
+/// How many duplicate-key failures an increment's step 1 retries: each is
+/// an upsert race that applied nothing.
 const UPSERT_RACE_RETRIES: u32 = 3;
-
-/// The accessors shared by the two token types, which must stay distinct.
-macro_rules! token_accessors {
-    ($ty:ident, $cause_doc:literal) => {
-        impl $ty {
-            /// The counter's `_id`.
-            pub fn key(&self) -> &Bson {
-                &self.key
-            }
-            /// The token.
-            pub fn token(&self) -> Token {
-                self.entry.token()
-            }
-            /// The amount the token adds when counted.
-            pub fn amount(&self) -> i64 {
-                self.entry.amount()
-            }
-            #[doc = $cause_doc]
-            pub fn cause(&self) -> Option<&Error> {
-                self.cause.as_ref()
-            }
-        }
-    };
-}
+/// How often `resume` reads the document again after its step 1 found it
+/// changed (a duplicate key: a marker appeared, or a race created it).
+const RESUME_ROUNDS: u32 = 3;
 
 /// Increments counters of one collection.
 #[derive(Clone, Debug)]
@@ -139,159 +77,15 @@ pub struct Counters {
     retry_horizon: Duration,
 }
 
-/// The result of an increment: exactly one of four outcomes.
-#[must_use = "an increment may be pending or unknown and need settling"]
-#[derive(Debug, Clone)]
-pub enum Increment {
-    /// Step 2 applied, or the token had already been folded.
-    Counted(Counted),
-    /// Step 1 applied; step 2 was not confirmed. Settle with
-    /// [`Counters::complete`] (safe at any age), or leave it to the daemon.
-    /// Counted exactly once either way.
+/// What the counter document says about one token.
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// A settle counted it: its marker, as a counted increment.
+    Settled(Counted),
+    /// Step 1 applied and nothing counted it yet: the entry as stored.
     Pending(PendingToken),
-    /// Step 1 may or may not have applied; step 2 was never sent. Settle with
-    /// [`Counters::resume`] while the token is younger than the retry
-    /// horizon; after that, the increment is counted at most once.
-    Unknown(UnknownToken),
-    /// Definitely not applied: nothing was written.
-    NotCounted(NotCounted),
-}
-
-impl Increment {
-    /// The outcome's name as the CLI prints it: `counted`, `pending`,
-    /// `unknown` or `not_counted`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Counted(_) => "counted",
-            Self::Pending(_) => "pending",
-            Self::Unknown(_) => "unknown",
-            Self::NotCounted(_) => "not_counted",
-        }
-    }
-
-    /// The token of this attempt (absent only when the amount was refused
-    /// before a token was made).
-    pub fn token(&self) -> Option<Token> {
-        match self {
-            Self::Counted(c) => Some(c.entry.token()),
-            Self::Pending(p) => Some(p.entry.token()),
-            Self::Unknown(u) => Some(u.entry.token()),
-            Self::NotCounted(n) => n.token,
-        }
-    }
-
-    /// The error that kept this increment from being counted, if any.
-    pub fn cause(&self) -> Option<&Error> {
-        match self {
-            Self::Counted(_) => None,
-            Self::Pending(p) => p.cause.as_ref(),
-            Self::Unknown(u) => u.cause.as_ref(),
-            Self::NotCounted(n) => Some(&n.cause),
-        }
-    }
-}
-
-/// An increment that is counted.
-#[derive(Debug, Clone)]
-pub struct Counted {
-    key: Bson,
-    entry: Entry,
-    settled_earlier: bool,
-}
-
-impl Counted {
-    /// The counter's `_id`.
-    pub fn key(&self) -> &Bson {
-        &self.key
-    }
-    /// The token of the attempt.
-    pub fn token(&self) -> Token {
-        self.entry.token()
-    }
-    /// The amount added.
-    pub fn amount(&self) -> i64 {
-        self.entry.amount()
-    }
-    /// True when the token was already gone when step 2 ran: an earlier
-    /// attempt whose reply was lost, `complete`, or the daemon counted it.
-    pub fn settled_earlier(&self) -> bool {
-        self.settled_earlier
-    }
-}
-
-/// A token that is in the counter's `pending` array: step 2 only is needed.
-/// Only the library makes these (from an increment, or after reading the
-/// token in the document), so it always names a token whose step 1 applied.
-#[derive(Debug, Clone)]
-pub struct PendingToken {
-    key: Bson,
-    entry: Entry,
-    cause: Option<Error>,
-}
-
-token_accessors!(
-    PendingToken,
-    "Why step 2 was not confirmed (none when the token was found by [`Counters::find_pending`])."
-);
-
-/// A token whose step 1 may or may not have applied, and whose step 2 was
-/// never sent.
-#[derive(Debug, Clone)]
-pub struct UnknownToken {
-    key: Bson,
-    entry: Entry,
-    cause: Option<Error>,
-}
-
-impl UnknownToken {
-    /// Rebuilds an unknown token from its parts — for a token an increment
-    /// reported as *unknown* in another process (the CLI's `resume`). Never
-    /// use it for a token reported *pending*: if its step 2 applied unseen,
-    /// resuming would re-add it and count it twice.
-    pub fn new(key: impl Into<Bson>, token: Token, amount: i64) -> Result<Self, Error> {
-        let entry = Entry::new(token, amount)
-            .ok_or_else(|| Error::InvalidArgument("the amount must not be zero".into()))?;
-        Ok(Self {
-            key: key.into(),
-            entry,
-            cause: None,
-        })
-    }
-}
-
-token_accessors!(
-    UnknownToken,
-    "Why step 1 was not confirmed (none when rebuilt with [`UnknownToken::new`])."
-);
-
-/// An increment that was definitely not applied.
-#[derive(Debug, Clone)]
-pub struct NotCounted {
-    key: Bson,
-    token: Option<Token>,
-    cause: Error,
-}
-
-impl NotCounted {
-    /// The counter's `_id`.
-    pub fn key(&self) -> &Bson {
-        &self.key
-    }
-    /// Why nothing was written.
-    pub fn cause(&self) -> &Error {
-        &self.cause
-    }
-}
-
-/// The result of [`Counters::complete`].
-#[must_use]
-#[derive(Debug, Clone)]
-pub enum Completion {
-    /// Counted (by this call, or earlier).
-    Counted(Counted),
-    /// Step 2 is still not confirmed; try again later or leave it to the
-    /// daemon.
-    Pending(PendingToken),
+    /// Neither, or there is no such document.
+    Absent,
 }
 
 /// What step 1 established.
@@ -301,22 +95,42 @@ enum Added {
     No(Error),
     /// May or may not have applied.
     Unknown(Error),
+    /// A settle's step 1 found the document changed under it (a duplicate
+    /// key: a marker for the token, or a race creating the document);
+    /// nothing applied. Read it again.
+    Changed(Error),
 }
 
 impl Counters {
-    /// Increments in `spec`'s collection, through `store`.
+    /// Increments in `spec`'s collection, through `store`. A retry horizon
+    /// shorter than 2 s is raised to 2 s (with a warning).
     pub fn new(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
+        let least = config::MIN_RETRY_HORIZON;
+        if writer.retry_horizon < least {
+            tracing::warn!(
+                collection = %spec.name,
+                retry_horizon = ?writer.retry_horizon,
+                raised_to = ?least,
+                "the retry horizon is below the minimum: a token's time has one-second \
+                 resolution; raised"
+            );
+        }
         Self {
             collection: store.collection(&spec.name),
             store: store.clone(),
             spec: Arc::new(spec),
-            retry_horizon: writer.retry_horizon,
+            retry_horizon: writer.retry_horizon.max(least),
         }
     }
 
     /// The collection and field names this handle writes.
     pub fn spec(&self) -> &CollectionConfig {
         &self.spec
+    }
+
+    /// The retry horizon in force (at least 2 s).
+    pub fn retry_horizon(&self) -> Duration {
+        self.retry_horizon
     }
 
     /// Adds `amount` (not zero) to the counter `key`, creating it if needed.
@@ -326,115 +140,189 @@ impl Counters {
             return Increment::NotCounted(NotCounted {
                 key,
                 token: None,
+                amount,
                 cause: Error::InvalidArgument("the amount must not be zero".into()),
             });
         };
-        self.add_then_count(key, entry).await
+        match self.add_token(&key, &entry, By::Increment).await {
+            Added::Yes => match self.count_token(&key, &entry, By::Increment).await {
+                Ok(settled_earlier) => Increment::Counted(Counted {
+                    key,
+                    entry,
+                    settled_earlier,
+                }),
+                Err(cause) => Increment::Pending(PendingToken {
+                    key,
+                    entry,
+                    cause: Some(cause),
+                }),
+            },
+            Added::No(cause) | Added::Changed(cause) => not_counted(key, entry, cause),
+            Added::Unknown(cause) => Increment::Unknown(UnknownToken {
+                key,
+                entry,
+                cause: Some(cause),
+            }),
+        }
     }
 
-    /// Runs step 2 only for a pending token: safe at any age, and counts it
-    /// exactly once however often it is called.
-    pub async fn complete(&self, pending: &PendingToken) -> Completion {
-        match self.count_token(&pending.key, &pending.entry).await {
+    /// Runs step 2 only for a pending token, leaving its settle marker:
+    /// safe at any age, and counts it exactly once however often it is
+    /// settled, by this process or any other.
+    pub async fn complete(&self, pending: PendingToken) -> Completion {
+        match self
+            .count_token(&pending.key, &pending.entry, By::Settle)
+            .await
+        {
             Ok(settled_earlier) => Completion::Counted(Counted {
-                key: pending.key.clone(),
+                key: pending.key,
                 entry: pending.entry,
                 settled_earlier,
             }),
             Err(cause) => Completion::Pending(PendingToken {
                 cause: Some(cause),
-                ..pending.clone()
+                ..pending
             }),
         }
     }
 
-    /// Settles an unknown token. If the token is in the document, runs step 2
-    /// only. If it is absent — so the lost attempt provably did not apply,
-    /// as the daemon never folds a token this young — sends step 1 and step
-    /// 2 again, but only while the token is younger than the retry horizon;
-    /// past it, refuses with [`Error::RetryHorizonExceeded`] without writing.
-    pub async fn resume(&self, unknown: &UnknownToken) -> Result<Increment, Error> {
-        // Look the token up in either entry form: what is in the document is
-        // what step 1 wrote, and its amount is the one to count.
-        if let Some(pending) = self
-            .find_pending(unknown.key.clone(), unknown.token())
-            .await?
-        {
-            if pending.amount() != unknown.amount() {
-                tracing::warn!(
-                    token = %unknown.token(),
-                    stored = pending.amount(),
-                    given = unknown.amount(),
-                    "resume: the document holds the token with another amount; counting the stored one"
-                );
+    /// Settles an unknown token. Reads the counter document first:
+    ///
+    /// - a marker for the token (a settle counted it): counted, settled
+    ///   earlier — nothing is written;
+    /// - the token pending: step 2 only, leaving the marker;
+    /// - neither — so the lost attempt provably did not apply, as the daemon
+    ///   never folds a token this young: step 1 (applying only while there
+    ///   is no marker) and step 2 again, but only while the token is younger
+    ///   than the retry horizon.
+    ///
+    /// `Err` means the ticket is finished without writing anything:
+    /// [`Error::RetryHorizonExceeded`] (counted at most once), or
+    /// [`Error::AmountMismatch`] (the document holds the token, or its
+    /// marker, with another amount). Every other outcome is in the
+    /// [`Increment`], with the ticket when it is still unsettled — a failed
+    /// read is [`Increment::Unknown`]: nothing was written, resume again
+    /// later.
+    pub async fn resume(&self, unknown: UnknownToken) -> Result<Increment, Error> {
+        let mut unknown = unknown;
+        for _ in 0..RESUME_ROUNDS {
+            let found = match self.lookup(unknown.key.clone(), unknown.token()).await {
+                Ok(found) => found,
+                Err(cause) => return Ok(Increment::Unknown(unknown.because(cause))),
+            };
+            match found {
+                Found::Settled(counted) => {
+                    check_amount(&unknown, counted.amount())?;
+                    return Ok(Increment::Counted(counted));
+                }
+                Found::Pending(pending) => {
+                    check_amount(&unknown, pending.amount())?;
+                    return Ok(self.complete(pending).await.into());
+                }
+                Found::Absent => {}
             }
-            return Ok(self.count_after_add(pending.key, pending.entry).await);
+            let age = unknown.token().age(SystemTime::now());
+            if age >= self.retry_horizon {
+                return Err(Error::RetryHorizonExceeded {
+                    token: unknown.token().to_string(),
+                    age,
+                    horizon: self.retry_horizon,
+                });
+            }
+            let UnknownToken { key, entry, .. } = unknown;
+            match self.add_token(&key, &entry, By::Settle).await {
+                Added::Yes => {
+                    let pending = PendingToken {
+                        key,
+                        entry,
+                        cause: None,
+                    };
+                    return Ok(self.complete(pending).await.into());
+                }
+                // The token turned older than the horizon while step 1 was
+                // being sent: refused, as above.
+                Added::No(cause @ Error::RetryHorizonExceeded { .. }) => return Err(cause),
+                Added::No(cause) => return Ok(not_counted(key, entry, cause)),
+                Added::Unknown(cause) => {
+                    return Ok(Increment::Unknown(UnknownToken {
+                        key,
+                        entry,
+                        cause: Some(cause),
+                    }));
+                }
+                Added::Changed(cause) => {
+                    unknown = UnknownToken {
+                        key,
+                        entry,
+                        cause: Some(cause),
+                    };
+                }
+            }
         }
-        let age = unknown.entry.token().age(SystemTime::now());
-        if age >= self.retry_horizon {
-            return Err(Error::RetryHorizonExceeded {
-                token: unknown.entry.token().to_string(),
-                age,
-                horizon: self.retry_horizon,
-            });
-        }
-        Ok(self
-            .add_then_count(unknown.key.clone(), unknown.entry)
-            .await)
+        Ok(Increment::Unknown(unknown))
     }
 
     /// Looks `token` up in the counter `key`'s pending entries, in either
     /// entry form (so tokens written by other clients can be completed).
+    /// `None` when it is not pending — never added, or counted already.
     pub async fn find_pending(
         &self,
         key: impl Into<Bson>,
         token: Token,
     ) -> Result<Option<PendingToken>, Error> {
+        Ok(match self.lookup(key, token).await? {
+            Found::Pending(pending) => Some(pending),
+            Found::Settled(_) | Found::Absent => None,
+        })
+    }
+
+    /// What the counter `key` says about `token`: settled (its marker),
+    /// pending (its entry, in either form), or neither. A marker wins over
+    /// a pending copy of the token (a copy re-added after a settle counted
+    /// it: the fold drops it uncounted).
+    pub(crate) async fn lookup(&self, key: impl Into<Bson>, token: Token) -> Result<Found, Error> {
         let key = key.into();
-        let pending_field = &self.spec.pending_field;
-        let filter = doc! {
-            "_id": &key,
-            "$or": [
-                { pending_field: token.object_id() },
-                { format!("{pending_field}.t"): token.object_id() },
-            ],
-        };
+        let (pending_field, settled_field) = (&self.spec.pending_field, &self.spec.settled_field);
+        let projection = doc! { pending_field: 1, settled_field: 1 };
         let Some(found) = self
-            .read_one("complete.find_token", filter, doc! { pending_field: 1 })
+            .read_one("counter.lookup", doc! { "_id": &key }, projection)
             .await?
         else {
-            return Ok(None);
+            return Ok(Found::Absent);
         };
-        let entries = match found.get(pending_field) {
-            Some(Bson::Array(entries)) => entries,
-            _ => return Ok(None),
+        let malformed = |reason: String| Error::Malformed {
+            collection: self.spec.name.clone(),
+            id: key.to_string(),
+            reason,
         };
-        for value in entries {
-            match Entry::parse(value) {
-                Ok(entry) if entry.token() == token => {
-                    return Ok(Some(PendingToken {
-                        key,
-                        entry,
-                        cause: None,
-                    }));
+        if let Some(marker) = entries_of(&found, settled_field, token, Entry::parse_marker)
+            .map_err(&malformed)?
+            .first()
+        {
+            return Ok(Found::Settled(Counted {
+                key,
+                entry: *marker,
+                settled_earlier: true,
+            }));
+        }
+        let copies = entries_of(&found, pending_field, token, Entry::parse).map_err(&malformed)?;
+        match copies.as_slice() {
+            [] => Ok(Found::Absent),
+            [first, rest @ ..] => {
+                if let Some(other) = rest.iter().find(|e| e.amount() != first.amount()) {
+                    return Err(malformed(format!(
+                        "token {token} is pending with two amounts, {} and {}",
+                        first.amount(),
+                        other.amount()
+                    )));
                 }
-                Ok(_) => {}
-                Err(bad) => {
-                    let holds_token = match value {
-                        Bson::Document(d) => d.get("t") == Some(&Bson::ObjectId(token.object_id())),
-                        _ => false,
-                    };
-                    if holds_token {
-                        return Err(Error::Malformed {
-                            collection: self.spec.name.clone(),
-                            id: key.to_string(),
-                            reason: format!("the entry for token {token}: {bad}"),
-                        });
-                    }
-                }
+                Ok(Found::Pending(PendingToken {
+                    key,
+                    entry: *first,
+                    cause: None,
+                }))
             }
         }
-        Ok(None)
     }
 
     /// The counter's current value (`None` when the document or the field
@@ -451,51 +339,22 @@ impl Counters {
         Ok(found.and_then(|d| d.get(counter_field).cloned()))
     }
 
-    async fn add_then_count(&self, key: Bson, entry: Entry) -> Increment {
-        match self.add_token(&key, &entry).await {
-            Added::Yes => self.count_after_add(key, entry).await,
-            Added::No(cause) => Increment::NotCounted(NotCounted {
-                key,
-                token: Some(entry.token()),
-                cause,
-            }),
-            Added::Unknown(cause) => Increment::Unknown(UnknownToken {
-                key,
-                entry,
-                cause: Some(cause),
-            }),
-        }
-    }
-
-    async fn count_after_add(&self, key: Bson, entry: Entry) -> Increment {
-        match self.count_token(&key, &entry).await {
-            Ok(settled_earlier) => Increment::Counted(Counted {
-                key,
-                entry,
-                settled_earlier,
-            }),
-            Err(cause) => Increment::Pending(PendingToken {
-                key,
-                entry,
-                cause: Some(cause),
-            }),
-        }
-    }
-
-    /// Step 1: `$addToSet` the entry, upserting the counter document.
-    async fn add_token(&self, key: &Bson, entry: &Entry) -> Added {
+    /// Step 1: `$addToSet` the entry, upserting the counter document (for a
+    /// settle, only while the token has no marker).
+    async fn add_token(&self, key: &Bson, entry: &Entry, by: By) -> Added {
         let driver_retries = match self.store.driver_retries_writes().await {
             Ok(retries) => retries,
             Err(err) => return Added::No(err),
         };
-        let filter = doc! { "_id": key };
-        let update = doc! {
-            "$addToSet": { &self.spec.pending_field: entry.to_bson() },
-            // New counters start as int64, the documented shape.
-            "$setOnInsert": { &self.spec.counter_field: 0i64 },
+        let (filter, update) = step::add(&self.spec, key, entry, by);
+        // A settle reads the document again instead: a duplicate key may
+        // mean a marker it must not write past.
+        let duplicate_retries = match by {
+            By::Increment => UPSERT_RACE_RETRIES,
+            By::Settle => 0,
         };
         let mut budget = RetryBudget::retry_once("increment.add_token", driver_retries)
-            .with_duplicate_key_retries(UPSERT_RACE_RETRIES);
+            .with_duplicate_key_retries(duplicate_retries);
         loop {
             // Never (re)send step 1 for a token the daemon may fold: a retry
             // that lands after the fold would count twice.
@@ -525,33 +384,34 @@ impl Counters {
                 Ok(_) => return Added::Yes,
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => {
-                        // A write-concern error applied on the primary even
-                        // when it is not worth a retry.
-                        return if budget.maybe_applied() || failure.effect != Effect::NotApplied {
-                            Added::Unknown(Error::Server(failure))
-                        } else {
-                            Added::No(Error::Server(failure))
-                        };
-                    }
+                    Next::GiveUp(failure) => return self.step_1_failed(&budget, failure, by),
                 },
             }
         }
     }
 
-    /// Step 2: pull the entry and add its amount, conditioned on the entry
-    /// being there. Returns whether the token was already gone (counted
-    /// earlier).
-    async fn count_token(&self, key: &Bson, entry: &Entry) -> Result<bool, Error> {
-        let pending_field = &self.spec.pending_field;
-        let filter = doc! { "_id": key, pending_field: entry.array_condition() };
-        let update = doc! {
-            "$pull": { pending_field: entry.pull_condition() },
-            "$inc": { &self.spec.counter_field: inc_operand(entry.amount()) },
-        };
+    /// What a step 1 that gave up established.
+    fn step_1_failed(&self, budget: &RetryBudget, failure: Box<Failure>, by: By) -> Added {
+        let on_id = duplicate_on_id(&failure.source) != Some(false);
+        if by == By::Settle && failure.class == ErrorClass::DuplicateKey && on_id {
+            return Added::Changed(Error::Server(failure));
+        }
+        // A write-concern error applied on the primary even when it is not
+        // worth a retry.
+        if budget.maybe_applied() || failure.effect != Effect::NotApplied {
+            Added::Unknown(Error::Server(failure))
+        } else {
+            Added::No(Error::Server(failure))
+        }
+    }
+
+    /// Step 2 ([`step::count`]). Returns whether the token was already
+    /// gone (counted earlier) or, for a settle, already marked.
+    async fn count_token(&self, key: &Bson, entry: &Entry, by: By) -> Result<bool, Error> {
+        let (filter, pipeline) = step::count(&self.spec, key, entry, by);
         let result = self
             .store
-            .update_one(&self.collection, filter, update, "increment.count_token")
+            .update_one(&self.collection, filter, pipeline, "increment.count_token")
             .await?;
         Ok(result.matched_count == 0)
     }
@@ -568,12 +428,55 @@ impl Counters {
     }
 }
 
-/// The `$inc` operand for an amount: int32 when it fits, so an int32 counter
-/// stays int32 (the server widens it to int64 on overflow, never to a
-/// double), int64 otherwise.
-pub(crate) fn inc_operand(amount: i64) -> Bson {
-    match i32::try_from(amount) {
-        Ok(small) => Bson::Int32(small),
-        Err(_) => Bson::Int64(amount),
+fn not_counted(key: Bson, entry: Entry, cause: Error) -> Increment {
+    Increment::NotCounted(NotCounted {
+        key,
+        token: Some(entry.token()),
+        amount: entry.amount(),
+        cause,
+    })
+}
+
+/// Refuses a resume whose amount is not the one the document holds for the
+/// token: the caller's ticket and the document disagree about what the
+/// increment was.
+fn check_amount(unknown: &UnknownToken, stored: i64) -> Result<(), Error> {
+    if stored == unknown.amount() {
+        Ok(())
+    } else {
+        Err(Error::AmountMismatch {
+            token: unknown.token().to_string(),
+            stored,
+            given: unknown.amount(),
+        })
     }
+}
+
+/// The elements of the array `field` of `document` that belong to `token`,
+/// parsed with `parse`. An element naming the token that does not parse is
+/// reported (as the reason a document is malformed); elements of other
+/// tokens are not looked at. No field, or a field that is not an array,
+/// holds none.
+fn entries_of(
+    document: &Document,
+    field: &str,
+    token: Token,
+    parse: fn(&Bson) -> Result<Entry, crate::token::BadEntry>,
+) -> Result<Vec<Entry>, String> {
+    let Some(Bson::Array(elements)) = document.get(field) else {
+        return Ok(Vec::new());
+    };
+    let oid = Bson::ObjectId(token.object_id());
+    let names_token = |value: &Bson| match value {
+        Bson::ObjectId(_) => *value == oid,
+        Bson::Document(d) => d.get(crate::token::TOKEN_FIELD) == Some(&oid),
+        _ => false,
+    };
+    elements
+        .iter()
+        .filter(|value| names_token(value))
+        .map(|value| {
+            parse(value).map_err(|bad| format!("{field}: the entry for token {token}: {bad}"))
+        })
+        .collect()
 }

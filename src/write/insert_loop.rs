@@ -8,6 +8,17 @@
 //! read per attempt and lost races under contention; a [`Sequences`]
 //! counter costs one round trip but may leave gaps.
 //!
+//! **Whose insert landed** is decided by a token, never by content: every
+//! document an insert loop writes carries a field (`_tally_token` unless
+//! [`InsertLoop::token_field`] names another) holding a fresh [`Token`] per
+//! call. After an attempt that may have applied (a lost reply), a
+//! duplicate key on the candidate id is this call's own insert only if the
+//! stored token is its token — another caller may have inserted an
+//! identical body under that id. And before moving on to a new candidate
+//! after an attempt that may have applied, the loop looks for its token
+//! under the ids it tried, so an insert that landed unseen is never made
+//! twice.
+//!
 //! [`Sequences`]: crate::write::sequence::Sequences
 
 use std::time::Duration;
@@ -18,9 +29,13 @@ use mongodb::bson::{Bson, Document, doc};
 use crate::document::{Inserted, bson_type_name, insert_if_absent, integer_value};
 use crate::error::{Error, RetryBudget};
 use crate::store::Store;
+use crate::token::Token;
 
 /// Default number of inserts tried before giving up.
 pub(crate) const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+/// The field holding the token of the call that inserted a document (the
+/// insert loop's default, and the bounded counters' field).
+pub(crate) const TOKEN_FIELD: &str = "_tally_token";
 
 /// Inserts documents with the next free numeric `_id`.
 #[derive(Clone, Debug)]
@@ -30,11 +45,13 @@ pub struct InsertLoop {
     max_attempts: u32,
     backoff_base: Duration,
     backoff_cap: Duration,
+    token_field: String,
 }
 
 impl InsertLoop {
     /// An insert loop on `collection`, with 10 attempts and a backoff of
-    /// 2 ms doubling up to 100 ms (full jitter).
+    /// 2 ms doubling up to 100 ms (full jitter); each document gets its
+    /// call's token in `_tally_token`.
     pub fn new(store: &Store, collection: &str) -> Self {
         Self {
             store: store.clone(),
@@ -42,7 +59,16 @@ impl InsertLoop {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             backoff_base: Duration::from_millis(2),
             backoff_cap: Duration::from_millis(100),
+            token_field: TOKEN_FIELD.into(),
         }
+    }
+
+    /// Names the field that holds each insert's token (default
+    /// `_tally_token`); a field of that name in the inserted fields is
+    /// replaced.
+    pub fn token_field(mut self, name: impl Into<String>) -> Self {
+        self.token_field = name.into();
+        self
     }
 
     /// Tries at most `attempts` inserts (at least one).
@@ -60,20 +86,21 @@ impl InsertLoop {
     }
 
     /// Inserts `document` (its own `_id`, if any, is replaced) under the
-    /// next free id and returns that id.
+    /// next free id and returns that id. The stored document also holds
+    /// this call's token in the token field.
     pub async fn insert(&self, fields: Document) -> Result<i64, Error> {
+        let token = Token::new();
+        // Candidates an attempt may have landed on, unseen.
+        let mut unsure = Vec::new();
+        let mut unsure_cause = None;
         for attempt in 1..=self.max_attempts {
+            if let Some(id) = self.find_own(&unsure, token).await? {
+                return Ok(id);
+            }
             let candidate = highest_id(&self.store, &self.collection)
                 .await?
                 .map_or(1, |max| max + 1);
-            // `_id` first, as the server stores it, so a read-back compares equal.
-            let mut document = doc! { "_id": candidate };
-            document.extend(
-                fields
-                    .iter()
-                    .filter(|(k, _)| *k != "_id")
-                    .map(|(k, v)| (k.clone(), v.clone())),
-            );
+            let document = self.document(candidate, &fields, token);
             match insert_if_absent(
                 &self.store,
                 &self.collection,
@@ -83,12 +110,13 @@ impl InsertLoop {
             .await?
             {
                 Inserted::New => return Ok(candidate),
-                // After a lost reply, the id may be taken by our own first
-                // attempt: it is ours if it holds exactly what we sent.
-                Inserted::Existing { found, maybe_ours } if maybe_ours && found == document => {
-                    return Ok(candidate);
+                // A lost reply's attempt landed: the token is ours.
+                Inserted::Existing(found) if self.holds(&found, token) => return Ok(candidate),
+                Inserted::Existing(_) => {}
+                Inserted::Unsure(cause) => {
+                    unsure.push(candidate);
+                    unsure_cause = Some(cause);
                 }
-                Inserted::Existing { .. } => {}
             }
             tracing::debug!(
                 collection = self.collection.name(),
@@ -100,9 +128,51 @@ impl InsertLoop {
                 tokio::time::sleep(self.jitter(attempt)).await;
             }
         }
-        Err(Error::InsertAttemptsExhausted {
+        if let Some(id) = self.find_own(&unsure, token).await? {
+            return Ok(id);
+        }
+        Err(unsure_cause.unwrap_or(Error::InsertAttemptsExhausted {
             attempts: self.max_attempts,
-        })
+        }))
+    }
+
+    /// `fields` under `_id` `candidate`, with `token` in the token field.
+    fn document(&self, candidate: i64, fields: &Document, token: Token) -> Document {
+        // `_id` first, as the server stores it.
+        let mut document = doc! { "_id": candidate };
+        document.extend(
+            fields
+                .iter()
+                .filter(|(k, _)| *k != "_id" && **k != self.token_field)
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        document.insert(&self.token_field, token.object_id());
+        document
+    }
+
+    fn holds(&self, found: &Document, token: Token) -> bool {
+        found.get(&self.token_field) == Some(&Bson::ObjectId(token.object_id()))
+    }
+
+    /// The id among `candidates` whose document holds `token`, if any.
+    async fn find_own(&self, candidates: &[i64], token: Token) -> Result<Option<i64>, Error> {
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let filter = doc! {
+            "_id": { "$in": candidates },
+            &self.token_field: token.object_id(),
+        };
+        let found = self
+            .store
+            .find_one(
+                &self.collection,
+                filter,
+                doc! { "_id": 1 },
+                "insert_loop.find_own",
+            )
+            .await?;
+        Ok(found.and_then(|d| d.get("_id").and_then(integer_value)))
     }
 
     fn jitter(&self, attempt: u32) -> Duration {
@@ -120,7 +190,7 @@ pub(crate) async fn highest_id(
     store: &Store,
     collection: &Collection<Document>,
 ) -> Result<Option<i64>, Error> {
-    let mut budget = RetryBudget::retry_once("insert_loop.highest_id", false);
+    let mut budget = RetryBudget::read_once("insert_loop.highest_id");
     // `$gte: -inf` selects exactly the numbers (type bracketing) and can
     // walk the `_id` index from its top.
     let found = store

@@ -190,9 +190,11 @@ impl Sequences {
     /// Returns whether this call created it.
     async fn create(&self, name: &str, start: i64) -> Result<bool, Error> {
         let document = doc! { "_id": name, &self.field: start };
-        let inserted =
-            insert_if_absent(&self.store, &self.collection, &document, "sequence.create").await?;
-        Ok(matches!(inserted, Inserted::New))
+        match insert_if_absent(&self.store, &self.collection, &document, "sequence.create").await? {
+            Inserted::New => Ok(true),
+            Inserted::Existing(_) => Ok(false),
+            Inserted::Unsure(cause) => Err(cause),
+        }
     }
 
     fn value_of(&self, name: &str, d: &Document) -> Result<i64, Error> {

@@ -1,6 +1,8 @@
 //! Bounded counters: never more taken than there is, a retried take
 //! recognised by its token, give-backs counted once.
 
+use std::time::Duration;
+
 use futures::future::join_all;
 use mongodb::bson::{Bson, doc};
 use tally::{BoundedConfig, BoundedCounters, GiveBack, Take, Token};
@@ -139,4 +141,45 @@ async fn custom_field_names_and_malformed_documents() {
         .unwrap();
     let err = copies.take("odd", Token::new(), "ann").await.unwrap_err();
     assert!(err.to_string().contains("not an integer"), "{err}");
+}
+
+/// Our create is held on the server past its attempt bound (it may have
+/// applied, as far as we know) while a rival creates the same counter with
+/// the same units: the rival's document equals ours but for its token, so
+/// exactly one caller is told it created the counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_creators_of_one_counter_exactly_one_gets_true() {
+    let ctx = TestContext::new("bounded_two_creators").await;
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let ours = BoundedCounters::new(
+        &client.store().with_attempt_timeout(Duration::from_secs(2)),
+        BoundedConfig::new("seats"),
+    );
+    let rival = BoundedCounters::new(&ctx.rival_store().await, BoundedConfig::new("seats"));
+    let (_held, mine) = ctx
+        .hold_next_insert(&client.events, || {
+            tokio::spawn(async move { ours.create("show", 10).await })
+        })
+        .await;
+    let theirs = rival.create("show", 10).await.unwrap();
+    let mine = mine.await.unwrap().unwrap();
+    assert_eq!(
+        [mine, theirs].iter().filter(|created| **created).count(),
+        1,
+        "ours: {mine}, theirs: {theirs}"
+    );
+}
+
+/// A create whose write concern fails with a code that is not transient is
+/// a command error (DESIGN §1), not "created".
+#[tokio::test]
+async fn a_create_with_a_write_concern_error_is_a_command_error() {
+    let ctx = TestContext::new("bounded_create_write_concern").await;
+    let client = ctx.client(false).await;
+    let seats = seats(&client);
+    let _fail = FailPoint::write_concern_error(&ctx, "insert", 64, "WriteConcernFailed").await;
+    let err = seats.create("show", 3).await.unwrap_err();
+    assert_eq!(err.class(), Some(tally::ErrorClass::Command), "{err:?}");
 }

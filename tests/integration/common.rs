@@ -43,7 +43,9 @@ pub fn external() -> bool {
 
 /// `uri` with extra query options appended.
 pub fn with_options(uri: &str, options: &str) -> String {
-    if uri.contains('?') {
+    if options.is_empty() {
+        uri.to_owned()
+    } else if uri.contains('?') {
         format!("{uri}&{options}")
     } else if uri.ends_with('/') {
         format!("{uri}?{options}")
@@ -97,10 +99,73 @@ impl TestContext {
         self.client_with(options, retry_writes)
     }
 
+    /// A client for this test built from the test URI with `uri_options`
+    /// appended (e.g. `w=1`), recording the commands it sends.
+    pub async fn client_with_uri_options(
+        &self,
+        uri_options: &str,
+        retry_writes: bool,
+    ) -> TestClient {
+        let options = ClientOptions::parse(with_options(&self.uri, uri_options))
+            .await
+            .expect("parse test URI with options");
+        self.client_with(options, retry_writes)
+    }
+
+    /// A store on the test server under another application name, so this
+    /// test's fail points (scoped to its own) do not touch it: a rival
+    /// writer.
+    pub async fn rival_store(&self) -> Store {
+        let mut options = ClientOptions::parse(&self.uri)
+            .await
+            .expect("parse test URI");
+        options.app_name = Some(format!("{}-rival", self.app_name));
+        options.retry_writes = Some(false);
+        let client = Client::with_options(options.clone()).expect("build client");
+        Store::from_parts(client, &options, &self.db_name)
+    }
+
+    /// Holds this test's next `insert` on the server for 3 s before it
+    /// executes (until the guard is dropped), and returns once the insert
+    /// `start` began was sent: its caller may have given up on it (a short
+    /// attempt bound) by the time it applies.
+    pub async fn hold_next_insert<T>(
+        &self,
+        sent: &CommandLog,
+        start: impl FnOnce() -> T,
+    ) -> (FailPoint, T) {
+        let fail = FailPoint::set(
+            self,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["insert"], "blockConnection": true, "blockTimeMS": 3000 },
+        )
+        .await;
+        let before = sent.count("insert");
+        let started = start();
+        wait_until("the held insert was sent", Duration::from_secs(10), || {
+            let sent = sent.clone();
+            async move { sent.count("insert") > before }
+        })
+        .await;
+        (fail, started)
+    }
+
     /// A client for this test that reaches the server through `proxy`
     /// (with the test URI's credentials: the proxy's URI has none).
     pub async fn client_through(&self, proxy: &proxy::Proxy, retry_writes: bool) -> TestClient {
-        let mut options = ClientOptions::parse(proxy.uri())
+        self.client_through_with(proxy, retry_writes, "").await
+    }
+
+    /// The same, with `uri_options` appended to the proxy's URI (e.g.
+    /// `serverSelectionTimeoutMS=2000`, so an attempt bound can be short:
+    /// it must exceed server selection).
+    pub async fn client_through_with(
+        &self,
+        proxy: &proxy::Proxy,
+        retry_writes: bool,
+        uri_options: &str,
+    ) -> TestClient {
+        let mut options = ClientOptions::parse(with_options(&proxy.uri(), uri_options))
             .await
             .expect("parse the proxy's URI");
         options.credential = ClientOptions::parse(&self.uri)
@@ -140,7 +205,9 @@ impl TestContext {
     fn client_with(&self, mut options: ClientOptions, retry_writes: bool) -> TestClient {
         options.app_name = Some(self.app_name.clone());
         options.retry_writes = Some(retry_writes);
-        options.server_selection_timeout = Some(Duration::from_secs(10));
+        if options.server_selection_timeout.is_none() {
+            options.server_selection_timeout = Some(Duration::from_secs(10));
+        }
         // Recover quickly after a fault marks the server unknown.
         options.heartbeat_freq = Some(Duration::from_millis(500));
         let events = CommandLog::default();
@@ -197,6 +264,8 @@ pub struct Sent {
     /// For `update`: the update operators (or `pipeline`) of the first
     /// statement, e.g. `["$addToSet", "$setOnInsert"]`.
     pub update_ops: Vec<String>,
+    /// The command's `writeConcern`, as sent.
+    pub write_concern: Option<Document>,
 }
 
 /// Every command a client started, in order.
@@ -223,6 +292,7 @@ impl CommandLog {
                 log.lock().unwrap().push(Sent {
                     name: started.command_name.clone(),
                     update_ops,
+                    write_concern: started.command.get_document("writeConcern").ok().cloned(),
                 });
             }
         })
@@ -246,6 +316,11 @@ impl CommandLog {
             .iter()
             .filter(|s| s.name == "update" && s.update_ops.iter().any(|o| o == op))
             .count()
+    }
+
+    /// Every command started so far, in order.
+    pub fn sent(&self) -> Vec<Sent> {
+        self.0.lock().unwrap().clone()
     }
 
     /// Forgets everything recorded so far.
@@ -283,6 +358,27 @@ impl FailPoint {
             uri: ctx.uri.clone(),
             _turn: turn,
         }
+    }
+}
+
+impl FailPoint {
+    /// The next `command` of `ctx`'s clients applies, then reports a
+    /// write-concern error with `code` (named `code_name`) and no labels.
+    pub async fn write_concern_error(
+        ctx: &TestContext,
+        command: &str,
+        code: i32,
+        code_name: &str,
+    ) -> Self {
+        Self::set(
+            ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! {
+                "failCommands": [command],
+                "writeConcernError": { "code": code, "codeName": code_name, "errmsg": "injected" },
+            },
+        )
+        .await
     }
 }
 

@@ -172,9 +172,10 @@ async fn a_clock_moved_past_half_the_margin_fails() {
     assert_eq!(code, Some(0), "{checks:?}");
 }
 
-/// Each collection's pending field wants a sparse index (README's advice):
-/// flagged while there is none, ok once it is created; a missing
-/// collection is said to be missing. The field's configured name counts.
+/// Each collection's pending and settled fields want a sparse index
+/// (README's advice): flagged while there is none, ok once they are
+/// created; a missing collection is said to be missing. The fields'
+/// configured names count.
 #[tokio::test]
 async fn a_missing_index_is_flagged_until_it_is_created() {
     let ctx = TestContext::new("doctor_indexes").await;
@@ -185,7 +186,8 @@ async fn a_missing_index_is_flagged_until_it_is_created() {
         .await
         .unwrap();
     let text = format!(
-        "{}[[collections]]\nname = \"downloads\"\npending_field = \"inflight\"\n",
+        "{}[[collections]]\nname = \"downloads\"\npending_field = \"inflight\"\n\
+         settled_field = \"done\"\n",
         config(&ctx.child_uri(false), &ctx.db_name)
     );
     let (_, checks, _) = doctor(&text, &[]).await;
@@ -194,22 +196,30 @@ async fn a_missing_index_is_flagged_until_it_is_created() {
     assert!(message.contains("does not exist yet"), "{message}");
     let (index, message) = verdict(&checks, "indexes:downloads");
     assert_eq!(index, "warn", "{message}");
-    assert!(message.contains("no index on inflight"), "{message}");
-    assert!(message.contains("sparse: true"), "{message}");
+    assert!(message.contains("no index on inflight, done"), "{message}");
+    assert!(
+        message.contains("createIndex({inflight: 1}, {sparse: true})"),
+        "{message}"
+    );
 
-    let sparse = mongodb::IndexModel::builder()
-        .keys(doc! { "inflight": 1 })
-        .options(
-            mongodb::options::IndexOptions::builder()
-                .sparse(true)
-                .build(),
-        )
-        .build();
-    downloads.create_index(sparse).await.unwrap();
+    for field in ["inflight", "done"] {
+        let sparse = mongodb::IndexModel::builder()
+            .keys(doc! { field: 1 })
+            .options(
+                mongodb::options::IndexOptions::builder()
+                    .sparse(true)
+                    .build(),
+            )
+            .build();
+        downloads.create_index(sparse).await.unwrap();
+    }
     let (_, checks, _) = doctor(&text, &[]).await;
     let (index, message) = verdict(&checks, "indexes:downloads");
     assert_eq!(index, "ok", "{message}");
-    assert!(message.contains("inflight"), "{message}");
+    assert!(
+        message.contains("on inflight") && message.contains("on done"),
+        "{message}"
+    );
 }
 
 /// A standalone server has no change streams: with the monitor on, the

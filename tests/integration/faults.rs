@@ -26,8 +26,11 @@ use tally::{
 use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
 use crate::common::{TestClient, TestContext, run_reconcile};
 
-/// The bound on one attempt for the client through the proxy.
+/// The bound on one attempt for the client through the proxy (which must
+/// exceed its server selection timeout, [`SELECTION`], by a second).
 const ATTEMPT: Duration = Duration::from_secs(3);
+/// The server selection timeout of the client through the proxy.
+const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 /// A delay well past [`ATTEMPT`]: the client gives up first.
 const DELAY: Duration = Duration::from_secs(6);
 
@@ -80,7 +83,8 @@ impl Fault {
 enum Site {
     /// `Counters::increment`, its step 1 (`$addToSet` upsert).
     Step1,
-    /// `Counters::increment`, its step 2 (conditioned `$pull` + `$inc`).
+    /// `Counters::increment`, its step 2 (a conditioned pipeline: `$add` to
+    /// the counter, `$filter` the token out of the pending entries).
     Step2,
     /// `Sequences::next` on an existing sequence (`findAndModify` `$inc`).
     SequenceNext,
@@ -121,7 +125,7 @@ impl Site {
         exchange.command.as_deref() == Some(self.command())
             && match self {
                 Self::Step1 => exchange.body_mentions("$addToSet"),
-                Self::Step2 => exchange.body_mentions("$pull"),
+                Self::Step2 => exchange.body_mentions("$filter"),
                 _ => true,
             }
     }
@@ -173,17 +177,15 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         (BoundedTake, ClosedBeforeForwarding | NotPrimary) => ("taken", 2, 1),
         (BoundedTake, CommandError) => ("error (command)", 1, 0),
         (BoundedTake, DuplicateKey) => ("error (duplicate_key)", 1, 0),
-        // The fold: a lost reply is retried (the swap then finds the
-        // document changed, and the pipeline finds nothing stale: three
-        // updates); a refused batch fails the run, and the next run folds.
-        (Fold, ReplyDropped | DelayedPastTimeout) => ("folded 2 tokens (+4)", 3, 3),
+        // The fold: a lost reply is retried (the update, conditioned on
+        // the stale entries it removes, then matches nothing, and the
+        // document read again has nothing left to fold); a refused command
+        // fails the run, and the next run folds; a statement refused for
+        // its document's sake leaves that document for the next run.
+        (Fold, ReplyDropped | DelayedPastTimeout) => ("folded 2 tokens (+4)", 2, 2),
         (Fold, ClosedBeforeForwarding | NotPrimary) => ("folded 2 tokens (+4)", 2, 1),
         (Fold, CommandError) => ("failed (command), next run: folded 2 tokens (+4)", 2, 1),
-        (Fold, DuplicateKey) => (
-            "failed (duplicate_key), next run: folded 2 tokens (+4)",
-            2,
-            1,
-        ),
+        (Fold, DuplicateKey) => ("refused (11000), next run: folded 2 tokens (+4)", 2, 1),
     };
     Expected {
         outcome,
@@ -206,10 +208,11 @@ impl Rig {
         let ctx = TestContext::new(name).await;
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
         let store = ctx
-            .client_through(&proxy, retry_writes)
+            .client_through_with(&proxy, retry_writes, SELECTION)
             .await
             .store()
             .with_attempt_timeout(ATTEMPT);
+        assert_eq!(store.attempt_timeout(), ATTEMPT);
         let driver_retries = store
             .driver_retries_writes()
             .await
@@ -301,7 +304,7 @@ impl Rig {
         );
         let result = counters.increment("k", 1).await;
         let token = result.token().expect("a token was made");
-        let outcome = match &result {
+        let outcome = match result {
             Increment::Counted(c) if c.settled_earlier() => "counted (already settled)".into(),
             Increment::Counted(_) => "counted".into(),
             Increment::Pending(pending) => {
@@ -313,19 +316,28 @@ impl Rig {
                     other => format!("pending ({class}), then complete: {other:?}"),
                 }
             }
-            Increment::Unknown(_) => format!("unknown ({})", class_of(result.cause())),
-            Increment::NotCounted(_) => format!("not counted ({})", class_of(result.cause())),
+            Increment::Unknown(unknown) => format!("unknown ({})", class_of(unknown.cause())),
+            Increment::NotCounted(not) => format!("not counted ({})", class_of(Some(not.cause()))),
         };
         let log = self.settled_log(name).await;
         let reached = |step: Site| log.iter().any(|e| step.owns(e) && e.reached_server);
         // Step 1 creates the document holding the token; step 2 is
-        // conditioned on it, so it applies once however often it arrives.
+        // conditioned on it, so it applies once however often it arrives,
+        // and takes the pending field with its last entry. A settle's step
+        // 2 (`complete`) also leaves the token's marker.
+        let settled = log
+            .iter()
+            .any(|e| Site::Step2.owns(e) && e.body_mentions("$concatArrays") && e.reached_server);
         let from_log = match (reached(Site::Step1), reached(Site::Step2)) {
             (false, _) => None,
             (true, false) => Some(doc! { "counter": 0i64, "pending": [token.object_id()] }),
-            (true, true) => Some(doc! { "counter": 1i64, "pending": [] }),
+            (true, true) if settled => Some(doc! {
+                "counter": 1i64,
+                "settled": [{ "t": token.object_id(), "n": 1i64 }],
+            }),
+            (true, true) => Some(doc! { "counter": 1i64 }),
         };
-        let state = project(direct, "k", &["counter", "pending"]).await;
+        let state = project(direct, "k", &["counter", "pending", "settled"]).await;
         (outcome, state, from_log)
     }
 
@@ -445,6 +457,14 @@ impl Rig {
         let first = run().await;
         drop(rule);
         let outcome = match &first.error {
+            None if first.refused > 0 => {
+                let second = run().await;
+                format!(
+                    "refused ({}), next run: {}",
+                    first.refused_sample[0].code,
+                    folded(&second)
+                )
+            }
             None => folded(&first),
             Some(err) => {
                 let second = run().await;

@@ -21,6 +21,25 @@ fn counters(client: &crate::common::TestClient, name: &str) -> Counters {
     )
 }
 
+/// An increment whose step 2 the server refuses (error 2): pending.
+async fn pending_after_a_refused_step_2(
+    ctx: &TestContext,
+    views: &Counters,
+    key: &str,
+    amount: i64,
+) -> tally::PendingToken {
+    let _fail = FailPoint::set(
+        ctx,
+        Bson::Document(doc! { "skip": 1, "times": 1 }),
+        doc! { "failCommands": ["update"], "errorCode": 2 },
+    )
+    .await;
+    match views.increment(key, amount).await {
+        Increment::Pending(pending) => pending,
+        other => panic!("expected pending, got {other:?}"),
+    }
+}
+
 fn assert_counted(outcome: &Increment) {
     assert!(
         matches!(outcome, Increment::Counted(_)),
@@ -130,7 +149,10 @@ async fn custom_field_names() {
         .unwrap()
         .unwrap();
     assert_eq!(doc.get_i64("total").unwrap(), 3);
-    assert!(doc.get_array("inflight").unwrap().is_empty());
+    assert!(
+        !doc.contains_key("inflight"),
+        "no empty pending array is left"
+    );
     assert!(!doc.contains_key("counter") && !doc.contains_key("pending"));
 }
 
@@ -172,12 +194,12 @@ async fn lost_connection_on_step1_retried_once_with_retryable_writes() {
 
 #[tokio::test]
 async fn lost_connection_on_step2_retried_once_without_retryable_writes() {
-    one_lost_connection("lost_step2_rw_off", false, 1, "$pull").await;
+    one_lost_connection("lost_step2_rw_off", false, 1, "pipeline").await;
 }
 
 #[tokio::test]
 async fn lost_connection_on_step2_retried_once_with_retryable_writes() {
-    one_lost_connection("lost_step2_rw_on", true, 1, "$pull").await;
+    one_lost_connection("lost_step2_rw_on", true, 1, "pipeline").await;
 }
 
 #[tokio::test]
@@ -219,20 +241,9 @@ async fn command_error_on_step2_is_pending_then_complete_counts_once() {
     let client = ctx.client(false).await;
     let views = counters(&client, "views");
     let coll = client.collection("views");
-    let pending = {
-        let _fail = FailPoint::set(
-            &ctx,
-            Bson::Document(doc! { "skip": 1, "times": 1 }),
-            doc! { "failCommands": ["update"], "errorCode": 2 },
-        )
-        .await;
-        match views.increment("k", 1).await {
-            Increment::Pending(pending) => pending,
-            other => panic!("expected pending, got {other:?}"),
-        }
-    };
+    let pending = pending_after_a_refused_step_2(&ctx, &views, "k", 1).await;
     assert_eq!(
-        client.events.updates_with("$pull"),
+        client.events.updates_with("pipeline"),
         1,
         "a command error is never retried"
     );
@@ -243,13 +254,16 @@ async fn command_error_on_step2_is_pending_then_complete_counts_once() {
     );
     assert_eq!(counter(&coll, "k").await, 0);
 
-    let Completion::Counted(first) = views.complete(&pending).await else {
+    let token = pending.token();
+    let Completion::Counted(first) = views.complete(pending).await else {
         panic!("complete must count");
     };
     assert!(!first.settled_earlier());
-    // Completing again counts nothing more.
-    let Completion::Counted(second) = views.complete(&pending).await else {
-        panic!("a second complete must report counted");
+    // Settling it again — the ticket rebuilt elsewhere — counts nothing more.
+    assert!(views.find_pending("k", token).await.unwrap().is_none());
+    let again = UnknownToken::new("k", token, 1).unwrap();
+    let Increment::Counted(second) = views.resume(again).await.expect("resume") else {
+        panic!("a second settle must report counted");
     };
     assert!(second.settled_earlier());
     assert_eq!(counter(&coll, "k").await, 1);
@@ -282,12 +296,12 @@ async fn two_lost_connections_on_step1_are_unknown_and_resume_counts_once() {
             "one retry, then give up"
         );
         assert_eq!(
-            client.events.updates_with("$pull"),
+            client.events.updates_with("pipeline"),
             0,
             "step 2 was never sent"
         );
         // The lost attempts never reached the server: resume sends both steps.
-        let outcome = views.resume(&unknown).await.expect("resume");
+        let outcome = views.resume(unknown).await.expect("resume");
         assert_counted(&outcome);
         let coll = client.collection("views");
         assert_eq!(counter(&coll, "k").await, 1, "retry_writes={retry_writes}");
@@ -326,7 +340,7 @@ async fn unknown_whose_attempt_reached_the_server_resumes_to_counted_once() {
         let coll = client.collection("views");
         assert_eq!(pending_len(&coll, "k").await, 1, "the lost attempt applied");
         client.events.clear();
-        assert_counted(&views.resume(&unknown).await.expect("resume"));
+        assert_counted(&views.resume(unknown).await.expect("resume"));
         assert_eq!(
             client.events.updates_with("$addToSet"),
             0,
@@ -345,7 +359,7 @@ async fn resume_past_the_horizon_refuses_and_writes_nothing() {
     let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
     let unknown = UnknownToken::new("k", old, 1).unwrap();
     client.events.clear();
-    let err = views.resume(&unknown).await.expect_err("must refuse");
+    let err = views.resume(unknown).await.expect_err("must refuse");
     assert!(matches!(err, Error::RetryHorizonExceeded { .. }), "{err}");
     assert!(err.to_string().contains("at most once"), "{err}");
     assert_eq!(client.events.count("update"), 0, "nothing was written");
@@ -371,9 +385,25 @@ async fn resume_past_the_horizon_still_completes_a_token_that_is_there() {
     )
     .await
     .unwrap();
-    // Even given the wrong amount, the stored entry is what gets counted.
-    let unknown = UnknownToken::new("k", old, 1).unwrap();
-    assert_counted(&views.resume(&unknown).await.expect("resume"));
+    // Given another amount than the document holds, it is refused, and
+    // nothing is written.
+    let before = coll.find_one(doc! { "_id": "k" }).await.unwrap();
+    let wrong = UnknownToken::new("k", old, 1).unwrap();
+    let err = views.resume(wrong).await.expect_err("must refuse");
+    assert!(
+        matches!(
+            &err,
+            Error::AmountMismatch {
+                stored: 3,
+                given: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(coll.find_one(doc! { "_id": "k" }).await.unwrap(), before);
+    let unknown = UnknownToken::new("k", old, 3).unwrap();
+    assert_counted(&views.resume(unknown).await.expect("resume"));
     assert_eq!(counter(&coll, "k").await, 13);
     assert_eq!(pending_len(&coll, "k").await, 0);
 }
@@ -400,7 +430,7 @@ async fn bare_tokens_written_by_other_clients_are_completed() {
         .expect("the token is pending");
     assert_eq!(pending.amount(), 1);
     assert!(matches!(
-        views.complete(&pending).await,
+        views.complete(pending).await,
         Completion::Counted(_)
     ));
     let doc = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
@@ -470,14 +500,16 @@ async fn on_a_standalone_server_tally_makes_the_retry_itself() {
 
 /// A reply that does not come within the attempt timeout is abandoned as a
 /// lost reply and retried once. (Step 2 is conditioned on the token, so the
-/// abandoned attempt cannot count twice when it runs late.)
+/// abandoned attempt cannot count twice when it runs late.) The bound must
+/// exceed server selection (here 1 s).
 #[tokio::test]
 async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
     let ctx = TestContext::new("attempt_timeout").await;
-    let client = ctx.client(false).await;
-    let store = client
-        .store()
-        .with_attempt_timeout(Duration::from_millis(300));
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let store = client.store().with_attempt_timeout(Duration::from_secs(2));
+    assert_eq!(store.attempt_timeout(), Duration::from_secs(2));
     let views = Counters::new(
         &store,
         CollectionConfig::new("views"),
@@ -488,12 +520,12 @@ async fn an_attempt_past_the_timeout_is_abandoned_and_retried() {
     let _fail = FailPoint::set(
         &ctx,
         Bson::Document(doc! { "skip": 1, "times": 1 }),
-        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 1500 },
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 4000 },
     )
     .await;
     assert_counted(&views.increment("k", 1).await);
     assert_eq!(
-        client.events.updates_with("$pull"),
+        client.events.updates_with("pipeline"),
         2,
         "abandoned once, then retried"
     );
@@ -520,4 +552,240 @@ async fn a_duplicate_on_another_unique_index_is_not_counted_without_retries() {
     };
     assert_eq!(not.cause().class(), Some(ErrorClass::DuplicateKey));
     assert_eq!(client.events.count("update"), 1);
+}
+
+/// Every write tally makes asks for `w: "majority"`, whatever the URI says:
+/// with `w: 1` a step 1 a failover rolls back could still be "counted".
+#[tokio::test]
+async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
+    let ctx = TestContext::new("write_concern_majority").await;
+    let client = ctx.client_with_uri_options("w=1", false).await;
+    assert_eq!(
+        client
+            .options
+            .write_concern
+            .as_ref()
+            .and_then(|wc| wc.w.clone()),
+        Some(mongodb::options::Acknowledgment::Nodes(1)),
+        "the URI asks for w: 1"
+    );
+    let store = client.store();
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    assert_counted(&views.increment("k", 1).await);
+    let sequences = tally::Sequences::new(&store, &tally::SequenceConfig::default());
+    assert_eq!(sequences.next("orders").await.unwrap(), 1);
+    let seats = tally::BoundedCounters::new(&store, tally::BoundedConfig::new("seats"));
+    assert!(seats.create("show", 2).await.unwrap());
+    assert_eq!(
+        seats.take("show", Token::new(), "ann").await.unwrap(),
+        tally::Take::Taken
+    );
+    let id = tally::InsertLoop::new(&store, "orders")
+        .insert(doc! { "a": 1 })
+        .await
+        .unwrap();
+    assert_eq!(id, 1);
+    // The fold's batch command goes through `run_command`.
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    ctx.client(false)
+        .await
+        .collection("views")
+        .update_one(
+            doc! { "_id": "f" },
+            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let target = tally::FoldTarget {
+        spec: CollectionConfig::new("views"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
+    assert_eq!(
+        (
+            run.error.as_ref().map(ToString::to_string),
+            run.tokens_folded
+        ),
+        (None, 1)
+    );
+
+    let writes: Vec<_> = client
+        .events
+        .sent()
+        .into_iter()
+        .filter(|s| ["insert", "update", "findAndModify", "delete"].contains(&s.name.as_str()))
+        .collect();
+    let count = |name: &str| writes.iter().filter(|s| s.name == name).count();
+    // Step 1, step 2, the take, the fold; the sequence's and the bounded
+    // counter's create and the insert loop's insert; the sequence's `next`.
+    assert!(count("update") >= 4, "{writes:?}");
+    assert!(count("insert") >= 3, "{writes:?}");
+    assert!(count("findAndModify") >= 1, "{writes:?}");
+    for sent in &writes {
+        assert_eq!(
+            sent.write_concern,
+            Some(doc! { "w": "majority" }),
+            "{} sent another write concern",
+            sent.name
+        );
+    }
+}
+
+/// A server nobody answers is an outage, not a lost reply: the increment is
+/// not counted (class command) after one attempt — also when the attempt
+/// bound is configured shorter than server selection (the old defaults made
+/// them equal, 30 s each, and the first to fire won).
+#[tokio::test]
+async fn a_server_selection_timeout_is_not_counted_after_one_attempt() {
+    let address = crate::common::tallyd::free_address();
+    let mut config = tally::StoreConfig::new(
+        format!("mongodb://{address}/?directConnection=true&retryWrites=false"),
+        "d",
+    );
+    config.server_selection_timeout = Duration::from_secs(1);
+    config.attempt_timeout = Duration::from_millis(800);
+    let store = tally::Store::connect(&config).await.unwrap();
+    assert!(
+        store.attempt_timeout() > Duration::from_secs(1),
+        "raised above selection: {:?}",
+        store.attempt_timeout()
+    );
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    let outcome = views.increment("k", 1).await;
+    let Increment::NotCounted(not) = &outcome else {
+        panic!("expected not counted, got {outcome:?}");
+    };
+    let Error::Server(failure) = not.cause() else {
+        panic!("expected a server failure, got {:?}", not.cause());
+    };
+    assert_eq!(failure.class, ErrorClass::Command, "{failure}");
+    assert_eq!(failure.attempts, 1, "{failure}");
+}
+
+/// Step 2 takes the pending field away with its last entry (so a sparse
+/// index, and the fold's report, skip counters with nothing pending), counts
+/// a token once however many copies the array holds, and changes a
+/// counter's type only where `$inc` would: int32 stays int32, int64 stays
+/// int64, a missing counter starts as int64, and an int64 that would
+/// overflow is refused (pending) rather than turned into a double.
+#[tokio::test]
+async fn step_2_leaves_no_pending_field_and_keeps_the_counter_type() {
+    let ctx = TestContext::new("step2_no_empty_array").await;
+    let client = ctx.client(false).await;
+    let views = counters(&client, "views");
+    let coll = client.collection("views");
+    for i in 0..30 {
+        assert_counted(&views.increment(format!("k{}", i % 3), 1 + i % 2).await);
+    }
+    let pending = pending_after_a_refused_step_2(&ctx, &views, "k0", 5).await;
+    assert!(matches!(
+        views.complete(pending).await,
+        Completion::Counted(_)
+    ));
+    assert_eq!(
+        coll.count_documents(doc! { "pending": { "$exists": true } })
+            .await
+            .unwrap(),
+        0,
+        "no counter keeps an empty pending array"
+    );
+    assert_eq!(counter(&coll, "k0").await, 15 + 5);
+
+    let tokens: Vec<ObjectId> = (0..5).map(|_| ObjectId::new()).collect();
+    coll.insert_many([
+        doc! { "_id": "int32", "counter": 7i32, "pending": [tokens[0]] },
+        doc! { "_id": "int64", "counter": 7i64, "pending": [tokens[1]] },
+        doc! { "_id": "missing", "pending": [{ "t": tokens[2], "n": 4i64 }] },
+        doc! { "_id": "copies", "counter": 1i64, "pending": [tokens[3], tokens[3], { "t": tokens[3], "n": 1 }] },
+        doc! { "_id": "max", "counter": i64::MAX, "pending": [tokens[4]] },
+    ])
+    .await
+    .unwrap();
+    for (key, token) in ["int32", "int64", "missing", "copies"]
+        .into_iter()
+        .zip(&tokens)
+    {
+        let pending = views
+            .find_pending(key, Token::from_object_id(*token))
+            .await
+            .unwrap()
+            .expect("pending");
+        assert!(
+            matches!(views.complete(pending).await, Completion::Counted(_)),
+            "{key}"
+        );
+    }
+    // What the counter and pending fields hold (`complete` also leaves a
+    // marker in `settled`).
+    let found = |key: &'static str| {
+        let coll = coll.clone();
+        async move {
+            let mut found = coll.find_one(doc! { "_id": key }).await.unwrap().unwrap();
+            found.remove("settled");
+            found
+        }
+    };
+    assert_eq!(
+        found("int32").await,
+        doc! { "_id": "int32", "counter": 8i32 }
+    );
+    assert_eq!(
+        found("int64").await,
+        doc! { "_id": "int64", "counter": 8i64 }
+    );
+    assert_eq!(
+        found("missing").await,
+        doc! { "_id": "missing", "counter": 4i64 }
+    );
+    assert_eq!(
+        found("copies").await,
+        doc! { "_id": "copies", "counter": 2i64 }
+    );
+    assert_eq!(
+        crate::common::field(&coll, "copies", "settled").await,
+        Some(Bson::Array(vec![Bson::Document(
+            doc! { "t": tokens[3], "n": 1i64 }
+        )])),
+        "one marker for the token counted once"
+    );
+
+    let before = found("max").await;
+    let pending = views
+        .find_pending("max", Token::from_object_id(tokens[4]))
+        .await
+        .unwrap()
+        .expect("pending");
+    assert!(
+        matches!(views.complete(pending).await, Completion::Pending(_)),
+        "an overflow is refused"
+    );
+    assert_eq!(found("max").await, before, "and nothing was written");
+}
+
+/// The library refuses nothing it can make safe: a retry horizon below the
+/// 2 s minimum (a token's time has one-second resolution) is raised to it,
+/// instead of every increment failing with `RetryHorizonExceeded`.
+#[tokio::test]
+async fn a_retry_horizon_below_the_minimum_is_raised_to_it() {
+    let ctx = TestContext::new("retry_horizon_clamped").await;
+    let client = ctx.client(false).await;
+    let views = Counters::new(
+        &client.store(),
+        CollectionConfig::new("views"),
+        WriterConfig {
+            retry_horizon: Duration::ZERO,
+        },
+    );
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(counter(&client.collection("views"), "k").await, 1);
 }

@@ -1,6 +1,7 @@
 //! The optimistic insert loop: dense unique ids under contention, and a
 //! clear error when every attempt loses.
 
+use futures::TryStreamExt;
 use futures::future::join_all;
 use mongodb::bson::{Bson, doc};
 use std::collections::BTreeSet;
@@ -149,4 +150,103 @@ async fn other_insert_errors_surface_at_once() {
     let err = things.insert(doc! { "a": 1 }).await.unwrap_err();
     assert_eq!(err.class(), Some(tally::ErrorClass::Command), "{err:?}");
     assert_eq!(client.events.count("insert"), 1);
+}
+
+/// Our first insert is held on the server past its attempt bound, so it
+/// may have applied as far as we know; meanwhile a rival inserts the same
+/// body under the id we chose. Our retry then meets a duplicate key on a
+/// document equal to ours but for its token: not ours. Both inserts exist,
+/// under two ids (by equal content, both callers used to get one id and one
+/// insert was lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_bodies_from_two_callers_get_two_ids() {
+    let ctx = TestContext::new("insert_loop_identical_bodies").await;
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let ours = InsertLoop::new(
+        &client.store().with_attempt_timeout(Duration::from_secs(2)),
+        "orders",
+    );
+    let rival = InsertLoop::new(&ctx.rival_store().await, "orders");
+    let (_held, mine) = ctx
+        .hold_next_insert(&client.events, || {
+            tokio::spawn(async move { ours.insert(doc! { "item": "tea" }).await })
+        })
+        .await;
+    let theirs = rival.insert(doc! { "item": "tea" }).await.unwrap();
+    let mine = mine.await.unwrap().unwrap();
+    assert_ne!(mine, theirs, "one id for two callers");
+    let stored = client
+        .collection("orders")
+        .count_documents(doc! { "item": "tea" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 2, "both inserts exist");
+}
+
+/// Our insert lands but both its reply and its retry's reply are lost: the
+/// insert loop finds its own document by its token before trying another
+/// id, instead of giving up (or inserting it a second time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_whose_replies_were_lost_is_found_by_its_token() {
+    use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+    let ctx = TestContext::new("insert_loop_lost_replies").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let client = ctx.client_through(&proxy, false).await;
+    let orders = InsertLoop::new(&client.store(), "orders");
+    let _first = proxy.rule(
+        Rule::command("insert")
+            .collection("orders")
+            .nth(1)
+            .then(Action::DropReply),
+    );
+    let _second = proxy.rule(
+        Rule::command("insert")
+            .collection("orders")
+            .nth(2)
+            .then(Action::DropReply),
+    );
+    let id = orders.insert(doc! { "item": "tea" }).await.unwrap();
+    let direct = ctx.client(false).await.collection("orders");
+    let stored: Vec<_> = direct
+        .find(doc! {})
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 1, "inserted once: {stored:?}");
+    assert_eq!(stored[0].get("_id"), Some(&Bson::Int64(id)));
+    let reached = proxy
+        .log()
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("insert") && e.reached_server)
+        .count();
+    assert_eq!(reached, 2, "one insert and its retry, nothing more");
+}
+
+/// An insert whose write concern fails with a code that is not transient
+/// is a command error (DESIGN §1), not a success; one with a transient code
+/// is a lost reply, and the token says the document is ours.
+#[tokio::test]
+async fn a_write_concern_error_is_a_command_error_unless_transient() {
+    let ctx = TestContext::new("insert_loop_write_concern").await;
+    let client = ctx.client(false).await;
+    let orders = InsertLoop::new(&client.store(), "orders");
+    {
+        let _fail = FailPoint::write_concern_error(&ctx, "insert", 64, "WriteConcernFailed").await;
+        let err = orders.insert(doc! { "n": 1 }).await.unwrap_err();
+        assert_eq!(err.class(), Some(tally::ErrorClass::Command), "{err:?}");
+    }
+    {
+        let _fail = FailPoint::write_concern_error(&ctx, "insert", 91, "ShutdownInProgress").await;
+        assert_eq!(orders.insert(doc! { "n": 2 }).await.unwrap(), 2);
+    }
+    let stored = client
+        .collection("orders")
+        .count_documents(doc! { "n": 2 })
+        .await
+        .unwrap();
+    assert_eq!(stored, 1);
 }

@@ -15,4 +15,5 @@ mod packaging;
 mod proxy;
 mod reconcile;
 mod sequence;
+mod settle;
 mod soak;

@@ -1,5 +1,6 @@
 //! The fold against a real server: exact on live documents, idempotent,
-//! concurrent-safe, and never touching a malformed document.
+//! concurrent-safe, one count per token, never touching a malformed
+//! document, and isolating the documents the server refuses.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +17,9 @@ use tally::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::common::{FailPoint, TestContext, counter, pending_len, run_reconcile, wait_until};
+use crate::common::{
+    FailPoint, TestClient, TestContext, counter, field, pending_len, run_reconcile, wait_until,
+};
 
 const GRACE: Duration = Duration::from_secs(15 * 60);
 
@@ -42,6 +45,16 @@ async fn reconcile(store: &Store, target: &FoldTarget, mode: Mode) -> tally::Col
     let run = run_reconcile(store, target, mode).await;
     assert!(run.error.is_none(), "reconcile failed: {:?}", run.error);
     run
+}
+
+/// One fold of the collection `views` with the default fields.
+async fn fold_views(client: &TestClient) -> tally::CollectionRun {
+    reconcile(
+        &client.store(),
+        &target(CollectionConfig::new("views")),
+        Mode::Fold,
+    )
+    .await
 }
 
 async fn raw(coll: &Collection<Document>, id: impl Into<Bson>) -> RawDocumentBuf {
@@ -131,7 +144,7 @@ async fn the_naive_fold_loses_an_increment_that_tallys_fold_keeps() {
         .unwrap()
         .expect("live token pending");
     assert!(matches!(
-        views.complete(&pending).await,
+        views.complete(pending).await,
         tally::Completion::Counted(_)
     ));
     let folded = reconciler
@@ -241,7 +254,7 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
                     match counters.increment(key.as_str(), amount).await {
                         Increment::Counted(_) | Increment::Pending(_) => {}
                         Increment::Unknown(unknown) => {
-                            let resumed = counters.resume(&unknown).await.expect("resume");
+                            let resumed = counters.resume(unknown).await.expect("resume");
                             assert!(!matches!(resumed, Increment::NotCounted(_)), "{resumed:?}");
                         }
                         Increment::NotCounted(not) => panic!("not counted: {:?}", not.cause()),
@@ -274,31 +287,26 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
     }
 }
 
-/// A writer's step 1 lands between the report and the fold's swap: the
-/// swap sees the document changed and leaves it, and the pipeline folds it
-/// as it is then — the stale token counted, the new one kept.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_document_changed_after_the_report_is_folded_as_it_is_then() {
-    let ctx = TestContext::new("fold_changed_after_report").await;
-    let client = ctx.client(false).await;
-    let coll = client.collection("views");
-    coll.insert_one(doc! { "_id": "k", "counter": 1i64, "pending": [stale()] })
-        .await
-        .unwrap();
+/// The fold's first update, held on the server for a moment while another
+/// client writes to the document; returns the run.
+async fn fold_while(
+    ctx: &TestContext,
+    client: &TestClient,
+    target: FoldTarget,
+    write: Document,
+) -> tally::CollectionRun {
     // Hold the fold's first write on the server for a moment.
     let _fail = FailPoint::set(
-        &ctx,
+        ctx,
         Bson::Document(doc! { "times": 1 }),
         doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 700 },
     )
     .await;
     let store = client.store();
     let events = client.events.clone();
-    let run = tokio::spawn(async move {
-        reconcile(&store, &target(CollectionConfig::new("views")), Mode::Fold).await
-    });
+    let run = tokio::spawn(async move { reconcile(&store, &target, Mode::Fold).await });
     wait_until(
-        "the fold's swap reaches the server",
+        "the fold's update reaches the server",
         Duration::from_secs(10),
         || {
             let events = events.clone();
@@ -306,31 +314,83 @@ async fn a_document_changed_after_the_report_is_folded_as_it_is_then() {
         },
     )
     .await;
-    // Another client (not held): a writer's step 1.
+    // Another client (not held): a writer.
     let writer = mongodb::Client::with_uri_str(&ctx.uri).await.unwrap();
-    let live = fresh();
     writer
         .database(&ctx.db_name)
         .collection::<Document>("views")
-        .update_one(
-            doc! { "_id": "k" },
-            doc! { "$addToSet": { "pending": live } },
-        )
+        .update_one(doc! { "_id": "k" }, write)
         .await
         .unwrap();
-    let run = run.await.unwrap();
-    assert_eq!(run.documents_folded, 1);
+    run.await.unwrap()
+}
+
+/// A writer's step 1 lands between the report and the fold's update: the
+/// update, conditioned only on the stale entries, applies and keeps the
+/// new entry — no second round trip, no starving a busy document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_1_landing_after_the_report_is_kept_by_the_fold() {
+    let ctx = TestContext::new("fold_step1_after_report").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    coll.insert_one(doc! { "_id": "k", "counter": 1i64, "pending": [stale()] })
+        .await
+        .unwrap();
+    let live = fresh();
+    let target = target(CollectionConfig::new("views"));
+    let step1 = doc! { "$addToSet": { "pending": live } };
+    let run = fold_while(&ctx, &client, target, step1).await;
+    assert_eq!((run.documents_folded, run.concurrent_changes), (1, 0));
+    assert_eq!(client.events.count("update"), 1, "one update, applied");
+    assert_folded_to(&coll, "k", 2, &[Bson::ObjectId(live)]).await;
+}
+
+/// Asserts that document `id` holds the int64 counter `counter` and the
+/// pending entries `pending`.
+async fn assert_folded_to(
+    coll: &Collection<Document>,
+    id: impl Into<Bson>,
+    counter: i64,
+    pending: &[Bson],
+) {
+    let id = id.into();
+    let folded = coll.find_one(doc! { "_id": &id }).await.unwrap().unwrap();
+    assert_eq!(folded.get_i64("counter").unwrap(), counter, "{id}");
+    assert_eq!(folded.get_array("pending").unwrap(), pending, "{id}");
+}
+
+/// A step 2 takes one of the stale tokens between the report and the
+/// fold's update: the update matches nothing, the fold reads the document
+/// again and folds what is left — each token counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_2_taking_a_stale_token_after_the_report_is_read_again_and_folded_exactly() {
+    let ctx = TestContext::new("fold_step2_after_report").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let (taken, left) = (stale(), stale());
+    coll.insert_one(
+        doc! { "_id": "k", "counter": 1i64, "pending": [taken, { "t": left, "n": 5i64 }] },
+    )
+    .await
+    .unwrap();
+    let target = target(CollectionConfig::new("views"));
+    let step2 = doc! { "$pull": { "pending": taken }, "$inc": { "counter": 1 } };
+    client.events.clear();
+    let run = fold_while(&ctx, &client, target, step2).await;
+    assert!(run.error.is_none(), "{:?}", run.error);
     assert_eq!(
         client.events.count("update"),
         2,
-        "the swap, then the pipeline"
+        "sent, refused, sent again"
     );
-    let folded = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
-    assert_eq!(folded.get_i64("counter").unwrap(), 2);
+    assert_eq!(client.events.count("find"), 1, "the document read again");
+    assert_eq!(run.documents_folded, 1);
     assert_eq!(
-        folded.get_array("pending").unwrap(),
-        &vec![Bson::ObjectId(live)]
+        counter(&coll, "k").await,
+        7,
+        "1 + the step 2's 1 + the fold's 5"
     );
+    assert_eq!(pending_len(&coll, "k").await, 0);
 }
 
 #[tokio::test]
@@ -401,8 +461,9 @@ async fn fresh_tokens_stay_and_a_dry_run_reports_what_the_fold_does() {
     assert_eq!(
         client.events.count("update"),
         1,
-        "nobody wrote in between: one batch of swaps, no pipeline fallback"
+        "nobody wrote in between: one batch, applied at once"
     );
+    assert_eq!(client.events.count("find"), 0, "nothing read again");
     assert_eq!(real.concurrent_changes, 0);
     assert_eq!(
         (
@@ -462,7 +523,7 @@ async fn custom_fields_both_forms_and_integer_types() {
     .unwrap();
     let spec = CollectionConfig::new("hits").with_fields("total", "inflight");
     let run = reconcile(&client.store(), &target(spec), Mode::Fold).await;
-    assert_eq!(run.documents_folded, 3);
+    assert_eq!(run.documents_folded, 4);
     let get = |id: i32| {
         let coll = coll.clone();
         async move { coll.find_one(doc! { "_id": id }).await.unwrap().unwrap() }
@@ -478,17 +539,13 @@ async fn custom_fields_both_forms_and_integer_types() {
         "widened, never a double"
     );
     assert_eq!(get(3).await.get("total"), Some(&Bson::Double(41.0)));
-    for id in 1..=3 {
+    for id in 1..=4 {
         assert!(
             get(id).await.get("inflight").is_none(),
-            "an emptied array is removed"
+            "an emptied (or empty) array is removed"
         );
     }
-    assert_eq!(
-        get(4).await.get_array("inflight").unwrap().len(),
-        0,
-        "nothing stale: untouched"
-    );
+    assert_eq!(get(4).await.get("total"), Some(&Bson::Int64(1)));
 }
 
 #[tokio::test]
@@ -514,6 +571,13 @@ async fn every_malformed_kind_is_left_byte_for_byte_and_listed() {
         doc! { "_id": "counter-fraction", "counter": 2.5, "pending": [stale()] },
         doc! { "_id": "counter-overflow", "counter": i64::MAX, "pending": [stale()] },
         doc! { "_id": "sum-overflow", "counter": 0i64, "pending": [{ "t": stale(), "n": i64::MAX }, { "t": stale(), "n": 1i64 }] },
+        doc! { "_id": "counter-2^53", "counter": 2f64.powi(53), "pending": [stale()] },
+        doc! { "_id": "double-reaches-2^53", "counter": 2f64.powi(53) - 1.0, "pending": [stale()] },
+        doc! { "_id": "amounts-disagree", "counter": 0i64, "pending": [{ "t": s, "n": 5 }, { "t": s, "n": 3 }] },
+        doc! { "_id": "settled-string", "counter": 1i64, "pending": [stale()], "settled": "x" },
+        doc! { "_id": "marker-bare", "counter": 1i64, "settled": [stale()] },
+        doc! { "_id": "marker-n-double", "counter": 1i64, "settled": [{ "t": stale(), "n": 1.0 }] },
+        doc! { "_id": "marker-extra-field", "counter": 1i64, "pending": [stale()], "settled": [{ "t": stale(), "n": 1, "at": 1 }] },
     ];
     coll.insert_many(malformed.clone()).await.unwrap();
     coll.insert_one(doc! { "_id": "fine", "counter": 1i64, "pending": [stale()] })
@@ -539,8 +603,8 @@ async fn every_malformed_kind_is_left_byte_for_byte_and_listed() {
         assert_eq!(&raw(&coll, id.as_str()).await, bytes, "{id} was modified");
     }
     assert_eq!(counter(&coll, "fine").await, 2);
-    // Folding them directly — as if they broke between the report and the
-    // fold — changes nothing either: the pipeline judges each document itself.
+    // Folding them directly — as the daemon's repair does — changes nothing
+    // either: each document is read and judged again.
     let store = client.store();
     let reconciler = Reconciler::new(&store);
     let now = reconciler.server_time().await.unwrap();
@@ -571,28 +635,70 @@ async fn every_malformed_kind_is_left_byte_for_byte_and_listed() {
     );
 }
 
-/// Random documents of every shape, folded by the server: each ends exactly
-/// as the model says — folded, or byte-for-byte untouched.
+/// What `model::plan` says of a document as it was inserted.
+fn plan_of(document: &Document, cutoff: ObjectId) -> Result<model::FoldPlan, model::Malformed> {
+    model::plan(
+        document.get("counter"),
+        document.get("pending"),
+        document.get("settled"),
+        cutoff,
+    )
+}
+
+/// Asserts that `after` is `original` folded as `plan` says — or, with no
+/// work to do or a malformed document, untouched.
+fn assert_folded_as_planned(
+    original: &Document,
+    after: &Document,
+    plan: &Result<model::FoldPlan, model::Malformed>,
+) {
+    match plan {
+        Ok(plan) if plan.has_work() => {
+            assert_eq!(
+                after.get("counter"),
+                Some(&plan.counter),
+                "counter of {original}"
+            );
+            for (field, kept) in [("pending", &plan.keep), ("settled", &plan.kept_markers)] {
+                match after.get(field) {
+                    None => assert!(kept.is_empty(), "{field} of {original}"),
+                    Some(Bson::Array(now)) => assert_eq!(now, kept, "{field} of {original}"),
+                    Some(other) => panic!("{field} became {other}"),
+                }
+            }
+        }
+        _ => assert_eq!(after, original, "nothing to do or malformed: untouched"),
+    }
+}
+
+/// Random documents of every shape — repeated tokens, settle markers, large
+/// arrays written in the prefix form — folded by the server: each ends
+/// exactly as the model says, or byte-for-byte untouched.
 #[tokio::test]
-async fn the_server_pipeline_does_what_the_model_says() {
+async fn the_server_does_what_the_model_says() {
     let ctx = TestContext::new("fold_vs_model").await;
     let client = ctx.client(false).await;
     let coll = client.collection("random");
     let mut rng = fastrand::Rng::with_seed(20261122);
     let mut docs: Vec<Document> = (0..300).map(|i| random_document(&mut rng, i)).collect();
     // Edge cases: a double counter whose exact result is just past 2^53
-    // (its double sum rounds back into range), or lands on it; a sum that
-    // overflows midway and comes back.
+    // (its double sum would round back into range), or lands on it, or
+    // stays below; a sum that overflows midway and comes back.
     let edge = 2f64.powi(53) - 1.0;
     docs.extend([
         doc! { "_id": 1000, "counter": edge, "pending": [{ "t": stale(), "n": 2i64 }] },
         doc! { "_id": 1001, "counter": edge, "pending": [{ "t": stale(), "n": 1i64 }] },
+        doc! { "_id": 1004, "counter": edge - 1.0, "pending": [{ "t": stale(), "n": 1i64 }] },
         doc! { "_id": 1002, "counter": 0i64, "pending": [
             { "t": stale(), "n": i64::MAX }, { "t": stale(), "n": 1i64 }, { "t": stale(), "n": -1i64 },
         ] },
         doc! { "_id": 1003, "counter": 0i64, "pending": [
             { "t": stale(), "n": i64::MAX }, { "t": stale(), "n": -1i64 }, { "t": stale(), "n": 1i64 },
         ] },
+        doc! { "_id": 1005, "counter": i32::MAX - 5, "pending": [
+            { "t": stale(), "n": 1i64 << 33 }, { "t": stale(), "n": -(1i64 << 33) },
+        ] },
+        doc! { "_id": 1006, "counter": (1i64 << 62) + 5, "pending": [stale(), stale()] },
     ]);
     coll.insert_many(docs.clone()).await.unwrap();
     let store = client.store();
@@ -613,7 +719,8 @@ async fn the_server_pipeline_does_what_the_model_says() {
         )
         .await;
     assert!(run.error.is_none(), "{:?}", run.error);
-    let (mut folded, mut tokens, mut amount, mut malformed) = (0u64, 0u64, 0i64, 0u64);
+    assert_eq!((run.refused, run.concurrent_changes), (0, 0));
+    let (mut folded, mut tokens, mut amount, mut malformed, mut large) = (0, 0, 0i64, 0, 0);
     let after: HashMap<i32, Document> = coll
         .find(doc! {})
         .await
@@ -625,28 +732,20 @@ async fn the_server_pipeline_does_what_the_model_says() {
         .map(|d| (d.get_i32("_id").unwrap(), d))
         .collect();
     for original in &docs {
-        let id = original.get_i32("_id").unwrap();
-        let now_doc = &after[&id];
-        match model::plan(original.get("counter"), original.get("pending"), cutoff) {
-            Ok(plan) if plan.stale_tokens > 0 => {
+        let plan = plan_of(original, cutoff);
+        assert_folded_as_planned(original, &after[&original.get_i32("_id").unwrap()], &plan);
+        match &plan {
+            Ok(plan) if plan.has_work() => {
                 folded += 1;
                 tokens += plan.stale_tokens;
                 amount = amount.saturating_add(plan.stale_amount);
-                assert_eq!(
-                    now_doc.get("counter"),
-                    Some(&plan.counter),
-                    "counter of {original}"
-                );
-                match now_doc.get("pending") {
-                    None => assert!(plan.keep.is_empty(), "{original}"),
-                    Some(Bson::Array(kept)) => assert_eq!(kept, &plan.keep, "{original}"),
-                    Some(other) => panic!("pending became {other}"),
-                }
+                large += u64::from(plan.stale.len() > 64);
             }
-            Ok(_) => assert_eq!(now_doc, original, "nothing stale, must be untouched"),
+            Ok(_) => {}
+            // The report reads only documents holding one of the fields.
             Err(_) => {
-                malformed += u64::from(original.contains_key("pending"));
-                assert_eq!(now_doc, original, "malformed, must be untouched");
+                malformed +=
+                    u64::from(original.contains_key("pending") || original.contains_key("settled"))
             }
         }
     }
@@ -654,12 +753,12 @@ async fn the_server_pipeline_does_what_the_model_says() {
     assert_eq!((run.tokens_folded, run.amount_folded), (tokens, amount));
     assert_eq!(run.survey.malformed, malformed);
     assert!(
-        folded > 50 && malformed > 20,
-        "the sample covers both: {folded} {malformed}"
+        folded > 50 && malformed > 20 && large > 5,
+        "the sample covers every kind: {folded} folded, {malformed} malformed, {large} large"
     );
 
-    // The same documents folded directly, without the report to pick them:
-    // the pipeline alone must leave every malformed one untouched.
+    // The same documents folded directly, as the daemon's repair folds
+    // them: the same result.
     let direct = client.collection("random_direct");
     direct.insert_many(docs.clone()).await.unwrap();
     let direct_target = FoldTarget {
@@ -679,16 +778,7 @@ async fn the_server_pipeline_does_what_the_model_says() {
     for original in &docs {
         let id = original.get_i32("_id").unwrap();
         let now_doc = direct.find_one(doc! { "_id": id }).await.unwrap().unwrap();
-        match model::plan(original.get("counter"), original.get("pending"), cutoff) {
-            Ok(plan) if plan.stale_tokens > 0 => {
-                assert_eq!(
-                    now_doc.get("counter"),
-                    Some(&plan.counter),
-                    "direct: {original}"
-                );
-            }
-            _ => assert_eq!(&now_doc, original, "direct fold touched {original}"),
-        }
+        assert_folded_as_planned(original, &now_doc, &plan_of(original, cutoff));
     }
 }
 
@@ -716,25 +806,75 @@ fn random_document(rng: &mut fastrand::Rng, id: i32) -> Document {
         }
     }
     let token = |rng: &mut fastrand::Rng| if rng.bool() { stale() } else { fresh() };
-    let pending = match rng.u8(0..12) {
+    let mut tokens: Vec<(ObjectId, i64)> = Vec::new();
+    let pending = match rng.u8(0..14) {
         0 => None,
         1 => Some(Bson::String("x".into())),
         2 => Some(Bson::Array(Vec::new())),
-        _ => Some(Bson::Array(
-            (0..rng.usize(1..5))
-                .map(|_| match rng.u8(0..20) {
-                    0 => Bson::Null,
-                    1 => Bson::Int32(3),
-                    2 => Bson::Document(doc! { "t": token(rng), "n": 1.5 }),
-                    3..=9 => Bson::ObjectId(token(rng)),
-                    10..=14 => Bson::Document(doc! { "t": token(rng), "n": rng.i64(1..100) }),
-                    _ => Bson::Document(doc! { "n": rng.i32(-5..-1), "t": token(rng) }),
-                })
-                .collect(),
-        )),
+        size => {
+            let len = if size <= 4 {
+                rng.usize(65..200)
+            } else {
+                rng.usize(1..5)
+            };
+            let mut entries = Vec::with_capacity(len);
+            for _ in 0..len {
+                let entry = match rng.u8(0..24) {
+                    0 if len < 10 => Bson::Null,
+                    1 if len < 10 => Bson::Int32(3),
+                    2 if len < 10 => Bson::Document(doc! { "t": token(rng), "n": 1.5 }),
+                    // A token already in the array again, in another form.
+                    3..=5 if !tokens.is_empty() => {
+                        let (t, n) = tokens[rng.usize(..tokens.len())];
+                        match (n, rng.bool()) {
+                            (1, true) => Bson::ObjectId(t),
+                            (n, _) => Bson::Document(doc! { "n": n, "t": t }),
+                        }
+                    }
+                    0..=11 => {
+                        let t = token(rng);
+                        tokens.push((t, 1));
+                        Bson::ObjectId(t)
+                    }
+                    12..=17 => {
+                        let (t, n) = (token(rng), rng.i64(1..100));
+                        tokens.push((t, n));
+                        Bson::Document(doc! { "t": t, "n": n })
+                    }
+                    _ => {
+                        let (t, n) = (token(rng), rng.i32(-5..-1));
+                        tokens.push((t, i64::from(n)));
+                        Bson::Document(doc! { "n": n, "t": t })
+                    }
+                };
+                entries.push(entry);
+            }
+            Some(Bson::Array(entries))
+        }
     };
     if let Some(p) = pending {
         d.insert("pending", p);
+    }
+    let settled = match rng.u8(0..6) {
+        0 => Some(Bson::Array(Vec::new())),
+        1 if rng.u8(0..4) == 0 => Some(Bson::Array(vec![Bson::ObjectId(stale())])),
+        1..=2 => Some(Bson::Array(
+            (0..rng.usize(1..4))
+                .map(|_| {
+                    // A marker of a token in the array (a settle counted
+                    // it), or of another token, old or young.
+                    let (t, n) = match tokens.is_empty() || rng.bool() {
+                        true => (token(rng), rng.i64(1..9)),
+                        false => tokens[rng.usize(..tokens.len())],
+                    };
+                    Bson::Document(doc! { "t": t, "n": n })
+                })
+                .collect(),
+        )),
+        _ => None,
+    };
+    if let Some(s) = settled {
+        d.insert("settled", s);
     }
     d
 }
@@ -755,12 +895,28 @@ async fn the_reconcile_command_prints_json_and_fails_only_the_broken_collection(
             .await
             .unwrap();
     }
+    // A third collection whose validator refuses one document's fold.
+    client
+        .client
+        .database(&ctx.db_name)
+        .create_collection("c")
+        .validator(doc! { "counter": { "$lte": 10 } })
+        .await
+        .unwrap();
+    client
+        .collection("c")
+        .insert_many(vec![
+            doc! { "_id": 3, "counter": 10i64, "pending": [stale()] },
+            doc! { "_id": 4, "counter": 1i64, "pending": [stale()] },
+        ])
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = crate::cli::write_config(
         dir.path(),
         &ctx.config_toml(
             false,
-            "[[collections]]\nname = \"a\"\n[[collections]]\nname = \"b\"",
+            "[[collections]]\nname = \"a\"\n[[collections]]\nname = \"b\"\n[[collections]]\nname = \"c\"",
         ),
     );
     let dry = crate::cli::tallyd(
@@ -802,6 +958,417 @@ async fn the_reconcile_command_prints_json_and_fails_only_the_broken_collection(
     let table = String::from_utf8_lossy(&output.stdout);
     assert!(table.contains("FAILED"), "{table}");
     assert!(table.contains("_id 1: a pending entry"), "{table}");
+    assert!(table.contains("ok (1 refused by the server)"), "{table}");
+    assert!(
+        table.contains(
+            "c: 1 document(s) refused by the server, left unchanged:\n  _id 3: error 121"
+        ),
+        "{table}"
+    );
     assert_eq!(counter(&client.collection("a"), 2).await, 3);
     assert_eq!(counter(&client.collection("b"), 2).await, 1);
+    assert_eq!(counter(&client.collection("c"), 3).await, 10);
+    assert_eq!(counter(&client.collection("c"), 4).await, 2);
+}
+
+/// One token, one count (issue 11, item 6): the entries of one stale token
+/// are counted once, whatever their forms, as step 2 counts them; entries
+/// that disagree on the amount make the document malformed.
+#[tokio::test]
+async fn repeated_entries_of_a_token_are_counted_once() {
+    let ctx = TestContext::new("fold_one_token_one_count").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = || stale();
+    let (a, b, c, d) = (t(), t(), t(), t());
+    coll.insert_many(vec![
+        doc! { "_id": "bare-twice", "counter": 10i64, "pending": [a, a] },
+        doc! { "_id": "both-forms", "counter": 10i64, "pending": [b, { "t": b, "n": 1 }] },
+        doc! { "_id": "field-order", "counter": 10i64, "pending": [{ "t": c, "n": 5 }, { "n": 5i64, "t": c }] },
+        doc! { "_id": "amounts-disagree", "counter": 10i64, "pending": [{ "t": d, "n": 5 }, { "t": d, "n": 3 }] },
+    ])
+    .await
+    .unwrap();
+    let disagreeing = raw(&coll, "amounts-disagree").await;
+    let run = fold_views(&client).await;
+    for (id, expected) in [("bare-twice", 11), ("both-forms", 11), ("field-order", 15)] {
+        assert_eq!(counter(&coll, id).await, expected, "{id}");
+        assert_eq!(pending_len(&coll, id).await, 0, "{id}: every copy removed");
+    }
+    assert_eq!(
+        raw(&coll, "amounts-disagree").await,
+        disagreeing,
+        "left byte for byte"
+    );
+    assert_eq!(run.survey.malformed, 1);
+    assert_eq!(run.survey.malformed_sample[0].id, "\"amounts-disagree\"");
+    assert_eq!(
+        (
+            run.tokens_folded,
+            run.amount_folded,
+            run.survey.duplicate_entries
+        ),
+        (3, 7, 3)
+    );
+}
+
+/// A token a settle counted has a marker: a copy of it re-added later (a
+/// delayed step 1) is dropped uncounted, and markers older than the grace
+/// are pruned — the field with them when none is left; young markers stay.
+#[tokio::test]
+async fn a_stale_token_a_settle_counted_is_dropped_and_old_markers_pruned() {
+    let ctx = TestContext::new("fold_settled").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let (settled, counted, young) = (stale(), stale(), fresh());
+    coll.insert_many(vec![
+        doc! {
+            "_id": "re-added",
+            "counter": 10i64,
+            "pending": [settled, counted],
+            "settled": [{ "t": settled, "n": 1i64 }, { "t": young, "n": 4i64 }],
+        },
+        doc! { "_id": "markers-only", "counter": 3i64, "settled": [{ "t": stale(), "n": 2i64 }] },
+    ])
+    .await
+    .unwrap();
+    let run = fold_views(&client).await;
+    let re_added = coll
+        .find_one(doc! { "_id": "re-added" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(re_added.get_i64("counter").unwrap(), 11, "only `counted`");
+    assert!(re_added.get("pending").is_none());
+    assert_eq!(
+        re_added.get_array("settled").unwrap(),
+        &vec![Bson::Document(doc! { "t": young, "n": 4i64 })]
+    );
+    let markers_only = coll
+        .find_one(doc! { "_id": "markers-only" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        markers_only,
+        doc! { "_id": "markers-only", "counter": 3i64 },
+        "the counter untouched, the emptied field removed"
+    );
+    assert_eq!(
+        (
+            run.documents_folded,
+            run.tokens_folded,
+            run.survey.settled_copies,
+            run.survey.stale_markers
+        ),
+        (2, 1, 1, 2)
+    );
+    let again = fold_views(&client).await;
+    assert_eq!(
+        (again.survey.documents_scanned, again.documents_folded),
+        (1, 0),
+        "only the young marker is left"
+    );
+}
+
+/// The report reads only documents holding tokens (issue 11, item 20):
+/// after 1,000 counters were incremented (step 2 leaves no empty array), a
+/// report reads none of them; a `pending: []` another client left is read
+/// and removed once, and then not read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_report_reads_no_document_without_tokens() {
+    let ctx = TestContext::new("fold_reads_only_tokens").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let coll = client.collection("views");
+    let counters = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    let writers = (0..8).map(|w| {
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            for i in (w..1000).step_by(8) {
+                let outcome = counters.increment(format!("k{i}").as_str(), 1).await;
+                assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+            }
+        })
+    });
+    for w in join_all(writers).await {
+        w.expect("writer");
+    }
+    let target = target(CollectionConfig::new("views"));
+    let after_increments = reconcile(&store, &target, Mode::Fold).await;
+    assert_eq!(
+        (
+            after_increments.survey.documents_scanned,
+            after_increments.documents_folded
+        ),
+        (0, 0)
+    );
+    // Another client of the technique leaves its array empty.
+    coll.insert_one(doc! { "_id": "other", "counter": 4i64, "pending": [] })
+        .await
+        .unwrap();
+    let cleanup = reconcile(&store, &target, Mode::Fold).await;
+    assert_eq!(
+        (
+            cleanup.survey.documents_scanned,
+            cleanup.documents_folded,
+            cleanup.tokens_folded
+        ),
+        (1, 1, 0),
+        "the empty array removed"
+    );
+    client.events.clear();
+    let again = reconcile(&store, &target, Mode::Fold).await;
+    assert_eq!(again.survey.documents_scanned, 0);
+    assert_eq!(client.events.count("update"), 0, "nothing written");
+    assert_eq!(counter(&coll, "other").await, 4);
+    assert!(field(&coll, "other", "pending").await.is_none());
+    for key in ["k0", "k500", "k999"] {
+        assert_eq!(counter(&coll, key).await, 1, "{key}");
+    }
+    assert_eq!(coll.count_documents(doc! {}).await.unwrap(), 1001);
+}
+
+/// Doubles hold integers exactly below 2^53 (issue 11, item 19): a double
+/// counter the fold would bring to 2^53 is malformed and left alone; one
+/// below is folded.
+#[tokio::test]
+async fn a_double_counter_reaching_2_53_is_malformed_and_one_below_folded() {
+    let ctx = TestContext::new("fold_double_edge").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let edge = 2f64.powi(53);
+    coll.insert_many(vec![
+        doc! { "_id": "reaches", "counter": edge - 1.0, "pending": [stale()] },
+        doc! { "_id": "below", "counter": edge - 2.0, "pending": [stale()] },
+    ])
+    .await
+    .unwrap();
+    let reaches = raw(&coll, "reaches").await;
+    let run = fold_views(&client).await;
+    assert_eq!((run.documents_folded, run.survey.malformed), (1, 1));
+    assert_eq!(raw(&coll, "reaches").await, reaches);
+    let below = coll
+        .find_one(doc! { "_id": "below" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(below.get("counter"), Some(&Bson::Double(edge - 1.0)));
+}
+
+/// One document the server refuses (a validator on the counter's range)
+/// among many (issue 11, item 4): it is left byte for byte and listed with
+/// its `_id` and code, not retried within the run; every other document,
+/// in its batch and in later ones, is folded, and the run succeeds.
+#[tokio::test]
+async fn a_document_the_server_refuses_is_reported_and_every_other_one_folded() {
+    let ctx = TestContext::new("fold_refused").await;
+    let client = ctx.client(false).await;
+    let db = client.client.database(&ctx.db_name);
+    db.create_collection("views")
+        .validator(doc! { "counter": { "$lte": 100 } })
+        .await
+        .unwrap();
+    let coll = client.collection("views");
+    let docs: Vec<Document> = (0..25)
+        .map(|i| {
+            let start = if i == 13 { 100i64 } else { i64::from(i) };
+            doc! { "_id": i, "counter": start, "pending": [stale(), fresh()] }
+        })
+        .collect();
+    coll.insert_many(docs).await.unwrap();
+    let refused = raw(&coll, 13).await;
+    let target = FoldTarget {
+        batch_size: 10,
+        ..target(CollectionConfig::new("views"))
+    };
+    client.events.clear();
+    let run = reconcile(&client.store(), &target, Mode::Fold).await;
+    assert_eq!(client.events.count("update"), 3, "three batches, no retry");
+    assert_eq!(client.events.count("find"), 0, "nothing read again");
+    assert!(run.succeeded());
+    assert_eq!((run.documents_folded, run.refused), (24, 1));
+    assert_eq!(run.refused_sample[0].id, "13");
+    assert_eq!(run.refused_sample[0].code, 121, "DocumentValidationFailure");
+    assert_eq!(raw(&coll, 13).await, refused, "left byte for byte");
+    for i in (0..25).filter(|i| *i != 13) {
+        assert_eq!(counter(&coll, i).await, i64::from(i) + 1, "document {i}");
+        assert_eq!(pending_len(&coll, i).await, 1, "document {i}");
+    }
+    let json = serde_json::to_value(&run).unwrap();
+    assert_eq!(json["refused"], 1);
+    assert_eq!(json["refused_sample"][0]["code"], 121);
+}
+
+/// Large arrays (issue 11, item 4): twenty documents holding 60,000 stale
+/// entries each make a batch of ~25 MB — more than the 16 MiB a command may
+/// carry — and fold exactly, in several commands each under the limit (as
+/// the proxy saw them).
+#[tokio::test]
+async fn documents_with_large_pending_arrays_fold_in_commands_under_the_size_limit() {
+    use crate::common::proxy::{Proxy, upstream_of};
+
+    const DOCS: i32 = 20;
+    const ENTRIES: usize = 60_000;
+    const MAX_COMMAND: usize = 16 * 1024 * 1024;
+    let ctx = TestContext::new("fold_large_arrays").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let young = fresh();
+    for i in 0..DOCS {
+        let mut pending: Vec<Bson> = (0..ENTRIES).map(|_| Bson::ObjectId(stale())).collect();
+        pending.insert(ENTRIES / 2, Bson::ObjectId(young));
+        coll.insert_one(doc! { "_id": i, "counter": 1i64, "pending": pending })
+            .await
+            .unwrap();
+    }
+    let through_proxy = ctx.client_through(&proxy, false).await.store();
+    let run = reconcile(
+        &through_proxy,
+        &target(CollectionConfig::new("views")),
+        Mode::Fold,
+    )
+    .await;
+    assert_eq!(run.documents_folded, DOCS as u64);
+    assert_eq!(run.tokens_folded, DOCS as u64 * ENTRIES as u64);
+    let sizes: Vec<usize> = proxy
+        .requests("update")
+        .iter()
+        .map(|e| e.body.to_vec().unwrap().len())
+        .collect();
+    assert!(sizes.len() > 1, "split into commands: {sizes:?}");
+    assert!(sizes.iter().all(|s| *s < MAX_COMMAND), "{sizes:?}");
+    for i in 0..DOCS {
+        assert_folded_to(&coll, i, 1 + ENTRIES as i64, &[Bson::ObjectId(young)]).await;
+    }
+}
+
+/// A document whose stale entries are too many for one statement (here
+/// 200,000, ~4 MB) is folded by several, in order, each conditioned on its
+/// own stretch of the array — with a token repeated across the stretches
+/// counted once, a settled token's copies in both dropped, and the fresh
+/// entries kept in order: exactly what the model says.
+#[tokio::test]
+async fn a_document_too_large_for_one_statement_is_folded_in_several() {
+    use crate::common::proxy::{Proxy, upstream_of};
+
+    const ENTRIES: usize = 200_000;
+    let ctx = TestContext::new("fold_split_document").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let mut pending: Vec<Bson> = (0..ENTRIES).map(|_| Bson::ObjectId(stale())).collect();
+    let (repeated, settled) = (stale(), stale());
+    pending[10] = Bson::Document(doc! { "t": repeated, "n": 7i64 });
+    pending[ENTRIES - 10] = Bson::Document(doc! { "n": 7, "t": repeated });
+    pending[5] = Bson::ObjectId(settled);
+    pending[ENTRIES - 5] = Bson::ObjectId(settled);
+    let young = [fresh(), fresh()];
+    pending[ENTRIES / 4] = Bson::ObjectId(young[0]);
+    pending[3 * ENTRIES / 4] = Bson::ObjectId(young[1]);
+    let document = doc! {
+        "_id": "big",
+        "counter": 3i32,
+        "pending": pending,
+        "settled": [{ "t": settled, "n": 1i64 }],
+    };
+    coll.insert_one(&document).await.unwrap();
+    let store = ctx.client_through(&proxy, false).await.store();
+    let reconciler = Reconciler::new(&store);
+    let now = reconciler.server_time().await.unwrap();
+    let plan = plan_of(&document, Token::cutoff(now - GRACE));
+    let run = reconciler
+        .reconcile(
+            &target(CollectionConfig::new("views")),
+            Mode::Fold,
+            now,
+            &CancellationToken::new(),
+            &mut |_| {},
+        )
+        .await;
+    assert!(run.succeeded(), "{:?}", run.error);
+    let statements: usize = proxy
+        .requests("update")
+        .iter()
+        .map(|e| e.body.get_array("updates").unwrap().len())
+        .sum();
+    assert!(statements > 1, "split: {statements} statement(s)");
+    let after = coll.find_one(doc! { "_id": "big" }).await.unwrap().unwrap();
+    assert_folded_as_planned(&document, &after, &plan);
+    let expected = 3 + (ENTRIES as i64 - 2 - 2 - 2) + 7;
+    assert_eq!(after.get("counter"), Some(&Bson::Int32(expected as i32)));
+    assert_eq!(
+        after.get_array("pending").unwrap(),
+        &young.map(Bson::ObjectId).to_vec()
+    );
+    assert!(after.get("settled").is_none());
+}
+
+/// A `writeConcernError` in the fold's reply (issue 11, item 17) is a
+/// failure like any other, classified by its code and labels: a transient
+/// one is retried once and the run succeeds; another one fails the run —
+/// never recorded as a success. The counters are exact either way: every
+/// statement is conditioned on what it removes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_concern_error_fails_the_run_unless_a_retry_clears_it() {
+    use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+
+    let ctx = TestContext::new("fold_write_concern").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let store = ctx.client_through(&proxy, false).await.store();
+    let direct = ctx.client(false).await;
+    let cases = [
+        (
+            "plain",
+            Action::write_concern_error(64, "WriteConcernFailed", &[]),
+            false,
+        ),
+        (
+            "labelled",
+            Action::write_concern_error(64, "WriteConcernFailed", &["RetryableWriteError"]),
+            true,
+        ),
+        (
+            "listed",
+            Action::write_concern_error(91, "ShutdownInProgress", &[]),
+            true,
+        ),
+    ];
+    for (name, action, retried) in cases {
+        let coll = direct.collection(name);
+        coll.insert_many((0..5).map(|i| doc! { "_id": i, "counter": 1i64, "pending": [stale(), { "t": stale(), "n": 2i64 }] }))
+            .await
+            .unwrap();
+        proxy.clear_log();
+        let rule = proxy.rule(Rule::command("update").collection(name).nth(1).then(action));
+        let run = run_reconcile(&store, &target(CollectionConfig::new(name)), Mode::Fold).await;
+        drop(rule);
+        let updates = proxy.requests("update");
+        assert!(updates.iter().all(|e| e.reached_server), "{name}");
+        if retried {
+            assert!(run.succeeded(), "{name}: {:?}", run.error);
+            assert_eq!(updates.len(), 2, "{name}: sent again once");
+        } else {
+            assert!(
+                !run.succeeded(),
+                "{name}: a write-concern error is not a success"
+            );
+            let err = run.error.as_ref().unwrap();
+            assert_eq!(err.class(), Some(tally::ErrorClass::Command), "{name}");
+            assert_eq!(updates.len(), 1, "{name}: not sent again");
+        }
+        // The server applied the first update: every counter is folded,
+        // once, and a next run finds nothing.
+        for i in 0..5 {
+            assert_eq!(counter(&coll, i).await, 4, "{name}: document {i}");
+        }
+        let again = run_reconcile(&store, &target(CollectionConfig::new(name)), Mode::Fold).await;
+        assert!(again.succeeded(), "{name}");
+        assert_eq!(again.survey.documents_scanned, 0, "{name}");
+    }
 }

@@ -194,3 +194,27 @@ async fn seq_commands_print_json() {
         .unwrap();
     assert_eq!(stored.unwrap().get_i64("seq").unwrap(), 102);
 }
+
+/// Creating a sequence's document follows DESIGN §1 for write-concern
+/// errors: a transient one is a lost reply (retried; the document is
+/// there, the first number is 1), any other is a command error.
+#[tokio::test]
+async fn a_write_concern_error_on_first_use_is_retried_only_when_transient() {
+    let ctx = TestContext::new("seq_create_write_concern").await;
+    let client = ctx.client(false).await;
+    let seq = sequences(&client);
+    for (name, code, code_name) in [
+        ("a", 91, "ShutdownInProgress"),
+        ("b", 64, "WriteConcernFailed"),
+    ] {
+        let _fail = FailPoint::write_concern_error(&ctx, "insert", code, code_name).await;
+        let result = seq.next(name).await;
+        match code {
+            91 => assert_eq!(result.unwrap(), 1),
+            _ => assert_eq!(
+                result.unwrap_err().class(),
+                Some(tally::ErrorClass::Command)
+            ),
+        }
+    }
+}

@@ -34,9 +34,12 @@ const FAULT_SHARE: f64 = 0.026;
 /// Share of increments whose writer "crashes" right after step 1.
 const CRASH_SHARE: f64 = 0.05;
 const DEFAULT_SEED: u64 = 20_261_122;
-/// The writers' bound on one attempt; the delay fault holds replies longer.
-const ATTEMPT: Duration = Duration::from_secs(2);
-const DELAY: Duration = Duration::from_secs(3);
+/// The writers' bound on one attempt (it must exceed their server
+/// selection timeout, [`SELECTION`], by a second); the delay fault holds
+/// replies longer.
+const ATTEMPT: Duration = Duration::from_secs(3);
+const SELECTION: &str = "serverSelectionTimeoutMS=2000";
+const DELAY: Duration = Duration::from_secs(4);
 /// The writers' retry horizon, the same as the daemon's config says.
 const RETRY_HORIZON: Duration = Duration::from_secs(2);
 /// The whole soak must finish within this.
@@ -105,7 +108,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let client = ctx.client_through(&proxy, false).await;
+        let client = ctx.client_through_with(&proxy, false, SELECTION).await;
         let store = client.store().with_attempt_timeout(ATTEMPT);
         let keys = keys.clone();
         let done = done.clone();
@@ -264,22 +267,25 @@ async fn settle(counters: &Counters, key: &str, rng: &mut fastrand::Rng) -> (Str
             Increment::Counted(_) => break Claim::Counted,
             Increment::Pending(pending) => {
                 if rng.bool() {
-                    let _: Completion = counters.complete(&pending).await;
+                    let _: Completion = counters.complete(pending).await;
                 }
                 break Claim::Counted;
             }
             Increment::NotCounted(_) => break Claim::NotCounted,
-            Increment::Unknown(unknown) => match counters.resume(&unknown).await {
-                Ok(next) => outcome = next,
-                Err(Error::RetryHorizonExceeded { .. }) => break Claim::AtMostOnce,
-                // The lookup failed: ask again, a few times.
-                Err(_) if lookups < 10 => {
-                    lookups += 1;
+            // Still unknown after a few resumes (a read that keeps failing):
+            // given up on, counted at most once.
+            Increment::Unknown(_) if lookups >= 10 => break Claim::AtMostOnce,
+            Increment::Unknown(unknown) => {
+                if lookups > 0 {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    outcome = Increment::Unknown(unknown);
                 }
-                Err(_) => break Claim::AtMostOnce,
-            },
+                lookups += 1;
+                match counters.resume(unknown).await {
+                    Ok(next) => outcome = next,
+                    Err(Error::RetryHorizonExceeded { .. }) => break Claim::AtMostOnce,
+                    Err(err) => panic!("resume refused: {err}"),
+                }
+            }
         }
     };
     (key.to_owned(), token, claim)

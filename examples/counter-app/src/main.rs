@@ -14,7 +14,7 @@
 
 use std::process::ExitCode;
 
-use tally::{CollectionConfig, Completion, Counters, Increment, Store, StoreConfig, WriterConfig};
+use tally::{CollectionConfig, Counters, Increment, Store, StoreConfig, WriterConfig};
 
 /// `EX_TEMPFAIL`: the increment is not settled yet.
 const EXIT_TEMPFAIL: u8 = 75;
@@ -44,25 +44,26 @@ async fn main() -> ExitCode {
     // Settle what can be settled now: resume an unknown increment (within
     // the retry horizon), complete a pending one.
     let outcome = match views.increment(key.as_str(), 1).await {
-        Increment::Unknown(unknown) => match views.resume(&unknown).await {
-            Ok(resumed) => resumed,
-            Err(err) => {
-                println!(
-                    "unknown: page_views/{key} (token {}): {err}",
-                    unknown.token()
-                );
-                return ExitCode::from(EXIT_TEMPFAIL);
+        Increment::Unknown(unknown) => {
+            let token = unknown.token();
+            match views.resume(unknown).await {
+                Ok(resumed) => resumed,
+                // Refused: past the retry horizon, counted at most once.
+                Err(err) => {
+                    println!("unknown: page_views/{key} (token {token}): {err}");
+                    return ExitCode::from(EXIT_TEMPFAIL);
+                }
             }
-        },
+        }
         other => other,
     };
     let outcome = match outcome {
-        Increment::Pending(pending) => match views.complete(&pending).await {
-            Completion::Counted(counted) => Increment::Counted(counted),
-            Completion::Pending(pending) => Increment::Pending(pending),
-        },
+        Increment::Pending(pending) => views.complete(pending).await.into(),
         other => other,
     };
+    // End the driver's work in order before the runtime stops.
+    drop(views);
+    store.shutdown().await;
     match outcome {
         Increment::Counted(counted) => {
             println!("counted: page_views/{key} +1 (token {})", counted.token());

@@ -48,10 +48,11 @@ async fn list_indexes(store: &Store, name: &str) -> Result<Vec<IndexModel>, mong
     store.attempt(cursor.try_collect()).await
 }
 
-/// The fields the README advises a sparse index on: the pending field,
-/// which the fold and the monitor's scans look for.
+/// The fields the README advises a sparse index on: the pending and the
+/// settled field, the documents holding either of which the fold and the
+/// monitor's scans look for.
 fn advised_fields(spec: &CollectionConfig) -> Vec<&str> {
-    vec![spec.pending_field.as_str()]
+    vec![spec.pending_field.as_str(), spec.settled_field.as_str()]
 }
 
 /// Each advised field needs an index that starts with it and holds only
@@ -83,15 +84,24 @@ fn judge_indexes(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, S
         }
     }
     if !missing.is_empty() {
-        let field = missing.join(", ");
+        let create: Vec<String> = missing
+            .iter()
+            .map(|field| {
+                format!(
+                    "db.{}.createIndex({{{field}: 1}}, {{sparse: true}})",
+                    spec.name
+                )
+            })
+            .collect();
         return (
             Verdict::Warn,
             format!(
-                "no index on {field}: each fold and each monitor scan reads the whole \
-                 collection to find the documents holding tokens; on a large collection where \
-                 few do, create a sparse one — db.{}.createIndex({{{}: 1}}, {{sparse: true}}) — \
-                 at a price on every increment (BENCHMARKS.md)",
-                spec.name, missing[0]
+                "no index on {}: each fold and each monitor scan reads the whole collection to \
+                 find the documents holding tokens or settle markers; on a large collection \
+                 where few do, create sparse ones — {} — at a price on every increment step \
+                 (BENCHMARKS.md)",
+                missing.join(", "),
+                create.join(", ")
             ),
         );
     }
@@ -293,35 +303,52 @@ mod tests {
         IndexModel::builder().keys(keys).options(options).build()
     }
 
+    fn sparse(field: &str) -> IndexModel {
+        let options = IndexOptions::builder()
+            .sparse(true)
+            .name(format!("{field}_sparse"))
+            .build();
+        index(doc! { field: 1 }, Some(options))
+    }
+
     #[test]
-    fn the_pending_field_wants_a_sparse_or_partial_index_that_starts_with_it() {
+    fn the_pending_and_settled_fields_want_a_sparse_or_partial_index_that_starts_with_them() {
         let spec = CollectionConfig::new("views");
         let id = index(doc! { "_id": 1 }, None);
         let (verdict, message) = judge_indexes(&spec, std::slice::from_ref(&id));
         assert_eq!(verdict, Verdict::Warn, "{message}");
-        assert!(message.contains("no index on pending"), "{message}");
+        assert!(
+            message.contains("no index on pending, settled"),
+            "{message}"
+        );
+
+        let (verdict, message) = judge_indexes(&spec, &[id.clone(), sparse("pending")]);
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(message.contains("no index on settled"), "{message}");
 
         let dense = index(doc! { "pending": 1 }, None);
-        let (verdict, message) = judge_indexes(&spec, &[id.clone(), dense.clone()]);
+        let (verdict, message) = judge_indexes(&spec, &[dense.clone(), sparse("settled")]);
         assert_eq!(verdict, Verdict::Warn, "{message}");
         assert!(message.contains("not sparse"), "{message}");
 
-        let sparse = IndexOptions::builder()
-            .sparse(true)
-            .name("pending_sparse".to_owned())
-            .build();
-        let sparse = index(doc! { "pending": 1 }, Some(sparse));
-        let (verdict, message) = judge_indexes(&spec, &[id.clone(), dense, sparse]);
+        let both = [id.clone(), dense, sparse("pending"), sparse("settled")];
+        let (verdict, message) = judge_indexes(&spec, &both);
         assert_eq!(verdict, Verdict::Ok, "{message}");
-        assert!(message.contains("pending_sparse"), "{message}");
+        assert!(message.contains("pending_sparse on pending"), "{message}");
 
         let partial = IndexOptions::builder()
             .partial_filter_expression(doc! { "pending": { "$exists": true } })
             .build();
         let partial = index(doc! { "pending": 1, "_id": 1 }, Some(partial));
-        assert_eq!(judge_indexes(&spec, &[partial]).0, Verdict::Ok);
+        assert_eq!(
+            judge_indexes(&spec, &[partial, sparse("settled")]).0,
+            Verdict::Ok
+        );
 
         let second = index(doc! { "other": 1, "pending": 1 }, None);
-        assert_eq!(judge_indexes(&spec, &[id, second]).0, Verdict::Warn);
+        assert_eq!(
+            judge_indexes(&spec, &[id, second, sparse("settled")]).0,
+            Verdict::Warn
+        );
     }
 }

@@ -287,6 +287,18 @@ pub enum Action {
     /// otherwise (`findAndModify`), with `keyPattern` and `keyValue` as
     /// MongoDB 4.4+ reports them.
     DuplicateKey,
+    /// Forward; when the server's reply arrives, add a `writeConcernError`
+    /// with this code (and labels, at the top of the reply, where the
+    /// server puts them) before delivering it: the server executed the
+    /// write, its replication is unconfirmed.
+    WriteConcernError {
+        /// The server error code, e.g. 64 (`WriteConcernFailed`).
+        code: i32,
+        /// The code's name.
+        code_name: String,
+        /// Error labels, e.g. `RetryableWriteError`; omitted when empty.
+        labels: Vec<String>,
+    },
     /// Never forward; answer as the server would with this error.
     Error {
         /// The server error code, e.g. 10107.
@@ -307,6 +319,40 @@ impl Action {
             labels: labels.iter().map(|l| (*l).to_owned()).collect(),
         }
     }
+}
+
+impl Action {
+    /// Shorthand for [`Action::WriteConcernError`].
+    pub fn write_concern_error(code: i32, code_name: &str, labels: &[&str]) -> Self {
+        Self::WriteConcernError {
+            code,
+            code_name: code_name.to_owned(),
+            labels: labels.iter().map(|l| (*l).to_owned()).collect(),
+        }
+    }
+}
+
+/// `reply` (the server's, parsed) with a write-concern error added, as the
+/// server would send it.
+fn with_write_concern_error(
+    reply: &WireMessage,
+    code: i32,
+    code_name: &str,
+    labels: &[String],
+) -> Vec<u8> {
+    let mut body = reply.body.clone();
+    body.insert(
+        "writeConcernError",
+        doc! {
+            "code": code,
+            "codeName": code_name,
+            "errmsg": format!("{code_name} ({code}) injected by test proxy"),
+        },
+    );
+    if !labels.is_empty() {
+        body.insert("errorLabels", labels);
+    }
+    encode_op_msg(reply.request_id, reply.response_to, &body)
 }
 
 /// The reply the server would send for an [`Action::Error`].
@@ -956,11 +1002,19 @@ impl Pair {
                     e.reply = Some(body);
                 }
             });
-            match action {
+            let bytes = match action {
                 Some(Action::DropReply) => return,
-                Some(Action::DelayReply(delay)) => tokio::time::sleep(delay).await,
-                _ => {}
-            }
+                Some(Action::DelayReply(delay)) => {
+                    tokio::time::sleep(delay).await;
+                    bytes
+                }
+                Some(Action::WriteConcernError {
+                    code,
+                    code_name,
+                    labels,
+                }) => with_write_concern_error(&reply, code, &code_name, &labels),
+                _ => bytes,
+            };
             if self.deliver(&bytes).await.is_err() {
                 return;
             }
