@@ -6,6 +6,7 @@ mod bounded;
 mod cli;
 mod common;
 mod daemon;
+mod doctor;
 mod faults;
 mod history;
 mod increment;
