@@ -154,7 +154,7 @@ async fn check_config_and_run_refuse_the_same_configurations() {
             "log.level: ",
         ),
         (views.clone(), vec![("RUST_LOG", "inof")], "RUST_LOG: "),
-        // The defaults: retry horizon 60s + attempt 60s.
+        // The defaults: retry horizon 3m + attempt 60s.
         (
             format!("{views}[reconcile]\ngrace = \"90s\"\n"),
             vec![],
