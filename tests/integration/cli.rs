@@ -396,6 +396,44 @@ async fn an_unknown_incr_by_5_says_5_and_its_hint_counts_5() {
     assert_eq!(counter(&client.collection("views"), "k").await, 5);
 }
 
+/// A `resume` that cannot read the document hands the ticket back as
+/// unknown; for a token already past the retry horizon it says so — counted
+/// at most once, exit 1: nothing is left to do — and never prints a
+/// `resume` hint that could only be refused.
+#[tokio::test]
+async fn an_unknown_token_past_the_horizon_gets_no_resume_hint() {
+    let ctx = TestContext::new("cli_unknown_past_horizon").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let old = tally::Token::created_at_time(
+        std::time::SystemTime::now() - std::time::Duration::from_secs(3600),
+    )
+    .to_string();
+    let args = [
+        "--config",
+        &path,
+        "resume",
+        "k",
+        &old,
+        "--collection",
+        "views",
+    ];
+    let output = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 4 }),
+            doc! { "failCommands": ["find"], "errorCode": 2 },
+        )
+        .await;
+        tallyd(&args, &[]).await
+    };
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let shown = text(&output);
+    assert!(shown.starts_with("unknown: "), "{shown}");
+    assert!(!shown.contains("tallyd resume"), "{shown}");
+    assert!(shown.contains("counted at most once"), "{shown}");
+}
+
 #[tokio::test]
 async fn pending_exits_75_and_complete_settles_it() {
     let ctx = TestContext::new("cli_pending_complete").await;

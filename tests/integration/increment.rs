@@ -871,7 +871,7 @@ async fn a_timed_out_step_1_is_retried_or_resumed_when_the_horizon_is_one_attemp
         &ctx,
         Bson::Document(doc! { "times": 1 }),
         doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 5000,
-               "errorCode": 2 },
+        "errorCode": 2 },
     )
     .await;
     let outcome = views.increment("home", 1).await;
