@@ -890,3 +890,62 @@ async fn a_timed_out_step_1_is_retried_or_resumed_when_the_horizon_is_one_attemp
     assert_counted(&outcome);
     assert_eq!(counter(&client.collection("views"), "home").await, 1);
 }
+
+/// Every read tally makes goes to the primary, also when the URI prefers
+/// secondaries: a lagging secondary could miss a settle marker a `resume`
+/// must see, or show a value older than a `Counted` the caller was given.
+/// (On a direct connection the driver sends `primary` as
+/// `primaryPreferred`, which a single node serves alike.)
+#[tokio::test]
+async fn reads_go_to_the_primary_even_when_the_uri_prefers_secondaries() {
+    let ctx = TestContext::new("reads_primary").await;
+    let client = ctx
+        .client_with_uri_options("readPreference=secondaryPreferred", false)
+        .await;
+    let store = client.store();
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(views.value("k").await.unwrap(), Some(Bson::Int64(1)));
+    let unknown = UnknownToken::new("k", Token::new(), 1).unwrap();
+    assert_counted(&views.resume(unknown).await.unwrap());
+    let seats = tally::BoundedCounters::new(&store, tally::BoundedConfig::new("seats"));
+    assert!(seats.create("show", 2).await.unwrap());
+    assert_eq!(seats.available("show").await.unwrap(), Some(2));
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    client
+        .collection("views")
+        .update_one(
+            doc! { "_id": "f" },
+            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let target = tally::FoldTarget {
+        spec: CollectionConfig::new("views"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
+    assert_eq!(run.error.as_ref().map(ToString::to_string), None);
+
+    let reads: Vec<_> = client
+        .events
+        .sent()
+        .into_iter()
+        .filter(|s| ["find", "aggregate", "count", "distinct"].contains(&s.name.as_str()))
+        .collect();
+    // The value, the resume's lookup, the available units, the fold's reads.
+    assert!(reads.len() >= 4, "{reads:?}");
+    for sent in &reads {
+        assert!(
+            matches!(
+                sent.read_preference.as_deref(),
+                None | Some("primary" | "primaryPreferred")
+            ),
+            "{} was sent with read preference {:?}",
+            sent.name,
+            sent.read_preference
+        );
+    }
+}
