@@ -590,30 +590,7 @@ async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
         .unwrap();
     assert_eq!(id, 1);
     // The fold's batch command goes through `run_command`.
-    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
-    ctx.client(false)
-        .await
-        .collection("views")
-        .update_one(
-            doc! { "_id": "f" },
-            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
-        )
-        .upsert(true)
-        .await
-        .unwrap();
-    let target = tally::FoldTarget {
-        spec: CollectionConfig::new("views"),
-        grace: Duration::from_secs(60),
-        batch_size: 100,
-    };
-    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
-    assert_eq!(
-        (
-            run.error.as_ref().map(ToString::to_string),
-            run.tokens_folded
-        ),
-        (None, 1)
-    );
+    fold_one_stale_token(&ctx, &store).await;
 
     let writes: Vec<_> = client
         .events
@@ -635,6 +612,35 @@ async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
             sent.name
         );
     }
+}
+
+/// Writes a stale token into `views` document `f` (directly) and folds it
+/// through `store`.
+async fn fold_one_stale_token(ctx: &TestContext, store: &tally::Store) {
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    ctx.client(false)
+        .await
+        .collection("views")
+        .update_one(
+            doc! { "_id": "f" },
+            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let target = tally::FoldTarget {
+        spec: CollectionConfig::new("views"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let run = crate::common::run_reconcile(store, &target, tally::Mode::Fold).await;
+    assert_eq!(
+        (
+            run.error.as_ref().map(ToString::to_string),
+            run.tokens_folded
+        ),
+        (None, 1)
+    );
 }
 
 /// A server nobody answers is an outage, not a lost reply: the increment is
@@ -911,23 +917,7 @@ async fn reads_go_to_the_primary_even_when_the_uri_prefers_secondaries() {
     let seats = tally::BoundedCounters::new(&store, tally::BoundedConfig::new("seats"));
     assert!(seats.create("show", 2).await.unwrap());
     assert_eq!(seats.available("show").await.unwrap(), Some(2));
-    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
-    client
-        .collection("views")
-        .update_one(
-            doc! { "_id": "f" },
-            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
-        )
-        .upsert(true)
-        .await
-        .unwrap();
-    let target = tally::FoldTarget {
-        spec: CollectionConfig::new("views"),
-        grace: Duration::from_secs(60),
-        batch_size: 100,
-    };
-    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
-    assert_eq!(run.error.as_ref().map(ToString::to_string), None);
+    fold_one_stale_token(&ctx, &store).await;
 
     let reads: Vec<_> = client
         .events
