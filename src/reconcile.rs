@@ -86,8 +86,9 @@ pub struct FoldTarget {
     pub spec: CollectionConfig,
     /// Tokens older than this are folded; younger ones belong to writers
     /// still between their two steps. Must exceed the writers' retry horizon
-    /// by more than the clock skew between writers and the server. The
-    /// daemon's default: 15m.
+    /// plus one attempt by more than the clock skew between writers and the
+    /// server (`grace − retry_horizon − attempt_timeout` is the skew
+    /// tolerated: 11 minutes with the defaults). The daemon's default: 15m.
     pub grace: Duration,
     /// Documents per fold batch: work between two points where a run can
     /// stop (shutdown) and report progress. A batch is one `update` command,

@@ -46,9 +46,9 @@ impl Conf {
         }
     }
 
-    /// The config file: collection `views`, grace 7 s, retry horizon 2 s,
-    /// attempts bounded by 4 s (the grace must outlast the horizon plus one
-    /// attempt).
+    /// The config file: collection `views`, grace 10 s, retry horizon 6 s,
+    /// attempts bounded by 3 s (the horizon must hold two attempts, the
+    /// grace must outlast the horizon plus one attempt).
     pub(crate) fn render(&self, uri: &str, database: &str) -> String {
         format!(
             r#"
@@ -56,13 +56,13 @@ impl Conf {
 uri = "{uri}"
 database = "{database}"
 server_selection_timeout = "2s"
-attempt_timeout = "4s"
+attempt_timeout = "3s"
 [[collections]]
 name = "views"
 [writer]
-retry_horizon = "2s"
+retry_horizon = "6s"
 [reconcile]
-grace = "7s"
+grace = "10s"
 batch_size = 10
 [schedule]
 cron = "{cron}"
@@ -82,9 +82,9 @@ scan_interval = "10m"
     }
 }
 
-/// The alerts section most tests use: tokens stuck after 7 s (the grace:
+/// The alerts section most tests use: tokens stuck after 10 s (the grace:
 /// no shorter).
-const ALERTS: &str = "[alerts]\nstuck_after = \"7s\"\n";
+const ALERTS: &str = "[alerts]\nstuck_after = \"10s\"\n";
 
 fn start(ctx: &TestContext, conf: &Conf) -> Tallyd {
     let mut text = conf.render(&ctx.child_uri(false), &ctx.db_name);
@@ -643,8 +643,8 @@ async fn the_status_command_shows_pending_stuck_and_malformed() {
     let dir = tempfile::tempdir().unwrap();
     let config = ctx.config_toml(
         false,
-        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"3m\"\n\
-         [alerts]\nstuck_after = \"3m\"",
+        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"5m\"\n\
+         [alerts]\nstuck_after = \"5m\"",
     );
     let path = crate::cli::write_config(dir.path(), &config);
     let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
@@ -673,7 +673,7 @@ async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
     let views = ctx.client(false).await.collection("views");
     let receiver = crate::common::receiver::Receiver::start(2).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"7s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
+        "[alerts]\nstuck_after = \"10s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
          auth_header_env = \"HOOK_TOKEN\"\nmax_attempts = 10\n",
         receiver.addr
     );
@@ -1387,7 +1387,7 @@ async fn sample_ids_show_document_ids_as_they_are() {
     }
     let receiver = crate::common::receiver::Receiver::start(0).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"7s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        "[alerts]\nstuck_after = \"10s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
         receiver.addr
     );
     let conf = Conf {
@@ -1430,7 +1430,7 @@ async fn sample_ids_show_document_ids_as_they_are() {
 /// readiness probe (`tally_clock_skew_seconds`) and fires `clock_skew` for
 /// each collection whose margin (`grace − retry_horizon − attempt_timeout`)
 /// the skew uses more than half of: with the clock moved 10 minutes back
-/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 7 s: a 1 s
+/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 10 s: a 1 s
 /// margin) fires, `clicks` (grace 60 m) does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
@@ -1469,7 +1469,7 @@ async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
     assert!((599..=601).contains(&seconds), "{firing}");
     let detail = firing["detail"].as_str().unwrap();
     assert!(
-        detail.contains("behind") && detail.contains("grace 7s"),
+        detail.contains("behind") && detail.contains("grace 10s"),
         "{detail}"
     );
     let skew = daemon.metric("tally_clock_skew_seconds").await.unwrap();
