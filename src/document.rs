@@ -69,17 +69,22 @@ pub(crate) async fn insert_if_absent(
     }
 }
 
+/// Doubles hold every integer of magnitude below 2^53 exactly, and from
+/// 2^53 on no longer tell two neighbouring integers apart (2^53 + 1 is
+/// stored as 2^53): the exact range of a double counter, for step 2 and the
+/// fold alike.
+pub(crate) const EXACT_DOUBLE: i128 = 1 << 53;
+
 /// An integral number stored as int32, int64 or an integral double (what
 /// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
 /// including doubles with a fraction and doubles of magnitude 2^53 or more:
 /// from 2^53 on, a double no longer tells two neighbouring integers apart
 /// (2^53 + 1 is stored as 2^53).
 pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
-    const EXACT_BELOW: f64 = 9_007_199_254_740_992.0; // 2^53
     match value {
         Bson::Int32(n) => Some(i64::from(*n)),
         Bson::Int64(n) => Some(*n),
-        Bson::Double(d) if d.fract() == 0.0 && d.abs() < EXACT_BELOW => Some(*d as i64),
+        Bson::Double(d) if d.fract() == 0.0 && d.abs() < EXACT_DOUBLE as f64 => Some(*d as i64),
         _ => None,
     }
 }

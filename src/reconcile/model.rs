@@ -29,13 +29,10 @@ use std::fmt;
 
 use mongodb::bson::{Bson, oid::ObjectId};
 
-use crate::document::bson_type_name;
+use crate::document::{EXACT_DOUBLE, bson_type_name};
 use crate::token::{AMOUNT_FIELD, Entry, TOKEN_FIELD, Token};
 
 pub use crate::token::BadEntry;
-
-/// Doubles hold every integer of magnitude below 2^53 exactly.
-pub(crate) const EXACT_DOUBLE: i128 = 1 << 53;
 
 /// Why a document is not folded (and never modified).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +91,8 @@ pub struct StaleEntry {
     pub position: usize,
     /// The value as stored.
     pub value: Bson,
+    /// Its token.
+    pub token: Token,
     /// What removing it adds to the counter: its token's amount on the
     /// token's last stale entry, 0 on the others and on every entry of a
     /// token a settle counted. Removing a prefix of the stale entries with
@@ -193,7 +192,6 @@ pub fn plan(
     // Each stale token: its amount and the index (in `plan.stale`) of its
     // last entry.
     let mut tokens: BTreeMap<ObjectId, (i64, usize)> = BTreeMap::new();
-    let mut stale_tokens = Vec::new();
     for (position, (value, entry)) in entries.iter().zip(&parsed).enumerate() {
         let token = entry.token().object_id();
         if token >= cutoff {
@@ -218,9 +216,9 @@ pub fn plan(
         plan.stale.push(StaleEntry {
             position,
             value: value.clone(),
+            token: entry.token(),
             adds: 0,
         });
-        stale_tokens.push(token);
     }
     let mut sum: i128 = 0;
     for (token, (amount, last)) in &tokens {
@@ -230,8 +228,8 @@ pub fn plan(
             plan.stale[*last].adds = *amount;
         }
     }
-    for (entry, token) in plan.stale.iter().zip(&stale_tokens) {
-        if marked.contains(token) {
+    for entry in &plan.stale {
+        if marked.contains(&entry.token.object_id()) {
             plan.settled_copies += 1;
         } else if entry.adds == 0 {
             plan.duplicate_entries += 1;
@@ -277,7 +275,8 @@ fn marker_token(value: &Bson) -> Result<ObjectId, &'static str> {
 }
 
 /// The counter plus `sum`, keeping its type; an error when the counter is
-/// not an integer or the result leaves its type's exact range.
+/// not an integer or the result leaves its type's exact range (for a
+/// double, also when `sum` does: the server adds it as a double).
 pub(crate) fn add(counter: Option<&Bson>, sum: i128) -> Result<Bson, Malformed> {
     let long = |r: i128| i64::try_from(r).map_err(|_| Malformed::Overflow);
     match counter {
@@ -289,7 +288,8 @@ pub(crate) fn add(counter: Option<&Bson>, sum: i128) -> Result<Bson, Malformed> 
         Some(Bson::Int64(c)) => Ok(Bson::Int64(long(i128::from(*c) + sum)?)),
         Some(Bson::Double(c)) if exact_double(*c) => {
             let r = *c as i128 + sum;
-            if r.abs() < EXACT_DOUBLE {
+            // The server adds in doubles: the sum must be exact as one too.
+            if r.abs() < EXACT_DOUBLE && sum.abs() < EXACT_DOUBLE {
                 Ok(Bson::Double(r as f64))
             } else {
                 Err(Malformed::Overflow)
@@ -356,6 +356,23 @@ mod tests {
         assert_eq!(counter(Some(Bson::Int32(i32::MAX))), Bson::Int64(1 << 31));
         assert_eq!(counter(Some(Bson::Double(4.0))), Bson::Double(5.0));
         assert_eq!(counter(None), Bson::Int64(1));
+    }
+
+    /// The server adds to a double counter in doubles: an amount of 2^53 or
+    /// more is rounded before it is added, so the result is refused even
+    /// when the exact one would fit — as step 2 refuses it.
+    #[test]
+    fn a_double_counter_is_refused_when_the_amount_is_not_exact_as_a_double() {
+        let big = (1i64 << 53) + 1;
+        let pending = Bson::Array(vec![Bson::Document(doc! { "t": at(3600), "n": big })]);
+        let start = Bson::Double(-((1i64 << 53) - 1) as f64);
+        assert_eq!(fold(Some(start), pending.clone()), Err(Malformed::Overflow));
+        assert_eq!(
+            fold(Some(Bson::Int64(-(1 << 53) + 1)), pending)
+                .unwrap()
+                .counter,
+            Bson::Int64(2)
+        );
     }
 
     /// One token, one count: the fold agrees with step 2, which counts a

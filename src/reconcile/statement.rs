@@ -2,13 +2,16 @@
 //! they remove (DESIGN §4, the per-document conditioned write).
 //!
 //! A statement applies only while the document still holds what the plan
-//! removes, and leaves everything else a writer may have changed in the
-//! meantime alone. A concurrent step 1 adds an entry, which the statement
-//! keeps; a concurrent step 2 of another token removes one, which the
-//! statement does not bring back; a concurrent step 2 (or another fold) that
-//! took one of the stale entries makes the statement match nothing, and the
-//! reconciler reads the document again. Running a statement twice applies it
-//! once: afterwards the document no longer holds what it removes.
+//! removes and none of the tokens it counts has a settle marker, and
+//! leaves everything else a writer may have changed in the meantime alone.
+//! A concurrent step 1 adds an entry, which the statement keeps; a
+//! concurrent step 2 of another token removes one, which the statement does
+//! not bring back; a concurrent step 2 (or another fold) that took one of
+//! the stale entries makes the statement match nothing, and the reconciler
+//! reads the document again; so does a settle that counted one of them (its
+//! marker), even when a late step 1 re-added the token.
+//! Running a statement twice applies it once: afterwards the document no
+//! longer holds what it removes.
 //!
 //! Two forms, chosen per document by size:
 //!
@@ -23,24 +26,31 @@
 //!   that (`$slice` and `$eq`, no per-entry expression) and rebuilds the
 //!   array from the fresh entries read plus whatever was appended since.
 //!   A document too large for one statement is split into several, each
-//!   covering the next stretch of the array; they apply only in order, each
-//!   counting the tokens whose last stale entry it removes, so any prefix of
-//!   them that applied left a document the next run folds exactly.
+//!   covering the next stretch of the array and counting the tokens whose
+//!   last stale entry it removes. They apply only in order: each after the
+//!   first also requires that every entry before its stretch is fresh (the
+//!   earlier ones removed their stale entries; one `$min` over the tokens,
+//!   a constant number of bytes), so any prefix of them that applied left a
+//!   document the next run folds exactly.
 //!
 //! The counter is written with `$add` on the server, on top of whatever
 //! step 2s added meanwhile. Its BSON type is pinned in the filter (the
-//! plan's arithmetic depends on it); near the edge of its type's exact
-//! range its value is pinned too, so a concurrent change cannot push the
-//! sum past the edge unseen.
+//! plan's arithmetic depends on it), and the pipeline checks that the sum
+//! stays exact in that type, so a concurrent change cannot push it past the
+//! edge unseen (`$add` would return a double for an int64 overflow).
+
+use std::ops::Range;
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::model::{self, FoldPlan, Malformed};
+use super::model::{self, FoldPlan, Malformed, StaleEntry};
 use crate::document::bson_type_name;
-use crate::write::counter::{CollectionConfig, inc_operand};
+use crate::token::{Entry, TOKEN_FIELD};
+use crate::write::counter::{CollectionConfig, exact_as_double, inc_operand, marker_path};
 
-/// The field the prefix form keeps its check in, removed again in the same
-/// update. A counter document must not use it.
+/// The field a statement keeps its checks in (the prefix form's, and the
+/// counter's), removed again in the same update. A counter document must
+/// not use it.
 pub(crate) const WORK_FIELD: &str = "__tally_fold";
 
 /// Above this many comparisons of array elements (stale values × array
@@ -51,13 +61,6 @@ const EXACT_FORM_LIMIT: usize = 4096;
 /// document is split. Far below the server's 16 MiB per statement, so that
 /// a few fit in one command.
 const CHUNK_BYTES: usize = 3 << 20;
-
-/// Beyond this magnitude an integer counter's value is pinned as well as
-/// its type (int64 overflows at 2^63).
-const NEAR_LONG_LIMIT: i128 = 1 << 62;
-/// Beyond this magnitude a double counter's value is pinned as well as its
-/// type (doubles are exact below 2^53).
-const NEAR_DOUBLE_LIMIT: i128 = 1 << 52;
 
 /// One update statement (`{q, u}`) and its encoded size.
 #[derive(Debug, Clone)]
@@ -88,9 +91,16 @@ impl<'a> Read<'a> {
         }
     }
 
-    /// The model's plan for these fields at `cutoff`.
+    /// The model's plan for these fields at `cutoff` — refused as an
+    /// overflow, too, when the document is folded by several statements
+    /// and one of them could not add its share exactly (only amounts near
+    /// the edge of the counter's type can do that).
     pub(crate) fn plan(&self, cutoff: ObjectId) -> Result<FoldPlan, Malformed> {
-        model::plan(self.counter, self.pending, self.settled, cutoff)
+        let plan = model::plan(self.counter, self.pending, self.settled, cutoff)?;
+        if prefix_form(self, &plan) {
+            pieces(self, &plan)?;
+        }
+        Ok(plan)
     }
 }
 
@@ -120,13 +130,10 @@ pub(crate) fn build(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -
     if !plan.has_work() {
         return Vec::new();
     }
-    let pending = elements(read.pending);
-    let settled = elements(read.settled);
-    let comparisons = plan.stale.len() * pending.len() + plan.stale_markers.len() * settled.len();
-    let bodies = if comparisons <= EXACT_FORM_LIMIT {
-        vec![exact(spec, read, plan)]
+    let bodies = if prefix_form(read, plan) {
+        prefix(spec, read, plan)
     } else {
-        prefix(spec, read, plan, pending, settled)
+        vec![exact(spec, read, plan)]
     };
     bodies
         .into_iter()
@@ -135,6 +142,14 @@ pub(crate) fn build(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -
             body,
         })
         .collect()
+}
+
+/// Whether `plan` is written in the prefix form: the exact form's
+/// comparisons would pass [`EXACT_FORM_LIMIT`].
+fn prefix_form(read: &Read<'_>, plan: &FoldPlan) -> bool {
+    let comparisons = plan.stale.len() * elements(read.pending).len()
+        + plan.stale_markers.len() * elements(read.settled).len();
+    comparisons > EXACT_FORM_LIMIT
 }
 
 fn elements(field: Option<&Bson>) -> &[Bson] {
@@ -156,14 +171,9 @@ fn field(name: &str) -> String {
 /// The exact form: `$all` of the stale values in the filter, `$in` in the
 /// pipeline.
 fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document {
-    let mut q = doc! { "_id": read.id.clone() };
-    let mut set = Document::new();
+    let mut parts = Parts::new(read.id);
     if plan.writes_counter(read.counter) {
-        q.extend(pin(spec, read.counter, plan.stale_amount));
-        set.insert(
-            &spec.counter_field,
-            counter(spec, read.counter, plan.stale_amount),
-        );
+        parts.add_to_counter(spec, read.counter, plan.stale_amount);
     }
     if touches(
         plan.has_pending,
@@ -172,9 +182,14 @@ fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document 
     ) {
         let removed: Vec<Bson> = plan.stale.iter().map(|e| e.value.clone()).collect();
         if !removed.is_empty() {
-            q.insert(&spec.pending_field, doc! { "$all": removed.clone() });
+            parts
+                .q
+                .insert(&spec.pending_field, doc! { "$all": removed.clone() });
         }
-        set.insert(&spec.pending_field, without(&spec.pending_field, removed));
+        parts.q.extend(unmarked(spec, &plan.stale));
+        parts
+            .set
+            .insert(&spec.pending_field, without(&spec.pending_field, removed));
     }
     if touches(
         plan.has_settled,
@@ -182,9 +197,85 @@ fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document 
         plan.kept_markers.is_empty(),
     ) {
         let pruned = plan.stale_markers.clone();
-        set.insert(&spec.settled_field, without(&spec.settled_field, pruned));
+        parts
+            .set
+            .insert(&spec.settled_field, without(&spec.settled_field, pruned));
     }
-    doc! { "q": q, "u": [{ "$set": set }] }
+    parts.finish()
+}
+
+/// A statement being built: its filter, the checks its pipeline makes, and
+/// the fields it sets when every check holds.
+struct Parts {
+    q: Document,
+    checks: Vec<Document>,
+    set: Document,
+}
+
+impl Parts {
+    fn new(id: &Bson) -> Self {
+        Self {
+            q: doc! { "_id": id.clone() },
+            checks: Vec::new(),
+            set: Document::new(),
+        }
+    }
+
+    /// Adds `sum` to the counter, whose value was `before` when read. Its
+    /// absence or its type is pinned in the filter (the plan's arithmetic
+    /// depends on it), and the pipeline checks that the sum is exact in
+    /// that type: a step 2 may have moved the value since it was read, and
+    /// `$add` would quietly turn an int64 that overflows into a double, or
+    /// round a double past 2^53. The statement then changes nothing, and
+    /// the re-read plans the document as it is. (A check in the filter,
+    /// `$expr`, would cost the test server a collection scan per
+    /// statement.)
+    fn add_to_counter(&mut self, spec: &CollectionConfig, before: Option<&Bson>, sum: i64) {
+        let name = spec.counter_field.as_str();
+        let after = counter(spec, before, sum);
+        match before {
+            None => {
+                self.q.insert(name, doc! { "$exists": false });
+            }
+            Some(value) => {
+                self.q.insert(name, doc! { "$type": bson_type_name(value) });
+                self.checks.push(match value {
+                    Bson::Double(_) => exact_as_double(after.clone()),
+                    _ => doc! { "$ne": [{ "$type": after.clone() }, "double"] },
+                });
+            }
+        }
+        self.set.insert(name, after);
+    }
+
+    /// The statement: its `set` applies only when every check holds.
+    fn finish(self) -> Document {
+        if self.checks.is_empty() {
+            doc! { "q": self.q, "u": [{ "$set": self.set }] }
+        } else {
+            guarded(self.q, self.checks, self.set)
+        }
+    }
+}
+
+/// The filter condition that none of the tokens `stale` counts (the
+/// entries whose removal adds to the counter) has a settle marker. A
+/// settle that counted one after the document was read, and a late step 1
+/// that re-added it, would otherwise let the statement count it again; so
+/// it matches nothing, and the re-read finds the marker and drops the copy.
+fn unmarked<'a>(
+    spec: &CollectionConfig,
+    stale: impl IntoIterator<Item = &'a StaleEntry>,
+) -> Document {
+    let counted: Vec<Bson> = stale
+        .into_iter()
+        .filter(|e| e.adds != 0)
+        .map(|e| Bson::ObjectId(e.token.object_id()))
+        .collect();
+    if counted.is_empty() {
+        return Document::new();
+    }
+    doc! { marker_path(spec): { "$nin": counted } }
 }
 
 /// Whether the fold rewrites an array field: it exists, and something in
@@ -238,80 +329,100 @@ fn counter(spec: &CollectionConfig, before: Option<&Bson>, sum: i64) -> Bson {
     }
 }
 
-/// The filter conditions pinning the counter `before` (its value when the
-/// statement applies) for adding `sum`: its absence, its type, and near the
-/// edge of its type's exact range its value too.
-fn pin(spec: &CollectionConfig, before: Option<&Bson>, sum: i64) -> Document {
-    let name = spec.counter_field.as_str();
-    let Some(value) = before else {
-        return doc! { name: { "$exists": false } };
-    };
-    let mut condition = doc! { "$type": bson_type_name(value) };
-    let magnitude = |v: &Bson| match v {
-        Bson::Int32(n) => i128::from(*n).abs(),
-        Bson::Int64(n) => i128::from(*n).abs(),
-        Bson::Double(d) => d.abs() as i128,
-        _ => 0,
-    };
-    let limit = match value {
-        Bson::Double(_) => NEAR_DOUBLE_LIMIT,
-        _ => NEAR_LONG_LIMIT,
-    };
-    let after = model::add(Some(value), i128::from(sum)).ok();
-    let near = magnitude(value) >= limit || after.is_none_or(|a| magnitude(&a) >= limit);
-    if near {
-        condition.insert("$eq", value.clone());
-    }
-    doc! { name: condition }
+/// One statement's share of a document folded in the prefix form: a
+/// stretch of the pending array, what removing its stale entries adds, and
+/// the counter before it applies.
+struct Piece {
+    range: Range<usize>,
+    sum: i64,
+    before: Option<Bson>,
 }
 
-/// The prefix form: statements covering the pending array up to its last
-/// stale entry in stretches of at most [`CHUNK_BYTES`]; the last one also
-/// prunes the markers and removes emptied fields.
-fn prefix(
-    spec: &CollectionConfig,
-    read: &Read<'_>,
-    plan: &FoldPlan,
-    pending: &[Bson],
-    settled: &[Bson],
-) -> Vec<Document> {
+/// The stretches of at most [`CHUNK_BYTES`] the prefix form covers the
+/// pending array with, up to its last stale entry, with what each adds: an
+/// overflow when a stretch's sum, or the counter after it, leaves its
+/// type's exact range (the plan checked only the whole).
+fn pieces(read: &Read<'_>, plan: &FoldPlan) -> Result<Vec<Piece>, Malformed> {
+    let pending = elements(read.pending);
     let end = plan.stale.last().map_or(0, |e| e.position + 1);
-    let mut chunks = Vec::new();
+    let mut ranges = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (position, value) in pending[..end].iter().enumerate() {
         let size = value_len(value);
         if position > start && bytes + size > CHUNK_BYTES {
-            chunks.push(start..position);
+            ranges.push(start..position);
             (start, bytes) = (position, 0);
         }
         bytes += size;
     }
-    if end > start || chunks.is_empty() {
-        chunks.push(start..end);
-    }
-    // What removing each position up to `end` adds (`None`: it is fresh).
-    let mut adds: Vec<Option<i64>> = vec![None; end];
-    for e in &plan.stale {
-        adds[e.position] = Some(e.adds);
+    if end > start || ranges.is_empty() {
+        ranges.push(start..end);
     }
     let mut before = read.counter.cloned();
-    let mut kept_before = 0;
-    let last = chunks.len() - 1;
-    let mut statements = Vec::with_capacity(chunks.len());
-    for (i, range) in chunks.into_iter().enumerate() {
-        let sum: i64 = adds[range.clone()].iter().flatten().sum();
+    let mut pieces = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let sum: i128 = plan
+            .stale
+            .iter()
+            .filter(|e| range.contains(&e.position))
+            .map(|e| i128::from(e.adds))
+            .sum();
+        let after = model::add(before.as_ref(), sum)?;
+        let sum = i64::try_from(sum).map_err(|_| Malformed::Overflow)?;
+        pieces.push(Piece { range, sum, before });
+        before = Some(after);
+    }
+    Ok(pieces)
+}
+
+/// The prefix form: one statement per [`pieces`] stretch; the last one
+/// also prunes the markers and removes emptied fields.
+///
+/// Statements after the first apply only after every earlier one did: each
+/// also requires that the entries before its stretch are all fresh (their
+/// least token is the least token the earlier stretches keep), which holds
+/// only once every earlier stale entry is gone. Otherwise a writer changing
+/// an earlier stretch could shift the array so that a later stretch still
+/// matched, and its statement would count a token whose earlier copy stays
+/// behind, to be counted again.
+fn prefix(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Vec<Document> {
+    let pending = elements(read.pending);
+    let settled = elements(read.settled);
+    let end = plan.stale.last().map_or(0, |e| e.position + 1);
+    // [`Read::plan`] refused a document whose stretches cannot be added
+    // exactly; one statement for all would be exact anyway.
+    let pieces = pieces(read, plan).unwrap_or_else(|_| {
+        vec![Piece {
+            range: 0..end,
+            sum: plan.stale_amount,
+            before: read.counter.cloned(),
+        }]
+    });
+    let mut fresh = vec![true; end];
+    for e in &plan.stale {
+        fresh[e.position] = false;
+    }
+    let (mut kept_before, mut least_kept) = (0, None);
+    let last = pieces.len() - 1;
+    let mut statements = Vec::with_capacity(pieces.len());
+    for (i, Piece { range, sum, before }) in pieces.into_iter().enumerate() {
         let kept: Vec<Bson> = range
             .clone()
-            .filter(|p| adds[*p].is_none())
+            .filter(|p| fresh[*p])
             .map(|p| pending[p].clone())
             .collect();
-        let mut q = doc! { "_id": read.id.clone() };
-        let mut checks = Vec::new();
-        let mut set = Document::new();
-        let writes_counter = sum != 0 || before.is_none();
-        if writes_counter {
-            q.extend(pin(spec, before.as_ref(), sum));
-            set.insert(&spec.counter_field, counter(spec, before.as_ref(), sum));
+        let mut parts = Parts::new(read.id);
+        parts.q.extend(unmarked(
+            spec,
+            plan.stale.iter().filter(|e| range.contains(&e.position)),
+        ));
+        if sum != 0 || before.is_none() {
+            parts.add_to_counter(spec, before.as_ref(), sum);
+        }
+        if let Some(least) = least_kept {
+            parts
+                .checks
+                .push(all_fresh(&spec.pending_field, kept_before, least));
         }
         if !range.is_empty() {
             let (check, rewritten) = rewrite(
@@ -320,10 +431,10 @@ fn prefix(
                 &pending[range.clone()],
                 &kept,
             );
-            checks.push(check);
-            set.insert(&spec.pending_field, rewritten);
+            parts.checks.push(check);
+            parts.set.insert(&spec.pending_field, rewritten);
         } else if touches(plan.has_pending, true, plan.keep.is_empty()) {
-            set.insert(
+            parts.set.insert(
                 &spec.pending_field,
                 without(&spec.pending_field, Vec::new()),
             );
@@ -336,22 +447,37 @@ fn prefix(
             )
         {
             if settled.is_empty() {
-                set.insert(
+                parts.set.insert(
                     &spec.settled_field,
                     without(&spec.settled_field, Vec::new()),
                 );
             } else {
                 let (check, rewritten) =
                     rewrite(&spec.settled_field, 0, settled, &plan.kept_markers);
-                checks.push(check);
-                set.insert(&spec.settled_field, rewritten);
+                parts.checks.push(check);
+                parts.set.insert(&spec.settled_field, rewritten);
             }
         }
-        statements.push(guarded(q, checks, set));
+        statements.push(parts.finish());
         kept_before += kept.len();
-        before = model::add(before.as_ref(), i128::from(sum)).ok();
+        least_kept = kept.iter().filter_map(token_of).chain(least_kept).min();
     }
     statements
+}
+
+/// The check that the first `count` entries of the array field `name` all
+/// have a token of at least `least`: none of them is stale.
+fn all_fresh(name: &str, count: usize, least: ObjectId) -> Document {
+    let tokens = doc! { "$map": {
+        "input": { "$slice": [{ "$ifNull": [field(name), []] }, 0, to_i32(count)] },
+        "in": { "$ifNull": [format!("$$this.{TOKEN_FIELD}"), "$$this"] },
+    } };
+    doc! { "$gte": [{ "$min": tokens }, least] }
+}
+
+/// The token of a pending entry.
+fn token_of(value: &Bson) -> Option<ObjectId> {
+    Entry::parse(value).ok().map(|e| e.token().object_id())
 }
 
 /// For the array field `name` whose elements from `offset` on should be
@@ -419,4 +545,45 @@ fn value_len(value: &Bson) -> usize {
             Bson::Document(d) => encoded_len(d),
             _ => 16,
         }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    use crate::token::Token;
+
+    /// A document folded in two statements (160,000 fresh entries between
+    /// its stale ones), with `amounts` on stale entries before and after
+    /// them.
+    fn split(counter: i64, first: &[i64], second: &[i64]) -> Document {
+        let stale = || Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+        let entry = |n: &i64| Bson::Document(doc! { "t": stale().object_id(), "n": *n });
+        let mut pending: Vec<Bson> = first.iter().map(entry).collect();
+        pending.extend((0..160_000).map(|_| Bson::ObjectId(ObjectId::new())));
+        pending.extend(second.iter().map(entry));
+        doc! { "_id": 1, "counter": counter, "pending": pending }
+    }
+
+    /// The fold's arithmetic never wraps: a document whose stretches would
+    /// each add more than an int64 holds, or take the counter past the
+    /// limit part way, is refused as an overflow even though its total
+    /// fits — never folded with a wrapped sum.
+    #[test]
+    fn a_stretch_that_cannot_be_added_exactly_refuses_the_document() {
+        let spec = CollectionConfig::new("views");
+        let cutoff = Token::cutoff(SystemTime::now() - Duration::from_secs(600));
+        let fits = split(0, &[1, 2], &[3]);
+        assert_eq!(statements(&spec, &fits, cutoff).unwrap().len(), 2);
+        for document in [
+            split(0, &[i64::MAX, i64::MAX], &[i64::MIN, i64::MIN]),
+            split(5, &[i64::MAX - 2], &[-10]),
+        ] {
+            assert_eq!(
+                statements(&spec, &document, cutoff).map(|s| s.len()),
+                Err(Malformed::Overflow)
+            );
+        }
+    }
 }

@@ -53,8 +53,8 @@ pub(crate) use config::{
     MIN_RETRY_HORIZON,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
-// The fold adds to counters the way step 2 does.
-pub(crate) use step::inc_operand;
+// The fold adds to counters the way step 2 does, and reads markers alike.
+pub(crate) use step::{exact_as_double, inc_operand, marker_path};
 
 use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
 use crate::store::Store;

@@ -789,3 +789,56 @@ async fn a_retry_horizon_below_the_minimum_is_raised_to_it() {
     assert_counted(&views.increment("k", 1).await);
     assert_eq!(counter(&client.collection("views"), "k").await, 1);
 }
+
+/// `Counted` on a double counter means the counter moved by exactly the
+/// amount: step 2 applies to a double only while it and the sum are
+/// integers of magnitude below 2^53 — the fold's rule — and stays pending,
+/// writing nothing, otherwise (from 2^53 on a double cannot hold the sum,
+/// and the count would be rounded away; legacy-shell counters are
+/// doubles). Found by the adversarial review of issue 11 (finding A).
+#[tokio::test]
+async fn a_double_counter_is_counted_only_while_it_stays_below_2_53() {
+    let ctx = TestContext::new("double_counter_2_53").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let two_53 = (1i64 << 53) as f64;
+    coll.insert_many([
+        doc! { "_id": "at_2_53", "counter": two_53 },
+        doc! { "_id": "legacy", "counter": 0.0 },
+        doc! { "_id": "fraction", "counter": 10.5 },
+        doc! { "_id": "below", "counter": two_53 - 2.0 },
+    ])
+    .await
+    .unwrap();
+    let views = counters(&client, "views");
+    let value = |key: &'static str| {
+        let coll = coll.clone();
+        async move { crate::common::field(&coll, key, "counter").await }
+    };
+
+    // (key, amount): each would leave the exact range, or starts outside it.
+    for (key, amount) in [
+        ("at_2_53", 1),
+        ("legacy", (1i64 << 53) + 1),
+        ("legacy", 1i64 << 53),
+        ("fraction", 1),
+        ("below", 2),
+    ] {
+        let before = value(key).await;
+        let outcome = views.increment(key, amount).await;
+        assert!(
+            matches!(outcome, Increment::Pending(_)),
+            "{key} {amount:+}: {outcome:?}"
+        );
+        assert_eq!(
+            value(key).await,
+            before,
+            "{key} {amount:+}: the counter moved"
+        );
+    }
+    // Inside the range a double counter counts exactly, and stays a double.
+    assert_counted(&views.increment("below", 1).await);
+    assert_eq!(value("below").await, Some(Bson::Double(two_53 - 1.0)));
+    assert_counted(&views.increment("legacy", 5).await);
+    assert_eq!(value("legacy").await, Some(Bson::Double(5.0)));
+}

@@ -15,6 +15,7 @@ mod layout;
 mod packaging;
 mod proxy;
 mod reconcile;
+mod review1;
 mod sequence;
 mod settle;
 mod soak;

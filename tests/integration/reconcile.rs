@@ -57,6 +57,20 @@ async fn fold_views(client: &TestClient) -> tally::CollectionRun {
     .await
 }
 
+/// One fold of the collection `views` with the default fields, at the
+/// server time `now`.
+async fn fold_views_at(store: &Store, now: SystemTime) -> tally::CollectionRun {
+    Reconciler::new(store)
+        .reconcile(
+            &target(CollectionConfig::new("views")),
+            Mode::Fold,
+            now,
+            &CancellationToken::new(),
+            &mut |_| {},
+        )
+        .await
+}
+
 async fn raw(coll: &Collection<Document>, id: impl Into<Bson>) -> RawDocumentBuf {
     coll.clone_with_type::<RawDocumentBuf>()
         .find_one(doc! { "_id": id.into() })
@@ -1280,15 +1294,7 @@ async fn a_document_too_large_for_one_statement_is_folded_in_several() {
     let reconciler = Reconciler::new(&store);
     let now = reconciler.server_time().await.unwrap();
     let plan = plan_of(&document, Token::cutoff(now - GRACE));
-    let run = reconciler
-        .reconcile(
-            &target(CollectionConfig::new("views")),
-            Mode::Fold,
-            now,
-            &CancellationToken::new(),
-            &mut |_| {},
-        )
-        .await;
+    let run = fold_views_at(&store, now).await;
     assert!(run.succeeded(), "{:?}", run.error);
     let statements: usize = proxy
         .requests("update")
@@ -1369,4 +1375,226 @@ async fn a_write_concern_error_fails_the_run_unless_a_retry_clears_it() {
         assert!(again.succeeded(), "{name}");
         assert_eq!(again.survey.documents_scanned, 0, "{name}");
     }
+}
+
+/// The server's time, as the fold reads it.
+async fn server_now(client: &TestClient) -> SystemTime {
+    Reconciler::new(&client.store())
+        .server_time()
+        .await
+        .unwrap()
+}
+
+/// A writer of `views` on another connection, which this test's fail
+/// points do not touch, and its store.
+async fn rival_views(ctx: &TestContext) -> (Store, Counters) {
+    let rival = ctx.rival_store().await;
+    let writer = Counters::new(
+        &rival,
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    );
+    (rival, writer)
+}
+
+/// Starts a fold of `views` at `now` whose first `update` the server holds
+/// for `hold` before it executes, and returns once that update was sent:
+/// what a test does meanwhile happens between the fold's read and its
+/// write. The fail point is switched off when the guard is dropped.
+async fn fold_held_on_the_server(
+    ctx: &TestContext,
+    client: &TestClient,
+    now: SystemTime,
+    hold: Duration,
+) -> (FailPoint, tokio::task::JoinHandle<tally::CollectionRun>) {
+    let fail = FailPoint::set(
+        ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true,
+        "blockTimeMS": hold.as_millis() as i64 },
+    )
+    .await;
+    let store = client.store();
+    let before = client.events.count("update");
+    let fold = tokio::spawn(async move { fold_views_at(&store, now).await });
+    let events = client.events.clone();
+    wait_until(
+        "the fold's update was sent",
+        Duration::from_secs(30),
+        || {
+            let events = events.clone();
+            async move { events.count("update") > before }
+        },
+    )
+    .await;
+    (fail, fold)
+}
+
+/// A fold in flight never counts again a token a settle counted, even when
+/// the token's original step 1, held up in the network, re-adds it before
+/// the fold's update lands: every statement also requires that none of the
+/// tokens it counts has a settle marker, so it matches nothing, and the
+/// re-read drops the copy uncounted. Found by the adversarial review of
+/// issue 11 (finding D): the fold read T pending (no marker), `complete`
+/// counted T and left its marker, the late step 1 re-added T, and the
+/// fold's update — `pending: {$all: [T]}` held again — counted T twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
+    let ctx = TestContext::new("fold_marker_race").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    // An increment whose step 2 was never confirmed, older than the grace
+    // (a writer holding a `Pending` ticket: `complete` is safe at any age).
+    coll.insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [t] })
+        .await
+        .unwrap();
+    let now = server_now(&client).await;
+    let (fail, fold) =
+        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
+
+    // Another process (not held by the fail point): the writer settles its
+    // pending ticket...
+    let (rival, writer) = rival_views(&ctx).await;
+    let pending = writer
+        .find_pending("k", Token::from_object_id(t))
+        .await
+        .unwrap()
+        .expect("pending");
+    let completion = writer.complete(pending).await;
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
+    // ...and the increment's original step 1, held up in the network,
+    // lands now (as `settle::a_delayed_original_step_1_…` writes it).
+    rival
+        .collection("views")
+        .update_one(
+            doc! { "_id": "k" },
+            doc! { "$addToSet": { "pending": t }, "$setOnInsert": { "counter": 0i64 } },
+        )
+        .await
+        .unwrap();
+    let marked = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
+    assert!(
+        marked.get_array("settled").is_ok_and(|m| !m.is_empty()),
+        "the settle's marker is there: {marked:?}"
+    );
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    // A later run (the marker still protects the copy) changes nothing.
+    let again = fold_views(&client).await;
+    assert_eq!(
+        counter(&coll, "k").await,
+        1,
+        "one increment, counted by `complete`; runs: {run:?} / {again:?}; now {:?}",
+        coll.find_one(doc! { "_id": "k" }).await.unwrap()
+    );
+    assert_eq!(pending_len(&coll, "k").await, 0, "the copy is dropped");
+}
+
+/// The statements folding one document too large for one statement apply
+/// only in order: each later one also requires that the entries before its
+/// stretch are all fresh — the earlier statements removed their stale
+/// entries — so a token repeated across stretches is counted once even
+/// when a writer changed the first stretch. Found by the adversarial review
+/// of issue 11 (finding C): a writer completing one fresh entry of the
+/// first stretch shifted the array by exactly the first stretch's stale
+/// entries, the first statement refused, the second applied out of order
+/// and counted T on its last entry, leaving T's earlier copy to be counted
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_split_across_fold_statements_is_counted_once_when_a_writer_changes_the_array() {
+    const FRESH: usize = 160_000;
+    let ctx = TestContext::new("fold_split_out_of_order").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    let young: Vec<ObjectId> = (0..FRESH).map(|_| fresh()).collect();
+    let mut pending = vec![Bson::ObjectId(t)];
+    pending.extend(young.iter().map(|f| Bson::ObjectId(*f)));
+    // T's second entry (another client's `{t, n}` form) and one more stale
+    // token, in the second stretch.
+    pending.push(Bson::Document(doc! { "t": t, "n": 1i64 }));
+    pending.push(Bson::ObjectId(stale()));
+    let document = doc! { "_id": "k", "counter": 0i64, "pending": pending };
+    coll.insert_one(&document).await.unwrap();
+    let now = server_now(&client).await;
+    let statements = tally::reconcile::statement::statements(
+        &CollectionConfig::new("views"),
+        &document,
+        Token::cutoff(now - GRACE),
+    )
+    .unwrap();
+    assert_eq!(statements.len(), 2, "split in two stretches");
+
+    // The fold's update is held while a writer completes one fresh entry
+    // of the first stretch.
+    let (fail, fold) = fold_held_on_the_server(&ctx, &client, now, Duration::from_secs(8)).await;
+    let (_, writer) = rival_views(&ctx).await;
+    let pending = writer
+        .find_pending("k", Token::from_object_id(young[100]))
+        .await
+        .unwrap()
+        .expect("pending");
+    let completion = writer.complete(pending).await;
+    assert!(
+        matches!(completion, tally::Completion::Counted(_)),
+        "{completion:?}"
+    );
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    let again = fold_views(&client).await;
+    // T once, the other stale token once, the completed fresh entry once.
+    assert_eq!(counter(&coll, "k").await, 3, "runs: {run:?} / {again:?}");
+    assert_eq!(pending_len(&coll, "k").await, FRESH - 1);
+}
+
+/// The fold never turns an int64 counter into a double: each statement
+/// requires that adding its sum to the counter as it is then stays an
+/// int64, so a step 2 that moved the counter near the limit after the fold
+/// read it makes the statement match nothing, and the re-read finds the
+/// document would overflow (malformed, left unchanged). `$add` would
+/// otherwise quietly return a double, and the counter would no longer be
+/// exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_never_turns_an_int64_counter_into_a_double_when_a_step_2_moved_it() {
+    let ctx = TestContext::new("fold_overflow_race").await;
+    let client = ctx.client(false).await;
+    let coll = client.collection("views");
+    let t = stale();
+    let big = 1i64 << 61;
+    coll.insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [{ "t": t, "n": big }] })
+        .await
+        .unwrap();
+    let now = server_now(&client).await;
+    let (fail, fold) =
+        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
+    // A writer's increment lands meanwhile and takes the counter near the
+    // int64 limit: `counter + big` no longer fits.
+    let (_, writer) = rival_views(&ctx).await;
+    let near = i64::MAX - 5;
+    let outcome = writer.increment("k", near).await;
+    assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+
+    let run = fold.await.unwrap();
+    drop(fail);
+    assert!(run.error.is_none(), "{:?}", run.error);
+    assert_eq!(
+        field(&coll, "k", "counter").await,
+        Some(Bson::Int64(near)),
+        "run: {run:?}"
+    );
+    assert_eq!(
+        field(&coll, "k", "pending").await,
+        Some(Bson::Array(vec![Bson::Document(doc! { "t": t, "n": big })])),
+        "the stale token stays, uncounted"
+    );
+    let again = fold_views(&client).await;
+    assert_eq!(again.survey.malformed, 1, "{again:?}");
 }

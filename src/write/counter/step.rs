@@ -10,6 +10,7 @@
 use mongodb::bson::{Bson, Document, doc};
 
 use super::CollectionConfig;
+use crate::document::EXACT_DOUBLE;
 use crate::token::{Entry, TOKEN_FIELD};
 
 /// Who sends a step: the increment itself, or a settle (`complete`,
@@ -95,21 +96,34 @@ pub(super) fn count(
 /// a counter that is not a number, an int64 that would overflow (`$add`
 /// would quietly return a double) — the expression fails too: converting
 /// `"not a count: <type>"` to a number is a `ConversionFailure`, and the
-/// update writes nothing.
+/// update writes nothing. A double counter fails the same way unless it and
+/// the sum are integers of magnitude below 2^53 — the fold's rule — since
+/// past that a double cannot hold the sum and the count would be rounded
+/// away.
 fn counter_plus(counter_field: &str, amount: i64) -> Document {
     let counter = field(counter_field);
     let counter_type = doc! { "$type": &counter };
+    let stays_exact = doc! { "$and": [
+        exact_as_double(&counter),
+        exact_as_double("$$sum"),
+        // The amount becomes a double too: it must be exact as one.
+        i128::from(amount).abs() < EXACT_DOUBLE,
+    ] };
+    let refused = doc! { "$switch": {
+        "branches": [
+            {
+                "case": { "$not": [{ "$in": [&counter_type, ["int", "long", "double", "decimal", "missing"]] }] },
+                "then": true,
+            },
+            { "case": { "$eq": [&counter_type, "double"] }, "then": { "$not": [stays_exact] } },
+        ],
+        "default": { "$eq": [{ "$type": "$$sum" }, "double"] },
+    } };
     doc! {
         "$let": {
             "vars": { "sum": { "$add": [{ "$ifNull": [&counter, 0i64] }, inc_operand(amount)] } },
             "in": { "$cond": [
-                { "$or": [
-                    { "$not": [{ "$in": [&counter_type, ["int", "long", "double", "decimal", "missing"]] }] },
-                    { "$and": [
-                        { "$ne": [&counter_type, "double"] },
-                        { "$eq": [{ "$type": "$$sum" }, "double"] },
-                    ] },
-                ] },
+                refused,
                 // Not constant, so the server cannot fold it (and fail)
                 // before it knows which branch is taken.
                 { "$toLong": { "$concat": ["not a count: ", &counter_type] } },
@@ -117,6 +131,19 @@ fn counter_plus(counter_field: &str, amount: i64) -> Document {
             ] },
         },
     }
+}
+
+/// Whether the number `value` (an aggregation expression) is an integer a
+/// double holds exactly: integral, of magnitude below 2^53. NaN (which
+/// sorts below every number) and the infinities are not.
+pub(crate) fn exact_as_double(value: impl Into<Bson>) -> Document {
+    let value = value.into();
+    let exact = EXACT_DOUBLE as f64;
+    doc! { "$and": [
+        { "$eq": [&value, { "$trunc": &value }] },
+        { "$gt": [&value, -exact] },
+        { "$lt": [&value, exact] },
+    ] }
 }
 
 /// The `$inc` (or `$add`) operand for an amount: int32 when it fits, so an
@@ -130,7 +157,7 @@ pub(crate) fn inc_operand(amount: i64) -> Bson {
 }
 
 /// `<settled>.t`: the tokens of the markers, for a filter.
-fn marker_path(spec: &CollectionConfig) -> String {
+pub(crate) fn marker_path(spec: &CollectionConfig) -> String {
     format!("{}.{TOKEN_FIELD}", spec.settled_field)
 }
 
