@@ -9,6 +9,7 @@ mod daemon;
 mod faults;
 mod increment;
 mod insert_loop;
+mod lanes;
 mod layout;
 mod packaging;
 mod proxy;
