@@ -31,6 +31,14 @@
 //! copy of the token re-added later (the original step 1, held up in the
 //! network) is never counted by a settle (the fold drops it).
 //!
+//! **A step 1 held up in the network.** The increment's own step 2 leaves
+//! the same marker when any step 1 attempt of the call may have applied
+//! (its retry budget says so): exactly then a copy of step 1 may still be
+//! on its way, and land after step 2 counted the token. The fold drops such
+//! a copy instead of counting it again — as long as it lands before the
+//! fold prunes the marker (`grace`). An increment whose step 1 went through
+//! at the first attempt sends no copy, and writes no marker.
+//!
 //! The settings live in [`config`]: [`CollectionConfig`] (a counter
 //! collection's field names, shared with the fold) and [`WriterConfig`]
 //! (the retry horizon); the outcomes in [`outcome`].
@@ -112,7 +120,10 @@ pub(super) enum Stopped {
 
 /// What step 1 established.
 enum Added {
-    Yes,
+    /// Applied; `copy_may_land` when an earlier attempt of this call may
+    /// have applied too — a copy of it may still be on its way to the
+    /// server and re-add the token after step 2 counted it.
+    Yes { copy_may_land: bool },
     /// Definitely not applied.
     No(Error),
     /// May or may not have applied.
@@ -201,18 +212,28 @@ impl Counters {
             });
         };
         match self.add_token(&key, &entry, By::Increment).await {
-            Added::Yes => match self.count_token(&key, &entry, By::Increment).await {
-                Ok(settled_earlier) => Increment::Counted(Counted {
-                    key,
-                    entry,
-                    settled_earlier,
-                }),
-                Err(cause) => Increment::Pending(PendingToken {
-                    key,
-                    entry,
-                    cause: Some(cause),
-                }),
-            },
+            Added::Yes { copy_may_land } => {
+                // A copy of step 1 still on its way would re-add the counted
+                // token: step 2 then leaves the token's marker, as a settle
+                // does, and the fold drops the copy instead of counting it.
+                let by = if copy_may_land {
+                    By::Settle
+                } else {
+                    By::Increment
+                };
+                match self.count_token(&key, &entry, by).await {
+                    Ok(settled_earlier) => Increment::Counted(Counted {
+                        key,
+                        entry,
+                        settled_earlier,
+                    }),
+                    Err(cause) => Increment::Pending(PendingToken {
+                        key,
+                        entry,
+                        cause: Some(cause),
+                    }),
+                }
+            }
             Added::No(cause) | Added::Changed(cause) => not_counted(key, entry, cause),
             Added::Unknown(cause) => Increment::Unknown(UnknownToken {
                 key,
@@ -287,7 +308,7 @@ impl Counters {
             }
             let UnknownToken { key, entry, .. } = unknown;
             match self.add_token(&key, &entry, By::Settle).await {
-                Added::Yes => {
+                Added::Yes { .. } => {
                     let pending = PendingToken {
                         key,
                         entry,
@@ -428,7 +449,9 @@ impl Counters {
             .upsert_while(&mut budget, &filter, &update, allowed)
             .await
         {
-            Ok(()) => Added::Yes,
+            Ok(()) => Added::Yes {
+                copy_may_land: budget.maybe_applied(),
+            },
             Err(Stopped::Refused(cause)) if budget.maybe_applied() => Added::Unknown(cause),
             Err(Stopped::Refused(cause)) => Added::No(cause),
             Err(Stopped::GaveUp(failure)) => self.step_1_failed(&budget, failure, by),

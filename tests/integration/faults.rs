@@ -23,7 +23,7 @@ use tally::{
     Mode, SequenceConfig, Sequences, Store, Take, Token, WriterConfig,
 };
 
-use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+use crate::common::proxy::{Action, Exchange, Proxy, Release, Rule, upstream_of};
 use crate::common::{TestClient, TestContext, run_reconcile};
 
 /// The bound on one attempt for the client through the proxy (which must
@@ -563,4 +563,59 @@ async fn every_fault_at_every_write_with_retryable_writes_on() {
         "the test deployment (a replica set) must let the driver retry writes"
     );
     rig.run_matrix().await;
+}
+
+/// The increment's first step 1 is held up in the network and lands after
+/// the retried step 1 and step 2 counted the token: the token is pending
+/// again. The increment's step 2 left the token's settle marker (a step 1
+/// attempt may have applied), so the fold drops the late copy instead of
+/// counting it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_step_1_landing_after_the_increment_is_never_counted_again() {
+    for retry_writes in [false, true] {
+        let name = format!("delayed_step1_rw_{retry_writes}");
+        let rig = Rig::new(&name, retry_writes).await;
+        let coll = "views";
+        let _hold = rig.proxy.rule(
+            Rule::command("update")
+                .collection(coll)
+                .nth(1)
+                .then(Action::HoldRequest(Release::WhenReleased)),
+        );
+        let counters = Counters::new(
+            &rig.store,
+            CollectionConfig::new(coll),
+            WriterConfig::default(),
+        );
+        let outcome = counters.increment("k", 1).await;
+        assert!(
+            matches!(outcome, Increment::Counted(ref c) if !c.settled_earlier()),
+            "{name}: {outcome:?}"
+        );
+        let held = rig.proxy.release_held().await;
+        assert!(
+            held.len() == 1 && held[0].reached_server && held[0].body_mentions("$addToSet"),
+            "{name}: {held:#?}"
+        );
+        let direct = rig.direct.collection(coll);
+        let target = FoldTarget {
+            spec: CollectionConfig::new(coll),
+            grace: Duration::from_secs(1),
+            batch_size: 100,
+        };
+        // The late copy is folded once it is older than the grace.
+        crate::common::wait_until("the fold took the late copy", DELAY * 2, || {
+            let (store, target, direct) = (&rig.store, &target, &direct);
+            async move {
+                run_reconcile(store, target, Mode::Fold).await;
+                project(direct, "k", &["pending"]).await == Some(doc! {})
+            }
+        })
+        .await;
+        assert_eq!(
+            project(&direct, "k", &["counter"]).await,
+            Some(doc! { "counter": 1i64 }),
+            "{name}: counted once"
+        );
+    }
 }
