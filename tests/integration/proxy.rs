@@ -491,6 +491,10 @@ async fn a_held_request_reaches_the_server_only_when_released() {
     );
     assert!(first.reached_server && first.server_replied && !first.reply_delivered);
     assert_eq!(first.reply.as_ref().unwrap().get_i32("n").ok(), Some(1));
+    assert!(
+        first.forwarded > inserts[1].forwarded,
+        "forwarded after the later request: {first:#?}"
+    );
     assert_eq!(ids().await, [Bson::Int32(1), Bson::Int32(2)]);
 }
 

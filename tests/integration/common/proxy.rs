@@ -594,6 +594,11 @@ pub struct Exchange {
     pub action: Option<Action>,
     /// The request was written to the server.
     pub reached_server: bool,
+    /// Its place in the order in which the proxy began writing requests to
+    /// the server (0 first, across connections): a held request forwarded
+    /// late comes after the requests sent meanwhile, though it arrived
+    /// first. `None` while not forwarded.
+    pub forwarded: Option<u64>,
     /// A reply from the server came back for it.
     pub server_replied: bool,
     /// How many replies the server sent for it: more than one only for an
@@ -653,6 +658,8 @@ struct Shared {
     /// Bumped by [`Proxy::release_held`]: every request held before is
     /// forwarded.
     releases: AtomicU64,
+    /// How many requests the proxy began to forward.
+    forwarded: AtomicU64,
 }
 
 /// Locks past poisoning: a panic elsewhere (a test's assertion) must not
@@ -714,6 +721,13 @@ impl Shared {
         self.log_changed.send_modify(|v| *v += 1);
     }
 
+    /// Gives the request `seq` the next place in the order in which the
+    /// proxy forwards requests to the server.
+    fn number_forwarding(&self, seq: u64) {
+        let place = self.forwarded.fetch_add(1, Ordering::SeqCst);
+        self.update(seq, |e| e.forwarded = Some(place));
+    }
+
     /// Whether `held` may be forwarded now.
     fn released(&self, held: &Held) -> bool {
         if self.releases.load(Ordering::SeqCst) > held.releases_before {
@@ -771,6 +785,7 @@ impl Proxy {
             next_connection: AtomicU64::new(1),
             next_reply_id: AtomicI32::new(1 << 30),
             releases: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
         });
         let shutdown = CancellationToken::new();
         tokio::spawn(accept_connections(
@@ -979,6 +994,9 @@ async fn forward_held(
         _ = shutdown.cancelled() => false,
         () = shared.until_released(&held) => true,
     };
+    if released {
+        shared.number_forwarding(held.seq);
+    }
     if released && server_write.write_all(&held.bytes).await.is_ok() {
         shared.update(held.seq, |e| e.reached_server = true);
         loop {
@@ -1052,6 +1070,7 @@ impl Pair {
                 expects_reply,
                 action: action.clone(),
                 reached_server: false,
+                forwarded: None,
                 server_replied: false,
                 server_replies: 0,
                 reply: None,
@@ -1101,6 +1120,7 @@ impl Pair {
                 // Registered before writing: the reply may race the bookkeeping.
                 lock(&self.pending).insert(message.request_id, Pending { seq, action });
             }
+            self.shared.number_forwarding(seq);
             if server_write.write_all(&bytes).await.is_err() {
                 return None;
             }
