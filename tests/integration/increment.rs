@@ -784,6 +784,7 @@ async fn a_retry_horizon_below_the_minimum_is_raised_to_it() {
         CollectionConfig::new("views"),
         WriterConfig {
             retry_horizon: Duration::ZERO,
+            ..WriterConfig::default()
         },
     );
     assert_counted(&views.increment("k", 1).await);

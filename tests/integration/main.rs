@@ -11,6 +11,7 @@ mod faults;
 mod history;
 mod increment;
 mod insert_loop;
+mod lanes;
 mod layout;
 mod packaging;
 mod proxy;

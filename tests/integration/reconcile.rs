@@ -198,6 +198,7 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
     };
     let writer = WriterConfig {
         retry_horizon: Duration::from_secs(2),
+        ..WriterConfig::default()
     };
     let counters = Counters::new(&store, spec, writer);
     let coll = client.collection("views");
