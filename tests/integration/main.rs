@@ -15,6 +15,7 @@ mod lanes;
 mod layout;
 mod packaging;
 mod proxy;
+mod pruning;
 mod reconcile;
 mod review1;
 mod sequence;
