@@ -201,7 +201,7 @@ fn daemon_sections_are_checked_too() {
     let text = format!(
         "{MINIMAL}\n[[collections]]\nname = \"views\"\n[schedule]\ncron = \"every night\"\n\
          timezone = \"Mars/Olympus\"\ncatch_up = \"maybe\"\n[alerts]\nstuck_after = \"30s\"\n\
-         max_pending = 0\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
+         max_pending = 0\nmax_lanes = \"many\"\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
          [ha]\nlease_ttl = \"1s\"\n[http]\nlisten = \"localhost\"\n\
          [daemon]\nstate_collection = \"views\"\n[monitor]\nscan_interval = \"0s\"\n"
     );
@@ -213,6 +213,7 @@ fn daemon_sections_are_checked_too() {
         "schedule.catch_up",
         "alerts.stuck_after",
         "alerts.max_pending",
+        "alerts.max_lanes",
         "alerts.webhook.url",
         "alerts.webhook.auth_header_env",
         "ha.lease_ttl",
