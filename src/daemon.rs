@@ -216,7 +216,7 @@ pub(crate) async fn run(
     let (requests, inbox) = mpsc::channel::<Request>(16);
     let busy = Arc::new(AtomicBool::new(false));
     let runner = Runner {
-        reconciler: Reconciler::new(&store),
+        reconciler: Reconciler::new(&store).with_lane_ttl(config.writer.lane_ttl),
         store: store.clone(),
         state: state.clone(),
         schedule: schedule.clone(),

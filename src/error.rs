@@ -373,6 +373,23 @@ pub enum Error {
         horizon: Duration,
     },
 
+    /// A lane's ticket was not resumed: its lane is older than the resume
+    /// horizon, and the daemon may prune the lane's entry from the document
+    /// (`lane_ttl`), after which re-sending its update could count twice.
+    /// Nothing was sent: the increment is counted at most once.
+    #[error(
+        "lane {lane} is {age:?} old, past the lane resume horizon of {horizon:?}: nothing was \
+         sent; the increment is counted at most once"
+    )]
+    LaneResumeHorizonExceeded {
+        /// The lane, as 24 hex digits.
+        lane: String,
+        /// The lane's age when the resume was refused.
+        age: Duration,
+        /// The configured lane resume horizon.
+        horizon: Duration,
+    },
+
     /// `resume` was given another amount than the document holds for the
     /// token (pending, or in the marker of the settle that counted it):
     /// refused, nothing was written. The ticket and the document disagree

@@ -5,9 +5,13 @@
 //! ([`Counters`]); the caller always learns which of four outcomes happened
 //! ([`Increment`]), and a token left behind by a crashed writer is folded
 //! into its counter later by the [`Reconciler`] — which the `tallyd` daemon
-//! runs on a schedule, and a service can embed. Every failed attempt is
-//! classified by [`ErrorClass`], and only transient failures of idempotent
-//! operations are retried — once.
+//! runs on a schedule, and a service can embed. A second protocol needs one
+//! round trip: a writer lane ([`Counters::add`]) numbers its increments and
+//! the counter document remembers the highest number each lane applied, so
+//! a repeat — a retry, a resume run again, a request delayed in the network
+//! — is recognised ([`LaneIncrement`]). Every failed attempt is classified
+//! by [`ErrorClass`], and only transient failures of idempotent operations
+//! are retried — once.
 //!
 //! Beside counters: [`Sequences`] hand out numbers that are never handed out
 //! twice (a counters collection, as in MongoDB's tutorial, made safe on
@@ -49,8 +53,9 @@
 //! - `token`: pending [`Token`]s and the two entry forms of a `pending`
 //!   array.
 //! - `write`: the protocols a writer calls — `counter` (the two-step
-//!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `sequence`,
-//!   `insert_loop`, `bounded`.
+//!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `lane`
+//!   (writer lanes: one round trip, [`Counters::add`], and its pool),
+//!   `sequence`, `insert_loop`, `bounded`.
 //! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — [`reconcile::model`] (its specification),
 //!   [`reconcile::statement`] (a document's fold as conditioned update
@@ -121,8 +126,9 @@ pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};
 pub use write::bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
 pub use write::counter::{
-    CollectionConfig, Completion, Counted, Counters, Increment, NotCounted, PendingToken,
+    CollectionConfig, Completion, Counted, Counters, Increment, NotCounted, PendingToken, Protocol,
     UnknownToken, WriterConfig,
 };
 pub use write::insert_loop::InsertLoop;
+pub use write::lane::{BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneTicket};
 pub use write::sequence::{Block, SequenceConfig, Sequences};

@@ -3,8 +3,11 @@
 //! down and writers crash.
 //!
 //! - [`counter`]: the two-step increment (DESIGN §3) with `complete` and
-//!   `resume`, and the settings it shares with the fold (the collection's
-//!   field names, the retry horizon);
+//!   `resume`, the [`Counters`](counter::Counters) handle both increment
+//!   protocols share, and the settings it shares with the fold (the
+//!   collection's field names, the retry horizon, the lanes' lifetimes);
+//! - [`lane`]: writer lanes (DESIGN §3b), an exact increment in one round
+//!   trip, safe to resume any number of times;
 //! - [`sequence`]: numbers from a counters collection, never handed out
 //!   twice (DESIGN §5);
 //! - [`insert_loop`]: the optimistic insert loop, dense numeric `_id`s;
@@ -13,4 +16,5 @@
 pub(crate) mod bounded;
 pub(crate) mod counter;
 pub(crate) mod insert_loop;
+pub(crate) mod lane;
 pub(crate) mod sequence;

@@ -18,8 +18,10 @@ use crate::reconcile::{DEFAULT_BATCH_SIZE, DEFAULT_GRACE};
 use crate::redact::{SecretString, Secrets, redact_uri};
 use crate::store::{StoreConfig, serialize_duration};
 use crate::write::counter::{
-    CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
-    DEFAULT_SETTLED_FIELD, MIN_RETRY_HORIZON, WriterConfig,
+    CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_ROTATE,
+    DEFAULT_LANE_TTL, DEFAULT_LANES, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD,
+    DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, Protocol,
+    WriterConfig,
 };
 use crate::write::sequence::SequenceConfig;
 
@@ -77,7 +79,35 @@ pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConf
             ),
         );
     }
-    WriterConfig { retry_horizon }
+    let lanes = issues
+        .optional_integer("writer.lanes", raw.lanes, 1, MAX_LANES as u64)
+        .map_or(DEFAULT_LANES, |n| n as usize);
+    let lane_rotate = issues.duration("writer.lane_rotate", raw.lane_rotate, DEFAULT_LANE_ROTATE);
+    let lane_resume_horizon = issues.duration(
+        "writer.lane_resume_horizon",
+        raw.lane_resume_horizon,
+        DEFAULT_LANE_RESUME_HORIZON,
+    );
+    let lane_ttl = issues.duration("writer.lane_ttl", raw.lane_ttl, DEFAULT_LANE_TTL);
+    let protocol = match issues.string("writer.protocol", raw.protocol).as_deref() {
+        None | Some("two-step") => Protocol::TwoStep,
+        Some("lanes") => Protocol::Lanes,
+        Some(other) => {
+            issues.push(
+                "writer.protocol",
+                format!("expected \"two-step\" or \"lanes\", found {other:?}"),
+            );
+            Protocol::TwoStep
+        }
+    };
+    WriterConfig {
+        retry_horizon,
+        lanes,
+        lane_rotate,
+        lane_resume_horizon,
+        lane_ttl,
+        protocol,
+    }
 }
 
 pub(super) fn validate_mongodb(raw: RawMongo, issues: &mut Issues) -> StoreConfig {
@@ -240,9 +270,13 @@ pub(super) fn validate_collections(
         let settled_field = issues
             .string(&format!("{key}.settled_field"), raw.settled_field)
             .unwrap_or_else(|| DEFAULT_SETTLED_FIELD.into());
+        let lanes_field = issues
+            .string(&format!("{key}.lanes_field"), raw.lanes_field)
+            .unwrap_or_else(|| DEFAULT_LANES_FIELD.into());
         check_field_name(&format!("{key}.counter_field"), &counter_field, issues);
         check_field_name(&format!("{key}.pending_field"), &pending_field, issues);
         check_field_name(&format!("{key}.settled_field"), &settled_field, issues);
+        check_field_name(&format!("{key}.lanes_field"), &lanes_field, issues);
         if counter_field == pending_field {
             issues.push(
                 format!("{key}.pending_field"),
@@ -254,6 +288,15 @@ pub(super) fn validate_collections(
                 format!("{key}.settled_field"),
                 format!(
                     "must differ from counter_field and pending_field (it is {settled_field:?})"
+                ),
+            );
+        }
+        if [&counter_field, &pending_field, &settled_field].contains(&&lanes_field) {
+            issues.push(
+                format!("{key}.lanes_field"),
+                format!(
+                    "must differ from counter_field, pending_field and settled_field (it is \
+                     {lanes_field:?})"
                 ),
             );
         }
@@ -271,6 +314,7 @@ pub(super) fn validate_collections(
             counter_field,
             pending_field,
             settled_field,
+            lanes_field,
             grace,
             batch_size,
         });

@@ -12,7 +12,11 @@
 //!   attempt, and the fold must not have taken the token before it lands;
 //! - `stuck_after` must be at least the longest grace: a token younger than
 //!   its grace is not folded yet, so an alert for it would be noise and a
-//!   repair would find nothing to do, again and again.
+//!   repair would find nothing to do, again and again;
+//! - `lane_rotate` must be shorter than `lane_resume_horizon`, and
+//!   `lane_resume_horizon` plus one attempt shorter than `lane_ttl`: a
+//!   lane's update re-sent just inside the horizon may still execute for one
+//!   attempt, and must find the lane's entry not pruned yet.
 //!
 //! Writers' clocks may then lag the server's by up to `grace −
 //! retry_horizon − attempt_timeout` (11 minutes with the defaults) before a
@@ -35,6 +39,25 @@ pub(super) fn check(config: &Config, issues: &mut Issues) {
     check_retry_horizon(config, issues);
     check_graces(config, issues);
     check_stuck_after(config, issues);
+    check_lane_lifetimes(config, issues);
+}
+
+/// The writer's lane lifetimes against each other and one attempt, as the
+/// library checks them when a handle is built.
+fn check_lane_lifetimes(config: &Config, issues: &mut Issues) {
+    let involved = [
+        "writer.lane_rotate",
+        "writer.lane_resume_horizon",
+        "writer.lane_ttl",
+        "mongodb.attempt_timeout",
+    ];
+    if any_issue(issues, &involved) {
+        return;
+    }
+    let attempt = config.mongodb.attempt_timeout;
+    for (key, problem) in config.writer.lane_margin_problems(attempt) {
+        issues.push(format!("writer.{key}"), problem);
+    }
 }
 
 fn any_issue(issues: &Issues, keys: &[&str]) -> bool {

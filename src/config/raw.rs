@@ -60,6 +60,7 @@ pub(crate) struct RawCollection {
     pub(crate) counter_field: Option<Value>,
     pub(crate) pending_field: Option<Value>,
     pub(crate) settled_field: Option<Value>,
+    pub(crate) lanes_field: Option<Value>,
     pub(crate) grace: Option<Value>,
     pub(crate) batch_size: Option<Value>,
     #[serde(flatten)]
@@ -70,6 +71,11 @@ pub(crate) struct RawCollection {
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWriter {
     pub(crate) retry_horizon: Option<Value>,
+    pub(crate) lanes: Option<Value>,
+    pub(crate) lane_rotate: Option<Value>,
+    pub(crate) lane_resume_horizon: Option<Value>,
+    pub(crate) lane_ttl: Option<Value>,
+    pub(crate) protocol: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }
@@ -126,6 +132,7 @@ pub(crate) struct RawMonitor {
 pub(crate) struct RawAlerts {
     pub(crate) stuck_after: Option<Value>,
     pub(crate) max_pending: Option<Value>,
+    pub(crate) max_lanes: Option<Value>,
     pub(crate) repair: Option<Value>,
     pub(crate) monitor_down_after: Option<Value>,
     pub(crate) webhook: Option<Section<RawWebhook>>,

@@ -201,7 +201,7 @@ fn daemon_sections_are_checked_too() {
     let text = format!(
         "{MINIMAL}\n[[collections]]\nname = \"views\"\n[schedule]\ncron = \"every night\"\n\
          timezone = \"Mars/Olympus\"\ncatch_up = \"maybe\"\n[alerts]\nstuck_after = \"30s\"\n\
-         max_pending = 0\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
+         max_pending = 0\nmax_lanes = \"many\"\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
          [ha]\nlease_ttl = \"1s\"\n[http]\nlisten = \"localhost\"\n\
          [daemon]\nstate_collection = \"views\"\n[monitor]\nscan_interval = \"0s\"\n"
     );
@@ -213,6 +213,7 @@ fn daemon_sections_are_checked_too() {
         "schedule.catch_up",
         "alerts.stuck_after",
         "alerts.max_pending",
+        "alerts.max_lanes",
         "alerts.webhook.url",
         "alerts.webhook.auth_header_env",
         "ha.lease_ttl",
@@ -488,4 +489,69 @@ fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
     ] {
         assert!(keys.contains(&expected), "{expected} missing from {keys:?}");
     }
+}
+
+#[test]
+fn the_lane_settings_default_and_are_read() {
+    let config = Config::from_toml(MINIMAL, []).unwrap();
+    assert_eq!(config.writer.lanes, 16);
+    assert_eq!(config.writer.lane_rotate, Duration::from_secs(3600));
+    assert_eq!(
+        config.writer.lane_resume_horizon,
+        Duration::from_secs(23 * 3600)
+    );
+    assert_eq!(config.writer.lane_ttl, Duration::from_secs(24 * 3600));
+    assert_eq!(
+        config.writer.protocol,
+        crate::write::counter::Protocol::TwoStep
+    );
+    let text = format!(
+        "{MINIMAL}[writer]\nlanes = 4\nlane_rotate = \"10m\"\nlane_resume_horizon = \"2h\"\n\
+         lane_ttl = \"3h\"\nprotocol = \"lanes\"\n[[collections]]\nname = \"a\"\nlanes_field = \"w\"\n"
+    );
+    let config = Config::from_toml(&text, env(&[("TALLYD__WRITER__LANES", "8")])).unwrap();
+    assert_eq!(config.writer.lanes, 8);
+    assert_eq!(config.writer.lane_rotate, Duration::from_secs(600));
+    assert_eq!(
+        config.writer.protocol,
+        crate::write::counter::Protocol::Lanes
+    );
+    assert_eq!(config.collections[0].lanes_field, "w");
+    assert_eq!(config.collection("other").lanes_field, "lanes");
+}
+
+#[test]
+fn lane_lifetimes_must_leave_their_margins_and_every_bad_lane_key_is_named() {
+    // 2h + 60s (the default attempt bound) is not shorter than a lane_ttl
+    // of 2h; a rotation of 3h outlives the resume horizon.
+    let text = format!(
+        "{MINIMAL}[writer]\nlanes = 0\nlane_rotate = \"3h\"\nlane_resume_horizon = \"2h\"\n\
+         lane_ttl = \"2h\"\nprotocol = \"fast\"\n[[collections]]\nname = \"a\"\n\
+         lanes_field = \"pending\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        [
+            "collections[0].lanes_field",
+            "writer.lanes",
+            "writer.protocol",
+            "writer.lane_rotate",
+            "writer.lane_ttl",
+        ],
+        "{err}"
+    );
+    let said = message(&err, "writer.lane_ttl");
+    assert!(
+        said.contains("lane_resume_horizon + attempt_timeout") && said.contains("2h 1m"),
+        "{said}"
+    );
+    assert!(message(&err, "writer.lane_rotate").contains("lane_resume_horizon"));
+    let fixed = text
+        .replace("lanes = 0", "lanes = 1")
+        .replace("\"3h\"", "\"1h\"")
+        .replace("lane_ttl = \"2h\"", "lane_ttl = \"2h 1m 1s\"")
+        .replace("\"fast\"", "\"two-step\"")
+        .replace("lanes_field = \"pending\"", "lanes_field = \"lanes\"");
+    Config::from_toml(&fixed, []).unwrap();
 }

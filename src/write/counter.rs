@@ -31,6 +31,14 @@
 //! copy of the token re-added later (the original step 1, held up in the
 //! network) is never counted by a settle (the fold drops it).
 //!
+//! **A step 1 held up in the network.** The increment's own step 2 leaves
+//! the same marker when any step 1 attempt of the call may have applied
+//! (its retry budget says so): exactly then a copy of step 1 may still be
+//! on its way, and land after step 2 counted the token. The fold drops such
+//! a copy instead of counting it again — as long as it lands before the
+//! fold prunes the marker (`grace`). An increment whose step 1 went through
+//! at the first attempt sends no copy, and writes no marker.
+//!
 //! The settings live in [`config`]: [`CollectionConfig`] (a counter
 //! collection's field names, shared with the fold) and [`WriterConfig`]
 //! (the retry horizon); the outcomes in [`outcome`].
@@ -45,17 +53,19 @@ use std::time::{Duration, SystemTime};
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 
-pub use config::{CollectionConfig, WriterConfig};
+pub use config::{CollectionConfig, Protocol, WriterConfig};
 // The daemon's configuration reads its defaults from here.
 #[cfg(feature = "daemon")]
 pub(crate) use config::{
-    DEFAULT_COUNTER_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD,
-    MIN_RETRY_HORIZON, least_retry_horizon,
+    DEFAULT_COUNTER_FIELD, DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_ROTATE, DEFAULT_LANE_TTL,
+    DEFAULT_LANES, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
+    DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, least_retry_horizon,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
 // The fold adds to counters the way step 2 does, and reads markers alike.
 pub(crate) use step::{exact_as_double, inc_operand, marker_path};
 
+use super::lane::LanePool;
 use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
 use crate::store::Store;
 use crate::token::{Entry, Token};
@@ -68,13 +78,25 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 /// changed (a duplicate key: a marker appeared, or a race created it).
 const RESUME_ROUNDS: u32 = 3;
 
-/// Increments counters of one collection.
+/// Increments counters of one collection, with either protocol: the
+/// two-step increment ([`Counters::increment`]) or a writer lane
+/// ([`Counters::add`], DESIGN §3b). Clones share one pool of lanes.
 #[derive(Clone, Debug)]
 pub struct Counters {
-    store: Store,
-    collection: Collection<Document>,
-    spec: Arc<CollectionConfig>,
+    pub(super) store: Store,
+    pub(super) collection: Collection<Document>,
+    pub(super) spec: Arc<CollectionConfig>,
     retry_horizon: Duration,
+    /// The pool of lanes and their resume horizon, or why the writer's lane
+    /// settings were refused (every lane operation is then refused too).
+    pub(super) lanes: Result<Lanes, Error>,
+}
+
+/// What the lanes protocol needs from a handle.
+#[derive(Clone, Debug)]
+pub(super) struct Lanes {
+    pub(super) pool: Arc<LanePool>,
+    pub(super) resume_horizon: Duration,
 }
 
 /// What the counter document says about one token.
@@ -88,9 +110,20 @@ pub(crate) enum Found {
     Absent,
 }
 
+/// Why an upsert sent with [`Counters::upsert_while`] did not apply.
+pub(super) enum Stopped {
+    /// Its guard refused before an attempt: nothing more was sent.
+    Refused(Error),
+    /// The retry rule gave up after the last attempt failed.
+    GaveUp(Box<Failure>),
+}
+
 /// What step 1 established.
 enum Added {
-    Yes,
+    /// Applied; `copy_may_land` when an earlier attempt of this call may
+    /// have applied too — a copy of it may still be on its way to the
+    /// server and re-add the token after step 2 counted it.
+    Yes { copy_may_land: bool },
     /// Definitely not applied.
     No(Error),
     /// May or may not have applied.
@@ -104,8 +137,40 @@ enum Added {
 impl Counters {
     /// Increments in `spec`'s collection, through `store`. A retry horizon
     /// shorter than two of the store's attempts, or than 2 s, is raised to
-    /// that (with a warning).
+    /// that (with a warning). Lane settings
+    /// that do not hold together (see [`Counters::try_new`]) are logged as
+    /// an error, and every lane operation of the handle is then refused
+    /// without writing; the two-step increment works regardless.
     pub fn new(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
+        let counters = Self::build(store, spec, writer);
+        if let Err(refused) = &counters.lanes {
+            tracing::error!(
+                collection = %counters.spec.name,
+                cause = %refused,
+                "the lane settings are refused; every lane operation of this handle will be too"
+            );
+        }
+        counters
+    }
+
+    /// Like [`Counters::new`], but refuses lane settings that do not hold
+    /// together: a pool of 1 to 1024 lanes, `lane_rotate` shorter than
+    /// `lane_resume_horizon`, and `lane_resume_horizon` plus the store's
+    /// attempt bound shorter than `lane_ttl`
+    /// ([`Error::InvalidArgument`], naming every setting at fault).
+    pub fn try_new(
+        store: &Store,
+        spec: CollectionConfig,
+        writer: WriterConfig,
+    ) -> Result<Self, Error> {
+        let counters = Self::build(store, spec, writer);
+        match &counters.lanes {
+            Ok(_) => Ok(counters),
+            Err(refused) => Err(refused.clone()),
+        }
+    }
+
+    fn build(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
         let least = config::least_retry_horizon(store.attempt_timeout());
         if writer.retry_horizon < least {
             tracing::warn!(
@@ -122,6 +187,7 @@ impl Counters {
             store: store.clone(),
             spec: Arc::new(spec),
             retry_horizon: writer.retry_horizon.max(least),
+            lanes: lanes(&writer, store.attempt_timeout()),
         }
     }
 
@@ -142,23 +208,34 @@ impl Counters {
             return Increment::NotCounted(NotCounted {
                 key,
                 token: None,
+                lane: None,
                 amount,
                 cause: Error::InvalidArgument("the amount must not be zero".into()),
             });
         };
         match self.add_token(&key, &entry, By::Increment).await {
-            Added::Yes => match self.count_token(&key, &entry, By::Increment).await {
-                Ok(settled_earlier) => Increment::Counted(Counted {
-                    key,
-                    entry,
-                    settled_earlier,
-                }),
-                Err(cause) => Increment::Pending(PendingToken {
-                    key,
-                    entry,
-                    cause: Some(cause),
-                }),
-            },
+            Added::Yes { copy_may_land } => {
+                // A copy of step 1 still on its way would re-add the counted
+                // token: step 2 then leaves the token's marker, as a settle
+                // does, and the fold drops the copy instead of counting it.
+                let by = if copy_may_land {
+                    By::Settle
+                } else {
+                    By::Increment
+                };
+                match self.count_token(&key, &entry, by).await {
+                    Ok(settled_earlier) => Increment::Counted(Counted {
+                        key,
+                        entry,
+                        settled_earlier,
+                    }),
+                    Err(cause) => Increment::Pending(PendingToken {
+                        key,
+                        entry,
+                        cause: Some(cause),
+                    }),
+                }
+            }
             Added::No(cause) | Added::Changed(cause) => not_counted(key, entry, cause),
             Added::Unknown(cause) => Increment::Unknown(UnknownToken {
                 key,
@@ -241,7 +318,7 @@ impl Counters {
             }
             let UnknownToken { key, entry, .. } = unknown;
             match self.add_token(&key, &entry, By::Settle).await {
-                Added::Yes => {
+                Added::Yes { .. } => {
                     let pending = PendingToken {
                         key,
                         entry,
@@ -399,22 +476,44 @@ impl Counters {
         };
         let mut budget = RetryBudget::retry_once("increment.add_token", driver_retries)
             .with_duplicate_key_retries(duplicate_retries);
-        loop {
-            // Never (re)send step 1 for a token the daemon may fold: a retry
-            // that lands after the fold would count twice.
+        // Never (re)send step 1 for a token the daemon may fold: a retry
+        // that lands after the fold would count twice.
+        let allowed = || {
             let age = entry.token().age(SystemTime::now());
-            if age >= self.retry_horizon {
-                let cause = Error::RetryHorizonExceeded {
-                    token: entry.token().to_string(),
-                    age,
-                    horizon: self.retry_horizon,
-                };
-                return if budget.maybe_applied() {
-                    Added::Unknown(cause)
-                } else {
-                    Added::No(cause)
-                };
+            if age < self.retry_horizon {
+                return Ok(());
             }
+            Err(Error::RetryHorizonExceeded {
+                token: entry.token().to_string(),
+                age,
+                horizon: self.retry_horizon,
+            })
+        };
+        match self
+            .upsert_while(&mut budget, &filter, &update, allowed)
+            .await
+        {
+            Ok(()) => Added::Yes {
+                copy_may_land: budget.maybe_applied(),
+            },
+            Err(Stopped::Refused(cause)) if budget.maybe_applied() => Added::Unknown(cause),
+            Err(Stopped::Refused(cause)) => Added::No(cause),
+            Err(Stopped::GaveUp(failure)) => self.step_1_failed(&budget, failure, by),
+        }
+    }
+
+    /// Sends `update` as an upsert of the document `filter` matches, under
+    /// `budget`'s retry rule, asking `allowed` before every attempt whether
+    /// it may still be sent.
+    pub(super) async fn upsert_while(
+        &self,
+        budget: &mut RetryBudget,
+        filter: &Document,
+        update: &Document,
+        allowed: impl Fn() -> Result<(), Error>,
+    ) -> Result<(), Stopped> {
+        loop {
+            allowed().map_err(Stopped::Refused)?;
             budget.start_attempt();
             let result = self
                 .store
@@ -425,10 +524,10 @@ impl Counters {
                 )
                 .await;
             match result {
-                Ok(_) => return Added::Yes,
+                Ok(_) => return Ok(()),
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => return self.step_1_failed(&budget, failure, by),
+                    Next::GiveUp(failure) => return Err(Stopped::GaveUp(failure)),
                 },
             }
         }
@@ -472,10 +571,31 @@ impl Counters {
     }
 }
 
+/// The pool the writer's lane settings make, or every problem with them.
+fn lanes(writer: &WriterConfig, attempt_timeout: Duration) -> Result<Lanes, Error> {
+    let mut problems = writer.lane_margin_problems(attempt_timeout);
+    if !(1..=config::MAX_LANES).contains(&writer.lanes) {
+        let why = format!("must be 1 to {}, not {}", config::MAX_LANES, writer.lanes);
+        problems.insert(0, ("lanes", why));
+    }
+    if !problems.is_empty() {
+        let listed: Vec<String> = problems
+            .iter()
+            .map(|(key, why)| format!("WriterConfig::{key} {why}"))
+            .collect();
+        return Err(Error::InvalidArgument(listed.join("; ")));
+    }
+    Ok(Lanes {
+        pool: LanePool::new(writer.lanes, writer.lane_rotate),
+        resume_horizon: writer.lane_resume_horizon,
+    })
+}
+
 fn not_counted(key: Bson, entry: Entry, cause: Error) -> Increment {
     Increment::NotCounted(NotCounted {
         key,
         token: Some(entry.token()),
+        lane: None,
         amount: entry.amount(),
         cause,
     })

@@ -1488,3 +1488,128 @@ async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
     assert_eq!(daemon.metric(&firing_for("clicks")).await, Some(0.0));
     assert!(daemon.log().contains("clock_skew"), "{}", daemon.log());
 }
+
+/// `[alerts] max_lanes`: a lane map larger than it fires `lanes_too_many`
+/// through the webhook with the document's id, and resolves once the map
+/// shrinks; the lane gauges follow every change the stream brings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_lane_maps_alert_and_show_in_the_lane_metrics() {
+    let ctx = TestContext::new("daemon_lanes").await;
+    let views = ctx.client(false).await.collection("views");
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let conf = Conf {
+        extra: format!(
+            "[alerts]\nstuck_after = \"7s\"\nmax_lanes = 3\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+            receiver.addr
+        ),
+        ..Conf::idle()
+    };
+    let daemon = start(&ctx, &conf);
+    daemon.wait_ready("active", LONG).await;
+    let (a, b) = (ObjectId::new().to_hex(), ObjectId::new().to_hex());
+    views
+        .insert_many(vec![
+            doc! { "_id": 1, "counter": 5i64, "lanes": {
+            "orders:0": 10i64, "orders:1": 11i64, "orders:2": 12i64, &a: 1i64, &b: 2i64 } },
+            doc! { "_id": 2, "counter": 2i64, "lanes": { &a: 3i64, &b: 1i64 } },
+            doc! { "_id": 3, "counter": 1i64, "pending": [ObjectId::new()] },
+        ])
+        .await
+        .unwrap();
+    let gauges = |documents: f64, entries: f64, largest: f64| {
+        let daemon = &daemon;
+        async move {
+            daemon
+                .metric("tally_lane_documents{collection=\"views\"}")
+                .await
+                == Some(documents)
+                && daemon
+                    .metric("tally_lane_entries{collection=\"views\"}")
+                    .await
+                    == Some(entries)
+                && daemon
+                    .metric("tally_largest_lane_map{collection=\"views\"}")
+                    .await
+                    == Some(largest)
+        }
+    };
+    wait_until("the lane gauges", LONG, || gauges(2.0, 7.0, 5.0)).await;
+    wait_until("lanes_too_many fired", LONG, || async {
+        !receiver.delivered().is_empty()
+    })
+    .await;
+    let firing = &receiver.delivered()[0];
+    assert_eq!(firing["kind"], "lanes_too_many");
+    assert_eq!(firing["state"], "firing");
+    assert_eq!(firing["count"], 1);
+    assert_eq!(firing["sample_ids"], serde_json::json!(["1"]));
+
+    views
+        .update_one(
+            doc! { "_id": 1 },
+            doc! { "$unset": { "lanes.orders:0": "", "lanes.orders:1": "" } },
+        )
+        .await
+        .unwrap();
+    wait_until("the lane gauges after the update", LONG, || {
+        gauges(2.0, 5.0, 3.0)
+    })
+    .await;
+    wait_until("lanes_too_many resolved", LONG, || async {
+        receiver.delivered().len() >= 2
+    })
+    .await;
+    let resolved = &receiver.delivered()[1];
+    assert_eq!(
+        (&resolved["kind"], &resolved["state"]),
+        (
+            &serde_json::json!("lanes_too_many"),
+            &serde_json::json!("resolved")
+        )
+    );
+    assert_eq!(receiver.delivered().len(), 2, "{:?}", receiver.delivered());
+}
+
+/// `tallyd status` shows per collection the documents with lanes, their
+/// entries, the largest map, and every named lane with its highest
+/// position (named lanes are never pruned: operators must see them).
+#[tokio::test]
+async fn the_status_command_shows_lanes_and_named_lanes() {
+    let ctx = TestContext::new("cli_status_lanes").await;
+    let views = ctx.client(false).await.collection("views");
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(48 * 3600))
+        .object_id()
+        .to_hex();
+    views
+        .insert_many(vec![
+            doc! { "_id": 1, "counter": 1i64, "lanes": { "orders:0": 7i64, &old: 1i64 } },
+            doc! { "_id": 2, "counter": 1i64, "lanes": { "orders:0": 9i64, "orders:1": 0i64 } },
+            doc! { "_id": 3, "counter": 1i64, "lanes": { ObjectId::new().to_hex(): 4i64 } },
+            doc! { "_id": 4, "counter": 1i64, "lanes": [1] },
+        ])
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = ctx.config_toml(false, "[[collections]]\nname = \"views\"");
+    let path = crate::cli::write_config(dir.path(), &config);
+    let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let out: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let views = &out["collections"][0];
+    assert_eq!(views["documents_with_lanes"], 3);
+    assert_eq!(views["lane_entries"], 5);
+    assert_eq!(views["largest_lane_map"], 2);
+    assert_eq!(views["named_lane_entries"], 3);
+    assert_eq!(
+        views["named_lanes"],
+        serde_json::json!({ "orders:0": 9, "orders:1": 0 })
+    );
+    assert_eq!(views["named_lanes_truncated"], false);
+    assert_eq!(views["malformed"], 1, "the lane map that is an array");
+    let text = crate::cli::tallyd(&["--config", &path, "status"], &[]).await;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("named lanes (never pruned)") && text.contains("\"orders:0\"  9"),
+        "{text}"
+    );
+}

@@ -1,7 +1,10 @@
 //! The fault matrix (DESIGN §7): every fault the network or a server can
 //! produce, injected by the black-pipe proxy at every write tally makes —
-//! increment step 1 and step 2, sequence `next`, bounded `take`, the fold —
-//! with retryable writes off (the hard case) and on.
+//! increment step 1 and step 2, sequence `next`, bounded `take`, the fold,
+//! and the lane increment on a new and on an existing counter — with
+//! retryable writes off (the hard case) and on. A request delayed in the
+//! network (held by the proxy, forwarded after the caller's later attempt
+//! completed) is injected at the increments' writes.
 //!
 //! Each cell asserts three things, and reports every cell that disagrees at
 //! once:
@@ -9,9 +12,10 @@
 //! - how many requests of the faulted kind were sent and how many reached
 //!   the server (the proxy's log);
 //! - the exact document afterwards, which must equal the state derived from
-//!   the log alone (what reached the server, de-duplicated the way the
-//!   server de-duplicates retryable writes) — independently of what the
-//!   library said happened.
+//!   the log alone (what reached the server, in the order it reached it,
+//!   de-duplicated the way the server de-duplicates retryable writes) —
+//!   independently of what the library said happened; for the lane cells
+//!   also the exact counter and lane entry the outcome promises.
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -20,10 +24,10 @@ use std::time::{Duration, SystemTime};
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tally::{
     BoundedConfig, BoundedCounters, CollectionConfig, Completion, Counters, FoldTarget, Increment,
-    Mode, SequenceConfig, Sequences, Store, Take, Token, WriterConfig,
+    LaneIncrement, Mode, SequenceConfig, Sequences, Store, Take, Token, WriterConfig,
 };
 
-use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+use crate::common::proxy::{Action, Exchange, Proxy, Release, Rule, upstream_of};
 use crate::common::{TestClient, TestContext, run_reconcile};
 
 /// The bound on one attempt for the client through the proxy (which must
@@ -50,6 +54,10 @@ enum Fault {
     /// `DuplicateKey` (11000) on `_id`, in the shape the server gives the
     /// command, nothing executed.
     DuplicateKey,
+    /// The request is held up in the network: the client's attempt fails,
+    /// and the request reaches the server only after the caller's operation
+    /// returned (injected at the increments' writes).
+    Delayed,
 }
 
 const FAULTS: [Fault; 6] = [
@@ -75,6 +83,7 @@ impl Fault {
             Self::NotPrimary => Action::error(10107, "NotWritablePrimary", &[]),
             Self::CommandError => Action::error(2, "BadValue", &[]),
             Self::DuplicateKey => Action::DuplicateKey,
+            Self::Delayed => Action::HoldRequest(Release::WhenReleased),
         }
     }
 }
@@ -92,14 +101,22 @@ enum Site {
     BoundedTake,
     /// `Reconciler::reconcile`, its first fold `update`.
     Fold,
+    /// `Counters::add` on a counter that does not exist yet (its update
+    /// upserts it).
+    LaneNew,
+    /// `Counters::add` on an existing counter holding another lane's entry,
+    /// through a lane that wrote it once already (its second number).
+    LaneExisting,
 }
 
-const SITES: [Site; 5] = [
+const SITES: [Site; 7] = [
     Site::Step1,
     Site::Step2,
     Site::SequenceNext,
     Site::BoundedTake,
     Site::Fold,
+    Site::LaneNew,
+    Site::LaneExisting,
 ];
 
 impl Site {
@@ -111,12 +128,26 @@ impl Site {
     }
 
     /// Which request of [`Self::command`] on the cell's collection the fault
-    /// hits: step 2 is the increment's second `update`.
+    /// hits: step 2 is the increment's second `update`, the existing lane's
+    /// add the second through its lane.
     fn nth(self) -> u64 {
         match self {
-            Self::Step2 => 2,
+            Self::Step2 | Self::LaneExisting => 2,
             _ => 1,
         }
+    }
+
+    /// The faults injected here: every one, and a delayed request at the
+    /// increments' writes.
+    fn faults(self) -> Vec<Fault> {
+        let mut faults = FAULTS.to_vec();
+        if matches!(
+            self,
+            Self::Step1 | Self::Step2 | Self::LaneNew | Self::LaneExisting
+        ) {
+            faults.push(Fault::Delayed);
+        }
+        faults
     }
 
     /// Whether a request belongs to this site (step 1 and step 2 share the
@@ -155,6 +186,10 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         (Step1, CommandError) => ("not counted (command)", 1, 0),
         // A duplicate key on an upsert is a race that applied nothing.
         (Step1, DuplicateKey) => ("counted", 2, 1),
+        // The held step 1 lands after step 2 counted the token: without
+        // retryable writes it re-adds the token, whose marker (left by step
+        // 2, as a step 1 attempt may have applied) makes the fold drop it.
+        (Step1, Delayed) => ("counted", 2, 2),
         // Step 2 applies at most once: a retry after a lost reply finds the
         // token gone — unless the server answers the driver's retry from
         // the first execution.
@@ -164,6 +199,9 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         // A refused step 2 leaves the token pending; `complete` counts it.
         (Step2, CommandError) => ("pending (command), then complete: counted", 2, 1),
         (Step2, DuplicateKey) => ("pending (duplicate_key), then complete: counted", 2, 1),
+        // The held step 2 lands after its retry counted the token: it finds
+        // the token gone (or is answered from the retry's execution).
+        (Step2, Delayed) => ("counted", 2, 2),
         // `next` from 1: a retried `$inc` whose first execution applied
         // skips a number — a gap, never a duplicate.
         (SequenceNext, ReplyDropped) if driver_retries => ("2", 2, 2),
@@ -186,6 +224,22 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         (Fold, ClosedBeforeForwarding | NotPrimary) => ("folded 2 tokens (+4)", 2, 1),
         (Fold, CommandError) => ("failed (command), next run: folded 2 tokens (+4)", 2, 1),
         (Fold, DuplicateKey) => ("refused (11000), next run: folded 2 tokens (+4)", 2, 1),
+        // A lane's update applies at most once: a retry after a lost reply
+        // collides with what the first attempt wrote (its upsert, on `_id`,
+        // twice), and the lane's entry says it applied — unless the server
+        // answers the driver's retry from the first execution.
+        (LaneNew | LaneExisting, ReplyDropped) if driver_retries => ("counted", 2, 2),
+        (LaneNew | LaneExisting, ReplyDropped | DelayedPastTimeout) => {
+            ("counted (already applied)", 3, 3)
+        }
+        (LaneNew | LaneExisting, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
+        (LaneNew | LaneExisting, CommandError) => ("not counted (command)", 1, 0),
+        // An upsert race that applied nothing: sent again, once.
+        (LaneNew | LaneExisting, DuplicateKey) => ("counted", 2, 1),
+        // The held request lands after the retry applied: the lane holds
+        // its number, so it applies nothing.
+        (LaneNew | LaneExisting, Delayed) => ("counted", 2, 2),
+        (SequenceNext | BoundedTake | Fold, Delayed) => unreachable!("not injected there"),
     };
     Expected {
         outcome,
@@ -231,7 +285,7 @@ impl Rig {
     async fn run_matrix(&self) {
         let mut failures = String::new();
         for site in SITES {
-            for fault in FAULTS {
+            for fault in site.faults() {
                 if let Err(diff) = self.run_cell(site, fault).await {
                     let _ = writeln!(failures, "{site:?} × {fault:?}: {diff}");
                 }
@@ -256,11 +310,19 @@ impl Rig {
                 .nth(site.nth())
                 .then(fault.action(retryable_write)),
         );
+        let want = expected(site, fault, self.driver_retries);
         let (outcome, state, from_log) = match site {
             Site::Step1 | Site::Step2 => self.increment(&name, &direct).await,
             Site::SequenceNext => self.sequence_next(&name, &direct).await,
             Site::BoundedTake => self.bounded_take(&name, &direct).await,
             Site::Fold => self.fold(&name, &direct, rule).await,
+            Site::LaneNew | Site::LaneExisting => {
+                let counted = want.outcome.starts_with("counted");
+                match self.lane_add(site, &name, &direct, counted).await {
+                    Ok(cell) => cell,
+                    Err(diff) => return Err(diff),
+                }
+            }
         };
         let log: Vec<Exchange> = self
             .proxy
@@ -270,7 +332,6 @@ impl Rig {
             .collect();
         let sent = log.len();
         let reached = log.iter().filter(|e| e.reached_server).count();
-        let want = expected(site, fault, self.driver_retries);
         let mut diff = Vec::new();
         if outcome != want.outcome {
             diff.push(format!("outcome {outcome:?}, expected {:?}", want.outcome));
@@ -320,25 +381,71 @@ impl Rig {
             Increment::NotCounted(not) => format!("not counted ({})", class_of(Some(not.cause()))),
         };
         let log = self.settled_log(name).await;
-        let reached = |step: Site| log.iter().any(|e| step.owns(e) && e.reached_server);
-        // Step 1 creates the document holding the token; step 2 is
-        // conditioned on it, so it applies once however often it arrives,
-        // and takes the pending field with its last entry. A settle's step
-        // 2 (`complete`) also leaves the token's marker.
-        let settled = log
-            .iter()
-            .any(|e| Site::Step2.owns(e) && e.body_mentions("$concatArrays") && e.reached_server);
-        let from_log = match (reached(Site::Step1), reached(Site::Step2)) {
-            (false, _) => None,
-            (true, false) => Some(doc! { "counter": 0i64, "pending": [token.object_id()] }),
-            (true, true) if settled => Some(doc! {
-                "counter": 1i64,
-                "settled": [{ "t": token.object_id(), "n": 1i64 }],
-            }),
-            (true, true) => Some(doc! { "counter": 1i64 }),
-        };
+        let from_log = replay_increment(&log, token.object_id());
         let state = project(direct, "k", &["counter", "pending", "settled"]).await;
         (outcome, state, from_log)
+    }
+
+    /// The lane cells: `add` of 1 to `k` — a new counter, or one at 5 with
+    /// another lane's entry that this lane already wrote once. State:
+    /// `counter` and `lanes`. Besides matching the log, the document must
+    /// be exactly what the outcome promises (`counted`: the amount added
+    /// once, the lane holding its number); a mismatch is reported at once.
+    async fn lane_add(
+        &self,
+        site: Site,
+        name: &str,
+        direct: &mongodb::Collection<Document>,
+        counted: bool,
+    ) -> Result<(String, Option<Document>, Option<Document>), String> {
+        let counters = Counters::try_new(
+            &self.store,
+            CollectionConfig::new(name),
+            WriterConfig::default(),
+        )
+        .expect("the default lane settings");
+        let lanes = ["counter", "lanes"];
+        if site == Site::LaneExisting {
+            direct
+                .insert_one(doc! { "_id": "k", "counter": 5i64, "lanes": { "other:0": 7i64 } })
+                .await
+                .expect("seed the counter");
+            match counters.add("k", 1).await {
+                LaneIncrement::Counted(c) if c.position() == 1 => {}
+                other => return Err(format!("the first add: {other:?}")),
+            }
+            self.settled_log(name).await;
+            self.proxy.clear_log();
+        }
+        let before = project(direct, "k", &lanes).await;
+        let result = counters.add("k", 1).await;
+        let lane = result.lane().expect("a lane was taken").key();
+        let position = result.position().expect("a lane was taken");
+        let outcome = match &result {
+            LaneIncrement::Counted(c) if c.settled_earlier() => "counted (already applied)".into(),
+            LaneIncrement::Counted(_) => "counted".into(),
+            LaneIncrement::Unknown(t) => format!("unknown ({})", class_of(t.cause())),
+            LaneIncrement::NotCounted(n) => format!("not counted ({})", class_of(Some(n.cause()))),
+        };
+        let log = self.settled_log(name).await;
+        let from_log = replay_lanes(&log, before.clone());
+        let state = project(direct, "k", &lanes).await;
+        let promised = match (site, counted) {
+            (Site::LaneNew, false) => None,
+            (Site::LaneNew, true) => Some(doc! { "counter": 1i32, "lanes": { &lane: 1i64 } }),
+            (_, false) => before,
+            (_, true) => Some(doc! {
+                "counter": 7i64,
+                "lanes": { "other:0": 7i64, &lane: 2i64 },
+            }),
+        };
+        let wanted_position = if site == Site::LaneNew { 1 } else { 2 };
+        if state != promised || position != wanted_position {
+            return Err(format!(
+                "outcome {outcome:?} at s = {position}: document {state:?}, promised {promised:?}"
+            ));
+        }
+        Ok((outcome, state, from_log))
     }
 
     /// `next` on the sequence `s`, which stands at 1. State: `seq`.
@@ -363,7 +470,7 @@ impl Rig {
             Err(err) => format!("error ({})", class_name(err.class())),
         };
         let log = self.settled_log(name).await;
-        let executions = executions(&log, "findAndModify");
+        let executions = executed(&log, "findAndModify").len();
         let from_log = Some(doc! { "seq": 1 + executions as i64 });
         let state = project(direct, "s", &["seq"]).await;
         if let (Ok(value), Some(seq)) = (outcome.parse::<i64>(), state.as_ref()) {
@@ -397,7 +504,7 @@ impl Rig {
         };
         let log = self.settled_log(name).await;
         // The take is conditioned on the token not holding a unit yet.
-        let from_log = if executions(&log, "update") > 0 {
+        let from_log = if !executed(&log, "update").is_empty() {
             doc! { "available": 2i64, "holders": [token.object_id()] }
         } else {
             doc! { "available": 3i64, "holders": [] }
@@ -493,10 +600,14 @@ impl Rig {
         (outcome, state, Some(from_log))
     }
 
-    /// The log of the cell's collection once every request in it reached
-    /// the server or was answered or closed (a delayed reply may still be
-    /// on its way to a client that has gone).
+    /// The log of the cell's collection once every held request was
+    /// forwarded and every request reached the server or was answered or
+    /// closed (a delayed reply may still be on its way to a client that has
+    /// gone).
     async fn settled_log(&self, name: &str) -> Vec<Exchange> {
+        // A request held up in the network arrives now, after the caller's
+        // operation returned.
+        self.proxy.release_held().await;
         self.proxy
             .wait_until("every request of the cell is settled", DELAY * 2, |log| {
                 log.iter()
@@ -510,18 +621,94 @@ impl Rig {
     }
 }
 
-/// How many times the server executed `command` according to the log:
-/// every request that reached it, except that retries of one retryable
-/// write (the same session and transaction number) execute once.
-fn executions(log: &[Exchange], command: &str) -> usize {
-    let mut retryable = HashSet::new();
-    log.iter()
+/// The requests named `command` the server executed according to the log,
+/// in the order they reached it: every one that reached it, except that
+/// retries of one retryable write (the same session and transaction
+/// number) execute once — the first to arrive; the others are answered
+/// from its result.
+fn executed<'a>(log: &'a [Exchange], command: &str) -> Vec<&'a Exchange> {
+    let mut arrived: Vec<&Exchange> = log
+        .iter()
         .filter(|e| e.command.as_deref() == Some(command) && e.reached_server)
+        .collect();
+    arrived.sort_by_key(|e| e.forwarded);
+    let mut retryable = HashSet::new();
+    arrived
+        .into_iter()
         .filter(|e| match (e.body.get("lsid"), e.body.get("txnNumber")) {
             (Some(lsid), Some(txn)) => retryable.insert(format!("{lsid}/{txn}")),
             _ => true,
         })
-        .count()
+        .collect()
+}
+
+/// The counter document the increment cells' updates make of key `k`,
+/// replayed as the server executed them: step 1 adds the token (creating
+/// the document from counter 0); step 2 counts a pending token once and
+/// removes it (leaving its marker in its settle form, which applies only
+/// while there is none).
+fn replay_increment(log: &[Exchange], token: ObjectId) -> Option<Document> {
+    // (counter, token pending, token marked)
+    let mut state: Option<(i64, bool, bool)> = None;
+    for update in executed(log, "update") {
+        if Site::Step1.owns(update) {
+            let (counter, _, marked) = state.unwrap_or((0, false, false));
+            state = Some((counter, true, marked));
+        } else if Site::Step2.owns(update) {
+            let settle = update.body_mentions("$concatArrays");
+            if let Some((counter, true, marked)) = state
+                && !(settle && marked)
+            {
+                state = Some((counter + 1, false, marked || settle));
+            }
+        }
+    }
+    state.map(|(counter, pending, marked)| {
+        let mut document = doc! { "counter": counter };
+        if pending {
+            document.insert("pending", vec![token]);
+        }
+        if marked {
+            document.insert("settled", vec![doc! { "t": token, "n": 1i64 }]);
+        }
+        document
+    })
+}
+
+/// The counter document the lane cells' updates make of `before`, replayed
+/// as the server executed them: an update applies — adds its amount, sets
+/// its lane's entry to its number — only while the lane holds less (no
+/// entry counts as less), and creates the document when there is none.
+fn replay_lanes(log: &[Exchange], before: Option<Document>) -> Option<Document> {
+    let mut state = before;
+    for update in executed(log, "update") {
+        let statement = update.body.get_array("updates").expect("updates")[0]
+            .as_document()
+            .expect("an update statement")
+            .get_document("u")
+            .expect("update operators");
+        let set = statement.get_document("$set").expect("$set");
+        let (path, position) = set.iter().next().expect("the lane's entry");
+        let lane = path.strip_prefix("lanes.").expect("a lane path");
+        let position = position.as_i64().expect("an int64 number");
+        let amount = statement
+            .get_document("$inc")
+            .and_then(|inc| inc.get_i32("counter"))
+            .expect("an int32 amount");
+        let document = state.get_or_insert_with(|| doc! { "counter": 0i32, "lanes": {} });
+        let lanes = document.get_document_mut("lanes").expect("a lane map");
+        if lanes.get_i64(lane).is_ok_and(|held| held >= position) {
+            continue;
+        }
+        lanes.insert(lane, position);
+        let counter = match document.get("counter") {
+            Some(Bson::Int32(n)) => Bson::Int32(n + amount),
+            Some(Bson::Int64(n)) => Bson::Int64(n + i64::from(amount)),
+            other => panic!("counter {other:?}"),
+        };
+        document.insert("counter", counter);
+    }
+    state
 }
 
 /// The fields `fields` of document `id`, or `None` when it does not exist.
@@ -563,4 +750,59 @@ async fn every_fault_at_every_write_with_retryable_writes_on() {
         "the test deployment (a replica set) must let the driver retry writes"
     );
     rig.run_matrix().await;
+}
+
+/// The increment's first step 1 is held up in the network and lands after
+/// the retried step 1 and step 2 counted the token: the token is pending
+/// again. The increment's step 2 left the token's settle marker (a step 1
+/// attempt may have applied), so the fold drops the late copy instead of
+/// counting it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_step_1_landing_after_the_increment_is_never_counted_again() {
+    for retry_writes in [false, true] {
+        let name = format!("delayed_step1_rw_{retry_writes}");
+        let rig = Rig::new(&name, retry_writes).await;
+        let coll = "views";
+        let _hold = rig.proxy.rule(
+            Rule::command("update")
+                .collection(coll)
+                .nth(1)
+                .then(Action::HoldRequest(Release::WhenReleased)),
+        );
+        let counters = Counters::new(
+            &rig.store,
+            CollectionConfig::new(coll),
+            WriterConfig::default(),
+        );
+        let outcome = counters.increment("k", 1).await;
+        assert!(
+            matches!(outcome, Increment::Counted(ref c) if !c.settled_earlier()),
+            "{name}: {outcome:?}"
+        );
+        let held = rig.proxy.release_held().await;
+        assert!(
+            held.len() == 1 && held[0].reached_server && held[0].body_mentions("$addToSet"),
+            "{name}: {held:#?}"
+        );
+        let direct = rig.direct.collection(coll);
+        let target = FoldTarget {
+            spec: CollectionConfig::new(coll),
+            grace: Duration::from_secs(1),
+            batch_size: 100,
+        };
+        // The late copy is folded once it is older than the grace.
+        crate::common::wait_until("the fold took the late copy", DELAY * 2, || {
+            let (store, target, direct) = (&rig.store, &target, &direct);
+            async move {
+                run_reconcile(store, target, Mode::Fold).await;
+                project(direct, "k", &["pending"]).await == Some(doc! {})
+            }
+        })
+        .await;
+        assert_eq!(
+            project(&direct, "k", &["counter"]).await,
+            Some(doc! { "counter": 1i64 }),
+            "{name}: counted once"
+        );
+    }
 }

@@ -790,6 +790,7 @@ async fn a_retry_horizon_below_the_minimum_is_raised_to_it() {
         CollectionConfig::new("views"),
         WriterConfig {
             retry_horizon: Duration::ZERO,
+            ..WriterConfig::default()
         },
     );
     assert_counted(&views.increment("k", 1).await);
@@ -869,6 +870,7 @@ async fn a_timed_out_step_1_is_retried_or_resumed_when_the_horizon_is_one_attemp
         CollectionConfig::new("views"),
         WriterConfig {
             retry_horizon: attempt,
+            ..WriterConfig::default()
         },
     );
     // Step 1's first attempt hangs past the attempt bound and never

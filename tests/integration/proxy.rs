@@ -10,8 +10,8 @@ use mongodb::error::{Error, ErrorKind};
 use mongodb::{Client, Collection};
 
 use crate::common::proxy::{
-    Action, Exchange, FrameError, OP_MSG, OP_QUERY, Proxy, Rule, WireMessage, encode_op_msg,
-    upstream_of,
+    Action, Exchange, FrameError, OP_MSG, OP_QUERY, Proxy, Release, Rule, WireMessage,
+    encode_op_msg, upstream_of,
 };
 use crate::common::{TestClient, TestContext};
 
@@ -444,6 +444,95 @@ async fn an_injected_duplicate_key_has_the_shape_the_server_gives_each_command()
         .clone()
         .expect("reply");
     assert_eq!(reply.get_i32("n").ok(), Some(1), "{reply}");
+}
+
+/// A held request: the client's attempt fails at once, a later request
+/// goes through, and the held one reaches the server only when the test
+/// releases it — on its own upstream connection, its reply recorded.
+#[tokio::test]
+async fn a_held_request_reaches_the_server_only_when_released() {
+    let rig = Rig::new("proxy_hold").await;
+    let _rule = rig.proxy.rule(
+        Rule::command("insert")
+            .collection("held")
+            .nth(1)
+            .then(Action::HoldRequest(Release::WhenReleased)),
+    );
+    let held = rig.through("held");
+    let err = held
+        .insert_one(doc! { "_id": 1 })
+        .await
+        .expect_err("the held attempt fails");
+    assert_network_error(&err);
+    held.insert_one(doc! { "_id": 2 })
+        .await
+        .expect("a later request goes through");
+    let direct = rig.direct.collection("held");
+    let ids = || async {
+        let mut ids = direct.distinct("_id", doc! {}).await.unwrap();
+        ids.sort_by_key(|id| id.as_i32());
+        ids
+    };
+    assert_eq!(ids().await, [Bson::Int32(2)], "not forwarded yet");
+    let log = rig.proxy.log();
+    let inserts: Vec<&Exchange> = on(&log, "insert", "held").collect();
+    assert!(
+        !inserts[0].reached_server && !inserts[0].settled,
+        "{log:#?}"
+    );
+    assert!(inserts[1].reply_delivered);
+
+    let released = rig.proxy.release_held().await;
+    assert_eq!(released.len(), 1, "{released:#?}");
+    let first = &released[0];
+    assert_eq!(
+        first.action,
+        Some(Action::HoldRequest(Release::WhenReleased))
+    );
+    assert!(first.reached_server && first.server_replied && !first.reply_delivered);
+    assert_eq!(first.reply.as_ref().unwrap().get_i32("n").ok(), Some(1));
+    assert!(
+        first.forwarded > inserts[1].forwarded,
+        "forwarded after the later request: {first:#?}"
+    );
+    assert_eq!(ids().await, [Bson::Int32(1), Bson::Int32(2)]);
+}
+
+/// Released after the client's retry completed: a plain `$inc` whose first
+/// attempt was held up applies twice — the hazard the fault exists for.
+#[tokio::test]
+async fn a_held_request_is_forwarded_after_the_later_attempts_reply() {
+    let rig = Rig::new("proxy_hold_after_retry").await;
+    let _rule = rig.proxy.rule(
+        Rule::command("update")
+            .collection("views")
+            .nth(1)
+            .then(Action::HoldRequest(Release::AfterLaterReplies(1))),
+    );
+    let views = rig.through("views");
+    let inc = || {
+        views
+            .update_one(doc! { "_id": 1 }, doc! { "$inc": { "n": 1 } })
+            .upsert(true)
+    };
+    assert_network_error(&inc().await.expect_err("the held attempt fails"));
+    inc().await.expect("the retry goes through");
+    let log = rig
+        .proxy
+        .wait_until("the held update was forwarded", PATIENCE, |log| {
+            on(log, "update", "views").all(|e| e.settled)
+        })
+        .await;
+    let updates: Vec<&Exchange> = on(&log, "update", "views").collect();
+    assert_eq!(updates.len(), 2);
+    assert!(updates[0].reached_server && updates[0].server_replied);
+    assert!(!updates[0].reply_delivered);
+    let direct = rig.direct.collection("views");
+    assert_eq!(
+        direct.find_one(doc! {}).await.unwrap(),
+        Some(doc! { "_id": 1, "n": 2 }),
+        "applied by the retry, then again by the held original"
+    );
 }
 
 #[tokio::test]

@@ -198,6 +198,7 @@ async fn sixteen_writers_and_two_reconcilers_count_everything_once() {
     };
     let writer = WriterConfig {
         retry_horizon: Duration::from_secs(2),
+        ..WriterConfig::default()
     };
     let counters = Counters::new(&store, spec, writer);
     let coll = client.collection("views");
@@ -1401,7 +1402,7 @@ async fn rival_views(ctx: &TestContext) -> (Store, Counters) {
 /// for `hold` before it executes, and returns once that update was sent:
 /// what a test does meanwhile happens between the fold's read and its
 /// write. The fail point is switched off when the guard is dropped.
-async fn fold_held_on_the_server(
+pub(crate) async fn fold_held_on_the_server(
     ctx: &TestContext,
     client: &TestClient,
     now: SystemTime,
@@ -1526,7 +1527,10 @@ async fn a_token_split_across_fold_statements_is_counted_once_when_a_writer_chan
     let statements = tally::reconcile::statement::statements(
         &CollectionConfig::new("views"),
         &document,
-        Token::cutoff(now - GRACE),
+        tally::reconcile::model::Cutoffs {
+            tokens: Token::cutoff(now - GRACE),
+            lanes: Token::cutoff(now - GRACE),
+        },
     )
     .unwrap();
     assert_eq!(statements.len(), 2, "split in two stretches");

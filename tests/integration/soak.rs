@@ -118,6 +118,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
                 CollectionConfig::new("views"),
                 WriterConfig {
                     retry_horizon: RETRY_HORIZON,
+                    ..WriterConfig::default()
                 },
             );
             let raw = store.collection("views");

@@ -1,6 +1,6 @@
 //! The settings an increment needs: a counter collection's field names
-//! ([`CollectionConfig`], shared with the fold) and the retry horizon
-//! ([`WriterConfig`]).
+//! ([`CollectionConfig`], shared with the fold) and the writer's limits —
+//! the retry horizon, the lanes' pool and lifetimes ([`WriterConfig`]).
 
 use std::time::Duration;
 
@@ -14,6 +14,8 @@ pub(crate) const DEFAULT_COUNTER_FIELD: &str = "counter";
 pub(crate) const DEFAULT_PENDING_FIELD: &str = "pending";
 /// Default name of the field holding the markers of settled tokens.
 pub(crate) const DEFAULT_SETTLED_FIELD: &str = "settled";
+/// Default name of the field holding a counter's lane map.
+pub(crate) const DEFAULT_LANES_FIELD: &str = "lanes";
 
 /// Default retry horizon: three attempts of the default attempt bound
 /// (60s), room for a step 1, its retry and a `resume`.
@@ -47,6 +49,13 @@ pub struct CollectionConfig {
     /// counts nothing; the fold removes markers older than the grace.
     /// Default: `settled`.
     pub settled_field: String,
+    /// The field holding the lane map `{<lane>: <highest applied s>}` of the
+    /// lanes protocol ([`Counters::add`]): what each lane that wrote the
+    /// counter applied last, so that a repeat is recognised. Default:
+    /// `lanes`.
+    ///
+    /// [`Counters::add`]: super::Counters::add
+    pub lanes_field: String,
     /// This collection's fold grace, overriding `[reconcile] grace`.
     #[serde(
         skip_serializing_if = "Option::is_none",
@@ -67,6 +76,7 @@ impl CollectionConfig {
             counter_field: DEFAULT_COUNTER_FIELD.into(),
             pending_field: DEFAULT_PENDING_FIELD.into(),
             settled_field: DEFAULT_SETTLED_FIELD.into(),
+            lanes_field: DEFAULT_LANES_FIELD.into(),
             grace: None,
             batch_size: None,
         }
@@ -85,6 +95,52 @@ impl CollectionConfig {
         self.settled_field = settled.into();
         self
     }
+
+    /// The same collection with another name for the lanes field.
+    pub fn with_lanes_field(mut self, lanes: impl Into<String>) -> Self {
+        self.lanes_field = lanes.into();
+        self
+    }
+}
+
+/// Default pool size: lanes per [`Counters`](super::Counters) handle.
+pub(crate) const DEFAULT_LANES: usize = 16;
+/// The largest pool: every lane a handle uses may leave an entry in each
+/// counter document it writes.
+pub(crate) const MAX_LANES: usize = 1024;
+/// Default age at which a minted lane is replaced before its next use.
+pub(crate) const DEFAULT_LANE_ROTATE: Duration = Duration::from_secs(3600);
+/// Default age up to which a minted lane's ticket may be resumed.
+pub(crate) const DEFAULT_LANE_RESUME_HORIZON: Duration = Duration::from_secs(23 * 3600);
+/// Default age at which the daemon prunes a minted lane's entries.
+pub(crate) const DEFAULT_LANE_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Which increment protocol a caller that does not choose one gets: the
+/// `tallyd incr` and `tallyd resume` commands (the daemon's `[writer]
+/// protocol`). The library's own calls name theirs:
+/// [`Counters::increment`](super::Counters::increment) is the two-step
+/// increment, [`Counters::add`](super::Counters::add) the lanes protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub enum Protocol {
+    /// Two idempotent steps joined by a pending token (DESIGN §3): two
+    /// round trips; its data is what other clients of the technique write.
+    #[default]
+    #[serde(rename = "two-step")]
+    TwoStep,
+    /// One conditioned update through a writer lane (DESIGN §3b): one round
+    /// trip, safe to resume any number of times.
+    #[serde(rename = "lanes")]
+    Lanes,
+}
+
+impl Protocol {
+    /// The name as configured and printed: `two-step` or `lanes`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TwoStep => "two-step",
+            Self::Lanes => "lanes",
+        }
+    }
 }
 
 /// How the library's increments behave (the daemon's `[writer]` section).
@@ -101,12 +157,86 @@ pub struct WriterConfig {
     /// [`Counters::new`]: super::Counters::new
     #[serde(serialize_with = "serialize_duration")]
     pub retry_horizon: Duration,
+    /// How many lanes a [`Counters`](super::Counters) handle keeps: its
+    /// lanes increments in flight at once (one per lane; a further one
+    /// waits for a free lane). Each lane that writes a counter leaves one
+    /// entry in its document until the daemon prunes it. 1 to 1024.
+    /// Default: 16.
+    pub lanes: usize,
+    /// A minted lane older than this is replaced by a fresh one before its
+    /// next use, so every lane's tickets stay resumable for at least
+    /// `lane_resume_horizon − lane_rotate`. Must be shorter than
+    /// `lane_resume_horizon`. Default: 1h.
+    #[serde(serialize_with = "serialize_duration")]
+    pub lane_rotate: Duration,
+    /// A minted lane's update is (re)sent only while the lane is younger
+    /// than this: past it [`Counters::resume_lane`] refuses without writing,
+    /// as the daemon may prune the lane's entry. Must be shorter than
+    /// `lane_ttl` by more than one attempt (`attempt_timeout`) plus the
+    /// clock skew between writers and the server. Default: 23h.
+    ///
+    /// [`Counters::resume_lane`]: super::Counters::resume_lane
+    #[serde(serialize_with = "serialize_duration")]
+    pub lane_resume_horizon: Duration,
+    /// The daemon prunes a minted lane's entries once the lane (by the time
+    /// in its id, against the server's clock) is older than this. Named
+    /// lanes are never pruned. Default: 24h.
+    #[serde(serialize_with = "serialize_duration")]
+    pub lane_ttl: Duration,
+    /// The protocol a caller that does not choose one uses: `tallyd incr`
+    /// and `tallyd resume` without `--lane` or `--two-step`. Default:
+    /// two-step.
+    pub protocol: Protocol,
+}
+
+impl WriterConfig {
+    /// Checks the lane settings against each other and against the bound on
+    /// one attempt (`attempt_timeout`, the store's): every problem, each as
+    /// the key to change and why. The pool size is checked on its own
+    /// ([`MAX_LANES`]).
+    pub(crate) fn lane_margin_problems(
+        &self,
+        attempt_timeout: Duration,
+    ) -> Vec<(&'static str, String)> {
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        let mut problems = Vec::new();
+        if self.lane_rotate >= self.lane_resume_horizon {
+            problems.push((
+                "lane_rotate",
+                format!(
+                    "must be shorter than lane_resume_horizon ({}): a lane in use must leave its \
+                     tickets time to be resumed",
+                    show(self.lane_resume_horizon)
+                ),
+            ));
+        }
+        let least = self.lane_resume_horizon + attempt_timeout;
+        if self.lane_ttl <= least {
+            problems.push((
+                "lane_ttl",
+                format!(
+                    "must be longer than lane_resume_horizon + attempt_timeout ({} + {} = {}): an \
+                     update re-sent just inside the horizon may still execute for one more \
+                     attempt, and a lane entry pruned before it lands would let it count twice",
+                    show(self.lane_resume_horizon),
+                    show(attempt_timeout),
+                    show(least)
+                ),
+            ));
+        }
+        problems
+    }
 }
 
 impl Default for WriterConfig {
     fn default() -> Self {
         Self {
             retry_horizon: DEFAULT_RETRY_HORIZON,
+            lanes: DEFAULT_LANES,
+            lane_rotate: DEFAULT_LANE_ROTATE,
+            lane_resume_horizon: DEFAULT_LANE_RESUME_HORIZON,
+            lane_ttl: DEFAULT_LANE_TTL,
+            protocol: Protocol::TwoStep,
         }
     }
 }

@@ -12,6 +12,7 @@ use mongodb::bson::Bson;
 
 use crate::error::Error;
 use crate::token::{Entry, Token};
+use crate::write::lane::LaneId;
 
 /// The accessors shared by the two ticket types, which must stay distinct.
 macro_rules! token_accessors {
@@ -199,16 +200,26 @@ token_accessors!(
 /// An increment that was definitely not applied.
 #[derive(Debug, Clone)]
 pub struct NotCounted {
-    pub(super) key: Bson,
-    pub(super) token: Option<Token>,
-    pub(super) amount: i64,
-    pub(super) cause: Error,
+    pub(in crate::write) key: Bson,
+    pub(in crate::write) token: Option<Token>,
+    /// For an increment through a lane: the lane and the number it would
+    /// have sent (absent when refused before a lane was taken).
+    pub(in crate::write) lane: Option<(LaneId, i64)>,
+    pub(in crate::write) amount: i64,
+    pub(in crate::write) cause: Error,
 }
 
 impl NotCounted {
     /// The counter's `_id`.
     pub fn key(&self) -> &Bson {
         &self.key
+    }
+    /// For an increment through a lane ([`Counters::add`]): the lane and
+    /// its number, when a lane was taken.
+    ///
+    /// [`Counters::add`]: super::Counters::add
+    pub fn lane(&self) -> Option<(&LaneId, i64)> {
+        self.lane.as_ref().map(|(lane, s)| (lane, *s))
     }
     /// The amount that was not added.
     pub fn amount(&self) -> i64 {

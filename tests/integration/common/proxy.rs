@@ -8,6 +8,13 @@
 //! `moreToCome` replies) keeps working. Replies are matched to requests by
 //! `responseTo == requestID`.
 //!
+//! A held request ([`Action::HoldRequest`]) is a request delayed in the
+//! network: the client's attempt fails at once (its connection closes), the
+//! client's later attempts go through, and the held request reaches the
+//! server only afterwards — on the upstream connection it would have used,
+//! when the test calls [`Proxy::release_held`] or after later requests got
+//! their replies ([`Release`]).
+//!
 //! Rules ([`Rule`]) apply only to `OP_MSG` requests that expect a reply; every
 //! other message (`OP_QUERY`, `OP_COMPRESSED`, `moreToCome` requests, replies
 //! nobody waits for) passes through untouched. The [`Exchange`] log records
@@ -42,6 +49,8 @@ const MORE_TO_COME: u32 = 1 << 1;
 /// Larger than the server's 48 MB limit; anything bigger is not a message.
 const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 const HEADER_BYTES: usize = 16;
+/// How long [`Proxy::release_held`] waits for the server's replies.
+const HELD_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Why a byte buffer could not be understood as a wire message.
 #[derive(Debug, thiserror::Error)]
@@ -299,6 +308,13 @@ pub enum Action {
         /// Error labels, e.g. `RetryableWriteError`; omitted when empty.
         labels: Vec<String>,
     },
+    /// Hold the request without forwarding it and close the client's
+    /// connection (the client sees a network error; its driver may retry on
+    /// another connection). The held request is forwarded on its own
+    /// upstream connection once `Release` says so, and the server's reply is
+    /// recorded (never delivered: the client has gone). Dropping the proxy
+    /// first discards it: it never reaches the server.
+    HoldRequest(Release),
     /// Never forward; answer as the server would with this error.
     Error {
         /// The server error code, e.g. 10107.
@@ -308,6 +324,17 @@ pub enum Action {
         /// Error labels, e.g. `RetryableWriteError`; omitted when empty.
         labels: Vec<String>,
     },
+}
+
+/// When a held request ([`Action::HoldRequest`]) is forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// When the test calls [`Proxy::release_held`].
+    WhenReleased,
+    /// Once this many later requests with the same command on the same
+    /// collection got their replies (e.g. 1: after the client's retry
+    /// completed), or when the test releases it, whichever comes first.
+    AfterLaterReplies(usize),
 }
 
 impl Action {
@@ -567,6 +594,11 @@ pub struct Exchange {
     pub action: Option<Action>,
     /// The request was written to the server.
     pub reached_server: bool,
+    /// Its place in the order in which the proxy began writing requests to
+    /// the server (0 first, across connections): a held request forwarded
+    /// late comes after the requests sent meanwhile, though it arrived
+    /// first. `None` while not forwarded.
+    pub forwarded: Option<u64>,
     /// A reply from the server came back for it.
     pub server_replied: bool,
     /// How many replies the server sent for it: more than one only for an
@@ -623,6 +655,11 @@ struct Shared {
     log_changed: watch::Sender<u64>,
     next_connection: AtomicU64,
     next_reply_id: AtomicI32,
+    /// Bumped by [`Proxy::release_held`]: every request held before is
+    /// forwarded.
+    releases: AtomicU64,
+    /// How many requests the proxy began to forward.
+    forwarded: AtomicU64,
 }
 
 /// Locks past poisoning: a panic elsewhere (a test's assertion) must not
@@ -669,13 +706,54 @@ impl Shared {
         self.log_changed.send_modify(|v| *v += 1);
     }
 
-    fn settle_connection(&self, connection: u64) {
-        for exchange in &mut lock(&self.log).entries {
-            if exchange.connection == connection {
-                exchange.settled = true;
+    /// Marks every request of a closed connection settled, except the one
+    /// it holds (`held`, a sequence number), which is yet to be forwarded.
+    fn settle_connection(&self, connection: u64, held: Option<u64>) {
+        {
+            let mut log = lock(&self.log);
+            let first_seq = log.first_seq;
+            for (i, exchange) in log.entries.iter_mut().enumerate() {
+                if exchange.connection == connection && held != Some(first_seq + i as u64) {
+                    exchange.settled = true;
+                }
             }
         }
         self.log_changed.send_modify(|v| *v += 1);
+    }
+
+    /// Gives the request `seq` the next place in the order in which the
+    /// proxy forwards requests to the server.
+    fn number_forwarding(&self, seq: u64) {
+        let place = self.forwarded.fetch_add(1, Ordering::SeqCst);
+        self.update(seq, |e| e.forwarded = Some(place));
+    }
+
+    /// Whether `held` may be forwarded now.
+    fn released(&self, held: &Held) -> bool {
+        if self.releases.load(Ordering::SeqCst) > held.releases_before {
+            return true;
+        }
+        let Release::AfterLaterReplies(n) = held.release else {
+            return false;
+        };
+        let log = lock(&self.log);
+        let later = log.entries.iter().enumerate().filter(|(i, e)| {
+            log.first_seq + *i as u64 > held.seq
+                && e.command == held.command
+                && e.collection == held.collection
+                && e.reply_delivered
+        });
+        later.count() >= n
+    }
+
+    /// Waits until `held` may be forwarded.
+    async fn until_released(&self, held: &Held) {
+        let mut changed = self.log_changed.subscribe();
+        while !self.released(held) {
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
     }
 }
 
@@ -706,6 +784,8 @@ impl Proxy {
             log_changed: watch::channel(0).0,
             next_connection: AtomicU64::new(1),
             next_reply_id: AtomicI32::new(1 << 30),
+            releases: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
         });
         let shutdown = CancellationToken::new();
         tokio::spawn(accept_connections(
@@ -766,6 +846,21 @@ impl Proxy {
             .filter(|e| e.command.as_deref() == Some(command))
             .cloned()
             .collect()
+    }
+
+    /// Forwards every request held so far ([`Action::HoldRequest`]) and
+    /// waits until each got the server's reply (or its connection closed);
+    /// returns their exchanges, in arrival order.
+    pub async fn release_held(&self) -> Vec<Exchange> {
+        self.shared.releases.fetch_add(1, Ordering::SeqCst);
+        self.shared.log_changed.send_modify(|v| *v += 1);
+        let held = |e: &Exchange| matches!(e.action, Some(Action::HoldRequest(_)));
+        let log = self
+            .wait_until("every held request is forwarded", HELD_PATIENCE, |log| {
+                log.iter().filter(|e| held(e)).all(|e| e.settled)
+            })
+            .await;
+        log.into_iter().filter(held).collect()
     }
 
     /// Forgets the log so far (rules and their counters are kept).
@@ -848,20 +943,81 @@ async fn carry_connection(
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
     let pair = Pair {
         shared,
         connection,
         client_write: tokio::sync::Mutex::new(client_write),
         pending: Mutex::new(HashMap::new()),
     };
-    tokio::select! {
-        _ = shutdown.cancelled() => {}
-        _ = pair.pump_requests(client_read, server_write) => {}
-        _ = pair.pump_replies(server_read) => {}
+    let held = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        held = pair.pump_requests(client_read, &mut server_write) => held,
+        _ = pair.pump_replies(&mut server_read) => None,
+    };
+    // The pumps are dropped here, and with the pair the client's side of the
+    // connection: a held request's attempt fails now.
+    let Pair {
+        shared,
+        client_write,
+        ..
+    } = pair;
+    drop(client_write);
+    shared.settle_connection(connection, held.as_ref().map(|h| h.seq));
+    if let Some(held) = held {
+        forward_held(&shared, held, server_write, server_read, shutdown).await;
     }
-    // Both pumps are dropped here, and with them all four socket halves.
-    pair.shared.settle_connection(connection);
+}
+
+/// A request the proxy holds back ([`Action::HoldRequest`]).
+struct Held {
+    seq: u64,
+    request_id: i32,
+    bytes: Vec<u8>,
+    command: Option<String>,
+    collection: Option<String>,
+    release: Release,
+    /// [`Shared::releases`] when it was held: a later release forwards it.
+    releases_before: u64,
+}
+
+/// Forwards `held` on its own upstream connection once it is released, and
+/// records the server's reply; the client is gone, so nothing is delivered.
+async fn forward_held(
+    shared: &Shared,
+    held: Held,
+    mut server_write: OwnedWriteHalf,
+    mut server_read: OwnedReadHalf,
+    shutdown: CancellationToken,
+) {
+    let released = tokio::select! {
+        _ = shutdown.cancelled() => false,
+        () = shared.until_released(&held) => true,
+    };
+    if released {
+        shared.number_forwarding(held.seq);
+    }
+    if released && server_write.write_all(&held.bytes).await.is_ok() {
+        shared.update(held.seq, |e| e.reached_server = true);
+        loop {
+            let read = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                read = read_message(&mut server_read) => read,
+            };
+            let Ok(bytes) = read else { break };
+            let reply =
+                WireMessage::parse(&bytes).unwrap_or_else(|_| WireMessage::header_only(&bytes));
+            if reply.response_to == held.request_id {
+                shared.update(held.seq, |e| {
+                    e.server_replied = true;
+                    e.server_replies += 1;
+                    e.reply = Some(reply.body);
+                });
+                break;
+            }
+        }
+    }
+    shared.update(held.seq, |e| e.settled = true);
 }
 
 /// A request forwarded upstream whose reply has not come back yet.
@@ -885,12 +1041,13 @@ impl Pair {
         self.client_write.lock().await.write_all(bytes).await
     }
 
-    /// Client to server. Returns when the pair must close.
+    /// Client to server. Returns when the pair must close: with the request
+    /// it holds, if that is why.
     async fn pump_requests(
         &self,
         mut client_read: OwnedReadHalf,
-        mut server_write: OwnedWriteHalf,
-    ) {
+        server_write: &mut OwnedWriteHalf,
+    ) -> Option<Held> {
         while let Ok(bytes) = read_message(&mut client_read).await {
             let message =
                 WireMessage::parse(&bytes).unwrap_or_else(|_| WireMessage::header_only(&bytes));
@@ -913,6 +1070,7 @@ impl Pair {
                 expects_reply,
                 action: action.clone(),
                 reached_server: false,
+                forwarded: None,
                 server_replied: false,
                 server_replies: 0,
                 reply: None,
@@ -922,7 +1080,18 @@ impl Pair {
             // Injected answers: the request never reaches the server.
             let reply_id = || self.shared.next_reply_id.fetch_add(1, Ordering::Relaxed);
             let injected = match &action {
-                Some(Action::CloseBeforeForwarding) => return,
+                Some(Action::CloseBeforeForwarding) => return None,
+                Some(Action::HoldRequest(release)) => {
+                    return Some(Held {
+                        seq,
+                        request_id: message.request_id,
+                        bytes,
+                        command: message.command,
+                        collection: message.collection,
+                        release: *release,
+                        releases_before: self.shared.releases.load(Ordering::SeqCst),
+                    });
+                }
                 Some(Action::DuplicateKey) => Some(duplicate_key_reply(&message, reply_id())),
                 Some(Action::Error {
                     code,
@@ -939,7 +1108,7 @@ impl Pair {
             };
             if let Some(reply) = injected {
                 if self.deliver(&reply).await.is_err() {
-                    return;
+                    return None;
                 }
                 self.shared.update(seq, |e| {
                     e.reply_delivered = true;
@@ -951,19 +1120,21 @@ impl Pair {
                 // Registered before writing: the reply may race the bookkeeping.
                 lock(&self.pending).insert(message.request_id, Pending { seq, action });
             }
+            self.shared.number_forwarding(seq);
             if server_write.write_all(&bytes).await.is_err() {
-                return;
+                return None;
             }
             self.shared.update(seq, |e| {
                 e.reached_server = true;
                 e.settled |= !expects_reply;
             });
         }
+        None
     }
 
     /// Server to client. Returns when the pair must close.
-    async fn pump_replies(&self, mut server_read: OwnedReadHalf) {
-        while let Ok(bytes) = read_message(&mut server_read).await {
+    async fn pump_replies(&self, server_read: &mut OwnedReadHalf) {
+        while let Ok(bytes) = read_message(server_read).await {
             let reply =
                 WireMessage::parse(&bytes).unwrap_or_else(|_| WireMessage::header_only(&bytes));
             let pending = {

@@ -1,0 +1,459 @@
+//! Writer lanes: an exact increment in one round trip, safe to repeat any
+//! number of times (DESIGN §3b).
+//!
+//! A **lane** is one writer's sequence of operations: an id and a number
+//! `s` that only grows. The counter document remembers, per lane that wrote
+//! it, the highest `s` applied — `{_id, counter, lanes: {"<lane>": s}}`
+//! (the field is [`CollectionConfig::lanes_field`]). Adding `n` to `k`
+//! through lane `L` with its next number `s` is one conditioned upsert:
+//!
+//! ```text
+//! updateOne({_id: k, "lanes.L": {$not: {$gte: s}}},
+//!           {$inc: {counter: n}, $set: {"lanes.L": s}}, {upsert: true})
+//! ```
+//!
+//! It applies at most once: afterwards the document holds `s`, and the
+//! filter no longer matches. Matched or upserted: counted. A duplicate key
+//! on `_id` means the filter did not match an existing document — the lane
+//! holds `s` already — or a concurrent first insert won the race: the same
+//! update is sent once more, and if it collides again the lane's entry is
+//! read (`s` or more: counted earlier; less: a race, send again). A
+//! transient failure is re-sent once with the same `s` (the retry rule of
+//! DESIGN §1; with retryable writes the driver's own retry is that one). A
+//! command error before anything may have applied: not counted. Anything
+//! else leaves the outcome unknown, with a [`LaneTicket`].
+//!
+//! **Why a delayed request cannot count again.** A copy of an old request —
+//! the lost first attempt, held up in the network, arriving after its retry
+//! counted — carries the same `s`, and the document already holds `s`: its
+//! filter does not match (its upsert collides on `_id`). A resume re-sends
+//! the same update, so any number of resumes, from any host, at once, apply
+//! it once. This holds as long as nothing newer was sent on the lane while
+//! the old `s` was in flight, and as long as the lane's entry is in the
+//! document:
+//!
+//! - **One operation in flight per lane.** A [`Counters`] handle keeps a
+//!   pool of minted lanes (`WriterConfig::lanes`, default 16): an increment
+//!   takes a free one, waiting if there is none ([`pool`]).
+//! - **Retirement.** A lane whose operation ended unknown is never used
+//!   again — nor one whose increment the caller dropped mid-flight: a newer
+//!   number applied first would make the old one look applied. A counted or
+//!   not-counted operation returns its lane with `s` advanced.
+//! - **Rotation.** A lane older than `lane_rotate` (1 h) is replaced by a
+//!   fresh one before its next use, and a minted lane's update is sent, and
+//!   resumed, only while the lane is younger than `lane_resume_horizon`
+//!   (23 h): the daemon prunes a minted lane's entries once it is older than
+//!   `lane_ttl` (24 h, by the time in the lane's id), and an update arriving
+//!   after its entry was pruned would apply again.
+//!
+//! **Named lanes** ([`Counters::add_from`]) serve ordered sources — a Kafka
+//! partition, a change stream, a log file: the caller names the lane
+//! (`orders:3`) and passes the source's position as `s`, so a message
+//! delivered again is recognised and counted once. The caller keeps the
+//! lane's rule: one operation in flight, positions in order, and an unknown
+//! position resumed (delivered again) before a newer one is sent. Named
+//! lanes are never pruned and have no resume horizon.
+
+mod name;
+mod outcome;
+mod pool;
+
+use std::time::SystemTime;
+
+use mongodb::bson::{Bson, Document, doc};
+
+pub use name::{BadLaneName, LaneId, LaneName};
+pub use outcome::{LaneCounted, LaneIncrement, LaneTicket};
+pub(crate) use pool::LanePool;
+
+use super::counter::{CollectionConfig, Counters, Lanes, NotCounted, Stopped, inc_operand};
+use crate::document::bson_type_name;
+use crate::error::{Effect, Error, ErrorClass, RetryBudget, duplicate_on_id};
+use outcome::{check_amount, check_position};
+
+/// How often an increment reads its lane's entry after its update collided
+/// on `_id` (and sends the update again when the entry says a race).
+const READ_ROUNDS: u32 = 3;
+
+/// One increment through a lane: everything its update says.
+#[derive(Debug)]
+struct LaneOp {
+    key: Bson,
+    lane: LaneId,
+    position: i64,
+    amount: i64,
+}
+
+/// Who sends an update: the increment itself, or a resume of its ticket —
+/// for which "nothing this call sent applied" says nothing about the
+/// original request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum By {
+    Increment,
+    Resume,
+}
+
+/// What sending an update established.
+#[derive(Debug)]
+enum Sent {
+    /// This call's update applied.
+    Applied,
+    /// The lane holds this number (or a later one) already.
+    AppliedEarlier,
+    /// Definitely not applied.
+    NotApplied(Error),
+    /// May or may not have applied.
+    Unknown(Error),
+    /// Nothing was sent: the lane is past its resume horizon.
+    Refused(Error),
+}
+
+impl Counters {
+    /// Adds `amount` (not zero) to the counter `key` in one round trip,
+    /// through a lane of this handle's pool (waiting for a free one),
+    /// creating the counter if needed. An [`LaneIncrement::Unknown`] is
+    /// settled by [`Counters::resume_lane`], as often as needed.
+    pub async fn add(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
+        let key = key.into();
+        let usable = self.lanes.as_ref().map_err(Clone::clone);
+        let lanes = match usable.and_then(|lanes| check_amount(amount).map(|()| lanes)) {
+            Ok(lanes) => lanes,
+            Err(cause) => {
+                return LaneIncrement::NotCounted(NotCounted {
+                    key,
+                    token: None,
+                    lane: None,
+                    amount,
+                    cause,
+                });
+            }
+        };
+        let lease = lanes.pool.acquire(SystemTime::now).await;
+        let lane = lease.lane();
+        let op = LaneOp {
+            key,
+            lane: lane.id(),
+            position: lane.next,
+            amount,
+        };
+        let sent = self.send(lanes, &op, By::Increment).await;
+        match sent {
+            Sent::Unknown(_) => lease.retire(),
+            _ => lease.decided(),
+        }
+        op.outcome(sent)
+    }
+
+    /// Adds `amount` (not zero) to the counter `key` through the named lane
+    /// `lane` at the source's `position` (0 or more): a position the lane
+    /// holds already — the same message delivered again — is counted once.
+    /// Positions must be sent in order, one at a time per lane, and an
+    /// unknown one sent again (or resumed) before a newer one: a newer
+    /// position that applied first would make it look counted.
+    pub async fn add_from(
+        &self,
+        key: impl Into<Bson>,
+        amount: i64,
+        lane: &LaneName,
+        position: i64,
+    ) -> LaneIncrement {
+        let op = LaneOp {
+            key: key.into(),
+            lane: LaneId::Named(lane.clone()),
+            position,
+            amount,
+        };
+        let usable = self.lanes.as_ref().map_err(Clone::clone).and_then(|lanes| {
+            check_amount(amount)?;
+            check_position(&op.lane, position)?;
+            Ok(lanes)
+        });
+        match usable {
+            Ok(lanes) => {
+                let sent = self.send(lanes, &op, By::Increment).await;
+                op.outcome(sent)
+            }
+            Err(cause) => op.outcome(Sent::NotApplied(cause)),
+        }
+    }
+
+    /// Sends a ticket's update again: harmless any number of times, from
+    /// any process, concurrently — the lane's number applies once. Returns
+    /// [`LaneIncrement::Counted`] (with `settled_earlier` when it had
+    /// applied already) or, when this attempt did not settle it either,
+    /// [`LaneIncrement::Unknown`] with the ticket: resume again later.
+    ///
+    /// `Err` means refused without writing anything:
+    /// [`Error::LaneResumeHorizonExceeded`] (a minted lane older than
+    /// `lane_resume_horizon`, whose entry the daemon may prune: the
+    /// increment is counted at most once), or the handle's lane settings
+    /// were refused ([`Error::InvalidArgument`]).
+    pub async fn resume_lane(&self, ticket: LaneTicket) -> Result<LaneIncrement, Error> {
+        let lanes = self.lanes.as_ref().map_err(Clone::clone)?;
+        let op = LaneOp {
+            key: ticket.key,
+            lane: ticket.lane,
+            position: ticket.position,
+            amount: ticket.amount,
+        };
+        match self.send(lanes, &op, By::Resume).await {
+            Sent::Refused(cause) => Err(cause),
+            sent => Ok(op.outcome(sent)),
+        }
+    }
+
+    /// The highest number the lane `lane` applied to the counter `key`
+    /// (`None` when the document or the entry does not exist).
+    pub(crate) async fn lane_position(
+        &self,
+        key: &Bson,
+        lane: &LaneId,
+    ) -> Result<Option<i64>, Error> {
+        let lanes_field = &self.spec.lanes_field;
+        let projection = doc! { lane_path(&self.spec, lane): 1 };
+        let Some(found) = self
+            .store
+            .find_one(
+                &self.collection,
+                doc! { "_id": key },
+                projection,
+                "lane.read",
+            )
+            .await?
+        else {
+            return Ok(None);
+        };
+        let malformed = |reason: String| Error::Malformed {
+            collection: self.spec.name.clone(),
+            id: key.to_string(),
+            reason,
+        };
+        let map = match found.get(lanes_field) {
+            None => return Ok(None),
+            Some(Bson::Document(map)) => map,
+            Some(other) => {
+                let kind = bson_type_name(other);
+                return Err(malformed(format!(
+                    "the lanes field {lanes_field} is a {kind}, not a document"
+                )));
+            }
+        };
+        match map.get(lane.key()) {
+            None => Ok(None),
+            Some(Bson::Int32(s)) => Ok(Some(i64::from(*s))),
+            Some(Bson::Int64(s)) => Ok(Some(*s)),
+            Some(other) => Err(malformed(format!(
+                "the entry of lane {lane} in {lanes_field} is a {}, not an integer",
+                bson_type_name(other)
+            ))),
+        }
+    }
+
+    /// Sends `op`'s update until its fate is known or the retry rule gives
+    /// up.
+    async fn send(&self, lanes: &Lanes, op: &LaneOp, by: By) -> Sent {
+        let operation = match by {
+            By::Increment => "lane.add",
+            By::Resume => "lane.resume",
+        };
+        let driver_retries = match self.store.driver_retries_writes().await {
+            Ok(retries) => retries,
+            Err(cause) => return undecided(by, false, cause),
+        };
+        let (filter, update) = statement(&self.spec, op);
+        let mut maybe_applied = false;
+        let mut collided = None;
+        for _ in 0..READ_ROUNDS {
+            let mut budget =
+                RetryBudget::retry_once(operation, driver_retries).with_duplicate_key_retries(1);
+            // Never (re)send a minted lane's update once the daemon may
+            // prune its entry: it would apply again.
+            let allowed = || within_horizon(lanes, &op.lane, SystemTime::now());
+            let failure = match self
+                .upsert_while(&mut budget, &filter, &update, allowed)
+                .await
+            {
+                Ok(()) => return Sent::Applied,
+                Err(Stopped::Refused(refused)) if maybe_applied || budget.maybe_applied() => {
+                    return Sent::Unknown(refused);
+                }
+                Err(Stopped::Refused(refused)) => return Sent::Refused(refused),
+                Err(Stopped::GaveUp(failure)) => failure,
+            };
+            // A write-concern error applied on the primary even when it is
+            // not worth a retry.
+            maybe_applied |= budget.maybe_applied() || failure.effect != Effect::NotApplied;
+            let on_id = duplicate_on_id(&failure.source) != Some(false);
+            if failure.class != ErrorClass::DuplicateKey || !on_id {
+                return undecided(by, maybe_applied, Error::Server(failure));
+            }
+            // The filter did not match an existing document: the lane holds
+            // this number already — or the document did not exist yet and a
+            // concurrent first insert won. The lane's entry tells which.
+            match self.lane_position(&op.key, &op.lane).await {
+                Ok(Some(held)) if held >= op.position => return Sent::AppliedEarlier,
+                Ok(_) => collided = Some(Error::Server(failure)),
+                Err(read) => return undecided(by, maybe_applied, read),
+            }
+        }
+        let cause = collided.expect("every round ends in a collision or returns");
+        undecided(by, maybe_applied, cause)
+    }
+}
+
+impl LaneOp {
+    fn outcome(self, sent: Sent) -> LaneIncrement {
+        let Self {
+            key,
+            lane,
+            position,
+            amount,
+        } = self;
+        let counted = |settled_earlier| {
+            LaneIncrement::Counted(LaneCounted {
+                key: key.clone(),
+                lane: lane.clone(),
+                position,
+                amount,
+                settled_earlier,
+            })
+        };
+        match sent {
+            Sent::Applied => counted(false),
+            Sent::AppliedEarlier => counted(true),
+            Sent::NotApplied(cause) | Sent::Refused(cause) => {
+                LaneIncrement::NotCounted(NotCounted {
+                    key,
+                    token: None,
+                    lane: Some((lane, position)),
+                    amount,
+                    cause,
+                })
+            }
+            Sent::Unknown(cause) => LaneIncrement::Unknown(
+                LaneTicket {
+                    key,
+                    lane,
+                    position,
+                    amount,
+                    cause: None,
+                }
+                .because(cause),
+            ),
+        }
+    }
+}
+
+/// The outcome of a send that did not settle the update: not applied only
+/// when nothing the increment sent may have applied — never for a resume,
+/// whose original request may have.
+fn undecided(by: By, maybe_applied: bool, cause: Error) -> Sent {
+    if maybe_applied || by == By::Resume {
+        Sent::Unknown(cause)
+    } else {
+        Sent::NotApplied(cause)
+    }
+}
+
+/// Refuses a minted lane at or past its resume horizon at `now`.
+fn within_horizon(lanes: &Lanes, lane: &LaneId, now: SystemTime) -> Result<(), Error> {
+    match lane.age(now) {
+        Some(age) if age >= lanes.resume_horizon => Err(Error::LaneResumeHorizonExceeded {
+            lane: lane.to_string(),
+            age,
+            horizon: lanes.resume_horizon,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// `<lanes>.<lane>`: the lane's entry, as a path.
+fn lane_path(spec: &CollectionConfig, lane: &LaneId) -> String {
+    format!("{}.{}", spec.lanes_field, lane.key())
+}
+
+/// The update of `op`: its filter and its operators.
+fn statement(spec: &CollectionConfig, op: &LaneOp) -> (Document, Document) {
+    let path = lane_path(spec, &op.lane);
+    let filter = doc! { "_id": &op.key, &path: { "$not": { "$gte": op.position } } };
+    let update = doc! {
+        "$inc": { &spec.counter_field: inc_operand(op.amount) },
+        "$set": { &path: op.position },
+    };
+    (filter, update)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mongodb::bson::oid::ObjectId;
+    use std::time::Duration;
+
+    #[test]
+    fn the_update_is_conditioned_on_the_lane_holding_less_than_its_number() {
+        let spec = CollectionConfig::new("views").with_lanes_field("ln");
+        let lane = ObjectId::new();
+        let op = LaneOp {
+            key: Bson::from("k"),
+            lane: LaneId::Minted(lane),
+            position: 7,
+            amount: 3,
+        };
+        let path = format!("ln.{}", lane.to_hex());
+        let (filter, update) = statement(&spec, &op);
+        assert_eq!(
+            filter,
+            doc! { "_id": "k", &path: { "$not": { "$gte": 7i64 } } }
+        );
+        assert_eq!(
+            update,
+            doc! { "$inc": { "counter": 3i32 }, "$set": { &path: 7i64 } }
+        );
+        let big = LaneOp {
+            amount: i64::from(i32::MAX) + 1,
+            ..op
+        };
+        assert_eq!(
+            statement(&spec, &big).1.get_document("$inc").unwrap(),
+            &doc! { "counter": i64::from(i32::MAX) + 1 }
+        );
+    }
+
+    #[test]
+    fn a_minted_lane_is_refused_from_its_resume_horizon_on_and_a_named_one_never() {
+        let lanes = Lanes {
+            pool: LanePool::new(1, Duration::from_secs(3600)),
+            resume_horizon: Duration::from_secs(23 * 3600),
+        };
+        let minted = ObjectId::new();
+        let created: SystemTime = minted.timestamp().into();
+        let lane = LaneId::Minted(minted);
+        let just_inside = created + lanes.resume_horizon - Duration::from_secs(1);
+        assert!(within_horizon(&lanes, &lane, just_inside).is_ok());
+        let refused = within_horizon(&lanes, &lane, created + lanes.resume_horizon);
+        assert!(
+            matches!(refused, Err(Error::LaneResumeHorizonExceeded { .. })),
+            "{refused:?}"
+        );
+        let named = LaneId::Named(LaneName::new("orders:3").unwrap());
+        let far = created + Duration::from_secs(10 * 365 * 86400);
+        assert!(within_horizon(&lanes, &named, far).is_ok());
+    }
+
+    #[test]
+    fn a_failed_resume_is_never_not_counted() {
+        let cause = || Error::InvalidArgument("x".into());
+        assert!(matches!(
+            undecided(By::Increment, false, cause()),
+            Sent::NotApplied(_)
+        ));
+        assert!(matches!(
+            undecided(By::Increment, true, cause()),
+            Sent::Unknown(_)
+        ));
+        assert!(matches!(
+            undecided(By::Resume, false, cause()),
+            Sent::Unknown(_)
+        ));
+    }
+}

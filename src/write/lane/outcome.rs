@@ -1,0 +1,219 @@
+//! What an increment through a lane tells its caller: exactly one of three
+//! outcomes ([`LaneIncrement`]), and the ticket that settles the uncertain
+//! one ([`LaneTicket`]).
+//!
+//! Unlike the two-step increment's tickets, a [`LaneTicket`] is `Clone`:
+//! resuming it is harmless any number of times, from any process, because
+//! the lane's number `s` can apply only once.
+
+use mongodb::bson::Bson;
+
+use super::LaneId;
+use crate::error::Error;
+use crate::write::counter::NotCounted;
+
+/// The result of [`Counters::add`], [`Counters::add_from`] or
+/// [`Counters::resume_lane`].
+///
+/// [`Counters::add`]: crate::Counters::add
+/// [`Counters::add_from`]: crate::Counters::add_from
+/// [`Counters::resume_lane`]: crate::Counters::resume_lane
+#[must_use = "an increment may be unknown and need resuming"]
+#[derive(Debug)]
+pub enum LaneIncrement {
+    /// Applied once: by this call, or earlier (then
+    /// [`LaneCounted::settled_earlier`]).
+    Counted(LaneCounted),
+    /// The update may or may not have applied. Resume the ticket with
+    /// [`Counters::resume_lane`] — any number of times, from any process —
+    /// while the lane is younger than `lane_resume_horizon` (a named lane:
+    /// at any time); after that, the increment is counted at most once.
+    ///
+    /// [`Counters::resume_lane`]: crate::Counters::resume_lane
+    Unknown(LaneTicket),
+    /// Definitely not applied: nothing was written. [`NotCounted::lane`]
+    /// names the lane and its number, when one was taken.
+    NotCounted(NotCounted),
+}
+
+impl LaneIncrement {
+    /// The outcome's name as the CLI prints it: `counted`, `unknown` or
+    /// `not_counted`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Counted(_) => "counted",
+            Self::Unknown(_) => "unknown",
+            Self::NotCounted(_) => "not_counted",
+        }
+    }
+
+    /// The counter's `_id`.
+    pub fn key(&self) -> &Bson {
+        match self {
+            Self::Counted(c) => &c.key,
+            Self::Unknown(t) => &t.key,
+            Self::NotCounted(n) => n.key(),
+        }
+    }
+
+    /// The lane the update went through (absent only when the increment
+    /// was refused before a lane was taken).
+    pub fn lane(&self) -> Option<&LaneId> {
+        match self {
+            Self::Counted(c) => Some(&c.lane),
+            Self::Unknown(t) => Some(&t.lane),
+            Self::NotCounted(n) => n.lane().map(|(lane, _)| lane),
+        }
+    }
+
+    /// The lane's number for this increment (absent when no lane was taken).
+    pub fn position(&self) -> Option<i64> {
+        match self {
+            Self::Counted(c) => Some(c.position),
+            Self::Unknown(t) => Some(t.position),
+            Self::NotCounted(n) => n.lane().map(|(_, s)| s),
+        }
+    }
+
+    /// The amount this increment adds (or would have added).
+    pub fn amount(&self) -> i64 {
+        match self {
+            Self::Counted(c) => c.amount,
+            Self::Unknown(t) => t.amount,
+            Self::NotCounted(n) => n.amount(),
+        }
+    }
+
+    /// The error that kept this increment from being counted, if any.
+    pub fn cause(&self) -> Option<&Error> {
+        match self {
+            Self::Counted(_) => None,
+            Self::Unknown(t) => t.cause.as_ref(),
+            Self::NotCounted(n) => Some(n.cause()),
+        }
+    }
+}
+
+/// The accessors shared by the counted outcome and the ticket.
+macro_rules! lane_accessors {
+    ($ty:ident, $amount_doc:literal) => {
+        impl $ty {
+            /// The counter's `_id`.
+            pub fn key(&self) -> &Bson {
+                &self.key
+            }
+            /// The lane.
+            pub fn lane(&self) -> &LaneId {
+                &self.lane
+            }
+            /// The lane's number for this increment.
+            pub fn position(&self) -> i64 {
+                self.position
+            }
+            #[doc = $amount_doc]
+            pub fn amount(&self) -> i64 {
+                self.amount
+            }
+        }
+    };
+}
+
+/// An increment through a lane that is counted.
+#[derive(Debug, Clone)]
+pub struct LaneCounted {
+    pub(super) key: Bson,
+    pub(super) lane: LaneId,
+    pub(super) position: i64,
+    pub(super) amount: i64,
+    pub(super) settled_earlier: bool,
+}
+
+lane_accessors!(LaneCounted, "The amount added.");
+
+impl LaneCounted {
+    /// True when this call did not apply it because it had applied
+    /// already: an earlier attempt whose reply was lost, an earlier resume
+    /// (from any process), or — for a named lane — an earlier delivery of
+    /// the same position (or a later position of that lane).
+    pub fn settled_earlier(&self) -> bool {
+        self.settled_earlier
+    }
+}
+
+/// The ticket of an increment through a lane whose update may or may not
+/// have applied: the counter, the lane, the lane's number and the amount —
+/// everything needed to send the same update again.
+#[derive(Debug, Clone)]
+pub struct LaneTicket {
+    pub(super) key: Bson,
+    pub(super) lane: LaneId,
+    pub(super) position: i64,
+    pub(super) amount: i64,
+    pub(super) cause: Option<Error>,
+}
+
+lane_accessors!(LaneTicket, "The amount the increment adds.");
+
+impl LaneTicket {
+    /// Rebuilds a ticket from its parts — for an increment another process
+    /// reported as unknown (the CLI's `resume --lane`, another host). The
+    /// position and amount must be the original increment's: the update
+    /// is recognised by the lane and position alone, so resuming with
+    /// another amount would count that amount instead. A minted lane's
+    /// positions start at 1, a named lane's at 0.
+    pub fn new(
+        key: impl Into<Bson>,
+        lane: LaneId,
+        position: i64,
+        amount: i64,
+    ) -> Result<Self, Error> {
+        check_amount(amount)?;
+        check_position(&lane, position)?;
+        Ok(Self {
+            key: key.into(),
+            lane,
+            position,
+            amount,
+            cause: None,
+        })
+    }
+
+    /// Why the update was not confirmed (none when rebuilt with
+    /// [`LaneTicket::new`]).
+    pub fn cause(&self) -> Option<&Error> {
+        self.cause.as_ref()
+    }
+
+    /// The same ticket, with the reason it is still unknown.
+    pub(super) fn because(self, cause: Error) -> Self {
+        Self {
+            cause: Some(cause),
+            ..self
+        }
+    }
+}
+
+/// Refuses a zero amount, as the two-step increment does.
+pub(super) fn check_amount(amount: i64) -> Result<(), Error> {
+    if amount == 0 {
+        Err(Error::InvalidArgument("the amount must not be zero".into()))
+    } else {
+        Ok(())
+    }
+}
+
+/// Refuses a position the lane can never hold: below 1 for a minted lane
+/// (its numbers start at 1), below 0 for a named one (an offset).
+pub(super) fn check_position(lane: &LaneId, position: i64) -> Result<(), Error> {
+    let least = match lane {
+        LaneId::Minted(_) => 1,
+        LaneId::Named(_) => 0,
+    };
+    if position < least {
+        Err(Error::InvalidArgument(format!(
+            "lane {lane}: a position must be at least {least}, not {position}"
+        )))
+    } else {
+        Ok(())
+    }
+}

@@ -1,0 +1,452 @@
+//! Writer lanes (DESIGN §3b) against a real server: exact counts in one
+//! round trip, the outcome the caller is told when attempts fail, resumes
+//! that count once however often they run, named lanes that recognise a
+//! redelivered position, and the limits the lane settings put on all that.
+//!
+//! The oracle is the number of increments made (and, with several lanes,
+//! the lane map itself: each lane's entry is the number of operations it
+//! carried, so the entries add up to the count).
+
+use std::time::{Duration, SystemTime};
+
+use futures::future::join_all;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use tally::{
+    CollectionConfig, Counters, Error, ErrorClass, LaneId, LaneIncrement, LaneName, LaneTicket,
+    Token, WriterConfig,
+};
+
+use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+use crate::common::{FailPoint, TestClient, TestContext, counter, field, wait_until};
+
+fn lanes_of(client: &TestClient, name: &str, writer: WriterConfig) -> Counters {
+    Counters::try_new(&client.store(), CollectionConfig::new(name), writer)
+        .expect("valid lane settings")
+}
+
+#[track_caller]
+fn assert_counted(outcome: &LaneIncrement, settled_earlier: bool) {
+    match outcome {
+        LaneIncrement::Counted(c) => assert_eq!(
+            c.settled_earlier(),
+            settled_earlier,
+            "settled_earlier: {outcome:?}"
+        ),
+        other => panic!("expected counted, got {other:?}"),
+    }
+}
+
+/// The document's lane map, as `(lane, s)` pairs in stored order.
+async fn lane_map(coll: &Collection<Document>, key: &str) -> Vec<(String, i64)> {
+    match field(coll, key, "lanes").await {
+        None => Vec::new(),
+        Some(Bson::Document(map)) => map
+            .iter()
+            .map(|(lane, s)| {
+                let s = match s {
+                    Bson::Int64(s) => *s,
+                    Bson::Int32(s) => i64::from(*s),
+                    other => panic!("lane {lane} holds {other:?}"),
+                };
+                (lane.clone(), s)
+            })
+            .collect(),
+        Some(other) => panic!("lanes is not a document: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn one_writer_counts_exactly_through_one_lane_on_new_and_existing_counters() {
+    let ctx = TestContext::new("lanes_sequential").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let coll = client.collection("views");
+    coll.insert_one(doc! { "_id": "old", "counter": 7i64, "pending": [] })
+        .await
+        .unwrap();
+    for i in 0..50i64 {
+        let outcome = views.add("new", 1).await;
+        assert_counted(&outcome, false);
+        assert_eq!(
+            outcome.position(),
+            Some(2 * i + 1),
+            "s grows by one per add"
+        );
+        assert_counted(&views.add("old", -2).await, false);
+    }
+    assert_eq!(counter(&coll, "new").await, 50);
+    assert_eq!(counter(&coll, "old").await, 7 - 100);
+    // One writer at a time takes the same lane back: one entry per counter.
+    let (new_map, old_map) = (lane_map(&coll, "new").await, lane_map(&coll, "old").await);
+    assert_eq!(new_map.len(), 1, "{new_map:?}");
+    assert_eq!(new_map[0].1, 99, "the lane's last number");
+    assert_eq!(old_map, vec![(new_map[0].0.clone(), 100)]);
+    assert_eq!(
+        field(&coll, "old", "pending").await,
+        Some(Bson::Array(vec![])),
+        "other fields are left alone"
+    );
+    // A new counter starts from the amount as `$inc` writes it.
+    assert_eq!(field(&coll, "new", "counter").await, Some(Bson::Int32(50)));
+}
+
+#[tokio::test]
+async fn sixteen_writers_on_one_hot_key_count_exactly_through_at_most_the_pool() {
+    let ctx = TestContext::new("lanes_hot_key").await;
+    let client = ctx.client(false).await;
+    let pool = 4;
+    let views = lanes_of(
+        &client,
+        "views",
+        WriterConfig {
+            lanes: pool,
+            ..WriterConfig::default()
+        },
+    );
+    let per_writer = 25;
+    let writers = (0..16).map(|_| {
+        let views = views.clone();
+        tokio::spawn(async move {
+            for _ in 0..per_writer {
+                assert_counted(&views.add("hot", 1).await, false);
+            }
+        })
+    });
+    for writer in join_all(writers).await {
+        writer.expect("writer");
+    }
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "hot").await, 16 * per_writer);
+    let map = lane_map(&coll, "hot").await;
+    assert!(!map.is_empty() && map.len() <= pool, "{map:?}");
+    let carried: i64 = map.iter().map(|(_, s)| s).sum();
+    assert_eq!(
+        carried,
+        16 * per_writer,
+        "each lane's s counts its operations"
+    );
+}
+
+#[tokio::test]
+async fn custom_field_names_are_used() {
+    let ctx = TestContext::new("lanes_custom_fields").await;
+    let client = ctx.client(false).await;
+    let spec = CollectionConfig::new("views")
+        .with_fields("total", "inflight")
+        .with_lanes_field("writers");
+    let views = Counters::try_new(&client.store(), spec, WriterConfig::default()).unwrap();
+    assert_counted(&views.add("k", 5).await, false);
+    let found = client
+        .collection("views")
+        .find_one(doc! { "_id": "k" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.get("total"), Some(&Bson::Int32(5)));
+    assert_eq!(found.get_document("writers").unwrap().len(), 1);
+    assert!(!found.contains_key("lanes") && !found.contains_key("counter"));
+}
+
+/// Two lost connections in a row: the outcome is unknown, the lane is
+/// retired (the next increment uses another), and resuming the ticket any
+/// number of times — one after another, or all at once — counts it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_lost_connections_are_unknown_and_resuming_1_2_5_times_counts_once() {
+    for retry_writes in [false, true] {
+        for (runs, concurrent) in [(1, false), (2, false), (5, false), (2, true), (5, true)] {
+            let name = format!("lanes_unknown_{retry_writes}_{runs}_{concurrent}");
+            let ctx = TestContext::new(&name).await;
+            let client = ctx.client(retry_writes).await;
+            let views = lanes_of(&client, "views", WriterConfig::default());
+            assert_counted(&views.add("warmup", 1).await, false);
+            let ticket = {
+                let _fail = FailPoint::set(
+                    &ctx,
+                    Bson::Document(doc! { "times": 2 }),
+                    doc! { "failCommands": ["update"], "closeConnection": true },
+                )
+                .await;
+                match views.add("k", 3).await {
+                    LaneIncrement::Unknown(ticket) => ticket,
+                    other => panic!("{name}: expected unknown, got {other:?}"),
+                }
+            };
+            assert_eq!(
+                ticket.cause().and_then(Error::class),
+                Some(ErrorClass::Transient)
+            );
+            let next = views.add("k", 1).await;
+            assert_ne!(
+                next.lane(),
+                Some(ticket.lane()),
+                "{name}: the lane is retired"
+            );
+            let outcomes: Vec<LaneIncrement> = if concurrent {
+                join_all((0..runs).map(|_| views.resume_lane(ticket.clone())))
+                    .await
+                    .into_iter()
+                    .map(|r| r.expect("resume"))
+                    .collect()
+            } else {
+                let mut outcomes = Vec::new();
+                for _ in 0..runs {
+                    outcomes.push(views.resume_lane(ticket.clone()).await.expect("resume"));
+                }
+                outcomes
+            };
+            let fresh = outcomes
+                .iter()
+                .filter(|o| matches!(o, LaneIncrement::Counted(c) if !c.settled_earlier()))
+                .count();
+            assert!(
+                outcomes
+                    .iter()
+                    .all(|o| matches!(o, LaneIncrement::Counted(_))),
+                "{name}: {outcomes:?}"
+            );
+            // The lost attempts never reached the server: one resume applied it.
+            assert_eq!(fresh, 1, "{name}: {outcomes:?}");
+            assert_eq!(
+                counter(&client.collection("views"), "k").await,
+                3 + 1,
+                "{name}"
+            );
+        }
+    }
+}
+
+/// The update applied, then its write concern failed with a transient code,
+/// twice: the retry collides with what the first attempt wrote, and the
+/// lane's entry says it applied — counted (earlier), not unknown.
+#[tokio::test]
+async fn a_write_concern_error_after_the_update_applied_is_resolved_by_the_lanes_entry() {
+    let ctx = TestContext::new("lanes_wce_applied").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    assert_counted(&views.add("warmup", 1).await, false);
+    let outcome = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 2 }),
+            doc! {
+                "failCommands": ["update"],
+                "writeConcernError": { "code": 91, "codeName": "ShutdownInProgress", "errmsg": "x" },
+            },
+        )
+        .await;
+        views.add("k", 4).await
+    };
+    assert_counted(&outcome, true);
+    assert_eq!(counter(&client.collection("views"), "k").await, 4);
+}
+
+/// The update applied and its reply was lost, then the retry's connection
+/// was cut before it reached the server: unknown. Every resume finds the
+/// lane holding its number: counted earlier, nothing added.
+#[tokio::test]
+async fn an_unknown_whose_update_applied_resumes_to_counted_earlier() {
+    let ctx = TestContext::new("lanes_unknown_applied").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let views = lanes_of(&through, "views", WriterConfig::default());
+    let lost = [
+        proxy.rule(Rule::command("update").nth(1).then(Action::DropReply)),
+        proxy.rule(
+            Rule::command("update")
+                .nth(2)
+                .then(Action::CloseBeforeForwarding),
+        ),
+    ];
+    let ticket = match views.add("k", 4).await {
+        LaneIncrement::Unknown(ticket) => ticket,
+        other => panic!("expected unknown, got {other:?}"),
+    };
+    drop(lost);
+    let coll = ctx.client(false).await.collection("views");
+    assert_eq!(
+        counter(&coll, "k").await,
+        4,
+        "the first attempt applied, once"
+    );
+    for _ in 0..3 {
+        assert_counted(&views.resume_lane(ticket.clone()).await.unwrap(), true);
+    }
+    assert_eq!(counter(&coll, "k").await, 4);
+}
+
+#[tokio::test]
+async fn a_command_error_is_not_counted_and_the_lane_goes_on_with_its_next_number() {
+    let ctx = TestContext::new("lanes_command_error").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let first = views.add("k", 1).await;
+    assert_counted(&first, false);
+    let refused = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["update"], "errorCode": 2 },
+        )
+        .await;
+        views.add("k", 1).await
+    };
+    let LaneIncrement::NotCounted(not) = &refused else {
+        panic!("expected not counted, got {refused:?}");
+    };
+    assert_eq!(not.cause().class(), Some(ErrorClass::Command));
+    assert_eq!(refused.lane(), first.lane(), "not retired");
+    let next = views.add("k", 1).await;
+    assert_counted(&next, false);
+    assert_eq!((next.lane(), next.position()), (first.lane(), Some(3)));
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "k").await, 2);
+    assert_eq!(lane_map(&coll, "k").await[0].1, 3);
+}
+
+/// The caller gives up on an increment whose update is held up on the
+/// server: its lane is retired, so the next increment does not wait for it
+/// nor send a newer number on it; the held update applies later, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_increment_dropped_mid_flight_retires_its_lane() {
+    let ctx = TestContext::new("lanes_dropped").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(
+        &client,
+        "views",
+        WriterConfig {
+            lanes: 1,
+            ..WriterConfig::default()
+        },
+    );
+    assert_counted(&views.add("k", 1).await, false);
+    let updates = client.events.count("update");
+    let fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 2000 },
+    )
+    .await;
+    let held = tokio::spawn({
+        let views = views.clone();
+        async move { views.add("k", 10).await }
+    });
+    let events = client.events.clone();
+    wait_until("the held update was sent", Duration::from_secs(10), || {
+        let events = events.clone();
+        async move { events.count("update") > updates }
+    })
+    .await;
+    held.abort();
+    assert!(held.await.unwrap_err().is_cancelled());
+    drop(fail);
+    // The pool's only lane was retired: a fresh one, at once.
+    let next = views.add("k", 100).await;
+    assert_counted(&next, false);
+    assert_eq!(next.position(), Some(1), "a fresh lane");
+    let coll = client.collection("views");
+    wait_until("the held update applied", Duration::from_secs(10), || {
+        let coll = coll.clone();
+        async move { counter(&coll, "k").await == 111 }
+    })
+    .await;
+    assert_eq!(lane_map(&coll, "k").await.len(), 2);
+}
+
+#[tokio::test]
+async fn a_named_lane_counts_a_redelivered_position_once() {
+    let ctx = TestContext::new("lanes_named").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let partition = LaneName::new("orders:3").unwrap();
+    for offset in 0..5 {
+        assert_counted(&views.add_from("k", 2, &partition, offset).await, false);
+    }
+    // The source delivers offsets 3 and 4 again (a consumer restarted
+    // before committing them), then goes on.
+    assert_counted(&views.add_from("k", 2, &partition, 3).await, true);
+    assert_counted(&views.add_from("k", 2, &partition, 4).await, true);
+    assert_counted(&views.add_from("k", 2, &partition, 5).await, false);
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, "k").await, 12);
+    assert_eq!(lane_map(&coll, "k").await, vec![("orders:3".into(), 5)]);
+    // A resume of a named lane's ticket is the same redelivery.
+    let ticket = LaneTicket::new("k", LaneId::Named(partition.clone()), 5, 2).unwrap();
+    assert_counted(&views.resume_lane(ticket).await.unwrap(), true);
+    let refused = views.add_from("k", 2, &partition, -1).await;
+    assert!(
+        matches!(&refused, LaneIncrement::NotCounted(n) if matches!(n.cause(), Error::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    assert!(LaneName::new(ObjectId::new().to_hex()).is_err());
+    assert_eq!(counter(&coll, "k").await, 12);
+}
+
+#[tokio::test]
+async fn resuming_a_lane_past_its_resume_horizon_is_refused_and_writes_nothing() {
+    let ctx = TestContext::new("lanes_resume_horizon").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let coll = client.collection("views");
+    coll.insert_one(doc! { "_id": "k", "counter": 1i64 })
+        .await
+        .unwrap();
+    let day_ago = SystemTime::now() - Duration::from_secs(23 * 3600 + 1);
+    let old_lane = LaneId::Minted(Token::created_at_time(day_ago).object_id());
+    let ticket = LaneTicket::new("k", old_lane, 1, 5).unwrap();
+    let refused = views.resume_lane(ticket).await;
+    assert!(
+        matches!(refused, Err(Error::LaneResumeHorizonExceeded { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(
+        coll.find_one(doc! {}).await.unwrap(),
+        Some(doc! { "_id": "k", "counter": 1i64 }),
+        "nothing written"
+    );
+    // Just inside the horizon it is resumed.
+    let young = SystemTime::now() - Duration::from_secs(22 * 3600);
+    let lane = LaneId::Minted(Token::created_at_time(young).object_id());
+    let ticket = LaneTicket::new("k", lane, 1, 5).unwrap();
+    assert_counted(&views.resume_lane(ticket).await.unwrap(), false);
+    assert_eq!(counter(&coll, "k").await, 6);
+}
+
+#[tokio::test]
+async fn lane_settings_that_do_not_hold_together_are_refused() {
+    let ctx = TestContext::new("lanes_bad_settings").await;
+    let client = ctx.client(false).await;
+    let bad = WriterConfig {
+        lanes: 0,
+        lane_rotate: Duration::from_secs(7200),
+        lane_resume_horizon: Duration::from_secs(3600),
+        lane_ttl: Duration::from_secs(3600),
+        ..WriterConfig::default()
+    };
+    let spec = CollectionConfig::new("views");
+    let err = Counters::try_new(&client.store(), spec.clone(), bad).expect_err("refused");
+    let message = err.to_string();
+    for setting in ["lanes", "lane_rotate", "lane_ttl"] {
+        assert!(
+            message.contains(&format!("WriterConfig::{setting} ")),
+            "{message}"
+        );
+    }
+    // `new` builds the handle for the two-step increment, and refuses every
+    // lane operation without writing.
+    let views = Counters::new(&client.store(), spec, bad);
+    let refused = views.add("k", 1).await;
+    assert!(
+        matches!(&refused, LaneIncrement::NotCounted(n) if n.cause().to_string() == message),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        views.increment("k", 1).await,
+        tally::Increment::Counted(_)
+    ));
+    assert_eq!(lane_map(&client.collection("views"), "k").await, vec![]);
+    assert!(matches!(
+        views.add("k", 0).await,
+        LaneIncrement::NotCounted(_)
+    ));
+}
