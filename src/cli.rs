@@ -6,6 +6,7 @@
 
 mod daemon;
 mod increment;
+mod lane;
 mod reconcile;
 mod sequence;
 
@@ -61,12 +62,14 @@ pub(crate) enum Command {
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
-    /// Add to a counter with the two-step increment and say exactly what
-    /// happened.
+    /// Add to a counter and say exactly what happened: the two-step
+    /// increment, or with --lane one round trip through a fresh lane
+    /// (default: `[writer] protocol`).
     Incr(IncrArgs),
     /// Count a pending token (step 2 only): safe at any age.
     Complete(CompleteArgs),
-    /// Settle a token an increment reported as unknown.
+    /// Settle a token an increment reported as unknown (with --lane: a
+    /// lane; default: `[writer] protocol`).
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what
