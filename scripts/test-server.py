@@ -17,7 +17,44 @@ import tempfile
 import threading
 
 from pymongo import MongoClient
+from secantus import commands, rbac
 from secantus.server import SecantusDBServer
+
+
+def role_privileges(roles, resolve):
+    """The privileges ``roles`` grant, as mongod lists them: each built-in
+    role's actions on its database (every database for the *AnyDatabase
+    ones), each custom role's own privileges, inherited roles included."""
+    privileges, pending, seen = [], [(r.get("role"), r.get("db")) for r in roles], set()
+    while pending:
+        name, db = pending.pop()
+        if (name, db) in seen or not isinstance(name, str) or not isinstance(db, str):
+            continue
+        seen.add((name, db))
+        spec = rbac.BUILT_IN_ROLES.get(name)
+        if spec is not None:
+            resource = {"db": "" if spec.any_db else db, "collection": ""}
+            privileges.append({"resource": resource, "actions": sorted(spec.actions)})
+            continue
+        record = resolve(db, name) or {}
+        privileges.extend(record.get("privileges") or [])
+        pending.extend((r.get("role"), r.get("db")) for r in record.get("roles") or [])
+    return privileges
+
+
+def connection_status(doc, ctx):
+    """SecantusDB 0.7.0b3 leaves connectionStatus's authenticatedUserPrivileges
+    empty whatever ``showPrivileges`` says; mongod lists them, and `tallyd
+    doctor` reads them. Filled in from the roles the server itself enforces."""
+    reply = original_connection_status(doc, ctx)
+    if doc.get("showPrivileges") and ctx.connection_auth is not None:
+        reply["authInfo"]["authenticatedUserPrivileges"] = role_privileges(
+            ctx.connection_auth.effective_roles, ctx.storage.get_role)
+    return reply
+
+
+original_connection_status = commands._HANDLERS["connectionStatus"]
+commands._HANDLERS["connectionStatus"] = connection_status
 
 
 def main() -> int:

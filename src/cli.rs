@@ -5,6 +5,8 @@
 //! 78 (`EX_CONFIG`) bad configuration.
 
 mod daemon;
+mod doctor;
+mod generate;
 mod increment;
 mod lane;
 mod reconcile;
@@ -16,11 +18,14 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{Config, ConfigErrors};
+use crate::daemon::clock::{Clock, ClockOffset};
 use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
 use daemon::StatusArgs;
+use doctor::DoctorArgs;
+use generate::{CompletionsArgs, ManArgs};
 use increment::{CompleteArgs, IncrArgs, ResumeArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
@@ -44,6 +49,21 @@ pub struct Cli {
     #[arg(long, short, global = true, value_name = "PATH")]
     pub config: Option<PathBuf>,
 
+    /// A testing aid, hidden from help: pretend this host's clock is off by
+    /// this much (`10m` ahead, `-10m` behind) when its skew against the
+    /// server's is measured (`doctor`, and the daemon's `clock_skew`
+    /// alert). Nothing else reads the moved clock.
+    #[arg(
+        long,
+        global = true,
+        hide = true,
+        env = "TALLYD_CLOCK_OFFSET",
+        hide_env = true,
+        value_name = "DURATION",
+        allow_hyphen_values = true
+    )]
+    pub(crate) clock_offset: Option<ClockOffset>,
+
     /// What to do.
     #[command(subcommand)]
     pub(crate) command: Command,
@@ -62,6 +82,11 @@ pub(crate) enum Command {
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what `run` would refuse.
     CheckConfig,
+    /// Connect with the configured URI and say, check by check, what is
+    /// safe and what is not: topology, write concern, clock skew, indexes,
+    /// privileges, change-stream history. Exits 1 when a check fails
+    /// (warnings allowed).
+    Doctor(DoctorArgs),
     /// Add to a counter and say exactly what happened: the two-step
     /// increment, or with --lane one round trip through a fresh lane
     /// (default: `[writer] protocol`).
@@ -78,6 +103,12 @@ pub(crate) enum Command {
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
+    /// Print the shell completion script (for packaging).
+    #[command(hide = true)]
+    Completions(CompletionsArgs),
+    /// Write the man pages into a directory (for packaging).
+    #[command(hide = true)]
+    Man(ManArgs),
 }
 
 /// Options shared by the commands that work on one collection.
@@ -109,6 +140,21 @@ impl TargetArgs {
 }
 
 impl Cli {
+    /// Runs the commands that need no configuration (the completions and
+    /// man pages of packaging): `Some(exit)` when this was one.
+    pub fn run_without_config(&self) -> Option<ExitCode> {
+        match &self.command {
+            Command::Completions(args) => Some(generate::completions(args)),
+            Command::Man(args) => Some(generate::man(args)),
+            _ => None,
+        }
+    }
+
+    /// This host's clock, as `--clock-offset` moves it.
+    pub(crate) fn clock(&self) -> Clock {
+        Clock::with_offset(self.clock_offset.unwrap_or_default())
+    }
+
     /// Loads the configuration from `--config` (or the default file) and
     /// `env`, with the checks the command needs: `run` and `check-config`
     /// (which answers for `run`) refuse the same configurations.
@@ -127,6 +173,7 @@ impl Cli {
 /// Runs a command against a loaded configuration; `logging` follows a
 /// reload of `tallyd run`.
 pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
+    let clock = cli.clock();
     match cli.command {
         Command::CheckConfig => {
             print!("{}", config.to_redacted_toml());
@@ -137,16 +184,20 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             // A reload reads the configuration again from where this did.
             let reload = Cli {
                 config: cli.config,
+                clock_offset: cli.clock_offset,
                 command: Command::Run,
             };
             daemon::run(&reload, config, &logging).await
         }
         Command::Status(args) => daemon::status(args, &config).await,
+        Command::Doctor(args) => doctor::run(args, &config, clock).await,
         Command::Incr(args) => increment::incr(args, &config).await,
         Command::Complete(args) => increment::complete(args, &config).await,
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
+        Command::Completions(args) => generate::completions(&args),
+        Command::Man(args) => generate::man(&args),
     }
 }
 

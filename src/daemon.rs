@@ -16,7 +16,8 @@
 //!   catch-up at start (and on becoming active), by a repair, or by its own
 //!   retry of a failed run — one at a time, never overlapping;
 //! - the [`evaluator`]: every second, [`metrics`] and [`alert`]s from the
-//!   view.
+//!   view, and from this host's [`clock`] against the server's (measured
+//!   by the readiness probe).
 //!
 //! The daemon's own records (last successful runs, resume tokens, the
 //! lease) live in MongoDB ([`state`]).
@@ -27,6 +28,7 @@
 //! ([`Drained`]).
 
 pub(crate) mod alert;
+pub(crate) mod clock;
 mod evaluator;
 mod http;
 mod lease;
@@ -53,6 +55,7 @@ use crate::config::Config;
 use crate::reconcile::{FoldTarget, Reconciler};
 use crate::store::Store;
 use alert::{AlertLedger, AlertOptions, Alerts};
+use clock::{Clock, LastSkew};
 use evaluator::Evaluator;
 use lease::{Lease, Role};
 use metrics::Metrics;
@@ -93,11 +96,23 @@ impl Drained {
 }
 
 /// What outlives one run of the daemon when the configuration is reloaded:
-/// the metrics (counters keep counting) and which alerts fire.
+/// the metrics (counters keep counting), which alerts fire, and the clock
+/// the skew is measured with.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Kept {
     metrics: Metrics,
     ledger: AlertLedger,
+    clock: Clock,
+}
+
+impl Kept {
+    /// Nothing kept yet; this host's clock read as `clock` reads it.
+    pub(crate) fn with_clock(clock: Clock) -> Self {
+        Self {
+            clock,
+            ..Self::default()
+        }
+    }
 }
 
 /// Runs the daemon until `shutdown` is cancelled, then drains it.
@@ -133,7 +148,12 @@ pub(crate) async fn run(
         let (sender, receiver) = watch::channel(Role::Standby);
         (Some(sender), receiver)
     };
-    let readiness = Readiness::new(role.clone(), metrics.clone());
+    let skew = LastSkew::default();
+    let margins = clock::margins(&config);
+    if let Some(tightest) = margins.first() {
+        metrics.clock_skew_margin.set(tightest.margin.as_secs_f64());
+    }
+    let readiness = Readiness::new(role.clone(), metrics.clone(), kept.clock, skew.clone());
     tracker.spawn(http::serve(
         listener,
         metrics.clone(),
@@ -240,6 +260,8 @@ pub(crate) async fn run(
         role,
         requests,
         last_repair: HashMap::new(),
+        skew,
+        margins,
     };
     tracker.spawn(evaluator.run(shutdown.clone()));
 

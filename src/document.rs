@@ -84,6 +84,16 @@ pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
     }
 }
 
+/// A document id as reports, logs and alerts show it: a string id as
+/// itself (`docs`), any other value as its relaxed extended JSON
+/// (`{"$oid":"…"}`, `7`, `{"a":1}`), which a shell or a driver reads back.
+pub(crate) fn display_id(id: &Bson) -> String {
+    match id {
+        Bson::String(text) => text.clone(),
+        other => other.clone().into_relaxed_extjson().to_string(),
+    }
+}
+
 /// The BSON type name, as `$type` spells it.
 pub(crate) fn bson_type_name(value: &Bson) -> &'static str {
     match value {
@@ -143,5 +153,27 @@ mod tests {
         assert_eq!(integer_value(&Bson::Double(two_53 * 2.0)), None);
         // Integers are exact at any width.
         assert_eq!(integer_value(&Bson::Int64(1 << 53)), Some(1 << 53));
+    }
+
+    #[test]
+    fn ids_show_strings_as_themselves_and_the_rest_as_extended_json() {
+        let oid = mongodb::bson::oid::ObjectId::new();
+        assert_eq!(display_id(&Bson::String("docs".into())), "docs");
+        assert_eq!(
+            display_id(&Bson::String("a \"quoted\" id".into())),
+            "a \"quoted\" id"
+        );
+        assert_eq!(
+            display_id(&Bson::ObjectId(oid)),
+            format!("{{\"$oid\":\"{}\"}}", oid.to_hex())
+        );
+        assert_eq!(display_id(&Bson::Int32(7)), "7");
+        assert_eq!(display_id(&Bson::Int64(7)), "7");
+        assert_eq!(display_id(&Bson::Double(1.5)), "1.5");
+        assert_eq!(
+            display_id(&Bson::Document(doc! { "a": 1, "b": "x" })),
+            "{\"a\":1,\"b\":\"x\"}"
+        );
+        assert_eq!(display_id(&Bson::Null), "null");
     }
 }

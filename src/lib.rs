@@ -70,8 +70,11 @@
 //! - `daemon`: `tallyd run` and everything it wires together — `supervisor`
 //!   (stop and reload), `runner`, `evaluator`, `monitor` (and its
 //!   `snapshot`), `alert` (and its `lanes` and `webhook`), `lease`,
-//!   `readiness`, `schedule`, `state`, `http`, `metrics`.
-//! - `cli`: the `tallyd` commands, thin layers over the modules above.
+//!   `readiness`, `clock` (this host's clock against the server's, and the
+//!   margin for it), `schedule`, `state`, `http`, `metrics`.
+//! - `cli`: the `tallyd` commands, thin layers over the modules above —
+//!   `doctor` (is the deployment safe?) among them, and `generate` (the
+//!   man pages and completions of the package).
 //! - `logging`: tracing to standard error, as text or JSON.
 //!
 //! Imports go one way, down this list: a module names (as `crate::…`) only

@@ -9,6 +9,9 @@ use tally::config::EXIT_CONFIG;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(exit) = cli.run_without_config() {
+        return exit;
+    }
     let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
         Err(errors) => {

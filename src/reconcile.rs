@@ -59,6 +59,7 @@ use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tokio_util::sync::CancellationToken;
 
+use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
@@ -292,7 +293,7 @@ impl Reconciler {
                     if run.refused < MALFORMED_LOGGED {
                         tracing::warn!(
                             collection = %name,
-                            id = %id,
+                            id = %display_id(id),
                             code = refusal.code,
                             reason = %refusal.message,
                             "the server refused to fold a document; left unchanged"
@@ -508,6 +509,6 @@ fn report_failed(err: mongodb::error::Error) -> Error {
 
 fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u64) {
     if seen <= MALFORMED_LOGGED {
-        tracing::warn!(collection, id = %id, reason = %reason, "malformed document left unchanged");
+        tracing::warn!(collection, id = %display_id(id), reason = %reason, "malformed document left unchanged");
     }
 }

@@ -36,7 +36,14 @@ pub(super) async fn run(cli: &Cli, config: Config, logging: &Logging) -> ExitCod
         }
     };
     let load = || cli.load_config(std::env::vars());
-    match daemon::supervise(config, load, |new| logging.apply(new), commands).await {
+    let supervised = daemon::supervise(
+        config,
+        cli.clock(),
+        load,
+        |new| logging.apply(new),
+        commands,
+    );
+    match supervised.await {
         Ok(drained) if drained.is_clean() => ExitCode::from(EXIT_OK),
         Ok(drained) => {
             let not_done = secrets.scrub(&drained.not_done.join("; "));

@@ -1,7 +1,8 @@
 //! The alert engine: the daemon reports the state of each condition it
 //! watches (stuck tokens, oversized `pending` arrays, malformed documents,
 //! failed runs, a monitor that is down, documents the server refused to
-//! fold) as often as it likes, and the engine
+//! fold, a clock too far from the server's) as often as it likes, and the
+//! engine
 //! turns that stream of states into notifications — one `firing` when a
 //! condition starts to hold, one `resolved` when it clears, nothing in
 //! between.
@@ -74,18 +75,23 @@ pub(crate) enum AlertKind {
     /// refused to update them (a validator, a document grown too large):
     /// left untouched, their tokens uncounted.
     FoldRefused,
+    /// This host's clock differs from the server's by more than half the
+    /// margin the collection's timing leaves for it (`grace −
+    /// retry_horizon − attempt_timeout`).
+    ClockSkew,
 }
 
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 6] = [
+    pub(crate) const ALL: [AlertKind; 7] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::Malformed,
         AlertKind::RunFailed,
         AlertKind::MonitorDown,
         AlertKind::FoldRefused,
+        AlertKind::ClockSkew,
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -97,6 +103,7 @@ impl AlertKind {
             AlertKind::RunFailed => "run_failed",
             AlertKind::MonitorDown => "monitor_down",
             AlertKind::FoldRefused => "fold_refused",
+            AlertKind::ClockSkew => "clock_skew",
         }
     }
 }
@@ -137,7 +144,7 @@ impl fmt::Display for AlertState {
 #[derive(Clone, Debug, PartialEq, Default)]
 pub(crate) struct Observation {
     /// How many: stuck tokens, oversized or malformed documents, consecutive
-    /// failed runs.
+    /// failed runs; for a clock skew, its whole seconds.
     pub(crate) count: u64,
     /// The age of the oldest stuck token, or how long the monitor has been
     /// down, when it applies.
@@ -155,7 +162,8 @@ pub(crate) struct Observation {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub(crate) struct Notification {
     /// What the alert is about: `stuck_tokens`, `pending_too_long`,
-    /// `malformed`, `run_failed`, `monitor_down` or `fold_refused`.
+    /// `malformed`, `run_failed`, `monitor_down`, `fold_refused` or
+    /// `clock_skew`.
     pub(crate) kind: AlertKind,
     /// `firing` when the condition started to hold, `resolved` when it
     /// cleared. Each firing is followed by at most one resolved.

@@ -1,5 +1,7 @@
 //! The evaluator: every second, the monitor's view turned into metrics
-//! and alerts, and stuck tokens handed to the runner for repair.
+//! and alerts, and stuck tokens handed to the runner for repair; and the
+//! latest clock skew judged against each collection's margin (the
+//! `clock_skew` alert, past half of it: the rule of `daemon::clock`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
@@ -10,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::runner::Request;
 use crate::config::Config;
 use crate::daemon::alert::{AlertKind, Alerts, Observation};
+use crate::daemon::clock::{LastSkew, Margin, SkewLevel, judge};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::monitor::Monitor;
@@ -28,6 +31,10 @@ pub(super) struct Evaluator {
     pub(super) role: watch::Receiver<Role>,
     pub(super) requests: mpsc::Sender<Request>,
     pub(super) last_repair: HashMap<String, Instant>,
+    /// The latest clock skew the readiness probe measured.
+    pub(super) skew: LastSkew,
+    /// Each collection's margin for clock skew.
+    pub(super) margins: Vec<Margin>,
 }
 
 impl Evaluator {
@@ -117,6 +124,8 @@ impl Evaluator {
                     )),
                 });
             self.alerts.set(AlertKind::MonitorDown, name, down);
+            let skewed = self.clock_skew(name);
+            self.alerts.set(AlertKind::ClockSkew, name, skewed);
             if alerts_config.repair && !snapshot.stuck_ids.is_empty() {
                 let due = self
                     .last_repair
@@ -133,5 +142,25 @@ impl Evaluator {
                 }
             }
         }
+    }
+
+    /// The `clock_skew` condition of a collection: holding while the latest
+    /// skew uses more than half of the collection's margin.
+    fn clock_skew(&self, collection: &str) -> Option<Observation> {
+        let skew = self.skew.get()?;
+        let margin = self.margins.iter().find(|m| m.collection == collection)?;
+        (judge(skew.worst_case(), margin.margin) == SkewLevel::Unsafe).then(|| Observation {
+            count: skew.seconds.abs() as u64,
+            oldest_age: None,
+            sample_ids: Vec::new(),
+            detail: Some(format!(
+                "{}: more than half of the {} the fold of {collection} leaves for clock skew \
+                 ({}); a writer whose clock is that far behind could have a token folded \
+                 before its last retry lands, counting it twice — fix the clocks (NTP)",
+                skew.describe(),
+                humantime::format_duration(margin.margin),
+                margin.made_of,
+            )),
+        })
     }
 }

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -81,6 +81,13 @@ pub(crate) struct Inner {
     /// `tally_webhook_deliveries_total{result}`: result is `delivered`,
     /// `retried` or `failed` (given up).
     pub(crate) webhook_deliveries: IntCounterVec,
+    /// `tally_clock_skew_seconds`: this host's clock minus the server's
+    /// (positive: ahead), from the latest readiness probe.
+    pub(crate) clock_skew: Gauge,
+    /// `tally_clock_skew_margin_seconds`: the tightest margin the
+    /// configuration leaves for clock skew (`grace − retry_horizon −
+    /// attempt_timeout`); the `clock_skew` alert fires past half of it.
+    pub(crate) clock_skew_margin: Gauge,
 }
 
 impl std::ops::Deref for Metrics {
@@ -250,6 +257,16 @@ impl Metrics {
                 "Webhook delivery attempts, by result",
                 &["result"],
             ),
+            clock_skew: float(
+                &registry,
+                "tally_clock_skew_seconds",
+                "This host's clock minus the server's, from the latest readiness probe",
+            ),
+            clock_skew_margin: float(
+                &registry,
+                "tally_clock_skew_margin_seconds",
+                "The tightest margin for clock skew: grace - retry_horizon - attempt_timeout",
+            ),
             registry,
         };
         let metrics = Self {
@@ -290,6 +307,10 @@ fn register<T: prometheus::core::Collector + Clone + 'static>(
 
 fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
     register(registry, IntGauge::new(name, help))
+}
+
+fn float(registry: &Registry, name: &str, help: &str) -> Gauge {
+    register(registry, Gauge::new(name, help))
 }
 
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {

@@ -6,19 +6,21 @@
 //! [`PROBE_EVERY`], each bounded by [`PROBE_TIMEOUT`], keeps the state
 //! current: the daemon is not ready once no probe has succeeded for
 //! [`NOT_READY_AFTER`] (a debounce: one lost probe is not an outage), and
-//! ready again at the first probe that succeeds.
+//! ready again at the first probe that succeeds. Each answer also measures
+//! this host's clock against the server's (`tally_clock_skew_seconds`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use mongodb::bson::doc;
+use mongodb::bson::{Document, doc};
 use mongodb::error::ErrorKind;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::daemon::DaemonError;
+use crate::daemon::clock::{Clock, LastSkew, Skew};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::error::Error;
@@ -41,16 +43,26 @@ pub(crate) struct Readiness {
     ready: Arc<AtomicBool>,
     role: watch::Receiver<Role>,
     metrics: Metrics,
+    clock: Clock,
+    skew: LastSkew,
 }
 
 impl Readiness {
-    /// Not ready yet; the role as published by the lease keeper.
-    pub(crate) fn new(role: watch::Receiver<Role>, metrics: Metrics) -> Self {
+    /// Not ready yet; the role as published by the lease keeper. Each probe
+    /// measures `clock` against the server's into `skew`.
+    pub(crate) fn new(
+        role: watch::Receiver<Role>,
+        metrics: Metrics,
+        clock: Clock,
+        skew: LastSkew,
+    ) -> Self {
         metrics.ready.set(0);
         Self {
             ready: Arc::new(AtomicBool::new(false)),
             role,
             metrics,
+            clock,
+            skew,
         }
     }
 
@@ -67,6 +79,14 @@ impl Readiness {
     fn set(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
         self.metrics.ready.set(i64::from(ready));
+    }
+
+    /// Records the clock skew a probe's answer shows.
+    fn measure(&self, sent: SystemTime, reply: &Document) {
+        if let Some(skew) = Skew::from_hello(sent, self.clock.now(), reply) {
+            self.metrics.clock_skew.set(skew.seconds);
+            self.skew.set(skew);
+        }
     }
 
     /// Waits until MongoDB answers, then marks the daemon ready: `Ok(true)`;
@@ -119,9 +139,13 @@ impl Readiness {
                 () = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
+            let sent = self.clock.now();
             let probe = admin.run_command(doc! { "hello": 1 });
             let failure = match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
-                Ok(Ok(_)) => None,
+                Ok(Ok(reply)) => {
+                    self.measure(sent, &reply);
+                    None
+                }
                 Ok(Err(err)) => Some(secrets.scrub(&err.to_string())),
                 Err(_) => Some(format!("no answer within {PROBE_TIMEOUT:?}")),
             };

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigErrors};
+use crate::daemon::clock::Clock;
 use crate::daemon::{DaemonError, Drained, Kept, run};
 
 /// What the daemon is asked to do from outside.
@@ -31,15 +32,17 @@ pub(crate) enum Command {
 /// Runs the daemon with `config` until a [`Command::Stop`] (or the end of
 /// `commands`), reloading with what `load` returns at each
 /// [`Command::Reload`]; `on_reload` is called with each configuration that
-/// takes over (the command line applies its log settings). Returns what the
-/// final drain could not do, or why the daemon could not start.
+/// takes over (the command line applies its log settings). `clock` is this
+/// host's clock, as the skew against the server's is measured. Returns what
+/// the final drain could not do, or why the daemon could not start.
 pub(crate) async fn supervise(
     mut config: Config,
+    clock: Clock,
     mut load: impl FnMut() -> Result<Config, ConfigErrors>,
     mut on_reload: impl FnMut(&Config),
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) -> Result<Drained, DaemonError> {
-    let kept = Kept::default();
+    let kept = Kept::with_clock(clock);
     let alive = CancellationToken::new();
     let _stop_watchdog = alive.clone().drop_guard();
     if let Some(interval) = sd_notify::watchdog_enabled() {

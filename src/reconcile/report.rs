@@ -7,6 +7,7 @@ use mongodb::bson::{Bson, oid::ObjectId};
 use serde::Serialize;
 
 use super::{Mode, model};
+use crate::document::display_id;
 use crate::error::Error;
 use crate::token::Token;
 
@@ -17,7 +18,8 @@ pub const MALFORMED_SAMPLE: usize = 10;
 /// A document the fold leaves alone, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MalformedDocument {
-    /// The `_id`, as extended JSON.
+    /// The `_id`: a string id as itself, any other as relaxed extended
+    /// JSON (`{"$oid":"…"}`, `7`).
     pub id: String,
     /// What is wrong with it.
     pub reason: String,
@@ -26,7 +28,8 @@ pub struct MalformedDocument {
 /// A document the server refused to fold: left unchanged, and reported.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RefusedDocument {
-    /// The `_id`, as extended JSON.
+    /// The `_id`: a string id as itself, any other as relaxed extended
+    /// JSON (`{"$oid":"…"}`, `7`).
     pub id: String,
     /// The server's error code (e.g. 121, document validation failure).
     pub code: i32,
@@ -184,7 +187,7 @@ impl CollectionRun {
         self.refused += 1;
         if self.refused_sample.len() < MALFORMED_SAMPLE {
             self.refused_sample.push(RefusedDocument {
-                id: id.to_string(),
+                id: display_id(id),
                 code,
                 reason,
             });
@@ -211,7 +214,7 @@ impl Survey {
                 self.malformed += 1;
                 if self.malformed_sample.len() < MALFORMED_SAMPLE {
                     self.malformed_sample.push(MalformedDocument {
-                        id: row.id.to_string(),
+                        id: display_id(&row.id),
                         reason: reason.to_string(),
                     });
                 }

@@ -10,7 +10,7 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tally::Token;
 
 use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
-use crate::common::server::{ServerOptions, TestServer};
+use crate::common::server::{AuthServer, ServerOptions, TestServer, create_tallyd_role};
 use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{FailPoint, TestContext, counter, external, wait_until};
 
@@ -759,46 +759,23 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
     if external() {
         return; // needs a server it can restart with authentication
     }
-    let data = tempfile::tempdir().unwrap();
-    let port = free_address().port();
-    let mut options = ServerOptions {
-        port,
-        storage_path: Some(data.path().to_owned()),
-        ..Default::default()
-    };
     let db = "t_least_privilege";
-    {
-        // Users are provisioned before authentication is switched on.
-        let mut server = TestServer::start(&options);
-        let admin = mongodb::Client::with_uri_str(server.uri()).await.unwrap();
+    let server = AuthServer::start(|admin| async move {
         admin
             .database("admin")
             .run_command(doc! { "createUser": "admin", "pwd": "admin-pw", "roles": ["root"] })
             .await
             .unwrap();
         let app = admin.database(db);
-        app.run_command(doc! {
-            "createRole": "tallyd",
-            "privileges": [
-                { "resource": { "db": db, "collection": "views" }, "actions": ["find", "update", "changeStream"] },
-                { "resource": { "db": db, "collection": "tally_state" }, "actions": ["find", "insert", "update", "remove"] },
-            ],
-            "roles": [],
-        })
-        .await
-        .unwrap();
+        create_tallyd_role(&app, "tallyd", &["find", "update", "changeStream"]).await;
         app.run_command(doc! { "createUser": "tally", "pwd": "tally-pw", "roles": ["tallyd"] })
             .await
             .unwrap();
-        server.stop();
-    }
-    options.auth = true;
-    let _server = TestServer::start(&options);
-    let admin = mongodb::Client::with_uri_str(format!(
-        "mongodb://admin:admin-pw@127.0.0.1:{port}/?directConnection=true&authSource=admin"
-    ))
-    .await
-    .unwrap();
+    })
+    .await;
+    let admin = mongodb::Client::with_uri_str(server.uri("admin", "admin-pw", "admin"))
+        .await
+        .unwrap();
     let views = admin.database(db).collection::<Document>("views");
     seed_stale(&views, 0..3).await;
     admin
@@ -808,9 +785,7 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
         .await
         .unwrap();
 
-    let uri = format!(
-        "mongodb://tally:tally-pw@127.0.0.1:{port}/?directConnection=true&authSource={db}&retryWrites=false"
-    );
+    let uri = format!("{}&retryWrites=false", server.uri("tally", "tally-pw", db));
     let conf = Conf {
         extra: "[ha]\nenabled = true\nlease_ttl = \"3s\"\n".into(),
         ..Conf::default()
@@ -1388,4 +1363,128 @@ async fn an_invalidate_never_saves_its_own_token() {
             "the position at the invalidate was saved: {token}"
         );
     }
+}
+
+/// A webhook's and a log's `sample_ids` show each document id as it is: a
+/// string id as itself (`docs`, not `"docs"`), any other BSON type as its
+/// relaxed extended JSON (`{"$oid":"…"}`, `7`, `{"a":1}`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sample_ids_show_document_ids_as_they_are() {
+    let ctx = TestContext::new("daemon_sample_ids").await;
+    let views = ctx.client(false).await.collection("views");
+    let object_id = ObjectId::new();
+    let ids = [
+        Bson::String("docs".into()),
+        Bson::ObjectId(object_id),
+        Bson::Int32(7),
+        Bson::Document(doc! { "a": 1 }),
+    ];
+    for id in &ids {
+        views
+            .insert_one(doc! { "_id": id.clone(), "counter": 0i64, "pending": [stale()] })
+            .await
+            .unwrap();
+    }
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let alerts = format!(
+        "[alerts]\nstuck_after = \"7s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        receiver.addr
+    );
+    let conf = Conf {
+        extra: alerts,
+        ..Conf::idle()
+    };
+    let daemon = Tallyd::start(
+        &conf.render(&ctx.child_uri(false), &ctx.db_name),
+        &[("RUST_LOG", "info")],
+    );
+    wait_until("the stuck-token alert delivered", LONG, || async {
+        !receiver.delivered().is_empty()
+    })
+    .await;
+    let firing = &receiver.delivered()[0];
+    assert_eq!(firing["kind"], "stuck_tokens", "{firing}");
+    let mut shown: Vec<String> = firing["sample_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap().to_owned())
+        .collect();
+    shown.sort();
+    let mut expected = vec![
+        "docs".to_owned(),
+        format!("{{\"$oid\":\"{}\"}}", object_id.to_hex()),
+        "7".to_owned(),
+        "{\"a\":1}".to_owned(),
+    ];
+    expected.sort();
+    assert_eq!(shown, expected);
+    let log = daemon.log();
+    assert!(
+        log.contains("\"docs\"") && !log.contains("\\\"docs\\\""),
+        "{log}"
+    );
+}
+
+/// The daemon measures this host's clock against the server's at each
+/// readiness probe (`tally_clock_skew_seconds`) and fires `clock_skew` for
+/// each collection whose margin (`grace − retry_horizon − attempt_timeout`)
+/// the skew uses more than half of: with the clock moved 10 minutes back
+/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 7 s: a 1 s
+/// margin) fires, `clicks` (grace 60 m) does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
+    let ctx = TestContext::new("daemon_clock_skew").await;
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let extra = format!(
+        "[[collections]]\nname = \"clicks\"\ngrace = \"60m\"\n\
+         [alerts]\nstuck_after = \"60m\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        receiver.addr
+    );
+    let conf = Conf {
+        extra,
+        ..Conf::idle()
+    };
+    let daemon = Tallyd::start(
+        &conf.render(&ctx.child_uri(false), &ctx.db_name),
+        &[("RUST_LOG", "info"), ("TALLYD_CLOCK_OFFSET", "-10m")],
+    );
+    wait_until("the clock_skew alert delivered", LONG, || async {
+        receiver
+            .delivered()
+            .iter()
+            .any(|b| b["kind"] == "clock_skew")
+    })
+    .await;
+    let delivered = receiver.delivered();
+    let skewed: Vec<&serde_json::Value> = delivered
+        .iter()
+        .filter(|b| b["kind"] == "clock_skew")
+        .collect();
+    assert_eq!(skewed.len(), 1, "{delivered:?}");
+    let firing = skewed[0];
+    assert_eq!(firing["collection"], "views", "{firing}");
+    assert_eq!(firing["state"], "firing", "{firing}");
+    let seconds = firing["count"].as_u64().unwrap();
+    assert!((599..=601).contains(&seconds), "{firing}");
+    let detail = firing["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("behind") && detail.contains("grace 7s"),
+        "{detail}"
+    );
+    let skew = daemon.metric("tally_clock_skew_seconds").await.unwrap();
+    assert!(
+        (-601.0..=-599.0).contains(&skew),
+        "tally_clock_skew_seconds {skew}"
+    );
+    assert_eq!(
+        daemon.metric("tally_clock_skew_margin_seconds").await,
+        Some(1.0)
+    );
+    let firing_for = |collection: &'static str| {
+        format!("tally_alerts_firing{{collection=\"{collection}\",kind=\"clock_skew\"}}")
+    };
+    assert_eq!(daemon.metric(&firing_for("views")).await, Some(1.0));
+    assert_eq!(daemon.metric(&firing_for("clicks")).await, Some(0.0));
+    assert!(daemon.log().contains("clock_skew"), "{}", daemon.log());
 }

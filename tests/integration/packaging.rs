@@ -1,7 +1,9 @@
-//! What ships beside the binary: the systemd units in `systemd/` and the
-//! Prometheus rules in `config/alerts.yml`, checked against the code they
-//! describe (metric names, the config exit code, the shutdown deadline) and
-//! against the tool that reads them (`systemd-analyze verify`). The alert
+//! What ships beside the binary: the systemd units in `systemd/`, the
+//! Prometheus rules in `config/alerts.yml`, the man pages and shell
+//! completions the binary generates, checked against the code they
+//! describe (metric names, the config exit code, the shutdown deadline, the
+//! commands) and against the tools that read them (`systemd-analyze
+//! verify`, bash). The alert
 //! rules are also checked by `promtool` in `.ci/run` (`scripts/check-alert-rules`).
 //! No database needed.
 
@@ -114,6 +116,62 @@ fn alert_rules_use_only_metrics_the_daemon_exports() {
         unknown.is_empty(),
         "config/alerts.yml names metrics src/daemon/metrics.rs does not define: {unknown:?}\n\
          defined: {metrics:?}"
+    );
+}
+
+/// Every PromQL query of the Grafana dashboard: each panel target's `expr`
+/// and each template variable's `query`.
+fn dashboard_queries() -> Vec<String> {
+    fn walk(value: &serde_json::Value, queries: &mut Vec<String>) {
+        match value {
+            serde_json::Value::Object(object) => {
+                for (key, value) in object {
+                    match (key.as_str(), value) {
+                        ("expr" | "definition", serde_json::Value::String(query)) => {
+                            queries.push(query.clone());
+                        }
+                        _ => walk(value, queries),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, queries)),
+            _ => {}
+        }
+    }
+    let dashboard: serde_json::Value = serde_json::from_str(&read("config/grafana-dashboard.json"))
+        .expect("config/grafana-dashboard.json is JSON");
+    let mut queries = Vec::new();
+    walk(&dashboard["panels"], &mut queries);
+    walk(&dashboard["templating"], &mut queries);
+    queries
+}
+
+/// The dashboard queries only metrics `/metrics` serves, and shows every
+/// one of them (a histogram through its series).
+#[test]
+fn the_dashboard_queries_exactly_the_metrics_the_daemon_exports() {
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 20, "{queries:?}");
+    let used: BTreeSet<String> = queries.iter().flat_map(|q| tally_identifiers(q)).collect();
+    let metrics = exported_metrics();
+    let unknown: Vec<&String> = used.difference(&metrics).collect();
+    assert!(
+        unknown.is_empty(),
+        "config/grafana-dashboard.json queries metrics src/daemon/metrics.rs does not define: \
+         {unknown:?}"
+    );
+    let histograms: BTreeSet<String> = metrics
+        .iter()
+        .filter_map(|m| m.strip_suffix("_bucket").map(str::to_owned))
+        .collect();
+    let unshown: Vec<&String> = metrics
+        .iter()
+        .filter(|m| !histograms.contains(m.as_str()))
+        .filter(|m| !used.contains(m.as_str()))
+        .collect();
+    assert!(
+        unshown.is_empty(),
+        "metrics no panel of config/grafana-dashboard.json shows: {unshown:?}"
     );
 }
 
@@ -363,4 +421,87 @@ fn systemd_analyze_verifies_the_units() {
         binary.display(),
         output_text(&output)
     );
+}
+
+// --- man pages and completions ----------------------------------------------
+
+/// Runs the built `tallyd` with `args`, with an empty environment.
+fn tallyd(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .env_clear()
+        .args(args)
+        .output()
+        .expect("run tallyd")
+}
+
+/// Every command `--help` shows, nested ones as `seq-next`.
+fn visible_commands() -> Vec<String> {
+    use clap::CommandFactory;
+    fn walk(prefix: &str, command: &clap::Command, names: &mut Vec<String>) {
+        for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+            let name = format!("{prefix}{}", sub.get_name());
+            names.push(name.clone());
+            walk(&format!("{name}-"), sub, names);
+        }
+    }
+    let mut names = Vec::new();
+    walk("", &tally::cli::Cli::command(), &mut names);
+    names
+}
+
+/// `tallyd man DIR` (what the package ships) writes `tallyd.1`, which names
+/// every command, and a page for each — no configuration needed.
+#[test]
+fn the_man_pages_name_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), dir.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    let main = std::fs::read_to_string(dir.path().join("tallyd.1")).expect("tallyd.1 written");
+    let commands = visible_commands();
+    for expected in ["run", "doctor", "check-config", "seq", "seq-next"] {
+        assert!(commands.iter().any(|c| c == expected), "{commands:?}");
+    }
+    for command in &commands {
+        let page = dir.path().join(format!("tallyd-{command}.1"));
+        assert!(page.exists(), "no man page {}", page.display());
+        if !command.contains('-') || command == "check-config" {
+            // roff escapes the dash: tallyd\-run(1)
+            let named = format!("tallyd\\-{}(1)", command.replace('-', "\\-"));
+            assert!(
+                main.contains(&named),
+                "tallyd.1 does not name {named}:\n{main}"
+            );
+        }
+    }
+    assert!(
+        !main.contains("completions"),
+        "hidden commands stay out of the pages"
+    );
+}
+
+/// The bash completion script loads and registers `tallyd`; zsh and fish
+/// scripts are generated too.
+#[test]
+fn the_bash_completion_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    for shell in ["bash", "zsh", "fish"] {
+        let output = tallyd(&["completions".as_ref(), shell.as_ref()]);
+        assert!(output.status.success(), "{shell}: {}", output_text(&output));
+        let script = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            script.contains("doctor"),
+            "{shell} completes every command:\n{script}"
+        );
+        std::fs::write(dir.path().join(shell), &output.stdout).unwrap();
+    }
+    let loaded = Command::new("bash")
+        .arg("-c")
+        .arg("source \"$1\" && complete -p tallyd")
+        .arg("bash")
+        .arg(dir.path().join("bash"))
+        .output()
+        .expect("run bash");
+    assert!(loaded.status.success(), "{}", output_text(&loaded));
+    let shown = String::from_utf8_lossy(&loaded.stdout);
+    assert!(shown.contains("-F _tallyd tallyd"), "{shown}");
 }

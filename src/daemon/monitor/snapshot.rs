@@ -6,6 +6,7 @@ use std::time::SystemTime;
 use mongodb::bson::Bson;
 
 use super::{Pending, View};
+use crate::document::display_id;
 use crate::token::Token;
 
 /// How many document ids a snapshot names per condition.
@@ -20,7 +21,8 @@ pub(crate) struct Snapshot {
     pub(crate) pending_tokens: u64,
     /// Tokens older than the stuck cutoff.
     pub(crate) stuck_tokens: u64,
-    /// A few documents holding stuck tokens.
+    /// A few documents holding stuck tokens, their ids as
+    /// [`display_id`] shows them (as are the other samples).
     pub(crate) stuck_sample: Vec<String>,
     /// The `_id`s of all documents holding stuck tokens (for a repair).
     pub(crate) stuck_ids: Vec<Bson>,
@@ -43,12 +45,12 @@ pub(crate) struct Snapshot {
 pub(super) fn take(view: &View, stuck_before: SystemTime, max_pending: u64) -> Snapshot {
     let cutoff = Token::cutoff(stuck_before);
     let mut snapshot = Snapshot::default();
-    for (id, (raw_id, pending)) in &view.documents {
+    for (raw_id, pending) in view.documents.values() {
         match pending {
             Pending::Malformed(_) => {
                 snapshot.malformed += 1;
                 if snapshot.malformed_sample.len() < SAMPLE {
-                    snapshot.malformed_sample.push(id.clone());
+                    snapshot.malformed_sample.push(display_id(raw_id));
                 }
             }
             Pending::Tokens(tokens) => {
@@ -59,7 +61,7 @@ pub(super) fn take(view: &View, stuck_before: SystemTime, max_pending: u64) -> S
                 if size > max_pending {
                     snapshot.too_long += 1;
                     if snapshot.too_long_sample.len() < SAMPLE {
-                        snapshot.too_long_sample.push(id.clone());
+                        snapshot.too_long_sample.push(display_id(raw_id));
                     }
                 }
                 let stuck = tokens.iter().filter(|t| **t < cutoff).count() as u64;
@@ -67,7 +69,7 @@ pub(super) fn take(view: &View, stuck_before: SystemTime, max_pending: u64) -> S
                     snapshot.stuck_tokens += stuck;
                     snapshot.stuck_ids.push(raw_id.clone());
                     if snapshot.stuck_sample.len() < SAMPLE {
-                        snapshot.stuck_sample.push(id.clone());
+                        snapshot.stuck_sample.push(display_id(raw_id));
                     }
                 }
                 if let Some(oldest) = tokens.iter().min() {

@@ -127,3 +127,69 @@ impl Drop for TestServer {
         self.stop();
     }
 }
+
+/// A server with authentication on its own port and data directory: the
+/// users and roles `provision` created (as the only client, before
+/// authentication was switched on) are there when it starts.
+pub struct AuthServer {
+    _server: TestServer,
+    port: u16,
+    _data: tempfile::TempDir,
+}
+
+impl AuthServer {
+    pub async fn start<F, Fut>(provision: F) -> Self
+    where
+        F: FnOnce(mongodb::Client) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let data = tempfile::tempdir().expect("a data directory");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut options = ServerOptions {
+            port,
+            storage_path: Some(data.path().to_owned()),
+            ..Default::default()
+        };
+        let mut server = TestServer::start(&options);
+        let client = mongodb::Client::with_uri_str(server.uri())
+            .await
+            .expect("a client for provisioning");
+        provision(client).await;
+        server.stop();
+        options.auth = true;
+        Self {
+            _server: TestServer::start(&options),
+            port,
+            _data: data,
+        }
+    }
+
+    /// A URI for `user` (authenticated against `auth_source`).
+    pub fn uri(&self, user: &str, password: &str, auth_source: &str) -> String {
+        format!(
+            "mongodb://{user}:{password}@127.0.0.1:{}/?directConnection=true&authSource={auth_source}",
+            self.port
+        )
+    }
+}
+
+/// Creates `role` in `db` as the README's smallest role for the daemon has
+/// it, with `counter_actions` on the counter collection `views`: find,
+/// update and changeStream there; find, insert, update and remove on the
+/// state collection `tally_state`.
+pub async fn create_tallyd_role(db: &mongodb::Database, role: &str, counter_actions: &[&str]) {
+    let name = db.name().to_owned();
+    db.run_command(mongodb::bson::doc! {
+        "createRole": role,
+        "privileges": [
+            { "resource": { "db": &name, "collection": "views" }, "actions": counter_actions },
+            { "resource": { "db": &name, "collection": "tally_state" }, "actions": ["find", "insert", "update", "remove"] },
+        ],
+        "roles": [],
+    })
+    .await
+    .expect("createRole");
+}

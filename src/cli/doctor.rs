@@ -1,0 +1,244 @@
+//! `tallyd doctor`: connects with the configured URI and says, check by
+//! check, what is safe and what is not — the deployment's topology and
+//! version, the write concern, this host's clock against the server's, the
+//! indexes, the connected user's privileges, the change-stream history.
+//!
+//! Each [`Check`] has a name, a [`Verdict`] and one sentence saying what
+//! was found and what it costs. `ok` is safe; `warn` is safe but worth a
+//! look (or could not be told: "unknown"); `fail` is a deployment on which
+//! tally cannot keep a promise. The exit status is 0 without a `fail`
+//! (warnings allowed), 1 with one.
+//!
+//! Everything is read, except one probe document that the write-concern
+//! check writes to the state collection and removes at once.
+
+mod access;
+mod deployment;
+
+use std::process::ExitCode;
+
+use clap::Args;
+use mongodb::bson::{Document, doc};
+use serde::Serialize;
+
+use super::{EXIT_FAILED, EXIT_OK};
+use crate::config::Config;
+use crate::daemon::clock::{self, Clock, Skew, SkewLevel};
+use crate::store::Store;
+use deployment::Topology;
+
+/// `tallyd doctor`.
+#[derive(Debug, Args)]
+pub(crate) struct DoctorArgs {
+    /// Print one JSON object instead of a list.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Verdict {
+    /// Safe.
+    Ok,
+    /// Safe, but worth a look; or the check could not tell ("unknown").
+    Warn,
+    /// tally cannot keep a promise on this deployment as it is.
+    Fail,
+}
+
+impl Verdict {
+    fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "fail",
+        }
+    }
+}
+
+/// One finding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct Check {
+    /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
+    /// `privileges` or `change_stream_history`.
+    pub(crate) name: &'static str,
+    /// The collection an `indexes` check is about.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) collection: Option<String>,
+    /// How it came out.
+    pub(crate) verdict: Verdict,
+    /// What was found and what it costs, in one sentence.
+    pub(crate) message: String,
+}
+
+impl Check {
+    fn new(name: &'static str, verdict: Verdict, message: impl Into<String>) -> Self {
+        Self {
+            name,
+            collection: None,
+            verdict,
+            message: message.into(),
+        }
+    }
+}
+
+/// What `--json` prints.
+#[derive(Serialize)]
+struct Report<'a> {
+    /// No check failed.
+    ok: bool,
+    /// Every check, in order.
+    checks: &'a [Check],
+}
+
+/// Server error codes the checks tell apart.
+mod code {
+    /// The user may not run the command.
+    pub(super) const UNAUTHORIZED: i32 = 13;
+    /// The collection does not exist.
+    pub(super) const NAMESPACE_NOT_FOUND: i32 = 26;
+}
+
+/// Runs every check and prints them; exit 1 when any failed.
+pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> ExitCode {
+    let secrets = config.secrets();
+    let mut checks = examine(config, clock).await;
+    for check in &mut checks {
+        check.message = secrets.scrub(&check.message);
+    }
+    let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
+    let warned = checks.iter().filter(|c| c.verdict == Verdict::Warn).count();
+    if args.json {
+        let report = Report {
+            ok: failed == 0,
+            checks: &checks,
+        };
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        for check in &checks {
+            let name = match &check.collection {
+                Some(collection) => format!("{} ({collection})", check.name),
+                None => check.name.to_owned(),
+            };
+            println!("{:<5} {name}: {}", check.verdict.as_str(), check.message);
+        }
+        println!(
+            "{} checks: {} ok, {warned} warn, {failed} fail",
+            checks.len(),
+            checks.len() - warned - failed
+        );
+    }
+    ExitCode::from(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// Every check, in order; only `connection` when the server cannot be
+/// reached.
+async fn examine(config: &Config, clock: Clock) -> Vec<Check> {
+    let store = match Store::connect(&config.mongodb).await {
+        Ok(store) => store,
+        Err(err) => return vec![Check::new("connection", Verdict::Fail, err.to_string())],
+    };
+    let hello = match store.hello().await {
+        Ok(hello) => hello,
+        Err(err) => {
+            store.shutdown().await;
+            let message = format!("cannot reach MongoDB with [mongodb] uri: {err}");
+            return vec![Check::new("connection", Verdict::Fail, message)];
+        }
+    };
+    let topology = Topology::read(&hello, config);
+    let mut checks = vec![
+        deployment::server(&store, &hello, &topology, config).await,
+        deployment::write_concern(&store, &topology, config).await,
+        clock_skew(&store, config, clock).await,
+    ];
+    checks.extend(access::indexes(&store, config).await);
+    checks.push(access::privileges(&store, config).await);
+    checks.push(deployment::history(&store, &topology).await);
+    store.shutdown().await;
+    checks
+}
+
+/// How many `hello`s the clock check sends; the one with the shortest
+/// round trip is kept.
+const CLOCK_SAMPLES: usize = 3;
+
+/// This host's clock against the server's, judged against the tightest
+/// margin the configuration leaves (the rule of `daemon::clock`).
+async fn clock_skew(store: &Store, config: &Config, clock: Clock) -> Check {
+    let mut best: Option<Skew> = None;
+    for _ in 0..CLOCK_SAMPLES {
+        let sent = clock.now();
+        let reply = run_admin(store, doc! { "hello": 1 }).await;
+        let received = clock.now();
+        let Ok(reply) = reply else { continue };
+        if let Some(skew) = Skew::from_hello(sent, received, &reply)
+            && best.is_none_or(|b| skew.round_trip < b.round_trip)
+        {
+            best = Some(skew);
+        }
+    }
+    let Some(skew) = best else {
+        return Check::new(
+            "clock_skew",
+            Verdict::Warn,
+            "unknown: the server's hello gave no localTime, so this host's clock could not be \
+             compared with the server's",
+        );
+    };
+    let margins = clock::margins(config);
+    let tightest = &margins[0];
+    let margin = humantime::format_duration(tightest.margin);
+    let found = format!(
+        "{}; the fold of {} leaves {margin} for writers' clocks behind the server's ({})",
+        skew.describe(),
+        tightest.collection,
+        tightest.made_of
+    );
+    match clock::judge(skew.worst_case(), tightest.margin) {
+        SkewLevel::Safe => Check::new(
+            "clock_skew",
+            Verdict::Ok,
+            format!("{found}: the skew uses at most a quarter of it"),
+        ),
+        SkewLevel::Watch => Check::new(
+            "clock_skew",
+            Verdict::Warn,
+            format!(
+                "{found}: the skew uses more than a quarter of it — counts stay exact, but find \
+                 out why (is NTP running here and on the servers?) before it grows"
+            ),
+        ),
+        SkewLevel::Unsafe => Check::new(
+            "clock_skew",
+            Verdict::Fail,
+            format!(
+                "{found}: the skew uses more than half of it — a writer whose clock is this far \
+                 behind could have a token folded before its last retry lands, counting it \
+                 twice; fix the clocks (NTP), or raise [reconcile] grace"
+            ),
+        ),
+    }
+}
+
+/// Runs a command on the admin database, bounded by the attempt timeout.
+async fn run_admin(store: &Store, command: Document) -> Result<Document, mongodb::error::Error> {
+    let admin = store.client().database("admin");
+    store.attempt(admin.run_command(command)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_order_ok_warn_fail_and_serialize_lowercase() {
+        assert!(Verdict::Ok < Verdict::Warn && Verdict::Warn < Verdict::Fail);
+        let check = Check::new("server", Verdict::Warn, "one member");
+        assert_eq!(
+            serde_json::to_value(&check).unwrap(),
+            serde_json::json!({ "name": "server", "verdict": "warn", "message": "one member" })
+        );
+    }
+}

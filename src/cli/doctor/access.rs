@@ -1,0 +1,354 @@
+//! What the daemon may do and how fast it finds its work: each counter
+//! collection's indexes against the README's advice, and the connected
+//! user's privileges against the README's smallest role.
+
+use futures::TryStreamExt;
+use mongodb::IndexModel;
+use mongodb::bson::{Bson, Document, doc};
+
+use super::{Check, Verdict, code, run_admin};
+use crate::config::Config;
+use crate::error::server_code;
+use crate::store::Store;
+use crate::write::counter::CollectionConfig;
+
+/// One check per configured collection: is there a sparse index on the
+/// fields the fold looks for?
+pub(super) async fn indexes(store: &Store, config: &Config) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for spec in &config.collections {
+        let (verdict, message) = match list_indexes(store, &spec.name).await {
+            Ok(indexes) => judge_indexes(spec, &indexes),
+            Err(err) if server_code(&err) == Some(code::NAMESPACE_NOT_FOUND) => (
+                Verdict::Warn,
+                "the collection does not exist yet (the first increment creates it); create \
+                 the advised index with it"
+                    .to_owned(),
+            ),
+            Err(err) if server_code(&err) == Some(code::UNAUTHORIZED) => (
+                Verdict::Warn,
+                "unknown: this user may not list the collection's indexes (listIndexes)".to_owned(),
+            ),
+            Err(err) => (
+                Verdict::Warn,
+                format!("unknown: cannot list the indexes: {err}"),
+            ),
+        };
+        checks.push(Check {
+            collection: Some(spec.name.clone()),
+            ..Check::new("indexes", verdict, message)
+        });
+    }
+    checks
+}
+
+async fn list_indexes(store: &Store, name: &str) -> Result<Vec<IndexModel>, mongodb::error::Error> {
+    let collection = store.collection(name);
+    let cursor = store.attempt(collection.list_indexes()).await?;
+    store.attempt(cursor.try_collect()).await
+}
+
+/// The fields the README advises a sparse index on: the pending and the
+/// settled field, the documents holding either of which the fold and the
+/// monitor's scans look for.
+fn advised_fields(spec: &CollectionConfig) -> Vec<&str> {
+    vec![spec.pending_field.as_str(), spec.settled_field.as_str()]
+}
+
+/// Each advised field needs an index that starts with it and holds only
+/// the documents that have it (sparse, or partial).
+fn judge_indexes(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, String) {
+    let mut missing = Vec::new();
+    let mut dense = Vec::new();
+    let mut found = Vec::new();
+    for field in advised_fields(spec) {
+        let leading = indexes
+            .iter()
+            .filter(|index| index.keys.keys().next().is_some_and(|k| k == field));
+        let mut best: Option<(bool, String)> = None;
+        for index in leading {
+            let options = index.options.as_ref();
+            let selective = options
+                .is_some_and(|o| o.sparse == Some(true) || o.partial_filter_expression.is_some());
+            let name = options
+                .and_then(|o| o.name.clone())
+                .unwrap_or_else(|| field.to_owned());
+            if best.as_ref().is_none_or(|(s, _)| selective && !s) {
+                best = Some((selective, name));
+            }
+        }
+        match best {
+            Some((true, name)) => found.push(format!("{name} on {field}")),
+            Some((false, name)) => dense.push(format!("{name} on {field}")),
+            None => missing.push(field),
+        }
+    }
+    if !missing.is_empty() {
+        let create: Vec<String> = missing
+            .iter()
+            .map(|field| {
+                format!(
+                    "db.{}.createIndex({{{field}: 1}}, {{sparse: true}})",
+                    spec.name
+                )
+            })
+            .collect();
+        return (
+            Verdict::Warn,
+            format!(
+                "no index on {}: each fold and each monitor scan reads the whole collection to \
+                 find the documents holding tokens or settle markers; on a large collection \
+                 where few do, create sparse ones — {} — at a price on every increment step \
+                 (BENCHMARKS.md)",
+                missing.join(", "),
+                create.join(", ")
+            ),
+        );
+    }
+    if !dense.is_empty() {
+        return (
+            Verdict::Warn,
+            format!(
+                "index {} is not sparse: it holds an entry for every document and every write \
+                 updates it; a sparse index serves the fold the same at a smaller price",
+                dense.join(", ")
+            ),
+        );
+    }
+    (
+        Verdict::Ok,
+        format!(
+            "sparse index {}: the fold and the monitor's scans read only the documents holding \
+             tokens",
+            found.join(", ")
+        ),
+    )
+}
+
+/// One privilege the daemon needs, and what breaks without it.
+struct Needed {
+    collection: String,
+    action: &'static str,
+    why: &'static str,
+}
+
+/// README's smallest role, for this configuration.
+fn needed(config: &Config) -> Vec<Needed> {
+    let mut needed = Vec::new();
+    for spec in &config.collections {
+        let mut need = |action, why| {
+            needed.push(Needed {
+                collection: spec.name.clone(),
+                action,
+                why,
+            });
+        };
+        need("find", "the fold, status and the monitor's scans read it");
+        need("update", "the fold writes to it");
+        if config.monitor.enabled {
+            need(
+                "changeStream",
+                "the monitor watches it; without it, stuck tokens are seen only at each scan",
+            );
+        }
+    }
+    let state = &config.daemon.state_collection;
+    let why = "the daemon keeps its last runs, stream positions and lease there";
+    for action in ["find", "insert", "update", "remove"] {
+        needed.push(Needed {
+            collection: state.clone(),
+            action,
+            why,
+        });
+    }
+    needed
+}
+
+/// The connected user's privileges (`connectionStatus` with
+/// `showPrivileges`) against what the daemon needs.
+pub(super) async fn privileges(store: &Store, config: &Config) -> Check {
+    let name = "privileges";
+    let status = run_admin(
+        store,
+        doc! { "connectionStatus": 1, "showPrivileges": true },
+    )
+    .await;
+    let status = match status {
+        Ok(status) => status,
+        Err(err) => {
+            let message = format!("unknown: connectionStatus failed: {err}");
+            return Check::new(name, Verdict::Warn, message);
+        }
+    };
+    let info = status.get_document("authInfo").cloned().unwrap_or_default();
+    let users = names(&info, "authenticatedUsers", "user");
+    if users.is_empty() {
+        return Check::new(
+            name,
+            Verdict::Ok,
+            "no user: the server let this connection in without authentication, so the daemon \
+             lacks no privilege (and any client that reaches the server may change the counters)",
+        );
+    }
+    let privileges: Vec<Document> = info
+        .get_array("authenticatedUserPrivileges")
+        .map(|list| list.iter().filter_map(Bson::as_document).cloned().collect())
+        .unwrap_or_default();
+    if privileges.is_empty() {
+        return Check::new(
+            name,
+            Verdict::Warn,
+            format!(
+                "unknown: the server listed no privileges for {} (roles: {}); compare them with \
+                 the README's smallest role",
+                users.join(", "),
+                names(&info, "authenticatedUserRoles", "role").join(", ")
+            ),
+        );
+    }
+    let database = &config.mongodb.database;
+    let missing: Vec<String> = needed(config)
+        .into_iter()
+        .filter(|n| !granted(&privileges, database, &n.collection, n.action))
+        .map(|n| format!("{} on {database}.{} ({})", n.action, n.collection, n.why))
+        .collect();
+    if missing.is_empty() {
+        Check::new(
+            name,
+            Verdict::Ok,
+            format!(
+                "{} holds every privilege the daemon needs (the README's smallest role)",
+                users.join(", ")
+            ),
+        )
+    } else {
+        Check::new(
+            name,
+            Verdict::Fail,
+            format!("{} lacks: {}", users.join(", "), missing.join("; ")),
+        )
+    }
+}
+
+/// `user@db` (or `role@db`) for each entry of `info[list]`.
+fn names(info: &Document, list: &str, key: &str) -> Vec<String> {
+    info.get_array(list)
+        .map(|entries| {
+            entries
+                .iter()
+                .filter_map(Bson::as_document)
+                .map(|e| {
+                    format!(
+                        "{}@{}",
+                        e.get_str(key).unwrap_or("?"),
+                        e.get_str("db").unwrap_or("?")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether one of `privileges` grants `action` on `database.collection`:
+/// a resource naming them (an empty name is any), or any resource.
+fn granted(privileges: &[Document], database: &str, collection: &str, action: &str) -> bool {
+    privileges.iter().any(|privilege| {
+        let Ok(resource) = privilege.get_document("resource") else {
+            return false;
+        };
+        let matches = |key: &str, wanted: &str| {
+            resource
+                .get_str(key)
+                .is_ok_and(|value| value.is_empty() || value == wanted)
+        };
+        let on_it = resource.get_bool("anyResource").unwrap_or(false)
+            || (matches("db", database) && matches("collection", collection));
+        let actions = privilege
+            .get_array("actions")
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        on_it
+            && actions
+                .iter()
+                .any(|a| a.as_str().is_some_and(|a| a == action || a == "anyAction"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use mongodb::options::IndexOptions;
+
+    use super::*;
+
+    fn privilege(db: &str, collection: &str, actions: &[&str]) -> Document {
+        doc! { "resource": { "db": db, "collection": collection }, "actions": actions }
+    }
+
+    #[test]
+    fn a_privilege_covers_its_collection_its_whole_database_or_anything() {
+        let own = [privilege("app", "views", &["find", "update"])];
+        assert!(granted(&own, "app", "views", "find"));
+        assert!(!granted(&own, "app", "views", "changeStream"));
+        assert!(!granted(&own, "app", "clicks", "find"));
+        assert!(!granted(&own, "other", "views", "find"));
+        let database = [privilege("app", "", &["changeStream"])];
+        assert!(granted(&database, "app", "clicks", "changeStream"));
+        let everything = [doc! { "resource": { "anyResource": true }, "actions": ["anyAction"] }];
+        assert!(granted(&everything, "app", "views", "remove"));
+        let any_db = [privilege("", "", &["find"])];
+        assert!(granted(&any_db, "x", "y", "find"));
+    }
+
+    fn index(keys: Document, options: Option<IndexOptions>) -> IndexModel {
+        IndexModel::builder().keys(keys).options(options).build()
+    }
+
+    fn sparse(field: &str) -> IndexModel {
+        let options = IndexOptions::builder()
+            .sparse(true)
+            .name(format!("{field}_sparse"))
+            .build();
+        index(doc! { field: 1 }, Some(options))
+    }
+
+    #[test]
+    fn the_pending_and_settled_fields_want_a_sparse_or_partial_index_that_starts_with_them() {
+        let spec = CollectionConfig::new("views");
+        let id = index(doc! { "_id": 1 }, None);
+        let (verdict, message) = judge_indexes(&spec, std::slice::from_ref(&id));
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(
+            message.contains("no index on pending, settled"),
+            "{message}"
+        );
+
+        let (verdict, message) = judge_indexes(&spec, &[id.clone(), sparse("pending")]);
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(message.contains("no index on settled"), "{message}");
+
+        let dense = index(doc! { "pending": 1 }, None);
+        let (verdict, message) = judge_indexes(&spec, &[dense.clone(), sparse("settled")]);
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(message.contains("not sparse"), "{message}");
+
+        let both = [id.clone(), dense, sparse("pending"), sparse("settled")];
+        let (verdict, message) = judge_indexes(&spec, &both);
+        assert_eq!(verdict, Verdict::Ok, "{message}");
+        assert!(message.contains("pending_sparse on pending"), "{message}");
+
+        let partial = IndexOptions::builder()
+            .partial_filter_expression(doc! { "pending": { "$exists": true } })
+            .build();
+        let partial = index(doc! { "pending": 1, "_id": 1 }, Some(partial));
+        assert_eq!(
+            judge_indexes(&spec, &[partial, sparse("settled")]).0,
+            Verdict::Ok
+        );
+
+        let second = index(doc! { "other": 1, "pending": 1 }, None);
+        assert_eq!(
+            judge_indexes(&spec, &[id, second, sparse("settled")]).0,
+            Verdict::Warn
+        );
+    }
+}
