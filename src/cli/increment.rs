@@ -213,7 +213,8 @@ pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
 
 async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
     let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
-    let refuse = |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
+    let refuse =
+        |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
     // Resuming a lane's increment as a two-step token would add it again.
     let key = mongodb::bson::Bson::from(args.key.as_str());
     let lane = LaneId::Minted(args.token.object_id());
@@ -240,8 +241,14 @@ async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
 /// one: resuming it with this one could count it twice.
 pub(super) fn other_protocol(token: Token, protocol: Protocol) -> Error {
     let (what, flag) = match protocol {
-        Protocol::Lanes => ("a lane of this counter (it holds the lane's entry)", "--lane"),
-        Protocol::TwoStep => ("a two-step token of this counter (pending or settled)", "--two-step"),
+        Protocol::Lanes => (
+            "a lane of this counter (it holds the lane's entry)",
+            "--lane",
+        ),
+        Protocol::TwoStep => (
+            "a two-step token of this counter (pending or settled)",
+            "--two-step",
+        ),
     };
     Error::InvalidArgument(format!(
         "{token} is {what}: resume it with {flag}; nothing was written"
@@ -294,13 +301,13 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         .unwrap_or_default();
     let (text, code) = match outcome {
         Increment::Counted(counted) => (
-            format!(
-                "counted: {collection}/{key} {amount:+} (token {shown_token}{})",
-                if counted.settled_earlier() {
-                    ", counted earlier"
-                } else {
-                    ""
-                }
+            counted_text(
+                collection,
+                key,
+                amount,
+                "token",
+                &shown_token,
+                counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
@@ -344,6 +351,24 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         protocol: Protocol::TwoStep,
     };
     print(target, &shown, fields, &text, code)
+}
+
+/// The line of a counted outcome: `counted: views/k +5 (token …)`, said
+/// to be counted earlier when a settle before this one had counted it.
+pub(super) fn counted_text(
+    collection: &str,
+    key: &str,
+    amount: i64,
+    what: &str,
+    id: &str,
+    settled_earlier: bool,
+) -> String {
+    let earlier = if settled_earlier {
+        ", counted earlier"
+    } else {
+        ""
+    };
+    format!("counted: {collection}/{key} {amount:+} ({what} {id}{earlier})")
 }
 
 /// ` --lane` or ` --two-step` for a hint that must use `protocol`, or
@@ -419,7 +444,13 @@ mod tests {
         assert_eq!(by_option(1), "");
         assert_eq!(by_option(-5), " --by -5");
         assert_eq!(protocol_option(Protocol::Lanes, Protocol::Lanes), "");
-        assert_eq!(protocol_option(Protocol::Lanes, Protocol::TwoStep), " --lane");
-        assert_eq!(protocol_option(Protocol::TwoStep, Protocol::Lanes), " --two-step");
+        assert_eq!(
+            protocol_option(Protocol::Lanes, Protocol::TwoStep),
+            " --lane"
+        );
+        assert_eq!(
+            protocol_option(Protocol::TwoStep, Protocol::Lanes),
+            " --two-step"
+        );
     }
 }

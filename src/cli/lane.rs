@@ -12,8 +12,8 @@ use std::process::ExitCode;
 use serde_json::json;
 
 use super::increment::{
-    Shown, Target, by_option, error_json, other_protocol, print, print_failure, protocol_option,
-    shell_word,
+    Shown, Target, by_option, counted_text, error_json, other_protocol, print, print_failure,
+    protocol_option, shell_word,
 };
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL};
 use crate::token::Token;
@@ -63,13 +63,13 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         .unwrap_or_default();
     let (text, code) = match outcome {
         LaneIncrement::Counted(counted) => (
-            format!(
-                "counted: {collection}/{key} {amount:+} (lane {shown_lane}{})",
-                if counted.settled_earlier() {
-                    ", counted earlier"
-                } else {
-                    ""
-                }
+            counted_text(
+                collection,
+                key,
+                amount,
+                "lane",
+                &shown_lane,
+                counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
