@@ -33,7 +33,7 @@
 //! document:
 //!
 //! - **One operation in flight per lane.** A [`Counters`] handle keeps a
-//!   pool of minted lanes (`WriterConfig::lanes`, default 16): an increment
+//!   pool of minted lanes (`WriterConfig::lanes`, default 10): an increment
 //!   takes a free one, waiting if there is none ([`pool`]).
 //! - **Retirement.** A lane whose operation ended unknown is never used
 //!   again — nor one whose increment the caller dropped mid-flight: a newer
