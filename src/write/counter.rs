@@ -185,7 +185,7 @@ impl Counters {
             store: store.clone(),
             spec: Arc::new(spec),
             retry_horizon: writer.retry_horizon.max(least),
-            lanes: lanes(&writer, store.attempt_timeout()),
+            lanes: super::lane::lanes(&writer, store.attempt_timeout()),
         }
     }
 
@@ -525,26 +525,6 @@ impl Counters {
             .find_one(&self.collection, filter, projection, operation)
             .await
     }
-}
-
-/// The pool the writer's lane settings make, or every problem with them.
-fn lanes(writer: &WriterConfig, attempt_timeout: Duration) -> Result<Lanes, Error> {
-    let mut problems = writer.lane_margin_problems(attempt_timeout);
-    if !(1..=config::MAX_LANES).contains(&writer.lanes) {
-        let why = format!("must be 1 to {}, not {}", config::MAX_LANES, writer.lanes);
-        problems.insert(0, ("lanes", why));
-    }
-    if !problems.is_empty() {
-        let listed: Vec<String> = problems
-            .iter()
-            .map(|(key, why)| format!("WriterConfig::{key} {why}"))
-            .collect();
-        return Err(Error::InvalidArgument(listed.join("; ")));
-    }
-    Ok(Lanes {
-        pool: LanePool::new(writer.lanes, writer.lane_rotate),
-        resume_horizon: writer.lane_resume_horizon,
-    })
 }
 
 fn not_counted(key: Bson, entry: Entry, cause: Error) -> Increment {

@@ -183,6 +183,12 @@ pub struct WriterConfig {
 }
 
 impl WriterConfig {
+    /// Why the pool size is refused, if it is: 1 to [`MAX_LANES`].
+    pub(crate) fn lane_pool_problem(&self) -> Option<String> {
+        let valid = (1..=MAX_LANES).contains(&self.lanes);
+        (!valid).then(|| format!("must be 1 to {MAX_LANES}, not {}", self.lanes))
+    }
+
     /// Checks the lane settings against each other and against the bound on
     /// one attempt (`attempt_timeout`, the store's): every problem, each as
     /// the key to change and why. The pool size is checked on its own
