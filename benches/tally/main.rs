@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -25,6 +25,7 @@ mod server;
 mod daemon;
 mod fold;
 mod increment;
+mod lanes;
 mod measure;
 mod sequence;
 
@@ -78,8 +79,11 @@ fn main() {
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
+            "lanes" => runtime.block_on(lanes::run(&settings)),
             other => {
-                eprintln!("unknown section {other:?}; sections: increment, sequence, fold, daemon");
+                eprintln!(
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes"
+                );
                 std::process::exit(2);
             }
         }
