@@ -216,24 +216,26 @@ async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
     let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
     let refuse =
         |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
+    let unknown = match UnknownToken::new(args.key.as_str(), args.token, args.by) {
+        Ok(unknown) => unknown,
+        Err(err) => return refuse(&err),
+    };
     // Resuming a lane's increment as a two-step token would add it again.
     let key = mongodb::bson::Bson::from(args.key.as_str());
     let lane = LaneId::Minted(args.token.object_id());
     match target.counters.lane_position(&key, &lane).await {
         Ok(None) => {}
         Ok(Some(_)) => return refuse(&other_protocol(args.token, Protocol::Lanes)),
+        // Nothing was written: the ticket is as it was, unknown (past the
+        // retry horizon, that is said instead of a hint).
         Err(err) => {
-            let text = "unknown: could not read the counter, nothing was written; resume later";
-            return print_failure(target, &shown, "unknown", &err, text, EXIT_TEMPFAIL);
+            return report_increment(target, &args.key, &Increment::Unknown(unknown.because(err)));
         }
     }
-    match UnknownToken::new(args.key.as_str(), args.token, args.by) {
-        Ok(unknown) => match target.counters.resume(unknown).await {
-            Ok(outcome) => report_increment(target, &args.key, &outcome),
-            // Past the retry horizon, or another amount than the document
-            // holds: the ticket is finished, nothing was written.
-            Err(err) => refuse(&err),
-        },
+    match target.counters.resume(unknown).await {
+        Ok(outcome) => report_increment(target, &args.key, &outcome),
+        // Past the retry horizon, or another amount than the document
+        // holds: the ticket is finished, nothing was written.
         Err(err) => refuse(&err),
     }
 }
