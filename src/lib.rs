@@ -130,5 +130,7 @@ pub use write::counter::{
     UnknownToken, WriterConfig,
 };
 pub use write::insert_loop::InsertLoop;
-pub use write::lane::{BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneTicket};
+pub use write::lane::{
+    BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneTicket,
+};
 pub use write::sequence::{Block, SequenceConfig, Sequences};
