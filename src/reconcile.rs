@@ -48,6 +48,7 @@
 //! defaults); a writer ahead of the server only delays the fold.
 
 mod batch;
+pub mod ledger;
 pub mod model;
 mod report;
 pub mod statement;
@@ -67,6 +68,7 @@ use crate::write::counter::CollectionConfig;
 use report::ReportRow;
 use statement::{Read, Statement};
 
+pub use ledger::{Backlog, ClaimedBatch, CounterSum, EventFold, EventFoldSettings, EventsRun};
 pub use report::{
     CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, RefusedDocument, Survey,
 };
@@ -113,6 +115,8 @@ pub enum Mode {
 #[derive(Clone, Debug)]
 pub struct Reconciler {
     store: Store,
+    /// The folds of the collections' ledgers, kept from run to run.
+    ledgers: ledger::Folds,
 }
 
 impl Reconciler {
@@ -120,7 +124,15 @@ impl Reconciler {
     pub fn new(store: &Store) -> Self {
         Self {
             store: store.clone(),
+            ledgers: ledger::Folds::new(EventFoldSettings::default()),
         }
+    }
+
+    /// The same reconciler folding the collections' ledgers with
+    /// `settings`.
+    pub fn with_event_settings(mut self, settings: EventFoldSettings) -> Self {
+        self.ledgers = ledger::Folds::new(settings);
+        self
     }
 
     /// The server's clock (`hello`'s `localTime`): every daemon
@@ -160,7 +172,14 @@ impl Reconciler {
             .checked_sub(target.grace)
             .unwrap_or(SystemTime::UNIX_EPOCH);
         let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
-        if let Err(err) = self.fold_all(target, mode, stop, progress, &mut run).await {
+        // The ledger first: a batch a crashed fold left must be finished
+        // before anything prunes its lane's entries; if it cannot be, the
+        // run prunes nothing.
+        let folded = self.fold_ledger(target, mode, now, stop, &mut run).await;
+        if let Err(err) = folded {
+            tracing::error!(collection = %target.spec.name, cause = %err, "folding the ledger failed");
+            run.error = Some(err);
+        } else if let Err(err) = self.fold_all(target, mode, stop, progress, &mut run).await {
             tracing::error!(
                 collection = %target.spec.name,
                 cause = %err,

@@ -315,6 +315,7 @@ pub(super) fn validate_collections(
             pending_field,
             settled_field,
             lanes_field,
+            events_collection: None,
             grace,
             batch_size,
         });

@@ -101,6 +101,10 @@ pub struct CollectionRun {
     pub tokens_folded: u64,
     /// What they added to the counters.
     pub amount_folded: i64,
+    /// Recorded events the run folded into their counters (the collection's
+    /// ledger, when it has one); in a dry run, the events a fold would
+    /// fold.
+    pub events_folded: u64,
     /// Documents that changed between the report and their fold in a way
     /// the fold's conditions refuse (a writer completed a stale token,
     /// another daemon folded them), and either needed no fold any more or
@@ -135,6 +139,7 @@ impl CollectionRun {
             documents_folded: 0,
             tokens_folded: 0,
             amount_folded: 0,
+            events_folded: 0,
             concurrent_changes: 0,
             refused: 0,
             refused_sample: Vec::new(),

@@ -288,6 +288,7 @@ fn host(store: &tally::Store) -> Host {
             CollectionConfig::new("views"),
             WriterConfig {
                 retry_horizon: RETRY_HORIZON,
+                ..WriterConfig::default()
             },
         ),
         sequences: Sequences::new(store, &SequenceConfig::default()),

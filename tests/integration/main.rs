@@ -13,6 +13,7 @@ mod increment;
 mod insert_loop;
 mod lanes;
 mod layout;
+mod ledger;
 mod packaging;
 mod proxy;
 mod reconcile;

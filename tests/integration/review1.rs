@@ -63,6 +63,7 @@ async fn review1_a_timed_out_step_1_with_the_default_proportions_can_still_be_co
         CollectionConfig::new("views"),
         WriterConfig {
             retry_horizon: attempt, // the defaults: 60 s and 60 s
+            ..WriterConfig::default()
         },
     );
     // Step 1's first attempt hangs past the attempt bound and never
