@@ -8,8 +8,10 @@ mod daemon;
 mod doctor;
 mod generate;
 mod increment;
+mod ledger;
 mod reconcile;
 mod sequence;
+mod setup;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,8 +28,10 @@ use daemon::StatusArgs;
 use doctor::DoctorArgs;
 use generate::{CompletionsArgs, ManArgs};
 use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+use ledger::{GetArgs, RecordArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
+use setup::SetupArgs;
 
 /// Exit status: success.
 pub(crate) const EXIT_OK: u8 = 0;
@@ -97,6 +101,16 @@ pub(crate) enum Command {
     /// counters, safely on live documents (or, with --dry-run, report what
     /// that would do). Exit 1 if any collection failed.
     Reconcile(ReconcileArgs),
+    /// Record an event once under its key (an idempotency key): a repeat
+    /// is a duplicate, counted once. Exit 0 recorded or duplicate, 75
+    /// unknown (run it again), 1 conflict or not recorded.
+    Record(RecordArgs),
+    /// Read a counter exactly: the counter plus its recorded events not
+    /// folded into it yet.
+    Get(GetArgs),
+    /// Create the indexes the configuration needs (idempotent; says what
+    /// it did): the ledgers' and the advised sparse ones.
+    Setup(SetupArgs),
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
@@ -193,6 +207,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
+        Command::Record(args) => ledger::record(args, &config).await,
+        Command::Get(args) => ledger::get(args, &config).await,
+        Command::Setup(args) => setup::run(args, &config).await,
         Command::Completions(args) => generate::completions(&args),
         Command::Man(args) => generate::man(&args),
     }

@@ -14,6 +14,7 @@ mod insert_loop;
 mod lanes;
 mod layout;
 mod ledger;
+mod ledger_daemon;
 mod packaging;
 mod proxy;
 mod reconcile;
