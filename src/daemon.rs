@@ -215,11 +215,13 @@ pub(crate) async fn run(
         &shutdown,
     );
 
-    let reconciler = Reconciler::new(&store).with_event_settings(EventFoldSettings {
-        event_retention: config.reconcile.event_retention,
-        lane_rotate: config.writer.lane_rotate,
-        ..EventFoldSettings::default()
-    });
+    let reconciler = Reconciler::new(&store)
+        .with_lane_ttl(config.writer.lane_ttl)
+        .with_event_settings(EventFoldSettings {
+            event_retention: config.reconcile.event_retention,
+            lane_rotate: config.writer.lane_rotate,
+            ..EventFoldSettings::default()
+        });
     ledger::start(
         &reconciler,
         &store,

@@ -6,14 +6,15 @@
 //! adds it to the counter and removes it, exactly once, on live documents,
 //! however often and by however many daemons it runs. It also prunes the
 //! markers settles leave (`settled`) once they are older than the grace,
-//! and removes fields left empty.
+//! the entries of minted writer lanes older than `lane_ttl` (DESIGN §3b;
+//! named lanes stay), and removes fields left empty.
 //!
 //! # How
 //!
 //! 1. **Report.** One aggregation pass selects the documents holding the
-//!    pending or the settled field — no other document is read, so the
-//!    reads grow with the documents holding tokens, not with the collection
-//!    — and projects the three fields tally owns. Each row is judged by
+//!    pending, the settled or the lanes field — no other document is read,
+//!    so the reads grow with the documents holding tokens or lanes, not
+//!    with the collection — and projects the four fields tally owns. Each row is judged by
 //!    [`model::plan`] — the fold's specification — into a plan or a reason
 //!    it is malformed. Rows are streamed: tally keeps totals, a small
 //!    sample and one batch of plans, never the collection.
@@ -46,6 +47,12 @@
 //! tokens folded `d` early, so the fold stays exact as long as writers lag
 //! the server by less than `grace − retry_horizon` (14 minutes with the
 //! defaults); a writer ahead of the server only delays the fold.
+//!
+//! A minted lane's time comes from its writer's clock too, and its entry is
+//! pruned once that time is older than the server's time minus `lane_ttl`;
+//! writers stop sending on a lane at `lane_resume_horizon`, so pruning is
+//! exact as long as writers lag the server by less than `lane_ttl −
+//! lane_resume_horizon − attempt_timeout`.
 
 mod batch;
 pub mod ledger;
@@ -57,20 +64,22 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, Document, doc};
 use tokio_util::sync::CancellationToken;
 
 use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
-use crate::write::counter::CollectionConfig;
+use crate::write::counter::{CollectionConfig, WriterConfig};
+use model::Cutoffs;
 use report::ReportRow;
 use statement::{Read, Statement};
 
 pub use ledger::{Backlog, ClaimedBatch, CounterSum, EventFold, EventFoldSettings, EventsRun};
 pub use report::{
-    CollectionRun, MALFORMED_SAMPLE, MalformedDocument, Progress, RefusedDocument, Survey,
+    CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED, Progress,
+    RefusedDocument, Survey,
 };
 
 /// Default fold grace (the daemon's `[reconcile] grace`).
@@ -88,8 +97,9 @@ pub struct FoldTarget {
     pub spec: CollectionConfig,
     /// Tokens older than this are folded; younger ones belong to writers
     /// still between their two steps. Must exceed the writers' retry horizon
-    /// by more than the clock skew between writers and the server. The
-    /// daemon's default: 15m.
+    /// plus one attempt by more than the clock skew between writers and the
+    /// server (`grace − retry_horizon − attempt_timeout` is the skew
+    /// tolerated: 11 minutes with the defaults). The daemon's default: 15m.
     pub grace: Duration,
     /// Documents per fold batch: work between two points where a run can
     /// stop (shutdown) and report progress. A batch is one `update` command,
@@ -117,14 +127,17 @@ pub struct Reconciler {
     store: Store,
     /// The folds of the collections' ledgers, kept from run to run.
     ledgers: ledger::Folds,
+    lane_ttl: Duration,
 }
 
 impl Reconciler {
-    /// A reconciler working through `store`.
+    /// A reconciler working through `store`, pruning minted lanes older
+    /// than the default `lane_ttl` (24h; see [`Reconciler::with_lane_ttl`]).
     pub fn new(store: &Store) -> Self {
         Self {
             store: store.clone(),
             ledgers: ledger::Folds::new(EventFoldSettings::default()),
+            lane_ttl: WriterConfig::default().lane_ttl,
         }
     }
 
@@ -135,21 +148,49 @@ impl Reconciler {
         self
     }
 
+    /// The same reconciler pruning the entries of minted lanes older than
+    /// `lane_ttl` — the writers' [`WriterConfig::lane_ttl`], which their
+    /// resume horizon is checked against.
+    pub fn with_lane_ttl(mut self, lane_ttl: Duration) -> Self {
+        self.lane_ttl = lane_ttl;
+        self
+    }
+
+    /// The lines the fold of `target` draws at server time `now`, and the
+    /// grace's line as a time.
+    fn cutoffs(&self, target: &FoldTarget, now: SystemTime) -> (Cutoffs, SystemTime) {
+        let tokens = now
+            .checked_sub(target.grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let lanes = now
+            .checked_sub(self.lane_ttl)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let cutoffs = Cutoffs {
+            tokens: Token::cutoff(tokens),
+            lanes: Token::cutoff(lanes),
+        };
+        (cutoffs, tokens)
+    }
+
     /// The server's clock (`hello`'s `localTime`): every daemon
     /// computes its cutoff from the same clock.
     pub async fn server_time(&self) -> Result<SystemTime, Error> {
         self.store.server_time().await
     }
 
-    /// Surveys a collection's pending arrays with `cutoff` as the line
-    /// between fresh and stale, changing nothing.
+    /// Surveys a collection's pending arrays and lane maps with `cutoff`
+    /// as the line between fresh and stale tokens, changing nothing. No
+    /// lane counts as expired here (a run reports those).
     pub async fn survey(&self, target: &FoldTarget, cutoff: SystemTime) -> Result<Survey, Error> {
         let mut survey = Survey::default();
-        let cutoff = Token::cutoff(cutoff);
+        let cutoffs = Cutoffs {
+            tokens: Token::cutoff(cutoff),
+            lanes: Token::cutoff(SystemTime::UNIX_EPOCH),
+        };
         let mut rows = self.report(target).await?;
         while let Some(row) = rows.try_next().await.map_err(report_failed)? {
             let read = Read::of(&row, &target.spec);
-            survey.add(&ReportRow::of(&read, cutoff));
+            survey.add(&ReportRow::of(&read, cutoffs));
         }
         Ok(survey)
     }
@@ -168,9 +209,7 @@ impl Reconciler {
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> CollectionRun {
         let started = Instant::now();
-        let cutoff_time = now
-            .checked_sub(target.grace)
-            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let (cutoffs, cutoff_time) = self.cutoffs(target, now);
         let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
         // The ledger first: a batch a crashed fold left must be finished
         // before anything prunes its lane's entries; if it cannot be, the
@@ -179,7 +218,10 @@ impl Reconciler {
         if let Err(err) = folded {
             tracing::error!(collection = %target.spec.name, cause = %err, "folding the ledger failed");
             run.error = Some(err);
-        } else if let Err(err) = self.fold_all(target, mode, stop, progress, &mut run).await {
+        } else if let Err(err) = self
+            .fold_all(target, mode, cutoffs, stop, progress, &mut run)
+            .await
+        {
             tracing::error!(
                 collection = %target.spec.name,
                 cause = %err,
@@ -201,18 +243,18 @@ impl Reconciler {
         &self,
         target: &FoldTarget,
         mode: Mode,
+        cutoffs: Cutoffs,
         stop: &CancellationToken,
         progress: &mut (dyn FnMut(Progress) + Send),
         run: &mut CollectionRun,
     ) -> Result<(), Error> {
         let name = &target.spec.name;
-        let cutoff = Token::cutoff(run.cutoff);
         let mut rows = self.report(target).await?;
         let mut batch = Batch::default();
         loop {
             let row = rows.try_next().await.map_err(report_failed)?;
             let finished = row.is_none();
-            let work = row.and_then(|row| plan_row(target, &row, cutoff, mode, run));
+            let work = row.and_then(|row| plan_row(target, &row, cutoffs, mode, run));
             let full = work
                 .as_ref()
                 .is_some_and(|w| batch.is_full(w, target.batch_size));
@@ -224,7 +266,7 @@ impl Reconciler {
                 }
                 let documents = std::mem::take(&mut batch).documents;
                 match mode {
-                    Mode::Fold => self.fold_batch(target, cutoff, documents, run).await?,
+                    Mode::Fold => self.fold_batch(target, cutoffs, documents, run).await?,
                     Mode::DryRun => {
                         run.documents_folded += documents.len() as u64;
                         run.account(documents.iter().map(|w| &w.plan));
@@ -251,25 +293,23 @@ impl Reconciler {
         }
     }
 
-    /// Folds the documents `ids` now (tokens older than `now − grace`),
-    /// whatever a report said about them before: each is read and planned
-    /// afresh, then folded as a run folds. Returns how many documents
-    /// changed. Used by the daemon to repair stuck tokens at once.
+    /// Folds the documents `ids` now (tokens older than `now − grace`,
+    /// lanes older than `now − lane_ttl`), whatever a report said about
+    /// them before: each is read and planned afresh, then folded as a run
+    /// folds. Returns how many documents changed. Used by the daemon to
+    /// repair stuck tokens at once.
     pub async fn fold_documents(
         &self,
         target: &FoldTarget,
         ids: Vec<Bson>,
         now: SystemTime,
     ) -> Result<u64, Error> {
-        let cutoff_time = now
-            .checked_sub(target.grace)
-            .unwrap_or(SystemTime::UNIX_EPOCH);
-        let cutoff = Token::cutoff(cutoff_time);
+        let (cutoffs, cutoff_time) = self.cutoffs(target, now);
         let mut run = CollectionRun::new(&target.spec.name, Mode::Fold, cutoff_time);
         let mut documents = Vec::new();
         for document in self.read_documents(target, ids).await? {
             let read = Read::of(&document, &target.spec);
-            match read.plan(cutoff) {
+            match read.plan(cutoffs) {
                 Ok(plan) if plan.has_work() => {
                     documents.push(Work::new(target, &read, plan, Mode::Fold));
                 }
@@ -277,7 +317,8 @@ impl Reconciler {
                 Err(reason) => log_malformed(&target.spec.name, read.id, &reason, 0),
             }
         }
-        self.fold_batch(target, cutoff, documents, &mut run).await?;
+        self.fold_batch(target, cutoffs, documents, &mut run)
+            .await?;
         Ok(run.documents_folded)
     }
 
@@ -289,7 +330,7 @@ impl Reconciler {
     async fn fold_batch(
         &self,
         target: &FoldTarget,
-        cutoff: ObjectId,
+        cutoffs: Cutoffs,
         mut documents: Vec<Work>,
         run: &mut CollectionRun,
     ) -> Result<(), Error> {
@@ -359,7 +400,7 @@ impl Reconciler {
                     continue;
                 };
                 let read = Read::of(&document, &target.spec);
-                match read.plan(cutoff) {
+                match read.plan(cutoffs) {
                     Ok(plan) if plan.has_work() => {
                         documents.push(Work::new(target, &read, plan, Mode::Fold));
                     }
@@ -386,7 +427,7 @@ impl Reconciler {
         Ok(())
     }
 
-    /// The documents `ids`, with the three fields tally owns, as they are
+    /// The documents `ids`, with the four fields tally owns, as they are
     /// now.
     async fn read_documents(
         &self,
@@ -410,9 +451,9 @@ impl Reconciler {
             .map_err(|err| Error::Server(Failure::once("reconcile.read", err)))
     }
 
-    /// The report's pass: the documents holding the pending or the settled
-    /// field, with the three fields tally owns. A sparse index on each of
-    /// the two fields can serve the `$exists` matches.
+    /// The report's pass: the documents holding the pending, the settled or
+    /// the lanes field, with the four fields tally owns. A sparse index on
+    /// each of the three fields can serve the `$exists` matches.
     pub(crate) async fn report(
         &self,
         target: &FoldTarget,
@@ -423,6 +464,7 @@ impl Reconciler {
             doc! { "$match": { "$or": [
                 { &spec.pending_field: { "$exists": true } },
                 { &spec.settled_field: { "$exists": true } },
+                { &spec.lanes_field: { "$exists": true } },
             ] } },
             doc! { "$project": projection(spec) },
         ];
@@ -443,12 +485,12 @@ impl Reconciler {
 fn plan_row(
     target: &FoldTarget,
     row: &Document,
-    cutoff: ObjectId,
+    cutoffs: Cutoffs,
     mode: Mode,
     run: &mut CollectionRun,
 ) -> Option<Work> {
     let read = Read::of(row, &target.spec);
-    let report = ReportRow::of(&read, cutoff);
+    let report = ReportRow::of(&read, cutoffs);
     run.survey.add(&report);
     match report.plan {
         Err(reason) => {
@@ -514,9 +556,14 @@ impl Batch {
     }
 }
 
-/// The three fields tally owns.
+/// The four fields tally owns.
 fn projection(spec: &CollectionConfig) -> Document {
-    doc! { &spec.counter_field: 1, &spec.pending_field: 1, &spec.settled_field: 1 }
+    doc! {
+        &spec.counter_field: 1,
+        &spec.pending_field: 1,
+        &spec.settled_field: 1,
+        &spec.lanes_field: 1,
+    }
 }
 
 /// A report cursor that broke off mid-stream cannot be resumed where it

@@ -13,6 +13,10 @@
 //!   `w: 1`, a step 1 that a failover rolls back could still be "counted" by
 //!   step 2, and a sequence number rolled back could be handed out twice. A
 //!   URI asking for another `w` is overridden, with a warning.
+//! - **reads from the primary** (the database handle carries that too): a
+//!   lagging secondary could miss a settle marker a `resume` must see, or
+//!   say a bounded counter has no unit left while a token holds one. A URI
+//!   asking for another read preference is overridden, with a warning.
 //! - **an attempt bound longer than server selection**: a server that cannot
 //!   be selected must surface as the command error it is (nothing was sent:
 //!   not counted), not as an attempt that ran out of time (a lost reply:
@@ -29,8 +33,8 @@ use std::time::Duration;
 use mongodb::bson::{Document, doc};
 use mongodb::error::Error as MongoError;
 use mongodb::options::{
-    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, UpdateModifications,
-    WriteConcern,
+    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, ReadPreference,
+    SelectionCriteria, UpdateModifications, WriteConcern,
 };
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
@@ -206,12 +210,14 @@ impl Store {
     /// with: they say whether retryable writes were requested, and how long
     /// server selection waits. Whatever write concern they ask for, tally's
     /// own writes use `majority` (a warning says so when they asked for
-    /// another `w`).
+    /// another `w`); whatever read preference, its reads go to the primary
+    /// (likewise).
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
         let database = client.database_with_options(
             database,
             DatabaseOptions::builder()
                 .write_concern(majority_over(options.write_concern.as_ref()))
+                .selection_criteria(primary_over(options.selection_criteria.as_ref()))
                 .build(),
         );
         let server_selection_timeout = options
@@ -464,6 +470,29 @@ fn majority_over(asked: Option<&WriteConcern>) -> WriteConcern {
         .w_timeout(asked.and_then(|c| c.w_timeout))
         .journal(asked.and_then(|c| c.journal))
         .build()
+}
+
+/// Reads from the primary, whatever `asked` (the client's selection
+/// criteria) says; a warning names a read preference given up.
+fn primary_over(asked: Option<&SelectionCriteria>) -> SelectionCriteria {
+    let primary = |c: &SelectionCriteria| {
+        matches!(
+            c,
+            SelectionCriteria::ReadPreference(ReadPreference::Primary)
+        )
+    };
+    if let Some(asked) = asked.filter(|c| !primary(c)) {
+        let shown = match asked {
+            SelectionCriteria::ReadPreference(preference) => preference.to_string(),
+            _ => "a custom server selection".to_owned(),
+        };
+        tracing::warn!(
+            read_preference = %shown,
+            "the connection asks for read preference {shown}; tally reads from the primary (a \
+             lagging secondary could miss a settle marker or a held unit)"
+        );
+    }
+    SelectionCriteria::ReadPreference(ReadPreference::Primary)
 }
 
 /// The URI could not be turned into a client. The message has every secret

@@ -101,7 +101,8 @@ fn listen_for_signals() -> std::io::Result<mpsc::UnboundedReceiver<Command>> {
 
 /// Per collection: documents with pending tokens, pending tokens, stuck
 /// tokens (older than `[alerts] stuck_after`), the oldest age, malformed
-/// documents.
+/// documents; documents with lane entries, lane entries, the largest lane
+/// map and the named lanes (never pruned) with their highest positions.
 pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let (names, reconciler, now, store) =
@@ -146,6 +147,12 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                     "largest_pending": s.largest_pending,
                     "malformed": s.malformed,
                     "malformed_sample": s.malformed_sample,
+                    "documents_with_lanes": s.documents_with_lanes,
+                    "lane_entries": s.lane_entries,
+                    "largest_lane_map": s.largest_lane_map,
+                    "named_lane_entries": s.named_lane_entries,
+                    "named_lanes": s.named_lanes,
+                    "named_lanes_truncated": s.named_lanes_truncated,
                 })
             })
             .collect();
@@ -156,8 +163,16 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
         );
     } else {
         println!(
-            "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9}",
-            "collection", "documents", "pending", "stuck", "oldest", "malformed"
+            "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9} {:>10} {:>8} {:>8}",
+            "collection",
+            "documents",
+            "pending",
+            "stuck",
+            "oldest",
+            "malformed",
+            "lane docs",
+            "lanes",
+            "largest"
         );
         for (name, s) in &rows {
             let oldest = s
@@ -168,14 +183,37 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                 })
                 .unwrap_or_else(|| "-".into());
             println!(
-                "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9}",
-                name, s.documents_pending, s.pending_tokens, s.stale_tokens, oldest, s.malformed
+                "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9} {:>10} {:>8} {:>8}",
+                name,
+                s.documents_pending,
+                s.pending_tokens,
+                s.stale_tokens,
+                oldest,
+                s.malformed,
+                s.documents_with_lanes,
+                s.lane_entries,
+                s.largest_lane_map
             );
         }
         println!(
-            "(stuck: older than {}; documents: holding pending tokens)",
+            "(stuck: older than {}; documents: holding pending tokens; lane docs: holding \
+             writer lane entries; largest: the largest lane map)",
             humantime::format_duration(config.alerts.stuck_after)
         );
+        for (name, s) in &rows {
+            if s.named_lanes.is_empty() {
+                continue;
+            }
+            let more = if s.named_lanes_truncated {
+                " (the first names only)"
+            } else {
+                ""
+            };
+            println!("\n{name}: named lanes (never pruned), highest position{more}:");
+            for (lane, position) in &s.named_lanes {
+                println!("  {lane:?}  {position}");
+            }
+        }
         super::ledger::print_backlogs(&ledgers);
     }
     ExitCode::from(EXIT_OK)

@@ -5,6 +5,7 @@
 //! increment that was made, not a `+1`.
 
 use std::process::ExitCode;
+use std::time::SystemTime;
 
 use clap::Args;
 use serde_json::{Value, json};
@@ -222,6 +223,19 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
             ),
             EXIT_TEMPFAIL,
         ),
+        Increment::Unknown(unknown)
+            if unknown.token().age(SystemTime::now()) >= target.counters.retry_horizon() =>
+        {
+            (
+                format!(
+                    "unknown: token {shown_token} ({amount:+}) may or may not be in \
+                     {collection}/{key}, and it is past the retry horizon of {}: it is counted at \
+                     most once (a resume would be refused). Cause: {cause}",
+                    humantime::format_duration(target.counters.retry_horizon()),
+                ),
+                EXIT_FAILED,
+            )
+        }
         Increment::Unknown(_) => (
             format!(
                 "unknown: token {shown_token} ({amount:+}) may or may not be in \

@@ -112,6 +112,9 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
             (None, true) => "interrupted".into(),
             (None, false) => {
                 let mut notes = Vec::new();
+                if run.lanes_pruned > 0 {
+                    notes.push(format!("{} expired lane entries pruned", run.lanes_pruned));
+                }
                 if run.refused > 0 {
                     notes.push(format!("{} refused by the server", run.refused));
                 }

@@ -11,6 +11,9 @@ use super::raw::{RawAlerts, RawWebhook};
 use crate::redact::{MASK, SecretString};
 use crate::store::serialize_duration;
 
+/// The default `[alerts] max_lanes`.
+const DEFAULT_MAX_LANES: u64 = 1000;
+
 /// `[alerts]`: what the daemon alerts on, and where to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct AlertsConfig {
@@ -22,6 +25,11 @@ pub(crate) struct AlertsConfig {
     /// Alert when a document's pending array holds more entries than this
     /// (a writer that never runs step 2). Default: 1000.
     pub(crate) max_pending: u64,
+    /// Alert (`lanes_too_many`) when a document's lane map holds more
+    /// entries than this: every lane that wrote the counter within
+    /// `lane_ttl` keeps one, every write rewrites the document, and named
+    /// lanes are never pruned. Default: 1000.
+    pub(crate) max_lanes: u64,
     /// Fold documents with stuck tokens at once instead of waiting for the
     /// schedule (only tokens older than the grace are folded). Default:
     /// false.
@@ -40,6 +48,7 @@ impl Default for AlertsConfig {
         Self {
             stuck_after: Duration::from_secs(30 * 60),
             max_pending: 1000,
+            max_lanes: DEFAULT_MAX_LANES,
             repair: false,
             monitor_down_after: Duration::from_secs(300),
             webhook: None,
@@ -82,6 +91,9 @@ pub(super) fn validate_alerts(
     let max_pending = issues
         .optional_integer("alerts.max_pending", raw.max_pending, 1, 1_000_000)
         .unwrap_or(defaults.max_pending);
+    let max_lanes = issues
+        .optional_integer("alerts.max_lanes", raw.max_lanes, 1, 1_000_000)
+        .unwrap_or(defaults.max_lanes);
     let repair = issues.boolean("alerts.repair", raw.repair, defaults.repair);
     let monitor_down_after = issues.duration(
         "alerts.monitor_down_after",
@@ -98,6 +110,7 @@ pub(super) fn validate_alerts(
     AlertsConfig {
         stuck_after,
         max_pending,
+        max_lanes,
         repair,
         monitor_down_after,
         webhook,

@@ -4,6 +4,9 @@
 //! - a server-selection timeout must end before the attempt bound does, so
 //!   that it surfaces as the command error it is (nothing was sent), not as
 //!   a lost reply (which makes an increment `Unknown`);
+//! - the retry horizon must hold two attempts: a step 1 whose attempt ran
+//!   out of time is one attempt old when its retry is due, and a caller
+//!   told `Unknown` must still be able to `resume` it;
 //! - every grace must outlast the retry horizon plus one attempt: a step 1
 //!   re-sent just inside the horizon may still execute for up to one
 //!   attempt, and the fold must not have taken the token before it lands;
@@ -16,7 +19,8 @@
 //!   attempt, and must find the lane's entry not pruned yet.
 //!
 //! Writers' clocks may then lag the server's by up to `grace −
-//! retry_horizon − attempt_timeout` before a token could be folded early.
+//! retry_horizon − attempt_timeout` (11 minutes with the defaults) before a
+//! token could be folded early.
 //!
 //! A margin is only judged when the keys it involves were read without a
 //! problem, so one bad value is not reported twice.
@@ -27,10 +31,12 @@ use humantime::format_duration;
 
 use super::Config;
 use super::field::Issues;
+use crate::write::counter::least_retry_horizon;
 
 /// Checks every margin of `config`, reporting under the key to change.
 pub(super) fn check(config: &Config, issues: &mut Issues) {
     check_attempt_timeout(config, issues);
+    check_retry_horizon(config, issues);
     check_graces(config, issues);
     check_stuck_after(config, issues);
     check_lane_lifetimes(config, issues);
@@ -76,6 +82,27 @@ fn check_attempt_timeout(config: &Config, issues: &mut Issues) {
                  URI's serverSelectionTimeoutMS): a server-selection timeout must surface as the \
                  error it is (nothing was sent), not be cut off as a lost reply",
                 format_duration(mongodb.server_selection_timeout)
+            ),
+        );
+    }
+}
+
+/// The retry horizon against two attempts, the bound the library raises a
+/// shorter horizon to.
+fn check_retry_horizon(config: &Config, issues: &mut Issues) {
+    if any_issue(issues, &["writer.retry_horizon", "mongodb.attempt_timeout"]) {
+        return;
+    }
+    let attempt = config.mongodb.attempt_timeout;
+    let least = least_retry_horizon(attempt);
+    if config.writer.retry_horizon < least {
+        issues.push(
+            "writer.retry_horizon",
+            format!(
+                "must be at least twice mongodb.attempt_timeout ({}, so at least {}): a step 1 \
+                 whose attempt timed out could otherwise be neither retried nor resumed",
+                format_duration(attempt),
+                format_duration(least)
             ),
         );
     }

@@ -136,6 +136,7 @@ pub(crate) struct RawMonitor {
 pub(crate) struct RawAlerts {
     pub(crate) stuck_after: Option<Value>,
     pub(crate) max_pending: Option<Value>,
+    pub(crate) max_lanes: Option<Value>,
     pub(crate) repair: Option<Value>,
     pub(crate) monitor_down_after: Option<Value>,
     pub(crate) webhook: Option<Section<RawWebhook>>,

@@ -24,7 +24,7 @@ fn minimal_config_gets_defaults() {
     assert_eq!(config.mongodb.database, "app");
     assert_eq!(config.mongodb.app_name, "tallyd");
     assert_eq!(config.mongodb.max_idle_time, Duration::from_secs(240));
-    assert_eq!(config.writer.retry_horizon, Duration::from_secs(60));
+    assert_eq!(config.writer.retry_horizon, Duration::from_secs(180));
     assert_eq!(config.log.format, LogFormat::Text);
     assert!(config.collections.is_empty());
 }
@@ -36,7 +36,7 @@ fn environment_overrides_the_file() {
         env(&[
             ("TALLYD__MONGODB__URI", "mongodb://other:27018/"),
             ("TALLYD__MONGODB__DATABASE", "metrics"),
-            ("TALLYD__WRITER__RETRY_HORIZON", "30s"),
+            ("TALLYD__WRITER__RETRY_HORIZON", "150s"),
             ("TALLYD_WEBHOOK_TOKEN", "not a config key"),
             ("PATH", "/bin"),
         ]),
@@ -44,7 +44,7 @@ fn environment_overrides_the_file() {
     .unwrap();
     assert_eq!(config.mongodb.uri.expose(), "mongodb://other:27018/");
     assert_eq!(config.mongodb.database, "metrics");
-    assert_eq!(config.writer.retry_horizon, Duration::from_secs(30));
+    assert_eq!(config.writer.retry_horizon, Duration::from_secs(150));
 }
 
 #[test]
@@ -192,7 +192,7 @@ fn the_effective_config_masks_the_password() {
         shown.contains("mongodb://u:****@h:27017/d?replicaSet=rs"),
         "{shown}"
     );
-    assert!(shown.contains("retry_horizon = \"1m\""), "{shown}");
+    assert!(shown.contains("retry_horizon = \"3m\""), "{shown}");
     assert!(!format!("{config:?}").contains("hunter2"));
 }
 
@@ -201,7 +201,7 @@ fn daemon_sections_are_checked_too() {
     let text = format!(
         "{MINIMAL}\n[[collections]]\nname = \"views\"\n[schedule]\ncron = \"every night\"\n\
          timezone = \"Mars/Olympus\"\ncatch_up = \"maybe\"\n[alerts]\nstuck_after = \"30s\"\n\
-         max_pending = 0\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
+         max_pending = 0\nmax_lanes = \"many\"\n[alerts.webhook]\nurl = \"ftp://x/hook\"\nauth_header_env = \"HOOK\"\n\
          [ha]\nlease_ttl = \"1s\"\n[http]\nlisten = \"localhost\"\n\
          [daemon]\nstate_collection = \"views\"\n[monitor]\nscan_interval = \"0s\"\n"
     );
@@ -213,6 +213,7 @@ fn daemon_sections_are_checked_too() {
         "schedule.catch_up",
         "alerts.stuck_after",
         "alerts.max_pending",
+        "alerts.max_lanes",
         "alerts.webhook.url",
         "alerts.webhook.auth_header_env",
         "ha.lease_ttl",
@@ -281,12 +282,12 @@ fn message<'e>(err: &'e ConfigErrors, key: &str) -> &'e str {
 
 #[test]
 fn a_grace_must_outlast_the_retry_horizon_plus_one_attempt() {
-    // 20s + 15s = 35s: a grace of 30s is too short, though longer than the
+    // 20s + 10s = 30s: a grace of 25s is too short, though longer than the
     // horizon alone.
     let text = format!(
-        "{MINIMAL}attempt_timeout = \"15s\"\nserver_selection_timeout = \"5s\"\n\
-         [writer]\nretry_horizon = \"20s\"\n[reconcile]\ngrace = \"30s\"\n\
-         [[collections]]\nname = \"a\"\ngrace = \"35s\"\n[[collections]]\nname = \"b\"\ngrace = \"36s\"\n\
+        "{MINIMAL}attempt_timeout = \"10s\"\nserver_selection_timeout = \"5s\"\n\
+         [writer]\nretry_horizon = \"20s\"\n[reconcile]\ngrace = \"25s\"\n\
+         [[collections]]\nname = \"a\"\ngrace = \"30s\"\n[[collections]]\nname = \"b\"\ngrace = \"31s\"\n\
          [alerts]\nstuck_after = \"1h\"\n"
     );
     let err = Config::from_toml(&text, []).unwrap_err();
@@ -301,12 +302,29 @@ fn a_grace_must_outlast_the_retry_horizon_plus_one_attempt() {
             said.contains("writer.retry_horizon") && said.contains("mongodb.attempt_timeout"),
             "{said}"
         );
-        assert!(said.contains("35s"), "{said}");
+        assert!(said.contains("30s"), "{said}");
     }
     let fixed = text
-        .replace("grace = \"30s\"", "grace = \"36s\"")
-        .replace("grace = \"35s\"", "grace = \"40s\"");
+        .replace("grace = \"25s\"", "grace = \"31s\"")
+        .replace("grace = \"30s\"", "grace = \"40s\"");
     Config::from_toml(&fixed, []).unwrap();
+}
+
+#[test]
+fn a_retry_horizon_must_leave_room_for_a_retry_and_a_resume() {
+    // Two attempts of 40s: a horizon of 79s is too short.
+    let text = format!(
+        "{MINIMAL}attempt_timeout = \"40s\"\nserver_selection_timeout = \"5s\"\n\
+         [writer]\nretry_horizon = \"79s\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(keys(&err), ["writer.retry_horizon"], "{err}");
+    let said = message(&err, "writer.retry_horizon");
+    assert!(said.contains("mongodb.attempt_timeout"), "{said}");
+    assert!(said.contains("1m 20s"), "{said}");
+    Config::from_toml(&text.replace("79s", "80s"), []).unwrap();
+    // The defaults hold it.
+    Config::from_toml(MINIMAL, []).unwrap();
 }
 
 #[test]

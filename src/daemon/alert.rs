@@ -1,5 +1,6 @@
 //! The alert engine: the daemon reports the state of each condition it
-//! watches (stuck tokens, oversized `pending` arrays, malformed documents,
+//! watches (stuck tokens, oversized `pending` arrays and lane maps,
+//! malformed documents,
 //! failed runs, a monitor that is down, documents the server refused to
 //! fold, a clock too far from the server's) as often as it likes, and the
 //! engine
@@ -64,6 +65,11 @@ pub(crate) enum AlertKind {
     /// A document whose `pending` array holds more than `[alerts]
     /// max_pending` entries: a writer that never runs step 2.
     PendingTooLong,
+    /// A document whose lane map holds more than `[alerts] max_lanes`
+    /// entries: too many writer lanes wrote it within `lane_ttl` (or too
+    /// many named lanes, which are never pruned), and every write rewrites
+    /// the whole map.
+    LanesTooMany,
     /// Documents tally cannot read (a counter that is not a number, a
     /// `pending` that is not an array of tokens).
     Malformed,
@@ -88,9 +94,10 @@ pub(crate) enum AlertKind {
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 8] = [
+    pub(crate) const ALL: [AlertKind; 9] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
+        AlertKind::LanesTooMany,
         AlertKind::Malformed,
         AlertKind::RunFailed,
         AlertKind::MonitorDown,
@@ -104,6 +111,7 @@ impl AlertKind {
         match self {
             AlertKind::StuckTokens => "stuck_tokens",
             AlertKind::PendingTooLong => "pending_too_long",
+            AlertKind::LanesTooMany => "lanes_too_many",
             AlertKind::Malformed => "malformed",
             AlertKind::RunFailed => "run_failed",
             AlertKind::MonitorDown => "monitor_down",

@@ -166,7 +166,7 @@ pub(crate) struct Margin {
     pub(crate) collection: String,
     /// `grace − retry_horizon − attempt_timeout`.
     pub(crate) margin: Duration,
-    /// How the margin is made: "grace 15m − retry_horizon 1m −
+    /// How the margin is made: "grace 15m − retry_horizon 3m −
     /// attempt_timeout 1m".
     pub(crate) made_of: String,
 }

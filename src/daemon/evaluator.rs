@@ -1,5 +1,6 @@
 //! The evaluator: every second, the monitor's view turned into metrics
-//! and alerts, and stuck tokens handed to the runner for repair; and the
+//! and alerts (stuck tokens, long pending arrays, large lane maps,
+//! malformed documents), and stuck tokens handed to the runner for repair; and the
 //! latest clock skew judged against each collection's margin (the
 //! `clock_skew` alert, past half of it: the rule of `daemon::clock`).
 
@@ -15,7 +16,7 @@ use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::clock::{LastSkew, Margin, SkewLevel, judge};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
-use crate::daemon::monitor::Monitor;
+use crate::daemon::monitor::{Limits, Monitor};
 
 /// How often metrics and alerts are evaluated from the view.
 const EVALUATE_EVERY: Duration = Duration::from_secs(1);
@@ -57,26 +58,24 @@ impl Evaluator {
         let active = *self.role.borrow() == Role::Active;
         for collection in &self.config.collections {
             let name = collection.name.as_str();
-            let snapshot = self
-                .monitor
-                .snapshot(name, stuck_before, alerts_config.max_pending);
+            let limits = Limits {
+                max_pending: alerts_config.max_pending,
+                max_lanes: alerts_config.max_lanes,
+            };
+            let snapshot = self.monitor.snapshot(name, stuck_before, limits);
             let labels = [name];
-            self.metrics
-                .pending_documents
-                .with_label_values(&labels)
-                .set(snapshot.pending_documents as i64);
-            self.metrics
-                .pending_tokens
-                .with_label_values(&labels)
-                .set(snapshot.pending_tokens as i64);
-            self.metrics
-                .stuck_tokens
-                .with_label_values(&labels)
-                .set(snapshot.stuck_tokens as i64);
-            self.metrics
-                .largest_pending
-                .with_label_values(&labels)
-                .set(snapshot.largest_pending as i64);
+            let m = &self.metrics;
+            for (gauge, value) in [
+                (&m.pending_documents, snapshot.pending_documents),
+                (&m.pending_tokens, snapshot.pending_tokens),
+                (&m.stuck_tokens, snapshot.stuck_tokens),
+                (&m.largest_pending, snapshot.largest_pending),
+                (&m.lane_documents, snapshot.lane_documents),
+                (&m.lane_entries, snapshot.lane_entries),
+                (&m.largest_lane_map, snapshot.largest_lane_map),
+            ] {
+                gauge.with_label_values(&labels).set(value as i64);
+            }
             let oldest_age = snapshot.oldest.map(|t| t.age(now));
             self.metrics
                 .oldest_pending_age
@@ -103,6 +102,18 @@ impl Evaluator {
                 )),
             });
             self.alerts.set(AlertKind::PendingTooLong, name, too_long);
+            let too_many_lanes = (snapshot.too_many_lanes > 0).then(|| Observation {
+                count: snapshot.too_many_lanes,
+                oldest_age: None,
+                sample_ids: snapshot.too_many_lanes_sample.clone(),
+                detail: Some(format!(
+                    "lane maps larger than {} entries (largest: {}): too many writer lanes \
+                     within lane_ttl, or named lanes (never pruned)",
+                    alerts_config.max_lanes, snapshot.largest_lane_map
+                )),
+            });
+            self.alerts
+                .set(AlertKind::LanesTooMany, name, too_many_lanes);
             let malformed = (snapshot.malformed > 0).then(|| Observation {
                 count: snapshot.malformed,
                 oldest_age: None,

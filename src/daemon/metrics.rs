@@ -54,6 +54,13 @@ pub(crate) struct Inner {
     pub(crate) oldest_pending_age: GaugeVec,
     /// `tally_largest_pending{collection}`: the longest pending array.
     pub(crate) largest_pending: IntGaugeVec,
+    /// `tally_lane_documents{collection}`: documents holding lane entries.
+    pub(crate) lane_documents: IntGaugeVec,
+    /// `tally_lane_entries{collection}`: entries in their lane maps.
+    pub(crate) lane_entries: IntGaugeVec,
+    /// `tally_largest_lane_map{collection}`: entries in the largest lane
+    /// map.
+    pub(crate) largest_lane_map: IntGaugeVec,
     /// `tally_malformed_documents{collection}`, from the last scan.
     pub(crate) malformed_documents: IntGaugeVec,
     /// `tally_fold_refused_documents{collection}`: documents the last
@@ -203,6 +210,24 @@ impl Metrics {
                 &registry,
                 "tally_largest_pending",
                 "Entries in the longest pending array",
+                collection,
+            ),
+            lane_documents: gauge_vec(
+                &registry,
+                "tally_lane_documents",
+                "Documents holding writer lane entries",
+                collection,
+            ),
+            lane_entries: gauge_vec(
+                &registry,
+                "tally_lane_entries",
+                "Writer lane entries in the lane maps",
+                collection,
+            ),
+            largest_lane_map: gauge_vec(
+                &registry,
+                "tally_largest_lane_map",
+                "Entries in the largest lane map",
                 collection,
             ),
             malformed_documents: gauge_vec(

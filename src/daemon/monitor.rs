@@ -1,11 +1,14 @@
-//! A live view of the pending tokens in the counter collections (DESIGN
-//! §6), kept by change streams and backed up by periodic scans.
+//! A live view of the pending tokens and lane maps in the counter
+//! collections (DESIGN §6), kept by change streams and backed up by
+//! periodic scans.
 //!
-//! The view holds, per document that has pending entries, the entries'
-//! tokens — nothing for documents without any — so its memory is bounded by
-//! the number of pending tokens, not of documents. From it the daemon
-//! computes, every second, how many tokens are stuck, the oldest age, the
-//! longest array and the malformed documents, for metrics and alerts.
+//! The view holds, per document that has pending entries or lane entries,
+//! the entries' tokens and the number of lane entries (not the map) —
+//! nothing for documents without either — so its memory is bounded by the
+//! number of pending tokens and of documents written through lanes, not of
+//! all documents. From it the daemon computes, every second, how many
+//! tokens are stuck, the oldest age, the longest array, the largest lane
+//! map and the malformed documents, for metrics and alerts.
 //!
 //! Per collection, one task:
 //!
@@ -38,12 +41,13 @@ use crate::config::MonitorConfig;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::state::State;
 use crate::error::{Error, code, server_code};
-use crate::reconcile::{FoldTarget, Reconciler, model};
+use crate::reconcile::model::{self, Cutoffs};
+use crate::reconcile::{FoldTarget, Reconciler};
 use crate::store::Store;
 
 mod snapshot;
 use crate::token::Entry;
-pub(crate) use snapshot::Snapshot;
+pub(crate) use snapshot::{Limits, Snapshot};
 
 /// How long one read of the stream waits for events on the server: also
 /// how quickly the watcher notices a shutdown or a timer.
@@ -51,26 +55,33 @@ const AWAIT: Duration = Duration::from_millis(500);
 /// The longest wait between reconnection attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
-/// What one document's pending field holds.
+/// What the view keeps of one document.
 #[derive(Debug, Clone, PartialEq)]
-enum Pending {
-    /// Valid entries: their tokens.
-    Tokens(Vec<ObjectId>),
-    /// The field or the document is malformed.
+enum Held {
+    /// A well-formed document: its pending entries' tokens and the number
+    /// of entries in its lane map.
+    Entries {
+        /// The pending entries' tokens.
+        tokens: Vec<ObjectId>,
+        /// Entries in the lane map.
+        lanes: u64,
+    },
+    /// The document is malformed.
     Malformed(String),
 }
 
-/// The pending entries of one collection's documents.
+/// The pending entries and lane map sizes of one collection's documents.
 #[derive(Debug, Default)]
 struct View {
     /// Keyed by the `_id`'s display form (ids equal to the server are equal
     /// here: `1` and `NumberLong(1)` display alike), with the `_id` itself.
-    documents: HashMap<String, (Bson, Pending)>,
+    documents: HashMap<String, (Bson, Held)>,
 }
 
 impl View {
-    /// Records what document `id` holds now (`None`: nothing pending).
-    fn set(&mut self, id: &Bson, pending: Option<Pending>) {
+    /// Records what document `id` holds now (`None`: nothing pending, no
+    /// lanes).
+    fn set(&mut self, id: &Bson, pending: Option<Held>) {
         match pending {
             Some(p) => {
                 self.documents.insert(id.to_string(), (id.clone(), p));
@@ -82,30 +93,37 @@ impl View {
     }
 }
 
-/// Judges a document's pending (and counter) fields.
-fn read_pending(target: &FoldTarget, document: &Document) -> Option<Pending> {
-    let pending = document.get(&target.spec.pending_field)?;
-    let counter = document.get(&target.spec.counter_field);
-    let settled = document.get(&target.spec.settled_field);
+/// Judges a document's pending, lanes (and counter) fields: `None` when it
+/// holds no pending entry and no lane entry.
+fn read_document(target: &FoldTarget, document: &Document) -> Option<Held> {
+    let spec = &target.spec;
+    let pending = document.get(&spec.pending_field);
+    let lanes = document.get(&spec.lanes_field);
+    if pending.is_none() && lanes.is_none() {
+        return None;
+    }
+    let counter = document.get(&spec.counter_field);
+    let settled = document.get(&spec.settled_field);
     // No cutoff: only the shape matters here (overflow is the fold's call).
-    match model::plan(
-        counter,
-        Some(pending),
-        settled,
-        ObjectId::from_bytes([0; 12]),
-    ) {
-        Err(reason) => Some(Pending::Malformed(reason.to_string())),
-        Ok(_) => match pending {
-            Bson::Array(entries) if entries.is_empty() => None,
-            Bson::Array(entries) => Some(Pending::Tokens(
-                entries
+    let nothing = ObjectId::from_bytes([0; 12]);
+    let cutoffs = Cutoffs {
+        tokens: nothing,
+        lanes: nothing,
+    };
+    match model::plan_document(counter, pending, settled, lanes, cutoffs) {
+        Err(reason) => Some(Held::Malformed(reason.to_string())),
+        Ok(plan) => {
+            let tokens: Vec<ObjectId> = match pending {
+                Some(Bson::Array(entries)) => entries
                     .iter()
                     .filter_map(|e| Entry::parse(e).ok())
                     .map(|e| e.token().object_id())
                     .collect(),
-            )),
-            _ => None,
-        },
+                _ => Vec::new(),
+            };
+            let lanes = plan.lanes.entries;
+            (!tokens.is_empty() || lanes > 0).then_some(Held::Entries { tokens, lanes })
+        }
     }
 }
 
@@ -198,18 +216,19 @@ impl Monitor {
         }
     }
 
-    /// The collection's pending arrays now: tokens older than `stuck_before`
-    /// are stuck, arrays longer than `max_pending` too long.
+    /// The collection's pending arrays and lane maps now: tokens older
+    /// than `stuck_before` are stuck; arrays and maps past `limits` too
+    /// large.
     pub(crate) fn snapshot(
         &self,
         collection: &str,
         stuck_before: SystemTime,
-        max_pending: u64,
+        limits: Limits,
     ) -> Snapshot {
         let Some(watched) = self.collections.get(collection) else {
             return Snapshot::default();
         };
-        snapshot::take(&lock(&watched.view), stuck_before, max_pending)
+        snapshot::take(&lock(&watched.view), stuck_before, limits)
     }
 
     /// The collections whose latest stream position could not be saved (the
@@ -444,6 +463,8 @@ impl Watcher {
             "ns": 1,
             format!("fullDocument.{}", spec.pending_field): 1,
             format!("fullDocument.{}", spec.counter_field): 1,
+            format!("fullDocument.{}", spec.settled_field): 1,
+            format!("fullDocument.{}", spec.lanes_field): 1,
         }};
         let opened = collection
             .watch()
@@ -481,7 +502,7 @@ impl Watcher {
                     let pending = event
                         .full_document
                         .as_ref()
-                        .and_then(|d| read_pending(&self.watched.target, d));
+                        .and_then(|d| read_document(&self.watched.target, d));
                     lock(&self.watched.view).set(&id, pending);
                 }
                 None
@@ -510,7 +531,7 @@ impl Watcher {
             .map_err(|err| Error::Server(crate::error::Failure::once("monitor.scan", err)))?
         {
             let id = row.get("_id").cloned().unwrap_or(Bson::Null);
-            view.set(&id, read_pending(target, &row));
+            view.set(&id, read_document(target, &row));
         }
         *lock(&self.watched.view) = view;
         self.metrics

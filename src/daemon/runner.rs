@@ -236,6 +236,7 @@ impl Runner {
             folded = run.documents_folded,
             tokens = run.tokens_folded,
             amount = run.amount_folded,
+            lanes_pruned = run.lanes_pruned,
             malformed = run.survey.malformed,
             refused = run.refused,
             seconds = run.duration.as_secs_f64(),

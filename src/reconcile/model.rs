@@ -22,6 +22,10 @@
 //! 5. Everything else stays as it is, fresh entries in their order; a
 //!    document with nothing to do is not written.
 //!
+//! 6. **Lanes expire.** Minted lane entries older than the lane cutoff are
+//!    pruned, named ones kept, an empty map removed ([`plan_lanes`]); the
+//!    same statement writes both.
+//!
 //! A document the rules cannot judge is [`Malformed`] and never modified.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -32,7 +36,22 @@ use mongodb::bson::{Bson, oid::ObjectId};
 use crate::document::{EXACT_DOUBLE, bson_type_name};
 use crate::token::{AMOUNT_FIELD, Entry, TOKEN_FIELD, Token};
 
+mod lanes;
+
 pub use crate::token::BadEntry;
+pub use lanes::{LanePlan, plan_lanes};
+
+/// The two lines a fold draws, each an ObjectId whose time is the line
+/// (see [`Token::cutoff`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cutoffs {
+    /// Pending entries and settle markers whose token sorts below this are
+    /// stale: the server's time minus the grace.
+    pub tokens: ObjectId,
+    /// Minted lanes whose id sorts below this are expired: the server's
+    /// time minus `lane_ttl`.
+    pub lanes: ObjectId,
+}
 
 /// Why a document is not folded (and never modified).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +80,15 @@ pub enum Malformed {
     /// Adding the stale entries would overflow the counter (a double would
     /// reach 2^53).
     Overflow,
+    /// The lanes field exists but is not a document.
+    LanesNotDocument(&'static str),
+    /// A lane's entry is not a non-negative int32 or int64.
+    BadLane {
+        /// The lane's key.
+        lane: String,
+        /// What its value is instead.
+        why: &'static str,
+    },
 }
 
 impl fmt::Display for Malformed {
@@ -80,6 +108,11 @@ impl fmt::Display for Malformed {
             ),
             Self::CounterNotInteger(t) => write!(f, "the counter is a {t}, not an integer"),
             Self::Overflow => f.write_str("adding the stale entries would overflow the counter"),
+            Self::LanesNotDocument(t) => write!(f, "the lanes field is a {t}, not a document"),
+            Self::BadLane { lane, why } => write!(
+                f,
+                "lane {lane:?} holds a {why}, not a non-negative integer position"
+            ),
         }
     }
 }
@@ -131,13 +164,18 @@ pub struct FoldPlan {
     pub has_pending: bool,
     /// The settled field exists.
     pub has_settled: bool,
+    /// What pruning the lane map does (nothing, from [`plan`] alone).
+    pub lanes: LanePlan,
 }
 
 impl FoldPlan {
     /// Whether folding changes the document: something stale, or a field
     /// to remove because it is empty.
     pub fn has_work(&self) -> bool {
-        !self.stale.is_empty() || !self.stale_markers.is_empty() || self.empties_a_field()
+        !self.stale.is_empty()
+            || !self.stale_markers.is_empty()
+            || self.empties_a_field()
+            || self.lanes.has_work()
     }
 
     /// Whether a field is found empty and only needs removing.
@@ -153,9 +191,26 @@ impl FoldPlan {
     }
 }
 
+/// Plans the fold of a document whose counter, pending, settled and lanes
+/// fields are `counter`, `pending`, `settled` and `lanes` (`None`:
+/// absent), at `cutoffs`: the tokens' fold ([`plan`]) and the lanes'
+/// pruning ([`plan_lanes`]) together, as one statement writes them.
+pub fn plan_document(
+    counter: Option<&Bson>,
+    pending: Option<&Bson>,
+    settled: Option<&Bson>,
+    lanes: Option<&Bson>,
+    cutoffs: Cutoffs,
+) -> Result<FoldPlan, Malformed> {
+    let mut plan = plan(counter, pending, settled, cutoffs.tokens)?;
+    plan.lanes = plan_lanes(lanes, cutoffs.lanes)?;
+    Ok(plan)
+}
+
 /// Plans the fold of a document whose counter, pending and settled fields
 /// are `counter`, `pending` and `settled` (`None`: absent), at `cutoff`: an
-/// entry or marker is stale when its token sorts below the cutoff.
+/// entry or marker is stale when its token sorts below the cutoff. Lanes
+/// are left out ([`plan_document`] takes them in).
 pub fn plan(
     counter: Option<&Bson>,
     pending: Option<&Bson>,
@@ -188,6 +243,7 @@ pub fn plan(
         kept_markers: Vec::new(),
         has_pending: pending.is_some(),
         has_settled: settled.is_some(),
+        lanes: LanePlan::default(),
     };
     // Each stale token: its amount and the index (in `plan.stale`) of its
     // last entry.

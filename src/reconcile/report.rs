@@ -1,9 +1,10 @@
 //! What a run found and did: the [`Survey`] of one report pass, the
 //! [`CollectionRun`] of a fold, and the rows they are counted from.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{Bson, oid::ObjectId};
+use mongodb::bson::Bson;
 use serde::Serialize;
 
 use super::{Mode, model};
@@ -14,6 +15,9 @@ use crate::token::Token;
 /// How many malformed (and how many refused) documents a run names in its
 /// report.
 pub const MALFORMED_SAMPLE: usize = 10;
+
+/// How many named lanes a survey lists (each with its highest position).
+pub const NAMED_LANES_LISTED: usize = 100;
 
 /// A document the fold leaves alone, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -37,11 +41,12 @@ pub struct RefusedDocument {
     pub reason: String,
 }
 
-/// What one collection holds in its pending arrays, from one report pass.
+/// What one collection holds in its pending arrays and lane maps, from one
+/// report pass.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Survey {
-    /// Documents holding the pending or the settled field: every one is
-    /// read by the report, and no other.
+    /// Documents holding the pending, the settled or the lanes field: every
+    /// one is read by the report, and no other.
     pub documents_scanned: u64,
     /// Well-formed documents with at least one pending entry.
     pub documents_pending: u64,
@@ -65,6 +70,22 @@ pub struct Survey {
     pub settled_copies: u64,
     /// Settle markers older than the cutoff (pruned).
     pub stale_markers: u64,
+    /// Well-formed documents with at least one lane entry.
+    pub documents_with_lanes: u64,
+    /// Entries in the lane maps of well-formed documents.
+    pub lane_entries: u64,
+    /// Entries in the largest lane map.
+    pub largest_lane_map: u64,
+    /// Entries of minted lanes older than `lane_ttl` (pruned by a run;
+    /// always 0 in a survey, which judges no lane's age).
+    pub expired_lane_entries: u64,
+    /// Entries of named lanes, which are never pruned.
+    pub named_lane_entries: u64,
+    /// Named lanes and the highest position each holds in any document:
+    /// the first [`NAMED_LANES_LISTED`] names met, in name order.
+    pub named_lanes: BTreeMap<String, i64>,
+    /// More named lanes exist than are listed.
+    pub named_lanes_truncated: bool,
     /// Documents the fold must leave alone.
     pub malformed: u64,
     /// The first few of them.
@@ -105,6 +126,9 @@ pub struct CollectionRun {
     /// ledger, when it has one); in a dry run, the events a fold would
     /// fold.
     pub events_folded: u64,
+    /// Entries of expired minted lanes removed, from the plans of the
+    /// documents folded (would be removed, in a dry run).
+    pub lanes_pruned: u64,
     /// Documents that changed between the report and their fold in a way
     /// the fold's conditions refuse (a writer completed a stale token,
     /// another daemon folded them), and either needed no fold any more or
@@ -140,6 +164,7 @@ impl CollectionRun {
             tokens_folded: 0,
             amount_folded: 0,
             events_folded: 0,
+            lanes_pruned: 0,
             concurrent_changes: 0,
             refused: 0,
             refused_sample: Vec::new(),
@@ -173,15 +198,15 @@ pub(crate) struct ReportRow {
 }
 
 impl ReportRow {
-    /// The row of a document read as `read`, planned at `cutoff`.
-    pub(super) fn of(read: &super::statement::Read<'_>, cutoff: ObjectId) -> Self {
+    /// The row of a document read as `read`, planned at `cutoffs`.
+    pub(super) fn of(read: &super::statement::Read<'_>, cutoffs: model::Cutoffs) -> Self {
         Self {
             id: read.id.clone(),
             size: match read.pending {
                 Some(Bson::Array(entries)) => entries.len() as u64,
                 _ => 0,
             },
-            plan: read.plan(cutoff),
+            plan: read.plan(cutoffs),
         }
     }
 }
@@ -204,6 +229,7 @@ impl CollectionRun {
         for plan in plans {
             self.tokens_folded += plan.stale_tokens;
             self.amount_folded = self.amount_folded.saturating_add(plan.stale_amount);
+            self.lanes_pruned += plan.lanes.expired.len() as u64;
         }
     }
 }
@@ -238,6 +264,24 @@ impl Survey {
         self.duplicate_entries += plan.duplicate_entries;
         self.settled_copies += plan.settled_copies;
         self.stale_markers += plan.stale_markers.len() as u64;
+        self.add_lanes(&plan.lanes);
+    }
+
+    fn add_lanes(&mut self, lanes: &model::LanePlan) {
+        self.documents_with_lanes += u64::from(lanes.entries > 0);
+        self.lane_entries += lanes.entries;
+        self.largest_lane_map = self.largest_lane_map.max(lanes.entries);
+        self.expired_lane_entries += lanes.expired.len() as u64;
+        self.named_lane_entries += lanes.named.len() as u64;
+        for (name, position) in &lanes.named {
+            if let Some(highest) = self.named_lanes.get_mut(name) {
+                *highest = (*highest).max(*position);
+            } else if self.named_lanes.len() < NAMED_LANES_LISTED {
+                self.named_lanes.insert(name.clone(), *position);
+            } else {
+                self.named_lanes_truncated = true;
+            }
+        }
     }
 }
 

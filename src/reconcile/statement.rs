@@ -33,6 +33,12 @@
 //!   a constant number of bytes), so any prefix of them that applied left a
 //!   document the next run folds exactly.
 //!
+//! Expired lanes are pruned by the same statement (the last one, when
+//! split): the filter pins each removed entry's value as read
+//! (`{"lanes.<L>": s}`), so a write to that lane since the read makes the
+//! statement match nothing and the document is read again; an entry added
+//! since is not among those removed and stays.
+//!
 //! The counter is written with `$add` on the server, on top of whatever
 //! step 2s added meanwhile. Its BSON type is pinned in the filter (the
 //! plan's arithmetic depends on it), and the pipeline checks that the sum
@@ -43,7 +49,7 @@ use std::ops::Range;
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::model::{self, FoldPlan, Malformed, StaleEntry};
+use super::model::{self, Cutoffs, FoldPlan, LanePlan, Malformed, StaleEntry};
 use crate::document::bson_type_name;
 use crate::token::{Entry, TOKEN_FIELD};
 use crate::write::counter::{CollectionConfig, exact_as_double, inc_operand, marker_path};
@@ -69,7 +75,7 @@ pub(crate) struct Statement {
     pub(crate) bytes: usize,
 }
 
-/// What one document holds, as read: its `_id` and the three fields the
+/// What one document holds, as read: its `_id` and the four fields the
 /// fold owns (`None`: absent).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Read<'a> {
@@ -77,6 +83,7 @@ pub(crate) struct Read<'a> {
     pub(crate) counter: Option<&'a Bson>,
     pub(crate) pending: Option<&'a Bson>,
     pub(crate) settled: Option<&'a Bson>,
+    pub(crate) lanes: Option<&'a Bson>,
 }
 
 impl<'a> Read<'a> {
@@ -88,15 +95,22 @@ impl<'a> Read<'a> {
             counter: document.get(&spec.counter_field),
             pending: document.get(&spec.pending_field),
             settled: document.get(&spec.settled_field),
+            lanes: document.get(&spec.lanes_field),
         }
     }
 
-    /// The model's plan for these fields at `cutoff` — refused as an
+    /// The model's plan for these fields at `cutoffs` — refused as an
     /// overflow, too, when the document is folded by several statements
     /// and one of them could not add its share exactly (only amounts near
     /// the edge of the counter's type can do that).
-    pub(crate) fn plan(&self, cutoff: ObjectId) -> Result<FoldPlan, Malformed> {
-        let plan = model::plan(self.counter, self.pending, self.settled, cutoff)?;
+    pub(crate) fn plan(&self, cutoffs: Cutoffs) -> Result<FoldPlan, Malformed> {
+        let plan = model::plan_document(
+            self.counter,
+            self.pending,
+            self.settled,
+            self.lanes,
+            cutoffs,
+        )?;
         if prefix_form(self, &plan) {
             pieces(self, &plan)?;
         }
@@ -106,18 +120,18 @@ impl<'a> Read<'a> {
 
 /// The update statements (`{q, u}`, for the `updates` of an `update`
 /// command, in order) that fold `document` — as read, with its `_id` and
-/// the fields `spec` names — at `cutoff` (the
+/// the fields `spec` names — at `cutoffs` (each the
 /// [`Token::cutoff`](crate::Token::cutoff) of the server's time minus the
-/// grace). Empty when there is nothing to fold; an error, and no
-/// statement, for a malformed document. For tools that fold documents
-/// their own way; the reconciler sends the same statements.
+/// grace, and minus `lane_ttl`). Empty when there is nothing to fold; an
+/// error, and no statement, for a malformed document. For tools that fold
+/// documents their own way; the reconciler sends the same statements.
 pub fn statements(
     spec: &CollectionConfig,
     document: &Document,
-    cutoff: ObjectId,
+    cutoffs: Cutoffs,
 ) -> Result<Vec<Document>, Malformed> {
     let read = Read::of(document, spec);
-    let plan = read.plan(cutoff)?;
+    let plan = read.plan(cutoffs)?;
     Ok(build(spec, &read, &plan)
         .into_iter()
         .map(|s| s.body)
@@ -201,12 +215,45 @@ fn exact(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Document 
             .set
             .insert(&spec.settled_field, without(&spec.settled_field, pruned));
     }
+    prune_lanes(&mut parts, &spec.lanes_field, &plan.lanes);
     parts.finish()
+}
+
+/// Adds to `parts` the pruning `plan` makes of the lane map `name`: each
+/// removed entry pinned in the filter at its value as read, the map
+/// rewritten without them (or removed when that leaves it empty). Nothing
+/// when the plan has no lane work.
+pub(crate) fn prune_lanes(parts: &mut Parts, name: &str, plan: &LanePlan) {
+    if !plan.has_work() {
+        return;
+    }
+    for (key, value) in &plan.expired {
+        // A minted key is 24 hex digits: a path with no `.` or `$` in it.
+        parts.q.insert(format!("{name}.{key}"), value.clone());
+    }
+    let removed: Vec<Bson> = plan
+        .expired
+        .iter()
+        .map(|(key, _)| Bson::String(key.clone()))
+        .collect();
+    let rest = doc! {
+        "$arrayToObject": { "$filter": {
+            "input": { "$objectToArray": { "$ifNull": [field(name), {}] } },
+            "cond": { "$not": [{ "$in": ["$$this.k", { "$literal": removed }] }] },
+        } }
+    };
+    let value = doc! {
+        "$let": {
+            "vars": { "rest": rest },
+            "in": { "$cond": [{ "$eq": ["$$rest", {}] }, "$$REMOVE", "$$rest"] },
+        }
+    };
+    parts.set.insert(name, value);
 }
 
 /// A statement being built: its filter, the checks its pipeline makes, and
 /// the fields it sets when every check holds.
-struct Parts {
+pub(crate) struct Parts {
     q: Document,
     checks: Vec<Document>,
     set: Document,
@@ -458,6 +505,9 @@ fn prefix(spec: &CollectionConfig, read: &Read<'_>, plan: &FoldPlan) -> Vec<Docu
                 parts.set.insert(&spec.settled_field, rewritten);
             }
         }
+        if i == last {
+            prune_lanes(&mut parts, &spec.lanes_field, &plan.lanes);
+        }
         statements.push(parts.finish());
         kept_before += kept.len();
         least_kept = kept.iter().filter_map(token_of).chain(least_kept).min();
@@ -574,6 +624,10 @@ mod tests {
     fn a_stretch_that_cannot_be_added_exactly_refuses_the_document() {
         let spec = CollectionConfig::new("views");
         let cutoff = Token::cutoff(SystemTime::now() - Duration::from_secs(600));
+        let cutoff = Cutoffs {
+            tokens: cutoff,
+            lanes: cutoff,
+        };
         let fits = split(0, &[1, 2], &[3]);
         assert_eq!(statements(&spec, &fits, cutoff).unwrap().len(), 2);
         for document in [

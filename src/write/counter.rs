@@ -59,7 +59,7 @@ pub use config::{CollectionConfig, Protocol, WriterConfig};
 pub(crate) use config::{
     DEFAULT_COUNTER_FIELD, DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_ROTATE, DEFAULT_LANE_TTL,
     DEFAULT_LANES, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
-    DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON,
+    DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, least_retry_horizon,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
 // The fold adds to counters the way step 2 does, and reads markers alike.
@@ -136,7 +136,8 @@ enum Added {
 
 impl Counters {
     /// Increments in `spec`'s collection, through `store`. A retry horizon
-    /// shorter than 2 s is raised to 2 s (with a warning). Lane settings
+    /// shorter than two of the store's attempts, or than 2 s, is raised to
+    /// that (with a warning). Lane settings
     /// that do not hold together (see [`Counters::try_new`]) are logged as
     /// an error, and every lane operation of the handle is then refused
     /// without writing; the two-step increment works regardless.
@@ -170,14 +171,15 @@ impl Counters {
     }
 
     fn build(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
-        let least = config::MIN_RETRY_HORIZON;
+        let least = config::least_retry_horizon(store.attempt_timeout());
         if writer.retry_horizon < least {
             tracing::warn!(
                 collection = %spec.name,
                 retry_horizon = ?writer.retry_horizon,
+                attempt_timeout = ?store.attempt_timeout(),
                 raised_to = ?least,
-                "the retry horizon is below the minimum: a token's time has one-second \
-                 resolution; raised"
+                "the retry horizon is below two attempts (or 2 s): a step 1 whose attempt \
+                 timed out could be neither retried nor resumed; raised"
             );
         }
         Self {
@@ -194,7 +196,7 @@ impl Counters {
         &self.spec
     }
 
-    /// The retry horizon in force (at least 2 s).
+    /// The retry horizon in force (at least two attempts, and 2 s).
     pub fn retry_horizon(&self) -> Duration {
         self.retry_horizon
     }
@@ -245,18 +247,30 @@ impl Counters {
 
     /// Runs step 2 only for a pending token, leaving its settle marker:
     /// safe at any age, and counts it exactly once however often it is
-    /// settled, by this process or any other.
+    /// settled, by this process or any other. When step 2 fails, the
+    /// document is read again: a token another settle or the fold counted
+    /// meanwhile is counted (settled earlier), not pending.
     pub async fn complete(&self, pending: PendingToken) -> Completion {
-        match self
+        let counted = |pending: PendingToken, settled_earlier| Counted {
+            key: pending.key,
+            entry: pending.entry,
+            settled_earlier,
+        };
+        let cause = match self
             .count_token(&pending.key, &pending.entry, By::Settle)
             .await
         {
-            Ok(settled_earlier) => Completion::Counted(Counted {
-                key: pending.key,
-                entry: pending.entry,
-                settled_earlier,
-            }),
-            Err(cause) => Completion::Pending(PendingToken {
+            Ok(settled_earlier) => return Completion::Counted(counted(pending, settled_earlier)),
+            Err(cause) => cause,
+        };
+        match self.lookup(pending.key.clone(), pending.token()).await {
+            Ok(Found::Settled(counted)) if counted.amount() == pending.amount() => {
+                Completion::Counted(counted)
+            }
+            // Step 1 applied, so a token gone was counted, as step 2 itself
+            // concludes when it matches nothing.
+            Ok(Found::Absent) => Completion::Counted(counted(pending, true)),
+            _ => Completion::Pending(PendingToken {
                 cause: Some(cause),
                 ..pending
             }),
@@ -279,7 +293,11 @@ impl Counters {
     /// marker, with another amount). Every other outcome is in the
     /// [`Increment`], with the ticket when it is still unsettled — a failed
     /// read is [`Increment::Unknown`]: nothing was written, resume again
-    /// later.
+    /// later. A resume is never [`Increment::NotCounted`]: when the server
+    /// refuses its step 1, the document is read again and settled from
+    /// what it shows, else the ticket comes back unknown (resume again
+    /// later) — another host, or the original step 1 held up in the
+    /// network, may still add or count it.
     pub async fn resume(&self, unknown: UnknownToken) -> Result<Increment, Error> {
         let mut unknown = unknown;
         for _ in 0..RESUME_ROUNDS {
@@ -287,16 +305,8 @@ impl Counters {
                 Ok(found) => found,
                 Err(cause) => return Ok(Increment::Unknown(unknown.because(cause))),
             };
-            match found {
-                Found::Settled(counted) => {
-                    check_amount(&unknown, counted.amount())?;
-                    return Ok(Increment::Counted(counted));
-                }
-                Found::Pending(pending) => {
-                    check_amount(&unknown, pending.amount())?;
-                    return Ok(self.complete(pending).await.into());
-                }
-                Found::Absent => {}
+            if let Some(settled) = self.settle_found(&unknown, found).await {
+                return settled;
             }
             let age = unknown.token().age(SystemTime::now());
             if age >= self.retry_horizon {
@@ -319,7 +329,21 @@ impl Counters {
                 // The token turned older than the horizon while step 1 was
                 // being sent: refused, as above.
                 Added::No(cause @ Error::RetryHorizonExceeded { .. }) => return Err(cause),
-                Added::No(cause) => return Ok(not_counted(key, entry, cause)),
+                Added::No(cause) => {
+                    let unknown = UnknownToken {
+                        key,
+                        entry,
+                        cause: Some(cause),
+                    };
+                    let found = self.lookup(unknown.key.clone(), unknown.token()).await;
+                    return match found {
+                        Ok(found) => match self.settle_found(&unknown, found).await {
+                            Some(settled) => settled,
+                            None => Ok(Increment::Unknown(unknown)),
+                        },
+                        Err(_) => Ok(Increment::Unknown(unknown)),
+                    };
+                }
                 Added::Unknown(cause) => {
                     return Ok(Increment::Unknown(UnknownToken {
                         key,
@@ -337,6 +361,26 @@ impl Counters {
             }
         }
         Ok(Increment::Unknown(unknown))
+    }
+
+    /// Settles `unknown` from what its document shows: counted when a settle
+    /// counted it (its marker), step 2 when it is pending; `None` when the
+    /// document shows neither. Another amount than the ticket's is refused.
+    async fn settle_found(
+        &self,
+        unknown: &UnknownToken,
+        found: Found,
+    ) -> Option<Result<Increment, Error>> {
+        Some(match found {
+            Found::Settled(counted) => {
+                check_amount(unknown, counted.amount()).map(|()| Increment::Counted(counted))
+            }
+            Found::Pending(pending) => match check_amount(unknown, pending.amount()) {
+                Ok(()) => Ok(self.complete(pending).await.into()),
+                Err(err) => Err(err),
+            },
+            Found::Absent => return None,
+        })
     }
 
     /// Looks `token` up in the counter `key`'s pending entries, in either

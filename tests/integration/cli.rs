@@ -154,7 +154,7 @@ async fn check_config_and_run_refuse_the_same_configurations() {
             "log.level: ",
         ),
         (views.clone(), vec![("RUST_LOG", "inof")], "RUST_LOG: "),
-        // The defaults: retry horizon 60s + attempt 60s.
+        // The defaults: retry horizon 3m + attempt 60s.
         (
             format!("{views}[reconcile]\ngrace = \"90s\"\n"),
             vec![],
@@ -333,6 +333,27 @@ async fn incr_by_5_lost_twice(ctx: &TestContext, path: &str, json_output: bool) 
     tallyd(&args, &[]).await
 }
 
+/// `tallyd resume k TOKEN --collection views` with the config at `path`.
+fn resume_k<'a>(path: &'a str, token: &'a str) -> Vec<&'a str> {
+    vec![
+        "--config",
+        path,
+        "resume",
+        "k",
+        token,
+        "--collection",
+        "views",
+    ]
+}
+
+/// A token made `seconds` ago, as the CLI takes it.
+fn token_aged(seconds: u64) -> String {
+    tally::Token::created_at_time(
+        std::time::SystemTime::now() - std::time::Duration::from_secs(seconds),
+    )
+    .to_string()
+}
+
 /// `tallyd incr` shuts its MongoDB client down in order before it exits.
 /// Without that, the driver's session clean-up raced the runtime's shutdown
 /// and panicked after a correct outcome in about 0.75% of runs (15 of 2,000
@@ -394,6 +415,33 @@ async fn an_unknown_incr_by_5_says_5_and_its_hint_counts_5() {
     );
     let client = ctx.client(false).await;
     assert_eq!(counter(&client.collection("views"), "k").await, 5);
+}
+
+/// A `resume` that cannot read the document hands the ticket back as
+/// unknown; for a token already past the retry horizon it says so — counted
+/// at most once, exit 1: nothing is left to do — and never prints a
+/// `resume` hint that could only be refused.
+#[tokio::test]
+async fn an_unknown_token_past_the_horizon_gets_no_resume_hint() {
+    let ctx = TestContext::new("cli_unknown_past_horizon").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let old = token_aged(3600);
+    let args = resume_k(&path, &old);
+    let output = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 4 }),
+            doc! { "failCommands": ["find"], "errorCode": 2 },
+        )
+        .await;
+        tallyd(&args, &[]).await
+    };
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let shown = text(&output);
+    assert!(shown.starts_with("unknown: "), "{shown}");
+    assert!(!shown.contains("tallyd resume"), "{shown}");
+    assert!(shown.contains("counted at most once"), "{shown}");
 }
 
 #[tokio::test]
@@ -475,24 +523,10 @@ async fn resume_refuses_past_the_horizon_and_settles_within_it() {
     let ctx = TestContext::new("cli_resume").await;
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-    let old = tally::Token::created_at_time(
-        std::time::SystemTime::now() - std::time::Duration::from_secs(600),
-    )
-    .to_string();
-    let output = tallyd(
-        &[
-            "--config",
-            &path,
-            "resume",
-            "k",
-            &old,
-            "--collection",
-            "views",
-            "--json",
-        ],
-        &[],
-    )
-    .await;
+    let old = token_aged(600);
+    let mut args = resume_k(&path, &old);
+    args.push("--json");
+    let output = tallyd(&args, &[]).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     assert_eq!(json(&output)["outcome"], "refused");
 

@@ -266,6 +266,8 @@ pub struct Sent {
     pub update_ops: Vec<String>,
     /// The command's `writeConcern`, as sent.
     pub write_concern: Option<Document>,
+    /// The mode of the command's `$readPreference`, as sent.
+    pub read_preference: Option<String>,
 }
 
 /// Every command a client started, in order.
@@ -293,6 +295,12 @@ impl CommandLog {
                     name: started.command_name.clone(),
                     update_ops,
                     write_concern: started.command.get_document("writeConcern").ok().cloned(),
+                    read_preference: started
+                        .command
+                        .get_document("$readPreference")
+                        .ok()
+                        .and_then(|p| p.get_str("mode").ok())
+                        .map(str::to_owned),
                 });
             }
         })

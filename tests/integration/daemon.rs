@@ -46,9 +46,9 @@ impl Conf {
         }
     }
 
-    /// The config file: collection `views`, grace 7 s, retry horizon 2 s,
-    /// attempts bounded by 4 s (the grace must outlast the horizon plus one
-    /// attempt).
+    /// The config file: collection `views`, grace 10 s, retry horizon 6 s,
+    /// attempts bounded by 3 s (the horizon must hold two attempts, the
+    /// grace must outlast the horizon plus one attempt).
     pub(crate) fn render(&self, uri: &str, database: &str) -> String {
         format!(
             r#"
@@ -56,13 +56,13 @@ impl Conf {
 uri = "{uri}"
 database = "{database}"
 server_selection_timeout = "2s"
-attempt_timeout = "4s"
+attempt_timeout = "3s"
 [[collections]]
 name = "views"
 [writer]
-retry_horizon = "2s"
+retry_horizon = "6s"
 [reconcile]
-grace = "7s"
+grace = "10s"
 batch_size = 10
 [schedule]
 cron = "{cron}"
@@ -82,9 +82,9 @@ scan_interval = "10m"
     }
 }
 
-/// The alerts section most tests use: tokens stuck after 7 s (the grace:
+/// The alerts section most tests use: tokens stuck after 10 s (the grace:
 /// no shorter).
-const ALERTS: &str = "[alerts]\nstuck_after = \"7s\"\n";
+const ALERTS: &str = "[alerts]\nstuck_after = \"10s\"\n";
 
 fn start(ctx: &TestContext, conf: &Conf) -> Tallyd {
     let mut text = conf.render(&ctx.child_uri(false), &ctx.db_name);
@@ -643,8 +643,8 @@ async fn the_status_command_shows_pending_stuck_and_malformed() {
     let dir = tempfile::tempdir().unwrap();
     let config = ctx.config_toml(
         false,
-        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"3m\"\n\
-         [alerts]\nstuck_after = \"3m\"",
+        "[[collections]]\nname = \"views\"\n[reconcile]\ngrace = \"5m\"\n\
+         [alerts]\nstuck_after = \"5m\"",
     );
     let path = crate::cli::write_config(dir.path(), &config);
     let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
@@ -673,7 +673,7 @@ async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
     let views = ctx.client(false).await.collection("views");
     let receiver = crate::common::receiver::Receiver::start(2).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"7s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
+        "[alerts]\nstuck_after = \"10s\"\nrepair = true\n[alerts.webhook]\nurl = \"http://{}/hook\"\n\
          auth_header_env = \"HOOK_TOKEN\"\nmax_attempts = 10\n",
         receiver.addr
     );
@@ -1387,7 +1387,7 @@ async fn sample_ids_show_document_ids_as_they_are() {
     }
     let receiver = crate::common::receiver::Receiver::start(0).await;
     let alerts = format!(
-        "[alerts]\nstuck_after = \"7s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+        "[alerts]\nstuck_after = \"10s\"\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
         receiver.addr
     );
     let conf = Conf {
@@ -1430,7 +1430,7 @@ async fn sample_ids_show_document_ids_as_they_are() {
 /// readiness probe (`tally_clock_skew_seconds`) and fires `clock_skew` for
 /// each collection whose margin (`grace − retry_horizon − attempt_timeout`)
 /// the skew uses more than half of: with the clock moved 10 minutes back
-/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 7 s: a 1 s
+/// (`TALLYD_CLOCK_OFFSET`, a testing aid), `views` (grace 10 s: a 1 s
 /// margin) fires, `clicks` (grace 60 m) does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
@@ -1469,7 +1469,7 @@ async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
     assert!((599..=601).contains(&seconds), "{firing}");
     let detail = firing["detail"].as_str().unwrap();
     assert!(
-        detail.contains("behind") && detail.contains("grace 7s"),
+        detail.contains("behind") && detail.contains("grace 10s"),
         "{detail}"
     );
     let skew = daemon.metric("tally_clock_skew_seconds").await.unwrap();
@@ -1487,4 +1487,129 @@ async fn a_clock_skew_past_half_the_margin_fires_clock_skew() {
     assert_eq!(daemon.metric(&firing_for("views")).await, Some(1.0));
     assert_eq!(daemon.metric(&firing_for("clicks")).await, Some(0.0));
     assert!(daemon.log().contains("clock_skew"), "{}", daemon.log());
+}
+
+/// `[alerts] max_lanes`: a lane map larger than it fires `lanes_too_many`
+/// through the webhook with the document's id, and resolves once the map
+/// shrinks; the lane gauges follow every change the stream brings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_lane_maps_alert_and_show_in_the_lane_metrics() {
+    let ctx = TestContext::new("daemon_lanes").await;
+    let views = ctx.client(false).await.collection("views");
+    let receiver = crate::common::receiver::Receiver::start(0).await;
+    let conf = Conf {
+        extra: format!(
+            "[alerts]\nstuck_after = \"7s\"\nmax_lanes = 3\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+            receiver.addr
+        ),
+        ..Conf::idle()
+    };
+    let daemon = start(&ctx, &conf);
+    daemon.wait_ready("active", LONG).await;
+    let (a, b) = (ObjectId::new().to_hex(), ObjectId::new().to_hex());
+    views
+        .insert_many(vec![
+            doc! { "_id": 1, "counter": 5i64, "lanes": {
+            "orders:0": 10i64, "orders:1": 11i64, "orders:2": 12i64, &a: 1i64, &b: 2i64 } },
+            doc! { "_id": 2, "counter": 2i64, "lanes": { &a: 3i64, &b: 1i64 } },
+            doc! { "_id": 3, "counter": 1i64, "pending": [ObjectId::new()] },
+        ])
+        .await
+        .unwrap();
+    let gauges = |documents: f64, entries: f64, largest: f64| {
+        let daemon = &daemon;
+        async move {
+            daemon
+                .metric("tally_lane_documents{collection=\"views\"}")
+                .await
+                == Some(documents)
+                && daemon
+                    .metric("tally_lane_entries{collection=\"views\"}")
+                    .await
+                    == Some(entries)
+                && daemon
+                    .metric("tally_largest_lane_map{collection=\"views\"}")
+                    .await
+                    == Some(largest)
+        }
+    };
+    wait_until("the lane gauges", LONG, || gauges(2.0, 7.0, 5.0)).await;
+    wait_until("lanes_too_many fired", LONG, || async {
+        !receiver.delivered().is_empty()
+    })
+    .await;
+    let firing = &receiver.delivered()[0];
+    assert_eq!(firing["kind"], "lanes_too_many");
+    assert_eq!(firing["state"], "firing");
+    assert_eq!(firing["count"], 1);
+    assert_eq!(firing["sample_ids"], serde_json::json!(["1"]));
+
+    views
+        .update_one(
+            doc! { "_id": 1 },
+            doc! { "$unset": { "lanes.orders:0": "", "lanes.orders:1": "" } },
+        )
+        .await
+        .unwrap();
+    wait_until("the lane gauges after the update", LONG, || {
+        gauges(2.0, 5.0, 3.0)
+    })
+    .await;
+    wait_until("lanes_too_many resolved", LONG, || async {
+        receiver.delivered().len() >= 2
+    })
+    .await;
+    let resolved = &receiver.delivered()[1];
+    assert_eq!(
+        (&resolved["kind"], &resolved["state"]),
+        (
+            &serde_json::json!("lanes_too_many"),
+            &serde_json::json!("resolved")
+        )
+    );
+    assert_eq!(receiver.delivered().len(), 2, "{:?}", receiver.delivered());
+}
+
+/// `tallyd status` shows per collection the documents with lanes, their
+/// entries, the largest map, and every named lane with its highest
+/// position (named lanes are never pruned: operators must see them).
+#[tokio::test]
+async fn the_status_command_shows_lanes_and_named_lanes() {
+    let ctx = TestContext::new("cli_status_lanes").await;
+    let views = ctx.client(false).await.collection("views");
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(48 * 3600))
+        .object_id()
+        .to_hex();
+    views
+        .insert_many(vec![
+            doc! { "_id": 1, "counter": 1i64, "lanes": { "orders:0": 7i64, &old: 1i64 } },
+            doc! { "_id": 2, "counter": 1i64, "lanes": { "orders:0": 9i64, "orders:1": 0i64 } },
+            doc! { "_id": 3, "counter": 1i64, "lanes": { ObjectId::new().to_hex(): 4i64 } },
+            doc! { "_id": 4, "counter": 1i64, "lanes": [1] },
+        ])
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = ctx.config_toml(false, "[[collections]]\nname = \"views\"");
+    let path = crate::cli::write_config(dir.path(), &config);
+    let output = crate::cli::tallyd(&["--config", &path, "status", "--json"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let out: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let views = &out["collections"][0];
+    assert_eq!(views["documents_with_lanes"], 3);
+    assert_eq!(views["lane_entries"], 5);
+    assert_eq!(views["largest_lane_map"], 2);
+    assert_eq!(views["named_lane_entries"], 3);
+    assert_eq!(
+        views["named_lanes"],
+        serde_json::json!({ "orders:0": 9, "orders:1": 0 })
+    );
+    assert_eq!(views["named_lanes_truncated"], false);
+    assert_eq!(views["malformed"], 1, "the lane map that is an array");
+    let text = crate::cli::tallyd(&["--config", &path, "status"], &[]).await;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("named lanes (never pruned)") && text.contains("\"orders:0\"  9"),
+        "{text}"
+    );
 }

@@ -356,7 +356,7 @@ async fn resume_past_the_horizon_refuses_and_writes_nothing() {
     let ctx = TestContext::new("resume_past_horizon").await;
     let client = ctx.client(false).await;
     let views = counters(&client, "views");
-    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(600));
     let unknown = UnknownToken::new("k", old, 1).unwrap();
     client.events.clear();
     let err = views.resume(unknown).await.expect_err("must refuse");
@@ -379,7 +379,7 @@ async fn resume_past_the_horizon_still_completes_a_token_that_is_there() {
     let client = ctx.client(false).await;
     let views = counters(&client, "views");
     let coll = client.collection("views");
-    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(120));
+    let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(600));
     coll.insert_one(
         doc! { "_id": "k", "counter": 10i64, "pending": [{ "t": old.object_id(), "n": 3i64 }] },
     )
@@ -590,30 +590,7 @@ async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
         .unwrap();
     assert_eq!(id, 1);
     // The fold's batch command goes through `run_command`.
-    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
-    ctx.client(false)
-        .await
-        .collection("views")
-        .update_one(
-            doc! { "_id": "f" },
-            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
-        )
-        .upsert(true)
-        .await
-        .unwrap();
-    let target = tally::FoldTarget {
-        spec: CollectionConfig::new("views"),
-        grace: Duration::from_secs(60),
-        batch_size: 100,
-    };
-    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
-    assert_eq!(
-        (
-            run.error.as_ref().map(ToString::to_string),
-            run.tokens_folded
-        ),
-        (None, 1)
-    );
+    fold_one_stale_token(&ctx, &store).await;
 
     let writes: Vec<_> = client
         .events
@@ -635,6 +612,35 @@ async fn every_write_uses_write_concern_majority_even_when_the_uri_says_w1() {
             sent.name
         );
     }
+}
+
+/// Writes a stale token into `views` document `f` (directly) and folds it
+/// through `store`.
+async fn fold_one_stale_token(ctx: &TestContext, store: &tally::Store) {
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    ctx.client(false)
+        .await
+        .collection("views")
+        .update_one(
+            doc! { "_id": "f" },
+            doc! { "$set": { "counter": 1i64, "pending": [stale.object_id()] } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let target = tally::FoldTarget {
+        spec: CollectionConfig::new("views"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let run = crate::common::run_reconcile(store, &target, tally::Mode::Fold).await;
+    assert_eq!(
+        (
+            run.error.as_ref().map(ToString::to_string),
+            run.tokens_folded
+        ),
+        (None, 1)
+    );
 }
 
 /// A server nobody answers is an outage, not a lost reply: the increment is
@@ -842,4 +848,96 @@ async fn a_double_counter_is_counted_only_while_it_stays_below_2_53() {
     assert_eq!(value("below").await, Some(Bson::Double(two_53 - 1.0)));
     assert_counted(&views.increment("legacy", 5).await);
     assert_eq!(value("legacy").await, Some(Bson::Double(5.0)));
+}
+
+/// A step 1 whose attempt runs out of time is retried — the retry horizon
+/// is always at least two attempts — so it is counted exactly once, or
+/// comes back `Unknown` young enough to resume. Found by the adversarial
+/// review of issue 11 (finding B): with the defaults of then (both 60 s,
+/// here scaled to 3 s) the token was at the horizon when its attempt timed
+/// out, so the retry was never sent and `resume` refused: a black-holed
+/// request lost the count although the caller did what the API asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_step_1_is_retried_or_resumed_when_the_horizon_is_one_attempt() {
+    let ctx = TestContext::new("timeout_at_horizon").await;
+    let client = ctx
+        .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
+        .await;
+    let attempt = Duration::from_secs(3);
+    let store = client.store().with_attempt_timeout(attempt);
+    let views = Counters::new(
+        &store,
+        CollectionConfig::new("views"),
+        WriterConfig {
+            retry_horizon: attempt,
+            ..WriterConfig::default()
+        },
+    );
+    // Step 1's first attempt hangs past the attempt bound and never
+    // executes (a black-holed request).
+    let fail = FailPoint::set(
+        &ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 5000,
+        "errorCode": 2 },
+    )
+    .await;
+    let outcome = views.increment("home", 1).await;
+    drop(fail);
+    let outcome = match outcome {
+        Increment::Unknown(unknown) => {
+            let age = unknown.token().age(SystemTime::now());
+            // The caller resumes at once, as told.
+            views
+                .resume(unknown)
+                .await
+                .unwrap_or_else(|err| panic!("resume of a ticket {age:?} old: {err}"))
+        }
+        other => other,
+    };
+    assert_counted(&outcome);
+    assert_eq!(counter(&client.collection("views"), "home").await, 1);
+}
+
+/// Every read tally makes goes to the primary, also when the URI prefers
+/// secondaries: a lagging secondary could miss a settle marker a `resume`
+/// must see, or show a value older than a `Counted` the caller was given.
+/// (On a direct connection the driver sends `primary` as
+/// `primaryPreferred`, which a single node serves alike.)
+#[tokio::test]
+async fn reads_go_to_the_primary_even_when_the_uri_prefers_secondaries() {
+    let ctx = TestContext::new("reads_primary").await;
+    let client = ctx
+        .client_with_uri_options("readPreference=secondaryPreferred", false)
+        .await;
+    let store = client.store();
+    let views = counters(&client, "views");
+    assert_counted(&views.increment("k", 1).await);
+    assert_eq!(views.value("k").await.unwrap(), Some(Bson::Int64(1)));
+    let unknown = UnknownToken::new("k", Token::new(), 1).unwrap();
+    assert_counted(&views.resume(unknown).await.unwrap());
+    let seats = tally::BoundedCounters::new(&store, tally::BoundedConfig::new("seats"));
+    assert!(seats.create("show", 2).await.unwrap());
+    assert_eq!(seats.available("show").await.unwrap(), Some(2));
+    fold_one_stale_token(&ctx, &store).await;
+
+    let reads: Vec<_> = client
+        .events
+        .sent()
+        .into_iter()
+        .filter(|s| ["find", "aggregate", "count", "distinct"].contains(&s.name.as_str()))
+        .collect();
+    // The value, the resume's lookup, the available units, the fold's reads.
+    assert!(reads.len() >= 4, "{reads:?}");
+    for sent in &reads {
+        assert!(
+            matches!(
+                sent.read_preference.as_deref(),
+                None | Some("primary" | "primaryPreferred")
+            ),
+            "{} was sent with read preference {:?}",
+            sent.name,
+            sent.read_preference
+        );
+    }
 }

@@ -108,7 +108,11 @@ fn alert_rules_use_only_metrics_the_daemon_exports() {
     let rules = read("config/alerts.yml");
     let metrics = exported_metrics();
     let used = tally_identifiers(&rules);
-    for expected in ["tally_stuck_tokens", "tally_fold_refused_documents"] {
+    for expected in [
+        "tally_stuck_tokens",
+        "tally_fold_refused_documents",
+        "tally_largest_lane_map",
+    ] {
         assert!(used.contains(expected), "no rule uses {expected}: {used:?}");
     }
     let unknown: Vec<&String> = used.difference(&metrics).collect();
@@ -175,8 +179,9 @@ fn the_dashboard_queries_exactly_the_metrics_the_daemon_exports() {
     );
 }
 
-#[test]
-fn every_alert_rule_has_a_duration_a_severity_and_instructions() {
+/// Every rule of `config/alerts.yml`: its name and the lines after it,
+/// trimmed.
+fn alert_rules() -> Vec<(String, String)> {
     let rules = read("config/alerts.yml");
     let mut alerts: Vec<(String, String)> = Vec::new();
     for line in rules.lines() {
@@ -188,6 +193,42 @@ fn every_alert_rule_has_a_duration_a_severity_and_instructions() {
             body.push('\n');
         }
     }
+    alerts
+}
+
+/// The rules that mirror a size limit of the daemon's own alerts fire past
+/// the same number as the daemon does by default (the value
+/// `config/tallyd.toml` shows): the largest pending array against
+/// `max_pending`, the largest lane map against `max_lanes`.
+#[test]
+fn size_alert_rules_use_the_daemons_default_limits() {
+    let example = read("config/tallyd.toml");
+    let rules = alert_rules();
+    for (metric, key) in [
+        ("tally_largest_pending", "max_pending"),
+        ("tally_largest_lane_map", "max_lanes"),
+    ] {
+        let default = example
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+            .unwrap_or_else(|| panic!("config/tallyd.toml sets no {key}"))
+            .trim();
+        let (name, body) = rules
+            .iter()
+            .find(|(_, body)| tally_identifiers(body).contains(metric))
+            .unwrap_or_else(|| panic!("no rule on {metric}"));
+        let threshold = body
+            .lines()
+            .find_map(|l| l.strip_prefix(") > "))
+            .unwrap_or_else(|| panic!("rule {name} has no `) > N` threshold"))
+            .trim();
+        assert_eq!(threshold, default, "rule {name} against [alerts] {key}");
+    }
+}
+
+#[test]
+fn every_alert_rule_has_a_duration_a_severity_and_instructions() {
+    let alerts = alert_rules();
     assert!(alerts.len() >= 10, "{alerts:?}");
     let names: BTreeSet<&str> = alerts.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.len(), alerts.len(), "duplicate alert names");

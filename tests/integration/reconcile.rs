@@ -1402,7 +1402,7 @@ async fn rival_views(ctx: &TestContext) -> (Store, Counters) {
 /// for `hold` before it executes, and returns once that update was sent:
 /// what a test does meanwhile happens between the fold's read and its
 /// write. The fail point is switched off when the guard is dropped.
-async fn fold_held_on_the_server(
+pub(crate) async fn fold_held_on_the_server(
     ctx: &TestContext,
     client: &TestClient,
     now: SystemTime,
@@ -1527,7 +1527,10 @@ async fn a_token_split_across_fold_statements_is_counted_once_when_a_writer_chan
     let statements = tally::reconcile::statement::statements(
         &CollectionConfig::new("views"),
         &document,
-        Token::cutoff(now - GRACE),
+        tally::reconcile::model::Cutoffs {
+            tokens: Token::cutoff(now - GRACE),
+            lanes: Token::cutoff(now - GRACE),
+        },
     )
     .unwrap();
     assert_eq!(statements.len(), 2, "split in two stretches");

@@ -14,7 +14,7 @@ use futures::future::join_all;
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
 use serde_json::Value;
-use tally::Token;
+use tally::{CollectionConfig, Counters, Increment, Token, UnknownToken, WriterConfig};
 
 use crate::cli::{json, tallyd, text, write_config};
 use crate::common::{FailPoint, TestContext, counter, field};
@@ -229,4 +229,99 @@ async fn a_delayed_original_step_1_never_makes_a_settle_count_again() {
     let completed = cli.run("complete", "k", token, None).await;
     assert_counted_once(&[resumed, again, completed], 3);
     assert_eq!(counter(&views, "k").await, 3);
+}
+
+/// `views` on `client`.
+fn counters(client: &crate::common::TestClient) -> Counters {
+    Counters::new(
+        &client.store(),
+        CollectionConfig::new("views"),
+        WriterConfig::default(),
+    )
+}
+
+/// Runs `settle` with its first update held for 2 s and then refused
+/// (error 2, BadValue); while it is held, `other` (another host) counts the
+/// same ticket, and must say it counted it.
+async fn refused_while_another_host_counts<T: Send + 'static>(
+    ctx: &TestContext,
+    here: &crate::common::TestClient,
+    settle: impl Future<Output = T> + Send + 'static,
+    other: impl Future<Output = Increment>,
+) -> T {
+    let _fail = FailPoint::set(
+        ctx,
+        Bson::Document(doc! { "times": 1 }),
+        doc! { "failCommands": ["update"], "blockConnection": true, "blockTimeMS": 2000,
+        "errorCode": 2 },
+    )
+    .await;
+    let held = tokio::spawn(settle);
+    crate::common::wait_until(
+        "this host's update sent",
+        std::time::Duration::from_secs(10),
+        || async { here.events.count("update") >= 1 },
+    )
+    .await;
+    let counted = other.await;
+    assert!(
+        matches!(&counted, Increment::Counted(c) if !c.settled_earlier()),
+        "{counted:?}"
+    );
+    held.await.unwrap()
+}
+
+fn assert_counted_earlier(outcome: &Increment, amount: i64) {
+    assert!(
+        matches!(outcome, Increment::Counted(c) if c.settled_earlier() && c.amount() == amount),
+        "{outcome:?}"
+    );
+}
+
+/// A `resume` whose own step 1 is refused (a command error) while another
+/// host's resume counts the same ticket says counted, settled earlier — not
+/// "not counted", which would invite the application to make the increment
+/// again. The refused step 1 applied nothing, but the document shows the
+/// ticket counted; without that a `resume` hands the ticket back as unknown
+/// (resume again later), never as not counted: another host, or the
+/// original step 1 held up in the network, may still add it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_whose_step_1_is_refused_while_another_host_counts_the_ticket_says_counted() {
+    let ctx = TestContext::new("settle_refused_resume").await;
+    let (here, there) = (ctx.client(false).await, ctx.client(false).await);
+    let token = Token::new();
+    let ticket = move || UnknownToken::new("k", token, 3).unwrap();
+    let views = counters(&here);
+    let resume = async move { views.resume(ticket()).await };
+    let other = async { counters(&there).resume(ticket()).await.unwrap() };
+    let outcome = refused_while_another_host_counts(&ctx, &here, resume, other).await;
+    assert_counted_earlier(&outcome.unwrap(), 3);
+    let coll = ctx.client(false).await.collection("views");
+    assert_eq!(counter(&coll, "k").await, 3);
+}
+
+/// A `complete` whose step 2 is refused while another host's `complete`
+/// counts the token says counted, settled earlier — not pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_whose_step_2_is_refused_while_another_host_counts_the_token_says_counted() {
+    let ctx = TestContext::new("settle_refused_complete").await;
+    let (here, there) = (ctx.client(false).await, ctx.client(false).await);
+    let coll = ctx.client(false).await.collection("views");
+    let token = Token::new();
+    coll.insert_one(doc! { "_id": "k", "counter": 0i64,
+    "pending": [{ "t": token.object_id(), "n": 3i64 }] })
+        .await
+        .unwrap();
+    let views = counters(&here);
+    let pending = views.find_pending("k", token).await.unwrap().unwrap();
+    here.events.clear();
+    let complete = async move { Increment::from(views.complete(pending).await) };
+    let other = async {
+        let there = counters(&there);
+        let pending = there.find_pending("k", token).await.unwrap().unwrap();
+        there.complete(pending).await.into()
+    };
+    let outcome = refused_while_another_host_counts(&ctx, &here, complete, other).await;
+    assert_counted_earlier(&outcome, 3);
+    assert_eq!(counter(&coll, "k").await, 3);
 }

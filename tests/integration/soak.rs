@@ -41,7 +41,7 @@ const ATTEMPT: Duration = Duration::from_secs(3);
 const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 const DELAY: Duration = Duration::from_secs(4);
 /// The writers' retry horizon, the same as the daemon's config says.
-const RETRY_HORIZON: Duration = Duration::from_secs(2);
+const RETRY_HORIZON: Duration = Duration::from_secs(6);
 /// The whole soak must finish within this.
 const BUDGET: Duration = Duration::from_secs(300);
 
@@ -99,8 +99,8 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
         })
         .collect();
 
-    // Folds every second, grace 7 s, retry horizon 2 s (as the writers'),
-    // more than the horizon plus the writers' 2 s attempts.
+    // Folds every second, grace 10 s, retry horizon 6 s (as the writers'),
+    // more than the horizon plus the writers' 3 s attempts.
     let config = Conf::default().render(&ctx.child_uri_through(&proxy, false), &ctx.db_name);
     let mut daemon = Tallyd::start(&config, &[]);
     daemon.wait_ready("active", Duration::from_secs(30)).await;

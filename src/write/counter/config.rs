@@ -17,12 +17,22 @@ pub(crate) const DEFAULT_SETTLED_FIELD: &str = "settled";
 /// Default name of the field holding a counter's lane map.
 pub(crate) const DEFAULT_LANES_FIELD: &str = "lanes";
 
-/// Default retry horizon.
-pub(crate) const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(60);
+/// Default retry horizon: three attempts of the default attempt bound
+/// (60s), room for a step 1, its retry and a `resume`.
+pub(crate) const DEFAULT_RETRY_HORIZON: Duration = Duration::from_secs(180);
 /// The shortest retry horizon: a token's timestamp has one-second
 /// resolution, so a fresh token may already look a second old. The daemon's
 /// configuration refuses less; the library raises less to it.
 pub(crate) const MIN_RETRY_HORIZON: Duration = Duration::from_secs(2);
+
+/// The shortest retry horizon that works with attempts bounded by
+/// `attempt_timeout`: [`MIN_RETRY_HORIZON`], and two attempts. A step 1
+/// whose attempt runs out of time is one attempt old when its retry is due;
+/// with a shorter horizon the retry would never be sent and `resume` would
+/// refuse at once, losing a count the caller did everything to keep.
+pub(crate) fn least_retry_horizon(attempt_timeout: Duration) -> Duration {
+    MIN_RETRY_HORIZON.max(attempt_timeout.saturating_mul(2))
+}
 
 /// A counter collection and its field names (in the daemon's configuration,
 /// one `[[collections]]` entry).
@@ -160,10 +170,11 @@ impl Protocol {
 pub struct WriterConfig {
     /// Step 1 of an increment is never (re)sent for a token older than this,
     /// so a token can never be re-added after the daemon may have folded it.
-    /// Must stay below the daemon's `grace`. At least 2s: [`Counters::new`]
-    /// raises a shorter one to 2s (a token's time has one-second
-    /// resolution, so with less every increment would be refused). Default:
-    /// 60s.
+    /// Must stay below the daemon's `grace` by one attempt. At least two
+    /// attempts (the store's attempt timeout) and 2s: [`Counters::new`]
+    /// raises a shorter one (with less, a step 1 whose attempt timed out
+    /// could be neither retried nor resumed; and a token's time has
+    /// one-second resolution). Default: 3m.
     ///
     /// [`Counters::new`]: super::Counters::new
     #[serde(serialize_with = "serialize_duration")]
