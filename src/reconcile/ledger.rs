@@ -16,7 +16,10 @@
 //!    number `s`. Two daemons claim disjoint events. A claim whose reply is
 //!    lost is sent again with the same ids, batch and number; once one is
 //!    confirmed, every id of the list is claimed by someone, so a copy of
-//!    an earlier attempt delayed in the network changes nothing.
+//!    an earlier attempt delayed in the network changes nothing. The ids
+//!    are written first in the batch's intent, from which recovery claims
+//!    them itself before summing an unconfirmed batch (see the `intent` module's
+//!    docs: the race this closes).
 //! 3. **Sum** on the server: `$match {"c.b": b}` → `$group` by counter →
 //!    `$sum` of the amounts.
 //! 4. **Apply** each counter's sum through the lane `(l, s)` with the lanes
@@ -45,6 +48,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
+mod intent;
 mod query;
 mod reconciler;
 
@@ -108,6 +112,18 @@ pub struct ClaimedBatch {
     pub number: i64,
 }
 
+impl ClaimedBatch {
+    /// The batch of a row `{_id: b, l: <lane hex>, s: <number>}` (a claim
+    /// grouped by batch, or an intent); `None` when malformed.
+    fn of_row(row: &Document) -> Option<Self> {
+        Some(Self {
+            id: row.get_object_id("_id").ok()?,
+            lane: ObjectId::parse_str(row.get_str("l").ok()?).ok()?,
+            number: row.get("s").and_then(integer_value)?,
+        })
+    }
+}
+
 /// One counter's share of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CounterSum {
@@ -160,6 +176,7 @@ pub struct EventFold {
     store: Store,
     events: Collection<Document>,
     events_name: String,
+    intents: Collection<Document>,
     counters: Counters,
     settings: EventFoldSettings,
     started: SystemTime,
@@ -173,6 +190,7 @@ impl EventFold {
         Self {
             store: store.clone(),
             events: store.collection(&events_name),
+            intents: store.collection(&intent::collection_name(&events_name)),
             events_name,
             counters: Counters::new(store, spec, WriterConfig::default()),
             settings,
@@ -232,7 +250,13 @@ impl EventFold {
                     return Err(err);
                 }
             }
-            match self.mark(&batch, now).await {
+            let marked = match self.mark(&batch, now).await {
+                Ok(marked) => intent::remove(&self.store, &self.intents, batch.id)
+                    .await
+                    .map(|()| marked),
+                Err(err) => Err(err),
+            };
+            match marked {
                 Ok(marked) => run.events_folded += marked,
                 Err(err) => {
                     state.abandoned.insert(batch.id);
@@ -267,7 +291,7 @@ impl EventFold {
         let started = secs(self.started);
         let timed_out =
             secs(SystemTime::now()).saturating_sub(self.settings.claim_timeout.as_secs());
-        for batch in self.unfinished().await? {
+        for (batch, ids) in self.unfinished().await? {
             let claimed =
                 u64::try_from(batch.id.timestamp().timestamp_millis() / 1000).unwrap_or(0);
             let ours_live = claimed > started && claimed > timed_out;
@@ -281,9 +305,21 @@ impl EventFold {
                 number = batch.number,
                 "recovering an unfinished fold batch"
             );
-            let sums = self.sum(&batch).await?;
-            run.counters_written += self.apply(&batch, &sums, true).await?;
-            run.events_folded += self.mark(&batch, now).await?;
+            if let Some(ids) = &ids {
+                // Fixes the batch's events: no copy of its claim, however
+                // late, adds one from now on.
+                intent::claim(&self.store, &self.events, &batch, ids).await?;
+            }
+            // A batch with every event marked was applied in full: applied
+            // again, a lane entry pruned meanwhile would count it twice.
+            if self.open(&batch).await? > 0 {
+                let sums = self.sum(&batch).await?;
+                run.counters_written += self.apply(&batch, &sums, true).await?;
+                run.events_folded += self.mark(&batch, now).await?;
+            }
+            if ids.is_some() {
+                intent::remove(&self.store, &self.intents, batch.id).await?;
+            }
             state.abandoned.remove(&batch.id);
             run.batches += 1;
             run.recovered += 1;
@@ -332,29 +368,20 @@ impl EventFold {
             lane,
             number,
         };
-        let claim_filter = doc! {
-            "_id": { "$in": ids },
-            field::CLAIM: { "$exists": false },
-            field::FOLDED: { "$exists": false },
+        // The intent first: recovery needs the ids to fix the batch's
+        // events whatever becomes of the claim (see `intent`).
+        let claimed = match intent::write(&self.store, &self.intents, &batch, &ids).await {
+            Ok(()) => intent::claim(&self.store, &self.events, &batch, &ids).await,
+            Err(err) => Err(err),
         };
-        let claim = doc! { "$set": { field::CLAIM: {
-            "b": batch.id, "l": lane.to_hex(), "s": number,
-        } } };
-        let mut budget = RetryBudget::retry_once("ledger.fold.claim", false);
-        let claimed = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events.update_many(claim_filter.clone(), claim.clone())
-            })
-            .await;
         match claimed {
-            Ok(_) => Ok(Some(batch)),
-            Err(failure) => {
+            Ok(()) => Ok(Some(batch)),
+            Err(err) => {
                 // Unconfirmed: events may carry this claim, or may still
                 // get it. Recovery finishes whatever does, with this lane
                 // and number, which nothing else will use.
                 state.lane = None;
-                Err(Error::Server(failure))
+                Err(err)
             }
         }
     }
@@ -458,8 +485,33 @@ impl EventFold {
         backlog(&self.store, &self.events_name, now).await
     }
 
+    /// How many of the batch's events are not marked folded.
+    async fn open(&self, batch: &ClaimedBatch) -> Result<u64, Error> {
+        let filter = doc! { field::BATCH: batch.id, field::FOLDED: { "$exists": false } };
+        let mut budget = RetryBudget::read_once("ledger.fold.open");
+        self.store
+            .with_retry(&mut budget, || self.events.count_documents(filter.clone()))
+            .await
+            .map_err(Error::Server)
+    }
+
+    /// The batches left to finish, oldest first: every intent (with its
+    /// ids), and every claimed, unfolded batch without one.
+    async fn unfinished(&self) -> Result<Vec<(ClaimedBatch, Option<Vec<Bson>>)>, Error> {
+        let mut all: std::collections::BTreeMap<ObjectId, (ClaimedBatch, Option<Vec<Bson>>)> = self
+            .claimed()
+            .await?
+            .into_iter()
+            .map(|b| (b.id, (b, None)))
+            .collect();
+        for found in intent::all(&self.store, &self.intents).await? {
+            all.insert(found.batch.id, (found.batch, Some(found.ids)));
+        }
+        Ok(all.into_values().collect())
+    }
+
     /// The claimed, unfolded batches, with their lanes and numbers.
-    async fn unfinished(&self) -> Result<Vec<ClaimedBatch>, Error> {
+    async fn claimed(&self) -> Result<Vec<ClaimedBatch>, Error> {
         let pipeline = vec![
             doc! { "$match": {
                 field::FOLDED: { "$exists": false },
@@ -476,18 +528,9 @@ impl EventFold {
         .await?;
         let mut batches = Vec::new();
         for row in rows {
-            let parsed = (
-                row.get_object_id("_id"),
-                row.get_str("l")
-                    .ok()
-                    .and_then(|l| ObjectId::parse_str(l).ok()),
-                row.get("s").and_then(integer_value),
-            );
-            match parsed {
-                (Ok(id), Some(lane), Some(number)) => {
-                    batches.push(ClaimedBatch { id, lane, number })
-                }
-                _ => tracing::warn!(
+            match ClaimedBatch::of_row(&row) {
+                Some(batch) => batches.push(batch),
+                None => tracing::warn!(
                     collection = %self.events_name,
                     claim = %row,
                     "an event's claim is malformed; left as it is"

@@ -17,7 +17,7 @@ use proptest::prelude::*;
 use tally::{CollectionConfig, Error, EventFold, EventFoldSettings, Ledger, Recording, Store};
 use tokio_util::sync::CancellationToken;
 
-use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+use crate::common::proxy::{Action, Proxy, Release, Rule, upstream_of};
 use crate::common::{FailPoint, TestContext, counter, field};
 
 const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -426,9 +426,13 @@ async fn a_batch_left_by_a_crash_is_finished_before_its_lane_could_be_pruned() {
     assert_eq!(counter(&client.collection("views"), "a").await, 5);
     assert_eq!(unfolded(&store, "views_events").await, 0);
     assert_eq!(ledger.value("a").await.unwrap().value, 5);
-    // The run pruned whatever it prunes after the batch was finished; the
-    // counter is still exact.
-    let _ = field(&client.collection("views"), "a", "lanes").await;
+    // The run did prune the fold lane's entry — after the batch was
+    // finished, so the counter is still exact.
+    assert_eq!(
+        run.lanes_pruned, 1,
+        "the expired fold lane's entry is pruned in the same run"
+    );
+    assert_eq!(field(&client.collection("views"), "a", "lanes").await, None);
 }
 
 /// Exact reads while the fold runs batch after batch: every read is at
@@ -491,4 +495,77 @@ async fn exact_reads_stay_exact_while_the_fold_runs() {
     assert!(reads > 20, "only {reads} reads");
     assert_eq!(counter(&client.collection("views"), "hot").await, 400);
     assert_eq!(ledger.value("hot").await.unwrap().value, 400);
+}
+
+/// A claim held up in the network past `claim_timeout`, landing after its
+/// batch was recovered. The fold's claim (an `updateMany`) is not atomic
+/// across events on MongoDB: an attempt interrupted part-way (a step-down)
+/// claims some of the ids, and the rest can be claimed by a copy that
+/// arrives later. Recovery must fix the batch's events before it sums them:
+/// an event joining the batch after the batch was applied would be marked
+/// folded by a no-op apply, and never counted.
+#[tokio::test]
+async fn a_claim_landing_after_its_batch_was_recovered_loses_no_event() {
+    let ctx = TestContext::new("ledger_held_claim").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+    assert_outcome(&ledger.record("e2", "a", 1).await, "recorded");
+
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let held = proxy.rule(
+        Rule::command("update")
+            .collection("views_events")
+            .then(Action::HoldRequest(Release::WhenReleased)),
+    );
+    let first = fold_of(&through.store(), "views", 10);
+    let failed = first
+        .fold(SystemTime::now(), &CancellationToken::new())
+        .await;
+    assert!(failed.is_err(), "every claim attempt is held: {failed:?}");
+    let claims = proxy.requests("update");
+    assert!(!claims.is_empty());
+    let claim = claims[0].body.get_array("updates").unwrap()[0]
+        .as_document()
+        .unwrap()
+        .get_document("u")
+        .unwrap()
+        .get_document("$set")
+        .unwrap()
+        .get_document("c")
+        .unwrap()
+        .clone();
+    // The part of an interrupted attempt that executed: e1 alone.
+    direct
+        .collection("views_events")
+        .update_one(doc! { "_id": "e1" }, doc! { "$set": { "c": claim } })
+        .await
+        .unwrap();
+    assert_eq!(ledger.value("a").await.unwrap().value, 2);
+
+    // Another process, past the claim timeout: recovers the batch.
+    let recovery = EventFold::new(
+        &store,
+        CollectionConfig::new("views"),
+        EventFoldSettings {
+            claim_timeout: Duration::ZERO,
+            ..EventFoldSettings::default()
+        },
+    );
+    recovery.recover(SystemTime::now()).await.expect("recover");
+    // The held claims land now.
+    drop(held);
+    let released = proxy.release_held().await;
+    assert!(!released.is_empty());
+    assert!(released.iter().all(|e| e.server_replied), "{released:?}");
+    fold_all(&recovery).await;
+    assert_eq!(unfolded(&store, "views_events").await, 0);
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        2,
+        "both events counted"
+    );
+    assert_eq!(ledger.value("a").await.unwrap().value, 2);
 }

@@ -66,8 +66,8 @@ pub(crate) async fn backlog(
     })
 }
 
-/// The fold lanes unfinished claims of the events collection `events`
-/// still need: a prune of counter lane entries must keep these, or a batch
+/// The fold lanes unfinished claims (and intents) of the events collection
+/// `events` still need: a prune of counter lane entries must keep these, or a batch
 /// recovered later would count twice.
 pub async fn claimed_lanes(store: &Store, events: &str) -> Result<Vec<String>, Error> {
     let coll = store.collection(events);
@@ -77,8 +77,18 @@ pub async fn claimed_lanes(store: &Store, events: &str) -> Result<Vec<String>, E
         .with_retry(&mut budget, || coll.distinct("c.l", filter.clone()))
         .await
         .map_err(Error::Server)?;
-    Ok(lanes
+    let intents = store.collection(&super::intent::collection_name(events));
+    let mut budget = RetryBudget::read_once("ledger.claimed_lanes");
+    let intended = store
+        .with_retry(&mut budget, || intents.distinct("l", doc! {}))
+        .await
+        .map_err(Error::Server)?;
+    let mut lanes: Vec<String> = lanes
         .into_iter()
+        .chain(intended)
         .filter_map(|l| l.as_str().map(str::to_owned))
-        .collect())
+        .collect();
+    lanes.sort();
+    lanes.dedup();
+    Ok(lanes)
 }
