@@ -72,6 +72,15 @@ pub struct Cli {
     pub(crate) command: Command,
 }
 
+/// `tallyd check-config`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CheckConfigArgs {
+    /// Also connect and say which indexes the configuration needs that are
+    /// missing (the ledgers' and the advised sparse ones).
+    #[arg(long)]
+    pub(crate) connect: bool,
+}
+
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
@@ -84,7 +93,9 @@ pub(crate) enum Command {
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what `run` would refuse.
-    CheckConfig,
+    /// With --connect, also connects and says which indexes are missing
+    /// (exit 1 when a ledger lacks one: the daemon would refuse to fold it).
+    CheckConfig(CheckConfigArgs),
     /// Connect with the configured URI and say, check by check, what is
     /// safe and what is not: topology, write concern, clock skew, indexes,
     /// privileges, change-stream history. Exits 1 when a check fails
@@ -174,7 +185,7 @@ impl Cli {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigErrors> {
         let config = Config::load(self.config.as_deref(), env)?;
-        if matches!(self.command, Command::Run | Command::CheckConfig) {
+        if matches!(self.command, Command::Run | Command::CheckConfig(_)) {
             config.check_daemon()?;
         }
         Ok(config)
@@ -186,10 +197,14 @@ impl Cli {
 pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     let clock = cli.clock();
     match cli.command {
-        Command::CheckConfig => {
+        Command::CheckConfig(args) => {
             print!("{}", config.to_redacted_toml());
             eprintln!("configuration is valid");
-            ExitCode::from(EXIT_OK)
+            if args.connect {
+                doctor::check_indexes(&config).await
+            } else {
+                ExitCode::from(EXIT_OK)
+            }
         }
         Command::Run => {
             // A reload reads the configuration again from where this did.

@@ -53,8 +53,49 @@ async fn setup_record_get_and_status_from_the_command_line() {
         text(&status)
     );
 
+    // check-config --connect and doctor say what is missing, and fail.
+    let checked = run(vec!["check-config", "--connect"]).await;
+    assert_eq!(checked.status.code(), Some(1), "{}", text(&checked));
+    let said = text(&checked);
+    assert!(
+        said.contains("fail  ledger_indexes (views_events): missing tally_events_folded")
+            && said.contains("run `tallyd setup`"),
+        "{said}"
+    );
+    let plain = run(vec!["check-config"]).await;
+    assert_eq!(
+        plain.status.code(),
+        Some(0),
+        "no connection without --connect"
+    );
+    let doctor = run(vec!["doctor", "--json"]).await;
+    assert_eq!(doctor.status.code(), Some(1), "{}", text(&doctor));
+    let ledger_check = json(&doctor)["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "ledger_indexes")
+        .cloned()
+        .unwrap_or_else(|| panic!("no ledger check: {}", text(&doctor)));
+    assert_eq!(ledger_check["verdict"], "fail", "{ledger_check}");
+    assert_eq!(ledger_check["collection"], "views_events");
+
     let setup = run(vec!["setup"]).await;
     assert_eq!(setup.status.code(), Some(0), "{}", text(&setup));
+    let checked = run(vec!["check-config", "--connect"]).await;
+    assert_eq!(checked.status.code(), Some(0), "{}", text(&checked));
+    assert!(
+        text(&checked).contains("ok    ledger_indexes (views_events)"),
+        "{}",
+        text(&checked)
+    );
+    let doctor = run(vec!["doctor", "--json"]).await;
+    let fine = json(&doctor)["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["name"] == "ledger_indexes" && c["verdict"] == "ok");
+    assert!(fine, "{}", text(&doctor));
     let said = text(&setup);
     assert!(
         said.contains("tally_events_folded") && said.contains("created"),
