@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [ledger] [ledger-fold] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -25,6 +25,7 @@ mod server;
 mod daemon;
 mod fold;
 mod increment;
+mod ledger;
 mod measure;
 mod sequence;
 
@@ -78,8 +79,12 @@ fn main() {
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
+            "ledger" => runtime.block_on(ledger::run(&settings)),
+            "ledger-fold" => runtime.block_on(ledger::run_fold(&settings)),
             other => {
-                eprintln!("unknown section {other:?}; sections: increment, sequence, fold, daemon");
+                eprintln!(
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, ledger, ledger-fold"
+                );
                 std::process::exit(2);
             }
         }
