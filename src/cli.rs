@@ -8,6 +8,7 @@ mod daemon;
 mod doctor;
 mod generate;
 mod increment;
+mod lane;
 mod ledger;
 mod reconcile;
 mod sequence;
@@ -101,12 +102,14 @@ pub(crate) enum Command {
     /// privileges, change-stream history. Exits 1 when a check fails
     /// (warnings allowed).
     Doctor(DoctorArgs),
-    /// Add to a counter with the two-step increment and say exactly what
-    /// happened.
+    /// Add to a counter and say exactly what happened: the two-step
+    /// increment, or with --lane one round trip through a fresh lane
+    /// (default: `[writer] protocol`).
     Incr(IncrArgs),
     /// Count a pending token (step 2 only): safe at any age.
     Complete(CompleteArgs),
-    /// Settle a token an increment reported as unknown.
+    /// Settle a token an increment reported as unknown (with --lane: a
+    /// lane; default: `[writer] protocol`).
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what

@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [ledger] [ledger-fold] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -25,6 +25,7 @@ mod server;
 mod daemon;
 mod fold;
 mod increment;
+mod lanes;
 mod ledger;
 mod measure;
 mod sequence;
@@ -79,11 +80,12 @@ fn main() {
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
+            "lanes" => runtime.block_on(lanes::run(&settings)),
             "ledger" => runtime.block_on(ledger::run(&settings)),
             "ledger-fold" => runtime.block_on(ledger::run_fold(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, ledger, ledger-fold"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold"
                 );
                 std::process::exit(2);
             }

@@ -1,8 +1,12 @@
-//! `tallyd incr`, `tallyd complete`, `tallyd resume`.
+//! `tallyd incr`, `tallyd complete`, `tallyd resume`: the two-step
+//! increment here, the lanes protocol in [`super::lane`]; `--lane` and
+//! `--two-step` choose, else `[writer] protocol`.
 //!
 //! Every outcome, as text or `--json`, says the amount; every hint to run
-//! another command repeats it (`--by N`), so following a hint settles the
-//! increment that was made, not a `+1`.
+//! another command repeats it (`--by N`) and the protocol when it is not
+//! the configured one (`--lane`, `--two-step`), so following a hint settles
+//! the increment that was made, not a `+1`, and with the protocol that made
+//! it.
 
 use std::process::ExitCode;
 use std::time::SystemTime;
@@ -10,15 +14,43 @@ use std::time::SystemTime;
 use clap::Args;
 use serde_json::{Value, json};
 
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, fail};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, fail, lane};
 use crate::config::Config;
 use crate::error::Error;
 use crate::redact::Secrets;
 use crate::store::Store;
 use crate::token::Token;
-use crate::write::counter::{CollectionConfig, Counters, Found, Increment, UnknownToken};
+use crate::write::counter::{
+    CollectionConfig, Counters, Found, Increment, Protocol, UnknownToken, WriterConfig,
+};
+use crate::write::lane::LaneId;
 
-/// `tallyd incr KEY [--by N]`.
+/// `--lane` or `--two-step`: the protocol of `incr` and `resume`, else
+/// `[writer] protocol`.
+#[derive(Debug, Clone, Copy, Args)]
+pub(crate) struct ProtocolArgs {
+    /// Use the lanes protocol: one round trip through a fresh lane; its
+    /// token is the lane. Overrides `[writer] protocol`.
+    #[arg(long, conflicts_with = "two_step")]
+    pub(crate) lane: bool,
+    /// Use the two-step increment (a pending token). Overrides `[writer]
+    /// protocol`.
+    #[arg(long)]
+    pub(crate) two_step: bool,
+}
+
+impl ProtocolArgs {
+    /// The protocol chosen: the flag, else `configured`.
+    fn chosen(self, configured: Protocol) -> Protocol {
+        match (self.lane, self.two_step) {
+            (true, _) => Protocol::Lanes,
+            (_, true) => Protocol::TwoStep,
+            _ => configured,
+        }
+    }
+}
+
+/// `tallyd incr KEY [--by N] [--lane | --two-step]`.
 #[derive(Debug, Args)]
 pub(crate) struct IncrArgs {
     /// The counter's `_id` (a string).
@@ -26,6 +58,9 @@ pub(crate) struct IncrArgs {
     /// The amount to add; negative subtracts; not zero.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub(crate) by: i64,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub(crate) protocol: ProtocolArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
@@ -43,35 +78,45 @@ pub(crate) struct CompleteArgs {
     pub(crate) target: TargetArgs,
 }
 
-/// `tallyd resume KEY TOKEN [--by N]`.
+/// `tallyd resume KEY TOKEN [--by N] [--lane | --two-step]`.
 #[derive(Debug, Args)]
 pub(crate) struct ResumeArgs {
     /// The counter's `_id` (a string).
     pub(crate) key: String,
-    /// The token an increment reported as unknown: 24 hex digits.
+    /// The token an increment reported as unknown: 24 hex digits (with
+    /// `--lane`, the lane).
     pub(crate) token: Token,
-    /// The amount of the original increment. A resume whose amount differs
-    /// from what the document holds for the token is refused.
+    /// The amount of the original increment. A two-step resume whose amount
+    /// differs from what the document holds for the token is refused; a
+    /// lane resume adds what it is given, so give the increment's.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub(crate) by: i64,
+    /// The protocol that made the token: a token does not say which, so
+    /// give the flag the increment's output shows, or rely on `[writer]
+    /// protocol`. A token the document shows under the other protocol is
+    /// refused.
+    #[command(flatten)]
+    pub(crate) protocol: ProtocolArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
 }
 
 /// Everything a command needs to talk to one collection.
-struct Target {
+pub(super) struct Target {
     store: Store,
-    counters: Counters,
-    spec: CollectionConfig,
+    pub(super) counters: Counters,
+    pub(super) spec: CollectionConfig,
     json: bool,
-    secrets: Secrets,
+    pub(super) secrets: Secrets,
+    /// `[writer]`: its protocol (hints name the other one) and horizons.
+    pub(super) writer: WriterConfig,
 }
 
 impl Target {
     /// Shuts the client down in order, so that no driver clean-up is left
     /// running when the runtime stops at exit.
-    async fn close(self) {
+    pub(super) async fn close(self) {
         let Self {
             store, counters, ..
         } = self;
@@ -88,12 +133,20 @@ async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> 
     let store = Store::connect(&config.mongodb)
         .await
         .map_err(|err| fail(target.json, &err.to_string(), &secrets))?;
+    let counters = match Counters::try_new(&store, spec.clone(), config.writer) {
+        Ok(counters) => counters,
+        Err(err) => {
+            store.shutdown().await;
+            return Err(fail(target.json, &err.to_string(), &secrets));
+        }
+    };
     Ok(Target {
-        counters: Counters::new(&store, spec.clone(), config.writer),
+        counters,
         store,
         spec,
         json: target.json,
         secrets,
+        writer: config.writer,
     })
 }
 
@@ -102,8 +155,13 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
         Ok(target) => target,
         Err(code) => return code,
     };
-    let outcome = target.counters.increment(args.key.as_str(), args.by).await;
-    let code = report_increment(&target, &args.key, &outcome);
+    let code = match args.protocol.chosen(target.writer.protocol) {
+        Protocol::TwoStep => {
+            let outcome = target.counters.increment(args.key.as_str(), args.by).await;
+            report_increment(&target, &args.key, &outcome)
+        }
+        Protocol::Lanes => lane::incr(&target, &args.key, args.by).await,
+    };
     target.close().await;
     code
 }
@@ -128,12 +186,12 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
                 args.token, target.spec.name, args.key
             );
             let fields = json!({ "outcome": "not_pending" });
-            let shown = Shown::new(&args.key, args.token, None);
+            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
             print(&target, &shown, fields, &text, EXIT_OK)
         }
         Err(err) => {
             let text = "pending: could not look the token up, it stays pending";
-            let shown = Shown::new(&args.key, args.token, None);
+            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
             print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
         }
     };
@@ -146,40 +204,83 @@ pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
         Ok(target) => target,
         Err(code) => return code,
     };
-    let shown = Shown::new(&args.key, args.token, Some(args.by));
-    let code = match UnknownToken::new(args.key.as_str(), args.token, args.by) {
-        Ok(unknown) => match target.counters.resume(unknown).await {
-            Ok(outcome) => report_increment(&target, &args.key, &outcome),
-            // Past the retry horizon, or another amount than the document
-            // holds: the ticket is finished, nothing was written.
-            Err(err) => print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED),
-        },
-        Err(err) => print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED),
+    let code = match args.protocol.chosen(target.writer.protocol) {
+        Protocol::TwoStep => resume_two_step(&target, &args).await,
+        Protocol::Lanes => lane::resume(&target, &args.key, args.token, args.by).await,
     };
     target.close().await;
     code
 }
 
-/// What every outcome shows about the increment: its key, token and amount
-/// (`None` when `complete` could not learn it).
-struct Shown<'a> {
-    key: &'a str,
-    token: Option<Token>,
-    amount: Option<i64>,
+async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
+    let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
+    let refuse =
+        |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
+    let unknown = match UnknownToken::new(args.key.as_str(), args.token, args.by) {
+        Ok(unknown) => unknown,
+        Err(err) => return refuse(&err),
+    };
+    // Resuming a lane's increment as a two-step token would add it again.
+    let key = mongodb::bson::Bson::from(args.key.as_str());
+    let lane = LaneId::Minted(args.token.object_id());
+    match target.counters.lane_position(&key, &lane).await {
+        Ok(None) => {}
+        Ok(Some(_)) => return refuse(&other_protocol(args.token, Protocol::Lanes)),
+        // Nothing was written: the ticket is as it was, unknown (past the
+        // retry horizon, that is said instead of a hint).
+        Err(err) => {
+            return report_increment(target, &args.key, &Increment::Unknown(unknown.because(err)));
+        }
+    }
+    match target.counters.resume(unknown).await {
+        Ok(outcome) => report_increment(target, &args.key, &outcome),
+        // Past the retry horizon, or another amount than the document
+        // holds: the ticket is finished, nothing was written.
+        Err(err) => refuse(&err),
+    }
+}
+
+/// The refusal of a token the counter shows under `protocol`, the other
+/// one: resuming it with this one could count it twice.
+pub(super) fn other_protocol(token: Token, protocol: Protocol) -> Error {
+    let (what, flag) = match protocol {
+        Protocol::Lanes => (
+            "a lane of this counter (it holds the lane's entry)",
+            "--lane",
+        ),
+        Protocol::TwoStep => (
+            "a two-step token of this counter (pending or settled)",
+            "--two-step",
+        ),
+    };
+    Error::InvalidArgument(format!(
+        "{token} is {what}: resume it with {flag}; nothing was written"
+    ))
+}
+
+/// What every outcome shows about the increment: its key, token (with
+/// `--lane`, the lane) and amount (`None` when `complete` could not learn
+/// it), and the protocol.
+pub(super) struct Shown<'a> {
+    pub(super) key: &'a str,
+    pub(super) token: Option<String>,
+    pub(super) amount: Option<i64>,
+    pub(super) protocol: Protocol,
 }
 
 impl<'a> Shown<'a> {
-    fn new(key: &'a str, token: Token, amount: Option<i64>) -> Self {
+    pub(super) fn new(key: &'a str, token: Token, amount: Option<i64>, protocol: Protocol) -> Self {
         Self {
             key,
-            token: Some(token),
+            token: Some(token.to_string()),
             amount,
+            protocol,
         }
     }
 }
 
 /// Prints an outcome decided by an error: `text: cause` or JSON.
-fn print_failure(
+pub(super) fn print_failure(
     target: &Target,
     shown: &Shown<'_>,
     outcome: &str,
@@ -203,13 +304,13 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         .unwrap_or_default();
     let (text, code) = match outcome {
         Increment::Counted(counted) => (
-            format!(
-                "counted: {collection}/{key} {amount:+} (token {shown_token}{})",
-                if counted.settled_earlier() {
-                    ", counted earlier"
-                } else {
-                    ""
-                }
+            counted_text(
+                collection,
+                key,
+                amount,
+                "token",
+                &shown_token,
+                counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
@@ -239,11 +340,12 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         Increment::Unknown(_) => (
             format!(
                 "unknown: token {shown_token} ({amount:+}) may or may not be in \
-                 {collection}/{key}; run `tallyd resume {} {shown_token}{} --collection {}` soon \
-                 (within the retry horizon of {}), after that it is counted at most once. \
+                 {collection}/{key}; run `tallyd resume {} {shown_token}{}{} --collection {}` \
+                 soon (within the retry horizon of {}), after that it is counted at most once. \
                  Cause: {cause}",
                 shell_word(key),
                 by_option(amount),
+                protocol_option(Protocol::TwoStep, target.writer.protocol),
                 shell_word(collection),
                 humantime::format_duration(target.counters.retry_horizon()),
             ),
@@ -260,14 +362,43 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
     }
     let shown = Shown {
         key,
-        token,
+        token: token.map(|t| t.to_string()),
         amount: Some(amount),
+        protocol: Protocol::TwoStep,
     };
     print(target, &shown, fields, &text, code)
 }
 
+/// The line of a counted outcome: `counted: views/k +5 (token …)`, said
+/// to be counted earlier when a settle before this one had counted it.
+pub(super) fn counted_text(
+    collection: &str,
+    key: &str,
+    amount: i64,
+    what: &str,
+    id: &str,
+    settled_earlier: bool,
+) -> String {
+    let earlier = if settled_earlier {
+        ", counted earlier"
+    } else {
+        ""
+    };
+    format!("counted: {collection}/{key} {amount:+} ({what} {id}{earlier})")
+}
+
+/// ` --lane` or ` --two-step` for a hint that must use `protocol`, or
+/// nothing when it is the configured one.
+pub(super) fn protocol_option(protocol: Protocol, configured: Protocol) -> &'static str {
+    match protocol {
+        _ if protocol == configured => "",
+        Protocol::Lanes => " --lane",
+        Protocol::TwoStep => " --two-step",
+    }
+}
+
 /// ` --by N` for a hint, or nothing for the default amount, 1.
-fn by_option(amount: i64) -> String {
+pub(super) fn by_option(amount: i64) -> String {
     if amount == 1 {
         String::new()
     } else {
@@ -277,7 +408,7 @@ fn by_option(amount: i64) -> String {
 
 /// `word` as one shell word: as it is when it needs no quoting, else in
 /// single quotes.
-fn shell_word(word: &str) -> String {
+pub(super) fn shell_word(word: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "_-./:@%+=,".contains(c);
     if !word.is_empty() && word.chars().all(plain) {
         word.to_owned()
@@ -286,12 +417,19 @@ fn shell_word(word: &str) -> String {
     }
 }
 
-fn print(target: &Target, shown: &Shown<'_>, mut fields: Value, text: &str, code: u8) -> ExitCode {
+pub(super) fn print(
+    target: &Target,
+    shown: &Shown<'_>,
+    mut fields: Value,
+    text: &str,
+    code: u8,
+) -> ExitCode {
     if target.json {
         fields["collection"] = json!(target.spec.name);
         fields["key"] = json!(shown.key);
-        fields["token"] = shown.token.map_or(Value::Null, |t| json!(t.to_string()));
+        fields["token"] = json!(shown.token);
         fields["amount"] = json!(shown.amount);
+        fields["protocol"] = json!(shown.protocol.as_str());
         println!("{fields}");
     } else if code == EXIT_OK {
         println!("{text}");
@@ -301,7 +439,7 @@ fn print(target: &Target, shown: &Shown<'_>, mut fields: Value, text: &str, code
     ExitCode::from(code)
 }
 
-fn error_json(err: &Error, secrets: &Secrets) -> Value {
+pub(super) fn error_json(err: &Error, secrets: &Secrets) -> Value {
     json!({
         "class": err.class().map(|c| c.as_str()),
         "message": secrets.scrub(&err.to_string()),
@@ -321,5 +459,14 @@ mod tests {
         assert_eq!(shell_word(""), "''");
         assert_eq!(by_option(1), "");
         assert_eq!(by_option(-5), " --by -5");
+        assert_eq!(protocol_option(Protocol::Lanes, Protocol::Lanes), "");
+        assert_eq!(
+            protocol_option(Protocol::Lanes, Protocol::TwoStep),
+            " --lane"
+        );
+        assert_eq!(
+            protocol_option(Protocol::TwoStep, Protocol::Lanes),
+            " --two-step"
+        );
     }
 }

@@ -12,7 +12,7 @@ use crate::redact::{MASK, SecretString};
 use crate::store::serialize_duration;
 
 /// The default `[alerts] max_lanes`.
-const DEFAULT_MAX_LANES: u64 = 1000;
+const DEFAULT_MAX_LANES: u64 = 500;
 
 /// `[alerts]`: what the daemon alerts on, and where to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -28,7 +28,9 @@ pub(crate) struct AlertsConfig {
     /// Alert (`lanes_too_many`) when a document's lane map holds more
     /// entries than this: every lane that wrote the counter within
     /// `lane_ttl` keeps one, every write rewrites the document, and named
-    /// lanes are never pruned. Default: 1000.
+    /// lanes are never pruned. Default: 500 (BENCHMARKS.md P7: a write to a
+    /// document of 100 entries already costs a two-step increment; 500 fires
+    /// only past what a few long-lived handles leave).
     pub(crate) max_lanes: u64,
     /// Fold documents with stuck tokens at once instead of waiting for the
     /// schedule (only tokens older than the grace are folded). Default:

@@ -494,7 +494,7 @@ fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
 #[test]
 fn the_lane_settings_default_and_are_read() {
     let config = Config::from_toml(MINIMAL, []).unwrap();
-    assert_eq!(config.writer.lanes, 16);
+    assert_eq!(config.writer.lanes, 10);
     assert_eq!(config.writer.lane_rotate, Duration::from_secs(3600));
     assert_eq!(
         config.writer.lane_resume_horizon,

@@ -33,7 +33,7 @@
 //! document:
 //!
 //! - **One operation in flight per lane.** A [`Counters`] handle keeps a
-//!   pool of minted lanes (`WriterConfig::lanes`, default 16): an increment
+//!   pool of minted lanes (`WriterConfig::lanes`, default 10): an increment
 //!   takes a free one, waiting if there is none ([`pool`]).
 //! - **Retirement.** A lane whose operation ended unknown is never used
 //!   again — nor one whose increment the caller dropped mid-flight: a newer
@@ -58,7 +58,7 @@ mod name;
 mod outcome;
 mod pool;
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, Document, doc};
 
@@ -66,7 +66,9 @@ pub use name::{BadLaneName, LaneId, LaneName};
 pub use outcome::{LaneCounted, LaneIncrement, LaneTicket};
 pub(crate) use pool::LanePool;
 
-use super::counter::{CollectionConfig, Counters, Lanes, NotCounted, Stopped, inc_operand};
+use super::counter::{
+    CollectionConfig, Counters, Lanes, NotCounted, Stopped, WriterConfig, inc_operand,
+};
 use crate::document::bson_type_name;
 use crate::error::{Effect, Error, ErrorClass, RetryBudget, duplicate_on_id};
 use outcome::{check_amount, check_position};
@@ -336,6 +338,25 @@ impl Counters {
         let cause = collided.expect("every round ends in a collision or returns");
         undecided(by, maybe_applied, cause)
     }
+}
+
+/// The pool the writer's lane settings make, or every problem with them.
+pub(super) fn lanes(writer: &WriterConfig, attempt_timeout: Duration) -> Result<Lanes, Error> {
+    let mut problems = writer.lane_margin_problems(attempt_timeout);
+    if let Some(why) = writer.lane_pool_problem() {
+        problems.insert(0, ("lanes", why));
+    }
+    if !problems.is_empty() {
+        let listed: Vec<String> = problems
+            .iter()
+            .map(|(key, why)| format!("WriterConfig::{key} {why}"))
+            .collect();
+        return Err(Error::InvalidArgument(listed.join("; ")));
+    }
+    Ok(Lanes {
+        pool: LanePool::new(writer.lanes, writer.lane_rotate),
+        resume_horizon: writer.lane_resume_horizon,
+    })
 }
 
 impl LaneOp {

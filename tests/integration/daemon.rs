@@ -1499,7 +1499,7 @@ async fn large_lane_maps_alert_and_show_in_the_lane_metrics() {
     let receiver = crate::common::receiver::Receiver::start(0).await;
     let conf = Conf {
         extra: format!(
-            "[alerts]\nstuck_after = \"7s\"\nmax_lanes = 3\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
+            "[alerts]\nstuck_after = \"10s\"\nmax_lanes = 3\n[alerts.webhook]\nurl = \"http://{}/hook\"\n",
             receiver.addr
         ),
         ..Conf::idle()

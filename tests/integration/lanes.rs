@@ -7,6 +7,8 @@
 //! the lane map itself: each lane's entry is the number of operations it
 //! carried, so the entries add up to the count).
 
+mod cli;
+
 use std::time::{Duration, SystemTime};
 
 use futures::future::join_all;

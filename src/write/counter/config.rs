@@ -125,8 +125,11 @@ impl CollectionConfig {
     }
 }
 
-/// Default pool size: lanes per [`Counters`](super::Counters) handle.
-pub(crate) const DEFAULT_LANES: usize = 16;
+/// Default pool size: lanes per [`Counters`](super::Counters) handle — the
+/// driver's default connection pool (`maxPoolSize` 10): a lane carries one
+/// update at a time, so more lanes than connections add lane entries to the
+/// documents and no speed.
+pub(crate) const DEFAULT_LANES: usize = 10;
 /// The largest pool: every lane a handle uses may leave an entry in each
 /// counter document it writes.
 pub(crate) const MAX_LANES: usize = 1024;
@@ -183,7 +186,8 @@ pub struct WriterConfig {
     /// lanes increments in flight at once (one per lane; a further one
     /// waits for a free lane). Each lane that writes a counter leaves one
     /// entry in its document until the daemon prunes it. 1 to 1024.
-    /// Default: 16.
+    /// Default: 10, the driver's default `maxPoolSize` (more lanes than
+    /// connections add entries, not speed).
     pub lanes: usize,
     /// A minted lane older than this is replaced by a fresh one before its
     /// next use, so every lane's tickets stay resumable for at least
@@ -212,6 +216,12 @@ pub struct WriterConfig {
 }
 
 impl WriterConfig {
+    /// Why the pool size is refused, if it is: 1 to [`MAX_LANES`].
+    pub(crate) fn lane_pool_problem(&self) -> Option<String> {
+        let valid = (1..=MAX_LANES).contains(&self.lanes);
+        (!valid).then(|| format!("must be 1 to {MAX_LANES}, not {}", self.lanes))
+    }
+
     /// Checks the lane settings against each other and against the bound on
     /// one attempt (`attempt_timeout`, the store's): every problem, each as
     /// the key to change and why. The pool size is checked on its own

@@ -184,7 +184,7 @@ impl UnknownToken {
     }
 
     /// The same ticket, with the reason it is still unknown.
-    pub(super) fn because(self, cause: Error) -> Self {
+    pub(crate) fn because(self, cause: Error) -> Self {
         Self {
             cause: Some(cause),
             ..self

@@ -1,0 +1,266 @@
+//! P7: the lane increment against a plain `$inc`, with the two-step
+//! increment beside them, same server, interleaved slices.
+//!
+//! Over 1,000 keys and over one hot key, 1 and 16 writers. Target: the lane
+//! increment at ≥ 0.85× a plain `$inc`'s throughput, p99 ≤ 1.3× plain.
+//!
+//! Then the cost against the lane map's size: one document holding 10, 100
+//! and 1,000 lane entries, incremented through lanes, beside a plain `$inc`
+//! on a document holding the same map (so the document's size costs both
+//! sides alike, and the ratio is the lane's filter and `$set`). With 16
+//! writers, a pool of 4 lanes is measured beside the default (the pool
+//! bounds one handle's increments in flight).
+//!
+//! Every lane increment must count: the lanes collection's counters add up
+//! to the increments made, checked at the end.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::{Client, Collection};
+use tally::{CollectionConfig, Counters, Increment, LaneIncrement, Store, WriterConfig};
+
+use crate::Settings;
+use crate::measure::{Run, bench_options, merge, ms, server, timed};
+
+const KEYS: usize = 1000;
+const DATABASE: &str = "tally_bench_lanes";
+
+/// Which counters the writers hit.
+#[derive(Debug, Clone, Copy)]
+enum Keys {
+    /// Spread over `KEYS` pre-created keys.
+    Spread,
+    /// All on one key.
+    Hot(&'static str),
+}
+
+impl Keys {
+    fn key(self, writer: usize, i: usize) -> String {
+        match self {
+            Keys::Spread => format!("k{}", (writer * 7919 + i * 31) % KEYS),
+            Keys::Hot(key) => key.to_owned(),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Keys::Spread => "1000 keys",
+            Keys::Hot(_) => "hot key",
+        }
+    }
+}
+
+/// One side of a comparison.
+#[derive(Clone)]
+enum Side {
+    Plain(Collection<Document>),
+    Lanes(Arc<Counters>),
+    TwoStep(Arc<Counters>),
+}
+
+impl Side {
+    async fn run(
+        &self,
+        keys: Keys,
+        writers: usize,
+        duration: Duration,
+        made: &Arc<AtomicI64>,
+    ) -> Run {
+        let side = self.clone();
+        let made = made.clone();
+        timed(writers, duration, move |w, i| {
+            let side = side.clone();
+            let made = made.clone();
+            async move {
+                let key = keys.key(w, i);
+                match side {
+                    Side::Plain(coll) => {
+                        coll.update_one(doc! { "_id": &key }, doc! { "$inc": { "counter": 1 } })
+                            .upsert(true)
+                            .await
+                            .expect("plain $inc");
+                    }
+                    Side::Lanes(counters) => match counters.add(key, 1).await {
+                        LaneIncrement::Counted(_) => {
+                            made.fetch_add(1, Ordering::Relaxed);
+                        }
+                        other => panic!("benchmark lane increment not counted: {other:?}"),
+                    },
+                    Side::TwoStep(counters) => match counters.increment(key, 1).await {
+                        Increment::Counted(_) => {}
+                        other => panic!("benchmark increment not counted: {other:?}"),
+                    },
+                }
+            }
+        })
+        .await
+    }
+}
+
+/// Runs `sides` interleaved (which goes first rotates), `settings.rounds`
+/// slices each, and returns each side's merged run.
+async fn compare(
+    settings: &Settings,
+    sides: &[Side],
+    keys: Keys,
+    writers: usize,
+    made: &Arc<AtomicI64>,
+) -> Vec<Run> {
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); sides.len()];
+    for round in 0..settings.rounds {
+        for k in 0..sides.len() {
+            let side = (k + round) % sides.len();
+            runs[side].push(sides[side].run(keys, writers, settings.run, made).await);
+        }
+    }
+    runs.into_iter().map(merge).collect()
+}
+
+pub async fn run(settings: &Settings) {
+    let (uri, _server) = server();
+    let options = bench_options(&uri).await;
+    let client = Client::with_options(options.clone()).expect("client");
+    let db = client.database(DATABASE);
+    db.drop().await.expect("drop bench database");
+    let plain: Collection<Document> = db.collection("plain");
+    for name in ["plain", "lanes", "two_step"] {
+        let docs: Vec<Document> = (0..KEYS)
+            .map(|k| doc! { "_id": format!("k{k}"), "counter": 0i64 })
+            .chain([doc! { "_id": "hot", "counter": 0i64 }])
+            .collect();
+        db.collection::<Document>(name)
+            .insert_many(docs)
+            .await
+            .expect("seed keys");
+    }
+    let store = Store::from_parts(client.clone(), &options, DATABASE);
+    let handle = |name: &str, lanes: usize| {
+        let writer = WriterConfig {
+            lanes,
+            ..WriterConfig::default()
+        };
+        Arc::new(Counters::try_new(&store, CollectionConfig::new(name), writer).expect("lanes"))
+    };
+    let lanes = handle("lanes", WriterConfig::default().lanes);
+    let two_step = handle("two_step", WriterConfig::default().lanes);
+    let made = Arc::new(AtomicI64::new(0));
+
+    println!(
+        "lanes (P7): plain $inc vs the lane increment vs the two-step increment; \
+         retryWrites=false, {} interleaved slices x {:?} per side",
+        settings.rounds, settings.run
+    );
+    println!(
+        "{:>7}  {:<10} {:<9} {:>9} {:>9} {:>9}",
+        "writers", "keys", "kind", "ops/s", "p50 ms", "p99 ms"
+    );
+    let sides = [
+        Side::Plain(plain.clone()),
+        Side::Lanes(lanes.clone()),
+        Side::TwoStep(two_step.clone()),
+    ];
+    for keys in [Keys::Spread, Keys::Hot("hot")] {
+        for writers in [1usize, 16] {
+            let runs = compare(settings, &sides, keys, writers, &made).await;
+            for (kind, run) in ["plain", "lanes", "two-step"].iter().zip(&runs) {
+                print_row(writers, keys.name(), kind, run);
+            }
+            print_ratios(writers, keys.name(), &runs[0], &runs[1], Some(&runs[2]));
+        }
+    }
+
+    // The pool: 16 writers through 4 lanes against the default.
+    let small_pool = handle("lanes", 4);
+    let sides = [Side::Lanes(lanes.clone()), Side::Lanes(small_pool)];
+    let runs = compare(settings, &sides, Keys::Spread, 16, &made).await;
+    let default = format!("pool {}", WriterConfig::default().lanes);
+    print_row(16, "1000 keys", &default, &runs[0]);
+    print_row(16, "1000 keys", "pool 4", &runs[1]);
+    println!(
+        "{:>7}  pool 4 / {default} = {:.3}x",
+        16,
+        runs[1].per_second() / runs[0].per_second()
+    );
+
+    // The lane map's size.
+    println!("lane map size: one document holding N lane entries (plus the pool's own)");
+    for entries in [10usize, 100, 1000] {
+        let key = format!("map{entries}");
+        let map: Document = (0..entries)
+            .map(|_| (ObjectId::new().to_hex(), Bson::Int64(1)))
+            .collect();
+        for coll in [&plain, &db.collection("lanes")] {
+            coll.insert_one(doc! { "_id": &key, "counter": 0i64, "lanes": map.clone() })
+                .await
+                .expect("seed map");
+        }
+        let key: &'static str = Box::leak(key.into_boxed_str());
+        let sides = [Side::Plain(plain.clone()), Side::Lanes(lanes.clone())];
+        for writers in [1usize, 16] {
+            let runs = compare(settings, &sides, Keys::Hot(key), writers, &made).await;
+            let label = format!("{entries} lanes");
+            print_row(writers, &label, "plain", &runs[0]);
+            print_row(writers, &label, "lanes", &runs[1]);
+            print_ratios(writers, &label, &runs[0], &runs[1], None);
+        }
+    }
+
+    let counted = sum_counters(&db.collection("lanes")).await;
+    let made = made.load(Ordering::Relaxed);
+    println!(
+        "lane increments counted {made}, the lanes collection's counters add up to {counted} (must be equal)"
+    );
+    assert_eq!(counted, made, "a lane increment was lost or doubled");
+}
+
+fn print_row(writers: usize, keys: &str, kind: &str, run: &Run) {
+    println!(
+        "{:>7}  {:<10} {:<9} {:>9.0} {:>9.2} {:>9.2}",
+        writers,
+        keys,
+        kind,
+        run.per_second(),
+        ms(run.percentile(50.0)),
+        ms(run.percentile(99.0))
+    );
+}
+
+fn print_ratios(writers: usize, keys: &str, plain: &Run, lanes: &Run, two_step: Option<&Run>) {
+    let p99 = |run: &Run| ms(run.percentile(99.0)) / ms(plain.percentile(99.0));
+    print!(
+        "{:>7}  {:<10} lanes / plain = {:.3}x (target >= 0.85x), p99 {:.2}x (target <= 1.3x)",
+        writers,
+        keys,
+        lanes.per_second() / plain.per_second(),
+        p99(lanes),
+    );
+    match two_step {
+        Some(two_step) => println!(
+            "; two-step / plain = {:.3}x, p99 {:.2}x",
+            two_step.per_second() / plain.per_second(),
+            p99(two_step)
+        ),
+        None => println!(),
+    }
+}
+
+async fn sum_counters(coll: &Collection<Document>) -> i64 {
+    let mut cursor = coll
+        .aggregate(vec![
+            doc! { "$group": { "_id": null, "total": { "$sum": "$counter" } } },
+        ])
+        .await
+        .expect("sum counters");
+    match cursor.try_next().await.expect("sum counters") {
+        Some(total) => match total.get("total") {
+            Some(Bson::Int32(n)) => i64::from(*n),
+            Some(Bson::Int64(n)) => *n,
+            other => panic!("total: {other:?}"),
+        },
+        None => 0,
+    }
+}

@@ -1,0 +1,107 @@
+//! `tallyd incr --lane` and `tallyd resume --lane`: the lanes protocol
+//! (DESIGN §3b) on the command line.
+//!
+//! A command is one process, so `incr` takes one fresh lane (a fresh
+//! handle's first) and sends its first number, s = 1, in one round trip;
+//! the token it prints is the lane. `resume` re-sends that lane's update
+//! with s = 1 — harmless however often it runs, from wherever, until the
+//! lane resume horizon.
+
+use std::process::ExitCode;
+
+use serde_json::json;
+
+use super::increment::{
+    Shown, Target, by_option, counted_text, error_json, other_protocol, print, print_failure,
+    protocol_option, shell_word,
+};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL};
+use crate::token::Token;
+use crate::write::counter::{Found, Protocol};
+use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
+
+/// `tallyd incr KEY [--by N] --lane`.
+pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
+    let outcome = target.counters.add(key, by).await;
+    report(target, key, &outcome)
+}
+
+/// `tallyd resume KEY LANE [--by N] --lane`.
+pub(super) async fn resume(target: &Target, key: &str, token: Token, by: i64) -> ExitCode {
+    let shown = Shown::new(key, token, Some(by), Protocol::Lanes);
+    let refuse = |err| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
+    // A two-step token resumed as a lane would be counted again.
+    match target.counters.lookup(key, token).await {
+        Ok(Found::Absent) => {}
+        Ok(Found::Pending(_) | Found::Settled(_)) => {
+            return refuse(&other_protocol(token, Protocol::TwoStep));
+        }
+        Err(err) => {
+            let text = "unknown: could not read the counter, nothing was written; resume later";
+            return print_failure(target, &shown, "unknown", &err, text, EXIT_TEMPFAIL);
+        }
+    }
+    let ticket = match LaneTicket::new(key, LaneId::Minted(token.object_id()), 1, by) {
+        Ok(ticket) => ticket,
+        Err(err) => return refuse(&err),
+    };
+    match target.counters.resume_lane(ticket).await {
+        Ok(outcome) => report(target, key, &outcome),
+        // Past the lane resume horizon: nothing was written.
+        Err(err) => refuse(&err),
+    }
+}
+
+fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
+    let collection = &target.spec.name;
+    let amount = outcome.amount();
+    let lane = outcome.lane().map(LaneId::to_string);
+    let shown_lane = lane.clone().unwrap_or_default();
+    let cause = outcome
+        .cause()
+        .map(|err| target.secrets.scrub(&err.to_string()))
+        .unwrap_or_default();
+    let (text, code) = match outcome {
+        LaneIncrement::Counted(counted) => (
+            counted_text(
+                collection,
+                key,
+                amount,
+                "lane",
+                &shown_lane,
+                counted.settled_earlier(),
+            ),
+            EXIT_OK,
+        ),
+        LaneIncrement::Unknown(_) => (
+            format!(
+                "unknown: the update of lane {shown_lane} ({amount:+}) may or may not have \
+                 applied to {collection}/{key}; run `tallyd resume {} {shown_lane}{}{} \
+                 --collection {}` — harmless to repeat, as often as needed — within the lane \
+                 resume horizon of {} from the lane's creation; after that it is counted at most \
+                 once. Cause: {cause}",
+                shell_word(key),
+                by_option(amount),
+                protocol_option(Protocol::Lanes, target.writer.protocol),
+                shell_word(collection),
+                humantime::format_duration(target.writer.lane_resume_horizon),
+            ),
+            EXIT_TEMPFAIL,
+        ),
+        LaneIncrement::NotCounted(_) => (format!("not counted ({amount:+}): {cause}"), EXIT_FAILED),
+    };
+    let mut fields = json!({ "outcome": outcome.name(), "position": outcome.position() });
+    if let LaneIncrement::Counted(counted) = outcome {
+        fields["settled_earlier"] = json!(counted.settled_earlier());
+    }
+    if let Some(err) = outcome.cause() {
+        fields["error"] = error_json(err, &target.secrets);
+    }
+    let shown = Shown {
+        key,
+        token: lane,
+        amount: Some(amount),
+        protocol: Protocol::Lanes,
+    };
+    print(target, &shown, fields, &text, code)
+}
