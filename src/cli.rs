@@ -9,8 +9,10 @@ mod doctor;
 mod generate;
 mod increment;
 mod lane;
+mod ledger;
 mod reconcile;
 mod sequence;
+mod setup;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,8 +29,10 @@ use daemon::StatusArgs;
 use doctor::DoctorArgs;
 use generate::{CompletionsArgs, ManArgs};
 use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+use ledger::{GetArgs, RecordArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
+use setup::SetupArgs;
 
 /// Exit status: success.
 pub(crate) const EXIT_OK: u8 = 0;
@@ -69,6 +73,15 @@ pub struct Cli {
     pub(crate) command: Command,
 }
 
+/// `tallyd check-config`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CheckConfigArgs {
+    /// Also connect and say which indexes the configuration needs that are
+    /// missing (the ledgers' and the advised sparse ones).
+    #[arg(long)]
+    pub(crate) connect: bool,
+}
+
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
@@ -81,7 +94,9 @@ pub(crate) enum Command {
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what `run` would refuse.
-    CheckConfig,
+    /// With --connect, also connects and says which indexes are missing
+    /// (exit 1 when a ledger lacks one: the daemon would refuse to fold it).
+    CheckConfig(CheckConfigArgs),
     /// Connect with the configured URI and say, check by check, what is
     /// safe and what is not: topology, write concern, clock skew, indexes,
     /// privileges, change-stream history. Exits 1 when a check fails
@@ -100,6 +115,16 @@ pub(crate) enum Command {
     /// counters, safely on live documents (or, with --dry-run, report what
     /// that would do). Exit 1 if any collection failed.
     Reconcile(ReconcileArgs),
+    /// Record an event once under its key (an idempotency key): a repeat
+    /// is a duplicate, counted once. Exit 0 recorded or duplicate, 75
+    /// unknown (run it again), 1 conflict or not recorded.
+    Record(RecordArgs),
+    /// Read a counter exactly: the counter plus its recorded events not
+    /// folded into it yet.
+    Get(GetArgs),
+    /// Create the indexes the configuration needs (idempotent; says what
+    /// it did): the ledgers' and the advised sparse ones.
+    Setup(SetupArgs),
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
@@ -163,7 +188,7 @@ impl Cli {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigErrors> {
         let config = Config::load(self.config.as_deref(), env)?;
-        if matches!(self.command, Command::Run | Command::CheckConfig) {
+        if matches!(self.command, Command::Run | Command::CheckConfig(_)) {
             config.check_daemon()?;
         }
         Ok(config)
@@ -175,10 +200,14 @@ impl Cli {
 pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     let clock = cli.clock();
     match cli.command {
-        Command::CheckConfig => {
+        Command::CheckConfig(args) => {
             print!("{}", config.to_redacted_toml());
             eprintln!("configuration is valid");
-            ExitCode::from(EXIT_OK)
+            if args.connect {
+                doctor::check_indexes(&config).await
+            } else {
+                ExitCode::from(EXIT_OK)
+            }
         }
         Command::Run => {
             // A reload reads the configuration again from where this did.
@@ -196,6 +225,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Resume(args) => increment::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
+        Command::Record(args) => ledger::record(args, &config).await,
+        Command::Get(args) => ledger::get(args, &config).await,
+        Command::Setup(args) => setup::run(args, &config).await,
         Command::Completions(args) => generate::completions(&args),
         Command::Man(args) => generate::man(&args),
     }

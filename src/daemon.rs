@@ -12,6 +12,7 @@
 //! - the lease ([`lease`], with `[ha]`), deciding whether this
 //!   instance folds and alerts;
 //! - the monitor ([`monitor`]), the live view of pending tokens;
+//! - the continuous fold of the ledgers ([`ledger`]);
 //! - the [`runner`]: reconcile runs requested by the [`schedule`], by the
 //!   catch-up at start (and on becoming active), by a repair, or by its own
 //!   retry of a failed run — one at a time, never overlapping;
@@ -32,6 +33,7 @@ pub(crate) mod clock;
 mod evaluator;
 mod http;
 mod lease;
+mod ledger;
 pub(crate) mod metrics;
 pub(crate) mod monitor;
 mod readiness;
@@ -52,7 +54,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::reconcile::{FoldTarget, Reconciler};
+use crate::reconcile::{EventFoldSettings, FoldTarget, Reconciler};
 use crate::store::Store;
 use alert::{AlertLedger, AlertOptions, Alerts};
 use clock::{Clock, LastSkew};
@@ -213,10 +215,34 @@ pub(crate) async fn run(
         &shutdown,
     );
 
+    let reconciler = Reconciler::new(&store)
+        .with_lane_ttl(config.writer.lane_ttl)
+        .with_event_settings(EventFoldSettings {
+            event_retention: config.reconcile.event_retention,
+            lane_rotate: config.writer.lane_rotate,
+            ..EventFoldSettings::default()
+        });
+    ledger::start(
+        &reconciler,
+        &store,
+        &state,
+        &targets,
+        (
+            config.reconcile.fold_delay,
+            config.monitor.scan_interval,
+            config.alerts.stuck_after,
+        ),
+        &metrics,
+        &alerts,
+        &role,
+        &tracker,
+        &shutdown,
+    );
+
     let (requests, inbox) = mpsc::channel::<Request>(16);
     let busy = Arc::new(AtomicBool::new(false));
     let runner = Runner {
-        reconciler: Reconciler::new(&store).with_lane_ttl(config.writer.lane_ttl),
+        reconciler,
         store: store.clone(),
         state: state.clone(),
         schedule: schedule.clone(),

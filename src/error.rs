@@ -234,8 +234,7 @@ impl Facts {
 
 /// The server's error code, when the server answered with one (a command
 /// error, a write error or a write-concern error). For the daemon's
-/// change-stream monitor.
-#[cfg(feature = "daemon")]
+/// change-stream monitor and the ledger's index check.
 pub(crate) fn server_code(err: &MongoError) -> Option<i32> {
     match Facts::of(err).kind {
         FailureKind::Command(code) | FailureKind::Write(code) | FailureKind::WriteConcern(code) => {
@@ -373,6 +372,31 @@ pub enum Error {
         id: String,
         /// What is wrong with it.
         reason: String,
+    },
+
+    /// An exact read of a counter found it changing between its reads
+    /// every time (a fold or a writer landing in between): nothing is
+    /// wrong, read again.
+    #[error("counter {key} changed during each of {rounds} exact reads; read again")]
+    ReadContended {
+        /// The counter's `_id`, as shown in logs.
+        key: String,
+        /// How many consistent reads were tried.
+        rounds: u32,
+    },
+
+    /// An events collection lacks the indexes its ledger's fold needs
+    /// (`tallyd setup` creates them): the fold refused to run rather than
+    /// scan the collection on every pass.
+    #[error(
+        "the events collection {collection} lacks the indexes {missing:?}: run `tallyd setup` \
+         to create them"
+    )]
+    IndexesMissing {
+        /// The events collection.
+        collection: String,
+        /// The missing indexes, by name.
+        missing: Vec<String>,
     },
 
     /// The optimistic insert loop lost every race it was allowed to run.

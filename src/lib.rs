@@ -55,12 +55,14 @@
 //! - `write`: the protocols a writer calls — `counter` (the two-step
 //!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `lane`
 //!   (writer lanes: one round trip, [`Counters::add`], and its pool),
+//!   `ledger` (the events ledger: idempotency keys, [`Ledger`]),
 //!   `sequence`, `insert_loop`, `bounded`.
 //! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — [`reconcile::model`] (its specification),
 //!   [`reconcile::statement`] (a document's fold as conditioned update
 //!   statements), `batch` (sending them, reading what the server did),
-//!   `report` (what a run found and did).
+//!   `report` (what a run found and did), [`reconcile::ledger`] (the fold
+//!   of recorded events, [`EventFold`]).
 //!
 //! With the `daemon` feature:
 //!
@@ -119,8 +121,9 @@ pub mod logging;
 
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use reconcile::{
-    CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, Reconciler,
-    RefusedDocument, Survey,
+    Backlog, ClaimedBatch, CollectionRun, CounterSum, EventFold, EventFoldSettings, EventsRun,
+    FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, Reconciler, RefusedDocument,
+    Survey,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};
@@ -132,5 +135,9 @@ pub use write::counter::{
 pub use write::insert_loop::InsertLoop;
 pub use write::lane::{
     BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneTicket,
+};
+pub use write::ledger::{
+    Conflict, DEFAULT_EVENT_RETENTION, Event, EventTicket, ExactValue, Ledger, MAX_EVENT_KEY_BYTES,
+    NotRecorded, Recording,
 };
 pub use write::sequence::{Block, SequenceConfig, Sequences};

@@ -55,6 +55,7 @@
 //! lane_resume_horizon − attempt_timeout`.
 
 mod batch;
+pub mod ledger;
 pub mod model;
 mod report;
 pub mod statement;
@@ -75,6 +76,7 @@ use model::Cutoffs;
 use report::ReportRow;
 use statement::{Read, Statement};
 
+pub use ledger::{Backlog, ClaimedBatch, CounterSum, EventFold, EventFoldSettings, EventsRun};
 pub use report::{
     CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED, Progress,
     RefusedDocument, Survey,
@@ -123,6 +125,8 @@ pub enum Mode {
 #[derive(Clone, Debug)]
 pub struct Reconciler {
     store: Store,
+    /// The folds of the collections' ledgers, kept from run to run.
+    ledgers: ledger::Folds,
     lane_ttl: Duration,
 }
 
@@ -132,8 +136,16 @@ impl Reconciler {
     pub fn new(store: &Store) -> Self {
         Self {
             store: store.clone(),
+            ledgers: ledger::Folds::new(EventFoldSettings::default()),
             lane_ttl: WriterConfig::default().lane_ttl,
         }
+    }
+
+    /// The same reconciler folding the collections' ledgers with
+    /// `settings`.
+    pub fn with_event_settings(mut self, settings: EventFoldSettings) -> Self {
+        self.ledgers = ledger::Folds::new(settings);
+        self
     }
 
     /// The same reconciler pruning the entries of minted lanes older than
@@ -199,10 +211,17 @@ impl Reconciler {
         let started = Instant::now();
         let (cutoffs, cutoff_time) = self.cutoffs(target, now);
         let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
-        let folded = self
-            .fold_all(target, mode, cutoffs, stop, progress, &mut run)
-            .await;
+        // The ledger first: a batch a crashed fold left must be finished
+        // before anything prunes its lane's entries; if it cannot be, the
+        // run prunes nothing.
+        let folded = self.fold_ledger(target, mode, now, stop, &mut run).await;
         if let Err(err) = folded {
+            tracing::error!(collection = %target.spec.name, cause = %err, "folding the ledger failed");
+            run.error = Some(err);
+        } else if let Err(err) = self
+            .fold_all(target, mode, cutoffs, stop, progress, &mut run)
+            .await
+        {
             tracing::error!(
                 collection = %target.spec.name,
                 cause = %err,

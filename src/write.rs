@@ -8,6 +8,8 @@
 //!   collection's field names, the retry horizon, the lanes' lifetimes);
 //! - [`lane`]: writer lanes (DESIGN §3b), an exact increment in one round
 //!   trip, safe to resume any number of times;
+//! - [`ledger`]: the events ledger (DESIGN §8), idempotency keys: the
+//!   same event recorded twice is counted once, and exact reads;
 //! - [`sequence`]: numbers from a counters collection, never handed out
 //!   twice (DESIGN §5);
 //! - [`insert_loop`]: the optimistic insert loop, dense numeric `_id`s;
@@ -17,4 +19,5 @@ pub(crate) mod bounded;
 pub(crate) mod counter;
 pub(crate) mod insert_loop;
 pub(crate) mod lane;
+pub(crate) mod ledger;
 pub(crate) mod sequence;

@@ -60,8 +60,8 @@ pub async fn run(settings: &Settings) {
             for k in 0..4 {
                 let side = (k + round) % 4;
                 let run = match side {
-                    0 => run_plain(&plain, writers, settings.run, 1).await,
-                    1 => run_plain(&plain, writers, settings.run, 2).await,
+                    0 => run_plain(&plain, writers, settings.run, KEYS, 1).await,
+                    1 => run_plain(&plain, writers, settings.run, KEYS, 2).await,
                     2 => run_pull_step_2(&pull, writers, settings.run).await,
                     _ => run_two_step(&counters, writers, settings.run).await,
                 };
@@ -115,19 +115,21 @@ fn print_row(writers: usize, kind: &str, run: &Run) {
     );
 }
 
-/// Plain `$inc` upserts; `round_trips` of them make one counted operation
+/// Plain `$inc` upserts over `keys` keys; `round_trips` of them make one
+/// counted operation
 /// (2: the floor for any protocol with two round trips).
-async fn run_plain(
+pub(crate) async fn run_plain(
     coll: &Collection<Document>,
     writers: usize,
     duration: Duration,
+    keys: usize,
     round_trips: usize,
 ) -> Run {
     let coll = coll.clone();
     timed(writers, duration, move |w, i| {
         let coll = coll.clone();
         async move {
-            let key = format!("k{}", (w * 7919 + i * 31) % KEYS);
+            let key = format!("k{}", (w * 7919 + i * 31) % keys);
             for _ in 0..round_trips {
                 coll.update_one(doc! { "_id": &key }, doc! { "$inc": { "counter": 1 } })
                     .upsert(true)

@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -26,6 +26,7 @@ mod daemon;
 mod fold;
 mod increment;
 mod lanes;
+mod ledger;
 mod measure;
 mod sequence;
 
@@ -80,9 +81,11 @@ fn main() {
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
             "lanes" => runtime.block_on(lanes::run(&settings)),
+            "ledger" => runtime.block_on(ledger::run(&settings)),
+            "ledger-fold" => runtime.block_on(ledger::run_fold(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold"
                 );
                 std::process::exit(2);
             }

@@ -124,6 +124,13 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
             }
         }
     }
+    let ledgers = match super::ledger::backlogs(&store, config, &names, now).await {
+        Ok(ledgers) => ledgers,
+        Err(err) => {
+            store.shutdown().await;
+            return fail(args.json, &err.to_string(), &secrets);
+        }
+    };
     drop(reconciler);
     store.shutdown().await;
     if args.json {
@@ -152,7 +159,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
         let stuck_after = config.alerts.stuck_after.as_secs();
         println!(
             "{}",
-            json!({ "stuck_after_seconds": stuck_after, "collections": collections })
+            json!({ "stuck_after_seconds": stuck_after, "collections": collections, "ledgers": ledgers })
         );
     } else {
         println!(
@@ -207,6 +214,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                 println!("  {lane:?}  {position}");
             }
         }
+        super::ledger::print_backlogs(&ledgers);
     }
     ExitCode::from(EXIT_OK)
 }

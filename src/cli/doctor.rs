@@ -61,9 +61,10 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
-    /// `privileges` or `change_stream_history`.
+    /// `ledger_indexes`, `privileges` or `change_stream_history`.
     pub(crate) name: &'static str,
-    /// The collection an `indexes` check is about.
+    /// The collection an `indexes` (`ledger_indexes`: events) check is
+    /// about.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) collection: Option<String>,
     /// How it came out.
@@ -116,13 +117,7 @@ pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> Exit
         };
         println!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
-        for check in &checks {
-            let name = match &check.collection {
-                Some(collection) => format!("{} ({collection})", check.name),
-                None => check.name.to_owned(),
-            };
-            println!("{:<5} {name}: {}", check.verdict.as_str(), check.message);
-        }
+        print_checks(&checks);
         println!(
             "{} checks: {} ok, {warned} warn, {failed} fail",
             checks.len(),
@@ -153,11 +148,51 @@ async fn examine(config: &Config, clock: Clock) -> Vec<Check> {
         deployment::write_concern(&store, &topology, config).await,
         clock_skew(&store, config, clock).await,
     ];
-    checks.extend(access::indexes(&store, config).await);
+    checks.extend(index_checks(&store, config).await);
     checks.push(access::privileges(&store, config).await);
     checks.push(deployment::history(&store, &topology).await);
     store.shutdown().await;
     checks
+}
+
+/// The index checks (also `check-config --connect`'s): each collection's
+/// advised sparse indexes, each ledger's needed ones.
+pub(super) async fn index_checks(store: &Store, config: &Config) -> Vec<Check> {
+    let mut checks = access::indexes(store, config).await;
+    checks.extend(access::ledger_indexes(store, config).await);
+    checks
+}
+
+/// `check-config --connect`: the index checks, printed; exit 1 when one
+/// failed or the server cannot be reached.
+pub(super) async fn check_indexes(config: &Config) -> ExitCode {
+    let secrets = config.secrets();
+    let store = match Store::connect(&config.mongodb).await {
+        Ok(store) => store,
+        Err(err) => {
+            eprintln!("cannot connect: {}", secrets.scrub(&err.to_string()));
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let mut checks = index_checks(&store, config).await;
+    store.shutdown().await;
+    for check in &mut checks {
+        check.message = secrets.scrub(&check.message);
+    }
+    print_checks(&checks);
+    let failed = checks.iter().any(|c| c.verdict == Verdict::Fail);
+    ExitCode::from(if failed { EXIT_FAILED } else { EXIT_OK })
+}
+
+/// Prints checks one a line, with their verdicts.
+pub(super) fn print_checks(checks: &[Check]) {
+    for check in checks {
+        let name = match &check.collection {
+            Some(collection) => format!("{} ({collection})", check.name),
+            None => check.name.to_owned(),
+        };
+        println!("{:<5} {name}: {}", check.verdict.as_str(), check.message);
+    }
 }
 
 /// How many `hello`s the clock check sends; the one with the shortest

@@ -23,6 +23,7 @@ use crate::write::counter::{
     DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, Protocol,
     WriterConfig,
 };
+use crate::write::ledger::DEFAULT_EVENT_RETENTION;
 use crate::write::sequence::SequenceConfig;
 
 /// `[reconcile]`: how leftover pending tokens are folded into their
@@ -38,6 +39,15 @@ pub(crate) struct ReconcileConfig {
     /// How many documents one fold update covers: work between two points
     /// where a run can stop (shutdown) and report progress. Default: 100.
     pub(crate) batch_size: u32,
+    /// The ledgers' dedupe window: a folded event's key is remembered this
+    /// long (the TTL of its events collection's index on `f`), and a repeat
+    /// inside it is a duplicate. Default: 7d.
+    #[serde(serialize_with = "serialize_duration")]
+    pub(crate) event_retention: Duration,
+    /// How soon after new events the daemon folds a ledger (its change
+    /// stream's debounce). Default: 1s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub(crate) fold_delay: Duration,
 }
 
 impl Default for ReconcileConfig {
@@ -45,9 +55,14 @@ impl Default for ReconcileConfig {
         Self {
             grace: DEFAULT_GRACE,
             batch_size: DEFAULT_BATCH_SIZE,
+            event_retention: DEFAULT_EVENT_RETENTION,
+            fold_delay: DEFAULT_FOLD_DELAY,
         }
     }
 }
+
+/// Default `[reconcile] fold_delay`.
+pub(crate) const DEFAULT_FOLD_DELAY: Duration = Duration::from_secs(1);
 
 pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> ReconcileConfig {
     issues.unknown_keys("reconcile", &raw.unknown);
@@ -56,6 +71,12 @@ pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> Reco
         batch_size: issues
             .optional_integer("reconcile.batch_size", raw.batch_size, 1, MAX_BATCH_SIZE)
             .map_or(DEFAULT_BATCH_SIZE, |n| n as u32),
+        event_retention: issues.duration(
+            "reconcile.event_retention",
+            raw.event_retention,
+            DEFAULT_EVENT_RETENTION,
+        ),
+        fold_delay: issues.duration("reconcile.fold_delay", raw.fold_delay, DEFAULT_FOLD_DELAY),
     }
 }
 
@@ -300,6 +321,18 @@ pub(super) fn validate_collections(
                 ),
             );
         }
+        let ledger = issues.boolean(&format!("{key}.ledger"), raw.ledger, false);
+        let events_collection =
+            issues.string(&format!("{key}.events_collection"), raw.events_collection);
+        if let Some(events) = &events_collection {
+            check_collection_name(&format!("{key}.events_collection"), events, issues);
+        }
+        // Naming an events collection turns the ledger on.
+        let events_collection = match (events_collection, &name) {
+            (Some(events), _) => Some(events),
+            (None, Some(name)) if ledger => Some(format!("{name}_events")),
+            (None, _) => None,
+        };
         let grace = issues.optional_duration(&format!("{key}.grace"), raw.grace);
         let batch_size = issues
             .optional_integer(
@@ -315,6 +348,7 @@ pub(super) fn validate_collections(
             pending_field,
             settled_field,
             lanes_field,
+            events_collection,
             grace,
             batch_size,
         });

@@ -61,6 +61,8 @@ pub(crate) struct RawCollection {
     pub(crate) pending_field: Option<Value>,
     pub(crate) settled_field: Option<Value>,
     pub(crate) lanes_field: Option<Value>,
+    pub(crate) ledger: Option<Value>,
+    pub(crate) events_collection: Option<Value>,
     pub(crate) grace: Option<Value>,
     pub(crate) batch_size: Option<Value>,
     #[serde(flatten)]
@@ -85,6 +87,8 @@ pub(crate) struct RawWriter {
 pub(crate) struct RawReconcile {
     pub(crate) grace: Option<Value>,
     pub(crate) batch_size: Option<Value>,
+    pub(crate) event_retention: Option<Value>,
+    pub(crate) fold_delay: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }

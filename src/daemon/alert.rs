@@ -85,12 +85,16 @@ pub(crate) enum AlertKind {
     /// margin the collection's timing leaves for it (`grace −
     /// retry_horizon − attempt_timeout`).
     ClockSkew,
+    /// Recorded events of a ledger not folded for longer than `[alerts]
+    /// stuck_after`, or a ledger the fold refuses (its indexes are
+    /// missing): the counters fall behind their events.
+    EventsStuck,
 }
 
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 8] = [
+    pub(crate) const ALL: [AlertKind; 9] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::LanesTooMany,
@@ -99,6 +103,7 @@ impl AlertKind {
         AlertKind::MonitorDown,
         AlertKind::FoldRefused,
         AlertKind::ClockSkew,
+        AlertKind::EventsStuck,
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -112,6 +117,7 @@ impl AlertKind {
             AlertKind::MonitorDown => "monitor_down",
             AlertKind::FoldRefused => "fold_refused",
             AlertKind::ClockSkew => "clock_skew",
+            AlertKind::EventsStuck => "events_stuck",
         }
     }
 }

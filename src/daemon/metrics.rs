@@ -80,6 +80,14 @@ pub(crate) struct Inner {
     /// `tally_monitor_lag_seconds{collection}`: how far behind the server's
     /// clock the last change event processed was.
     pub(crate) monitor_lag: GaugeVec,
+    /// `tally_events_folded_total{collection}`: recorded events the
+    /// ledger's fold put into their counters.
+    pub(crate) events_folded: IntCounterVec,
+    /// `tally_events_backlog{collection}`: recorded events not folded yet.
+    pub(crate) events_backlog: IntGaugeVec,
+    /// `tally_events_fold_lag_seconds{collection}`: the oldest unfolded
+    /// event's age (0 when none): how far the counters are behind.
+    pub(crate) events_fold_lag: GaugeVec,
     /// `tally_alerts_firing{kind,collection}`: 1 while the alert fires.
     pub(crate) alerts_firing: IntGaugeVec,
     /// `tally_alert_notifications_total{kind,state}`: state is `firing` or
@@ -262,6 +270,24 @@ impl Metrics {
                 &registry,
                 "tally_monitor_lag_seconds",
                 "How far the last processed change event was behind the server's clock",
+                collection,
+            ),
+            events_folded: counter_vec(
+                &registry,
+                "tally_events_folded_total",
+                "Recorded events folded into their counters",
+                collection,
+            ),
+            events_backlog: gauge_vec(
+                &registry,
+                "tally_events_backlog",
+                "Recorded events not folded yet",
+                collection,
+            ),
+            events_fold_lag: float_vec(
+                &registry,
+                "tally_events_fold_lag_seconds",
+                "Age of the oldest recorded event not folded yet",
                 collection,
             ),
             alerts_firing: gauge_vec(

@@ -122,6 +122,10 @@ pub struct CollectionRun {
     pub tokens_folded: u64,
     /// What they added to the counters.
     pub amount_folded: i64,
+    /// Recorded events the run folded into their counters (the collection's
+    /// ledger, when it has one); in a dry run, the events a fold would
+    /// fold.
+    pub events_folded: u64,
     /// Entries of expired minted lanes removed, from the plans of the
     /// documents folded (would be removed, in a dry run).
     pub lanes_pruned: u64,
@@ -159,6 +163,7 @@ impl CollectionRun {
             documents_folded: 0,
             tokens_folded: 0,
             amount_folded: 0,
+            events_folded: 0,
             lanes_pruned: 0,
             concurrent_changes: 0,
             refused: 0,

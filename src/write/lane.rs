@@ -219,6 +219,43 @@ impl Counters {
         }
     }
 
+    /// Adds `amount` to `key` through the minted lane `lane` at `position`
+    /// for the daemon's fold of recorded events: the lanes protocol's
+    /// update, without a resume horizon — the fold finishes a batch it
+    /// claimed before anything prunes its lane's entries. `resumed`: a
+    /// batch being finished again, whose earlier update may have applied.
+    pub(crate) async fn add_through(
+        &self,
+        key: Bson,
+        lane: LaneId,
+        position: i64,
+        amount: i64,
+        resumed: bool,
+    ) -> LaneIncrement {
+        let op = LaneOp {
+            key,
+            lane,
+            position,
+            amount,
+        };
+        let usable = self.lanes.as_ref().map_err(Clone::clone).and_then(|lanes| {
+            check_amount(amount)?;
+            check_position(&op.lane, position)?;
+            Ok(Lanes {
+                pool: lanes.pool.clone(),
+                resume_horizon: std::time::Duration::MAX,
+            })
+        });
+        let by = if resumed { By::Resume } else { By::Increment };
+        match usable {
+            Ok(lanes) => {
+                let sent = self.send(&lanes, &op, by).await;
+                op.outcome(sent)
+            }
+            Err(cause) => op.outcome(undecided(by, false, cause)),
+        }
+    }
+
     /// The highest number the lane `lane` applied to the counter `key`
     /// (`None` when the document or the entry does not exist).
     #[cfg(feature = "daemon")]

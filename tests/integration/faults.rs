@@ -32,14 +32,14 @@ use crate::common::{TestClient, TestContext, run_reconcile};
 
 /// The bound on one attempt for the client through the proxy (which must
 /// exceed its server selection timeout, [`SELECTION`], by a second).
-const ATTEMPT: Duration = Duration::from_secs(3);
+pub(crate) const ATTEMPT: Duration = Duration::from_secs(3);
 /// The server selection timeout of the client through the proxy.
-const SELECTION: &str = "serverSelectionTimeoutMS=2000";
+pub(crate) const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 /// A delay well past [`ATTEMPT`]: the client gives up first.
-const DELAY: Duration = Duration::from_secs(6);
+pub(crate) const DELAY: Duration = Duration::from_secs(6);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fault {
+pub(crate) enum Fault {
     /// The server executed the write; its reply never reached the client.
     ReplyDropped,
     /// The connection closed before the request reached the server.
@@ -72,7 +72,7 @@ const FAULTS: [Fault; 6] = [
 impl Fault {
     /// The proxy action. A real server labels a not-primary error
     /// `RetryableWriteError` when the write is a retryable one.
-    fn action(self, retryable_write: bool) -> Action {
+    pub(crate) fn action(self, retryable_write: bool) -> Action {
         match self {
             Self::ReplyDropped => Action::DropReply,
             Self::ClosedBeforeForwarding => Action::CloseBeforeForwarding,
@@ -165,10 +165,25 @@ impl Site {
 /// What a cell must show: the outcome, and how many requests of the site
 /// were sent and reached the server.
 #[derive(Debug)]
-struct Expected {
-    outcome: &'static str,
-    sent: usize,
-    reached: usize,
+pub(crate) struct Expected {
+    pub(crate) outcome: &'static str,
+    pub(crate) sent: usize,
+    pub(crate) reached: usize,
+}
+
+impl Expected {
+    /// Adds to `diff` where a cell's outcome and counts disagree.
+    pub(crate) fn judge(&self, outcome: &str, sent: usize, reached: usize, diff: &mut Vec<String>) {
+        if outcome != self.outcome {
+            diff.push(format!("outcome {outcome:?}, expected {:?}", self.outcome));
+        }
+        if (sent, reached) != (self.sent, self.reached) {
+            diff.push(format!(
+                "sent/reached {sent}/{reached}, expected {}/{}",
+                self.sent, self.reached
+            ));
+        }
+    }
 }
 
 /// The matrix. `driver_retries`: the driver retries writes itself
@@ -252,17 +267,19 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
     }
 }
 
-struct Rig {
-    proxy: Proxy,
+/// A server, the proxy in front of it, a store through the proxy and a
+/// client around it.
+pub(crate) struct Rig {
+    pub(crate) proxy: Proxy,
     /// Through the proxy, each attempt bounded by [`ATTEMPT`].
-    store: Store,
-    direct: TestClient,
+    pub(crate) store: Store,
+    pub(crate) direct: TestClient,
     driver_retries: bool,
     retry_writes: bool,
 }
 
 impl Rig {
-    async fn new(name: &str, retry_writes: bool) -> Self {
+    pub(crate) async fn new(name: &str, retry_writes: bool) -> Self {
         let ctx = TestContext::new(name).await;
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
         let store = ctx
@@ -337,15 +354,7 @@ impl Rig {
         let sent = log.len();
         let reached = log.iter().filter(|e| e.reached_server).count();
         let mut diff = Vec::new();
-        if outcome != want.outcome {
-            diff.push(format!("outcome {outcome:?}, expected {:?}", want.outcome));
-        }
-        if (sent, reached) != (want.sent, want.reached) {
-            diff.push(format!(
-                "sent/reached {sent}/{reached}, expected {}/{}",
-                want.sent, want.reached
-            ));
-        }
+        want.judge(&outcome, sent, reached, &mut diff);
         if state != from_log {
             diff.push(format!("document {state:?}, the log says {from_log:?}"));
         }
@@ -610,19 +619,7 @@ impl Rig {
     /// closed (a delayed reply may still be on its way to a client that has
     /// gone).
     async fn settled_log(&self, name: &str) -> Vec<Exchange> {
-        // A request held up in the network arrives now, after the caller's
-        // operation returned.
-        self.proxy.release_held().await;
-        self.proxy
-            .wait_until("every request of the cell is settled", DELAY * 2, |log| {
-                log.iter()
-                    .filter(|e| e.collection.as_deref() == Some(name))
-                    .all(|e| e.settled || e.reached_server)
-            })
-            .await
-            .into_iter()
-            .filter(|e| e.collection.as_deref() == Some(name))
-            .collect()
+        settled_log(&self.proxy, name).await
     }
 }
 
@@ -631,6 +628,23 @@ impl Rig {
 /// retries of one retryable write (the same session and transaction
 /// number) execute once — the first to arrive; the others are answered
 /// from its result.
+/// Releases what the proxy holds (a request held up in the network
+/// arrives now, after the caller's operation returned), waits until every
+/// request on collection `name` is settled, and returns them.
+pub(crate) async fn settled_log(proxy: &Proxy, name: &str) -> Vec<Exchange> {
+    proxy.release_held().await;
+    proxy
+        .wait_until("every request of the cell is settled", DELAY * 2, |log| {
+            log.iter()
+                .filter(|e| e.collection.as_deref() == Some(name))
+                .all(|e| e.settled || e.reached_server)
+        })
+        .await
+        .into_iter()
+        .filter(|e| e.collection.as_deref() == Some(name))
+        .collect()
+}
+
 fn executed<'a>(log: &'a [Exchange], command: &str) -> Vec<&'a Exchange> {
     let mut arrived: Vec<&Exchange> = log
         .iter()

@@ -1451,12 +1451,12 @@ async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
         .await
         .unwrap();
     let now = server_now(&client).await;
-    let (fail, fold) =
-        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
-
-    // Another process (not held by the fail point): the writer settles its
-    // pending ticket...
+    // Another process (not held by the fail point), connected before the
+    // hold starts: everything it does below must fit in the hold.
     let (rival, writer) = rival_views(&ctx).await;
+    let (fail, fold) = fold_held_on_the_server(&ctx, &client, now, Duration::from_secs(5)).await;
+
+    // The writer settles its pending ticket...
     let pending = writer
         .find_pending("k", Token::from_object_id(t))
         .await
@@ -1477,6 +1477,12 @@ async fn a_fold_in_flight_never_counts_again_a_token_a_settle_counted() {
         )
         .await
         .unwrap();
+    // The race this test is about needs the fold's update still held
+    // here; under a loaded machine the hold could run out first.
+    assert!(
+        !fold.is_finished(),
+        "the test's precondition: the fold's update is still held on the server"
+    );
     let marked = coll.find_one(doc! { "_id": "k" }).await.unwrap().unwrap();
     assert!(
         marked.get_array("settled").is_ok_and(|m| !m.is_empty()),

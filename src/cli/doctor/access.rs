@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::error::server_code;
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
+use crate::write::ledger::Ledger;
 
 /// One check per configured collection: is there a sparse index on the
 /// fields the fold looks for?
@@ -37,6 +38,46 @@ pub(super) async fn indexes(store: &Store, config: &Config) -> Vec<Check> {
         checks.push(Check {
             collection: Some(spec.name.clone()),
             ..Check::new("indexes", verdict, message)
+        });
+    }
+    checks
+}
+
+/// One check per ledger: the indexes its fold needs, without which the
+/// daemon refuses to fold it.
+pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for spec in config
+        .collections
+        .iter()
+        .filter(|s| s.events_collection.is_some())
+    {
+        let events = spec.events_collection_name();
+        let ledger = Ledger::new(store, spec.clone());
+        let (verdict, message) = match ledger
+            .missing_indexes(config.reconcile.event_retention)
+            .await
+        {
+            Ok(missing) if missing.is_empty() => (
+                Verdict::Ok,
+                "the fold's indexes are there (fold state, counter, the dedupe window's TTL)"
+                    .to_owned(),
+            ),
+            Ok(missing) => (
+                Verdict::Fail,
+                format!(
+                    "missing {}: the daemon refuses to fold this ledger; run `tallyd setup`",
+                    missing.join(", ")
+                ),
+            ),
+            Err(err) => (
+                Verdict::Warn,
+                format!("unknown: cannot list the indexes: {err}"),
+            ),
+        };
+        checks.push(Check {
+            collection: Some(events),
+            ..Check::new("ledger_indexes", verdict, message)
         });
     }
     checks

@@ -56,6 +56,12 @@ pub struct CollectionConfig {
     ///
     /// [`Counters::add`]: super::Counters::add
     pub lanes_field: String,
+    /// The events collection of this collection's ledger
+    /// ([`Ledger`](crate::Ledger)): where recorded events wait to be folded
+    /// into the counters. `None` means the default, `<name>_events`; the
+    /// daemon folds a ledger only when its collection enables one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub events_collection: Option<String>,
     /// This collection's fold grace, overriding `[reconcile] grace`.
     #[serde(
         skip_serializing_if = "Option::is_none",
@@ -77,6 +83,7 @@ impl CollectionConfig {
             pending_field: DEFAULT_PENDING_FIELD.into(),
             settled_field: DEFAULT_SETTLED_FIELD.into(),
             lanes_field: DEFAULT_LANES_FIELD.into(),
+            events_collection: None,
             grace: None,
             batch_size: None,
         }
@@ -94,6 +101,21 @@ impl CollectionConfig {
     pub fn with_settled_field(mut self, settled: impl Into<String>) -> Self {
         self.settled_field = settled.into();
         self
+    }
+
+    /// The same collection with its ledger's events in `events` instead of
+    /// `<name>_events`.
+    pub fn with_events_collection(mut self, events: impl Into<String>) -> Self {
+        self.events_collection = Some(events.into());
+        self
+    }
+
+    /// The name of this collection's events collection: the configured one,
+    /// or `<name>_events`.
+    pub fn events_collection_name(&self) -> String {
+        self.events_collection
+            .clone()
+            .unwrap_or_else(|| format!("{}_events", self.name))
     }
 
     /// The same collection with another name for the lanes field.

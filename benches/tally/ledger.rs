@@ -1,0 +1,366 @@
+//! P8, the events ledger: `record` against a plain `$inc` per event (1 and
+//! 16 writers, and 16 writers on one hot counter), `record_many` of 100
+//! against a plain `$inc` per event, the fold of N events over 1,000
+//! counters against the bare `$group` aggregate over the same events, the
+//! process's peak RSS after folding N/10 and N events, and the lag from an
+//! acknowledged `record` to its counter under a continuous fold at half
+//! the server's recording capacity.
+//!
+//! `TALLY_BENCH_LEDGER_EVENTS` sets N (default 100,000).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::TryStreamExt;
+use mongodb::bson::{Document, doc};
+use mongodb::{Client, Collection};
+use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording, Store};
+use tokio_util::sync::CancellationToken;
+
+use crate::Settings;
+use crate::increment::run_plain;
+use crate::measure::{Run, bench_options, merge, ms, server, timed};
+
+const KEYS: usize = 1000;
+const MANY: usize = 100;
+const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+pub async fn run(settings: &Settings) {
+    let events = events();
+    let (_server, store, db) = connect().await;
+    let plain: Collection<Document> = db.collection("plain");
+    let ledger = Arc::new(Ledger::new(&store, CollectionConfig::new("recorded")));
+    ledger.create_indexes(RETENTION).await.expect("indexes");
+    let serial = Arc::new(AtomicI64::new(0));
+
+    println!(
+        "ledger (P8): record vs plain $inc per event; {KEYS} keys, retryWrites=false, \
+         {} interleaved slices x {:?} per side",
+        settings.rounds, settings.run
+    );
+    println!(
+        "{:<22} {:>7} {:>11} {:>9} {:>9}",
+        "side", "writers", "events/s", "p50 ms", "p99 ms"
+    );
+    for (label, writers, keys, goal) in [
+        ("record", 1usize, KEYS, 1.1),
+        ("record", 16, KEYS, 1.1),
+        ("record, one hot key", 16, 1, 1.0),
+    ] {
+        let mut runs: [Vec<Run>; 2] = Default::default();
+        for round in 0..settings.rounds {
+            for k in 0..2 {
+                let side = (k + round) % 2;
+                let run = if side == 0 {
+                    run_plain(&plain, writers, settings.run, keys, 1).await
+                } else {
+                    run_record(&ledger, &serial, writers, settings.run, keys).await
+                };
+                runs[side].push(run);
+            }
+        }
+        let [plain_runs, record_runs] = runs;
+        let (plain_run, record) = (merge(plain_runs), merge(record_runs));
+        print_row("plain $inc", writers, &plain_run, 1);
+        print_row(label, writers, &record, 1);
+        println!(
+            "{:<22} {writers:>7} ratio = {:.3}x (goal >= {goal}x)",
+            format!("{label} / $inc"),
+            record.per_second() / plain_run.per_second()
+        );
+    }
+    // record_many of 100: events per second against $inc per event.
+    let mut runs: [Vec<Run>; 2] = Default::default();
+    for round in 0..settings.rounds {
+        for k in 0..2 {
+            let side = (k + round) % 2;
+            let run = if side == 0 {
+                run_plain(&plain, 1, settings.run, KEYS, 1).await
+            } else {
+                run_record_many(&ledger, &serial, settings.run).await
+            };
+            runs[side].push(run);
+        }
+    }
+    let [plain_runs, many_runs] = runs;
+    let (plain_run, many) = (merge(plain_runs), merge(many_runs));
+    print_row("plain $inc", 1, &plain_run, 1);
+    print_row("record_many of 100", 1, &many, MANY);
+    println!(
+        "{:<22} {:>7} ratio = {:.3}x events/s (goal >= 12x)",
+        "record_many / $inc",
+        1,
+        many.per_second() * MANY as f64 / plain_run.per_second()
+    );
+
+    folds(&store, &db, events, plain_run.per_second(), settings).await;
+}
+
+/// The fold part alone (`ledger-fold`): the folds, peak RSS and the lag,
+/// the lag's rate taken from one writer's plain `$inc` measured here.
+pub async fn run_fold(settings: &Settings) {
+    let events = events();
+    let (_server, store, db) = connect().await;
+    let plain: Collection<Document> = db.collection("plain");
+    let capacity = run_plain(&plain, 1, settings.run, KEYS, 1)
+        .await
+        .per_second();
+    folds(&store, &db, events, capacity, settings).await;
+}
+
+/// A fresh benchmark database (on a server started for the run unless
+/// `TALLY_BENCH_MONGODB_URI` names one; the guard keeps it alive).
+async fn connect() -> (Option<crate::server::TestServer>, Store, mongodb::Database) {
+    let (uri, server) = server();
+    let options = bench_options(&uri).await;
+    let client = Client::with_options(options.clone()).expect("client");
+    let db = client.database("tally_bench_ledger");
+    db.drop().await.expect("drop bench database");
+    let store = Store::from_parts(client, &options, "tally_bench_ledger");
+    (server, store, db)
+}
+
+/// N from `TALLY_BENCH_LEDGER_EVENTS` (default 100,000).
+fn events() -> usize {
+    std::env::var("TALLY_BENCH_LEDGER_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
+}
+
+async fn folds(
+    store: &Store,
+    db: &mongodb::Database,
+    events: usize,
+    capacity: f64,
+    settings: &Settings,
+) {
+    for (name, n) in [("fold_small", events / 10), ("fold_large", events)] {
+        let (folded, bare) = fold_side(store, db, name, n).await;
+        println!(
+            "fold of {n} events over {KEYS} counters: {:.2}s; bare $group over them: {:.2}s; \
+             ratio = {:.2}x (goal <= 2x); peak RSS so far {} KiB",
+            folded.as_secs_f64(),
+            bare.as_secs_f64(),
+            folded.as_secs_f64() / bare.as_secs_f64(),
+            peak_rss_kib()
+        );
+    }
+    lag(store, capacity / 2.0, settings).await;
+}
+
+fn print_row(label: &str, writers: usize, run: &Run, per_op: usize) {
+    println!(
+        "{:<22} {:>7} {:>11.0} {:>9.2} {:>9.2}",
+        label,
+        writers,
+        run.per_second() * per_op as f64,
+        ms(run.percentile(50.0)),
+        ms(run.percentile(99.0))
+    );
+}
+
+async fn run_record(
+    ledger: &Arc<Ledger>,
+    serial: &Arc<AtomicI64>,
+    writers: usize,
+    duration: Duration,
+    keys: usize,
+) -> Run {
+    let (ledger, serial) = (ledger.clone(), serial.clone());
+    timed(writers, duration, move |w, i| {
+        let (ledger, serial) = (ledger.clone(), serial.clone());
+        async move {
+            let key = format!("k{}", (w * 7919 + i * 31) % keys);
+            let event = format!("e{}", serial.fetch_add(1, Ordering::Relaxed));
+            match ledger.record(event, key, 1).await {
+                Recording::Recorded(_) => {}
+                other => panic!("benchmark record: {other:?}"),
+            }
+        }
+    })
+    .await
+}
+
+async fn run_record_many(ledger: &Arc<Ledger>, serial: &Arc<AtomicI64>, duration: Duration) -> Run {
+    let (ledger, serial) = (ledger.clone(), serial.clone());
+    timed(1, duration, move |_, i| {
+        let (ledger, serial) = (ledger.clone(), serial.clone());
+        async move {
+            let first = serial.fetch_add(MANY as i64, Ordering::Relaxed);
+            let batch: Vec<(String, String, i64)> = (0..MANY)
+                .map(|j| {
+                    let key = format!("k{}", (i * 31 + j) % KEYS);
+                    (format!("e{}", first + j as i64), key, 1)
+                })
+                .collect();
+            for recording in ledger.record_many(batch).await {
+                assert_eq!(recording.name(), "recorded", "{recording:?}");
+            }
+        }
+    })
+    .await
+}
+
+/// Seeds `events` events over [`KEYS`] counters in `name`'s ledger (bulk
+/// inserts, not timed), then times tally's fold of them and the bare
+/// `$group` aggregate over the same events (each side's work: read every
+/// event, sum per counter).
+async fn fold_side(
+    store: &Store,
+    db: &mongodb::Database,
+    name: &str,
+    events: usize,
+) -> (Duration, Duration) {
+    let ledger = Ledger::new(store, CollectionConfig::new(name));
+    ledger.create_indexes(RETENTION).await.expect("indexes");
+    let coll: Collection<Document> = db.collection(&format!("{name}_events"));
+    let at = mongodb::bson::DateTime::now();
+    for chunk in (0..events).collect::<Vec<_>>().chunks(1000) {
+        let docs: Vec<Document> = chunk
+            .iter()
+            .map(|i| {
+                doc! { "_id": format!("e{i}"), "k": format!("k{}", i % KEYS), "n": 1i64, "at": at,
+                "r": mongodb::bson::oid::ObjectId::new() }
+            })
+            .collect();
+        coll.insert_many(docs).await.expect("seed events");
+    }
+    let started = Instant::now();
+    let rows: Vec<Document> = coll
+        .aggregate(vec![
+            doc! { "$group": { "_id": "$k", "n": { "$sum": "$n" } } },
+        ])
+        .await
+        .expect("bare $group")
+        .try_collect()
+        .await
+        .expect("bare $group rows");
+    let bare = started.elapsed();
+    assert_eq!(rows.len(), KEYS.min(events));
+    let fold = EventFold::new(
+        store,
+        CollectionConfig::new(name),
+        EventFoldSettings::default(),
+    );
+    let started = Instant::now();
+    let run = fold
+        .fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("fold");
+    let folded = started.elapsed();
+    assert_eq!(run.events_folded, events as u64, "every event folded");
+    (folded, bare)
+}
+
+/// The process's peak resident set (`VmHWM`), in KiB; 0 where unknown.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// One recorder at `rate` events/s on one counter, a fold looping with no
+/// pause while it finds work (50 ms when it finds none), a poller reading
+/// the counter every 5 ms: each event's lag is from its acknowledgement
+/// to the first poll that sees the counter include it.
+async fn lag(store: &Store, rate: f64, settings: &Settings) {
+    let ledger = Arc::new(Ledger::new(store, CollectionConfig::new("lag")));
+    ledger.create_indexes(RETENTION).await.expect("indexes");
+    let stop = CancellationToken::new();
+    let fold = Arc::new(EventFold::new(
+        store,
+        CollectionConfig::new("lag"),
+        EventFoldSettings::default(),
+    ));
+    let folder = {
+        let (fold, stop) = (fold.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let run = fold.fold(SystemTime::now(), &stop).await;
+                if !matches!(run, Ok(ref r) if r.events_folded > 0) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        })
+    };
+    let coll: Collection<Document> = store.collection("lag");
+    let poller = {
+        let (coll, stop) = (coll.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut seen: Vec<(Instant, i64)> = Vec::new();
+            while !stop.is_cancelled() {
+                let value = hot_value(&coll).await;
+                seen.push((Instant::now(), value));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            seen
+        })
+    };
+    let total = (settings.run.as_secs_f64() * settings.rounds as f64 * rate).max(50.0) as usize;
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let mut acked = Vec::with_capacity(total);
+    let started = Instant::now();
+    for i in 0..total {
+        let due = started + interval * i as u32;
+        tokio::time::sleep_until(due.into()).await;
+        match ledger.record(format!("lag{i}"), "hot", 1).await {
+            Recording::Recorded(_) => acked.push(Instant::now()),
+            other => panic!("lag record: {other:?}"),
+        }
+    }
+    // Until the counter holds every event.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if hot_value(&coll).await >= total as i64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.cancel();
+    let _ = folder.await;
+    let seen = poller.await.expect("poller");
+    let mut lags: Vec<Duration> = acked
+        .iter()
+        .enumerate()
+        .filter_map(|(i, at)| {
+            seen.iter()
+                .find(|(_, v)| *v > i as i64)
+                .map(|(t, _)| t.saturating_duration_since(*at))
+        })
+        .collect();
+    lags.sort();
+    if lags.is_empty() {
+        println!("lag: the counter never showed the events (nothing to report)");
+        return;
+    }
+    let p = |q: f64| lags[((q / 100.0) * (lags.len() - 1) as f64).round() as usize];
+    println!(
+        "lag record -> counter, continuous fold, {total} events at {rate:.0}/s (half of one \
+         writer's plain $inc rate): median {:.1} ms, p99 {:.1} ms",
+        ms(p(50.0)),
+        ms(p(99.0))
+    );
+}
+
+/// The hot counter's value (0 before it exists).
+async fn hot_value(coll: &Collection<Document>) -> i64 {
+    coll.find_one(doc! { "_id": "hot" })
+        .await
+        .ok()
+        .flatten()
+        .and_then(|d| match d.get("counter") {
+            Some(mongodb::bson::Bson::Int32(n)) => Some(i64::from(*n)),
+            Some(mongodb::bson::Bson::Int64(n)) => Some(*n),
+            _ => None,
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,174 @@
+//! What recording an event tells its caller: exactly one of five outcomes
+//! ([`Recording`]), the conflict a reused event key is ([`Conflict`]), and
+//! the ticket that settles the uncertain outcome ([`EventTicket`]).
+
+use mongodb::bson::{Bson, oid::ObjectId};
+
+use crate::document::display_id;
+use crate::error::Error;
+
+/// One event: its key (the idempotency key), the counter it counts on and
+/// the amount it adds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub(super) key: String,
+    pub(super) counter: Bson,
+    pub(super) amount: i64,
+}
+
+impl Event {
+    /// The event's key: the `_id` of its document in the events collection.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The `_id` of the counter the event counts on.
+    pub fn counter(&self) -> &Bson {
+        &self.counter
+    }
+
+    /// The amount the event adds to its counter.
+    pub fn amount(&self) -> i64 {
+        self.amount
+    }
+}
+
+/// The result of [`Ledger::record`], of each event of
+/// [`Ledger::record_many`], or of [`Ledger::record_again`].
+///
+/// [`Ledger::record`]: crate::Ledger::record
+/// [`Ledger::record_many`]: crate::Ledger::record_many
+/// [`Ledger::record_again`]: crate::Ledger::record_again
+#[must_use = "a recording may be unknown and need sending again"]
+#[derive(Debug)]
+pub enum Recording {
+    /// This call recorded the event (or an earlier attempt of this call,
+    /// whose reply was lost, did): it will be counted once.
+    Recorded(Event),
+    /// The event key was recorded before, with the same counter and
+    /// amount: the event is counted once, by the earlier recording.
+    Duplicate(Event),
+    /// The event key was recorded before with another counter or amount:
+    /// nothing was written. The key is being reused for another event — a
+    /// bug of the caller's to fix.
+    Conflict(Conflict),
+    /// The insert may or may not have landed. Send the ticket again with
+    /// [`Ledger::record_again`] — safe at any time while the dedupe window
+    /// (`event_retention`) lasts, from any process.
+    ///
+    /// [`Ledger::record_again`]: crate::Ledger::record_again
+    Unknown(EventTicket),
+    /// Definitely not recorded: nothing was written.
+    NotRecorded(NotRecorded),
+}
+
+impl Recording {
+    /// The outcome's name as the CLI prints it: `recorded`, `duplicate`,
+    /// `conflict`, `unknown` or `not_recorded`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Recorded(_) => "recorded",
+            Self::Duplicate(_) => "duplicate",
+            Self::Conflict(_) => "conflict",
+            Self::Unknown(_) => "unknown",
+            Self::NotRecorded(_) => "not_recorded",
+        }
+    }
+
+    /// The event as this call gave it.
+    pub fn event(&self) -> &Event {
+        match self {
+            Self::Recorded(e) | Self::Duplicate(e) => e,
+            Self::Conflict(c) => &c.event,
+            Self::Unknown(t) => &t.event,
+            Self::NotRecorded(n) => &n.event,
+        }
+    }
+
+    /// True for the outcomes after which the event is counted exactly once:
+    /// recorded and duplicate.
+    pub fn is_counted(&self) -> bool {
+        matches!(self, Self::Recorded(_) | Self::Duplicate(_))
+    }
+}
+
+/// An event key recorded before for another counter or amount: nothing
+/// was written.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "event {key:?} was recorded before as {stored_amount} on counter {stored}, not {given_amount} \
+     on counter {given}: refused, nothing was written",
+    key = event.key,
+    stored = display_id(stored_counter),
+    given = display_id(&event.counter),
+    given_amount = event.amount
+)]
+pub struct Conflict {
+    pub(super) event: Event,
+    pub(super) stored_counter: Bson,
+    pub(super) stored_amount: i64,
+}
+
+impl Conflict {
+    /// The event as this call gave it.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// The counter the key was recorded for before.
+    pub fn stored_counter(&self) -> &Bson {
+        &self.stored_counter
+    }
+
+    /// The amount the key was recorded with before.
+    pub fn stored_amount(&self) -> i64 {
+        self.stored_amount
+    }
+}
+
+/// An event whose insert may or may not have landed: everything needed to
+/// send the same insert again, including the recording's own token — so
+/// that finding the event already there with this token says "our earlier
+/// attempt landed" (recorded), not "someone else recorded it" (duplicate).
+#[derive(Debug, Clone)]
+pub struct EventTicket {
+    pub(super) event: Event,
+    pub(super) token: ObjectId,
+    pub(super) cause: Option<Error>,
+}
+
+impl EventTicket {
+    /// The event.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// The recording's token (`r` in the event document).
+    pub fn token(&self) -> ObjectId {
+        self.token
+    }
+
+    /// Why the insert was not confirmed.
+    pub fn cause(&self) -> Option<&Error> {
+        self.cause.as_ref()
+    }
+}
+
+/// An event that was definitely not recorded, and why.
+#[derive(Debug, Clone)]
+pub struct NotRecorded {
+    pub(super) event: Event,
+    pub(super) cause: Error,
+}
+
+impl NotRecorded {
+    /// The event.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// Why nothing was written.
+    pub fn cause(&self) -> &Error {
+        &self.cause
+    }
+}
