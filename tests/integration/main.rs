@@ -23,3 +23,4 @@ mod reconcile;
 mod sequence;
 mod settle;
 mod soak;
+mod soak_lanes;
