@@ -195,13 +195,43 @@ impl Cli {
     }
 }
 
+/// `println!` for what a command prints on standard output, through
+/// [`write_out`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_out(format_args!($($arg)*), true)
+    };
+}
+pub(crate) use out;
+
+/// Writes `args` (and a newline) to standard output. A reader that went
+/// away (`tallyd status | head -1`) is no failure of the command: the rest
+/// of the output is dropped, and the command still finishes — closing its
+/// connection in order — with the exit code of what it did. Any other
+/// failure to write is said on standard error.
+pub(crate) fn write_out(args: std::fmt::Arguments<'_>, newline: bool) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let written = if newline {
+        writeln!(stdout, "{args}")
+    } else {
+        write!(stdout, "{args}")
+    };
+    match written.and_then(|()| stdout.flush()) {
+        Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("error: cannot write to standard output: {err}");
+        }
+        _ => {}
+    }
+}
+
 /// Runs a command against a loaded configuration; `logging` follows a
 /// reload of `tallyd run`.
 pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     let clock = cli.clock();
     match cli.command {
         Command::CheckConfig(args) => {
-            print!("{}", config.to_redacted_toml());
+            write_out(format_args!("{}", config.to_redacted_toml()), false);
             eprintln!("configuration is valid");
             if args.connect {
                 doctor::check_indexes(&config).await
@@ -280,7 +310,7 @@ async fn survey_setup(
 fn fail(json: bool, message: &str, secrets: &Secrets) -> ExitCode {
     let message = secrets.scrub(message);
     if json {
-        println!(
+        out!(
             "{}",
             serde_json::json!({ "outcome": "error", "error": message })
         );

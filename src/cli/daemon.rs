@@ -1,5 +1,6 @@
 //! `tallyd run` (with its signals) and `tallyd status`.
 
+use crate::cli::out;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -157,12 +158,12 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
             })
             .collect();
         let stuck_after = config.alerts.stuck_after.as_secs();
-        println!(
+        out!(
             "{}",
             json!({ "stuck_after_seconds": stuck_after, "collections": collections, "ledgers": ledgers })
         );
     } else {
-        println!(
+        out!(
             "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9} {:>10} {:>8} {:>8}",
             "collection",
             "documents",
@@ -182,7 +183,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                         .to_string()
                 })
                 .unwrap_or_else(|| "-".into());
-            println!(
+            out!(
                 "{:<24} {:>10} {:>10} {:>8} {:>14} {:>9} {:>10} {:>8} {:>8}",
                 name,
                 s.documents_pending,
@@ -195,7 +196,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                 s.largest_lane_map
             );
         }
-        println!(
+        out!(
             "(stuck: older than {}; documents: holding pending tokens; lane docs: holding \
              writer lane entries; largest: the largest lane map)",
             humantime::format_duration(config.alerts.stuck_after)
@@ -209,9 +210,9 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
             } else {
                 ""
             };
-            println!("\n{name}: named lanes (never pruned), highest position{more}:");
+            out!("\n{name}: named lanes (never pruned), highest position{more}:");
             for (lane, position) in &s.named_lanes {
-                println!("  {lane:?}  {position}");
+                out!("  {lane:?}  {position}");
             }
         }
         super::ledger::print_backlogs(&ledgers);

@@ -15,6 +15,7 @@
 mod access;
 mod deployment;
 
+use crate::cli::out;
 use std::process::ExitCode;
 
 use clap::Args;
@@ -115,10 +116,10 @@ pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> Exit
             ok: failed == 0,
             checks: &checks,
         };
-        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        out!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
         print_checks(&checks);
-        println!(
+        out!(
             "{} checks: {} ok, {warned} warn, {failed} fail",
             checks.len(),
             checks.len() - warned - failed
@@ -191,7 +192,7 @@ pub(super) fn print_checks(checks: &[Check]) {
             Some(collection) => format!("{} ({collection})", check.name),
             None => check.name.to_owned(),
         };
-        println!("{:<5} {name}: {}", check.verdict.as_str(), check.message);
+        out!("{:<5} {name}: {}", check.verdict.as_str(), check.message);
     }
 }
 

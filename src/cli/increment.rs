@@ -8,6 +8,7 @@
 //! may change before the hint is followed — so following a hint settles the
 //! increment that was made, not a `+1`, and with the protocol that made it.
 
+use crate::cli::out;
 use std::process::ExitCode;
 use std::time::SystemTime;
 
@@ -448,9 +449,9 @@ pub(super) fn print(
         fields["token"] = json!(shown.token);
         fields["amount"] = json!(shown.amount);
         fields["protocol"] = json!(shown.protocol.as_str());
-        println!("{fields}");
+        out!("{fields}");
     } else if code == EXIT_OK {
-        println!("{text}");
+        out!("{text}");
     } else {
         eprintln!("{text}");
     }

@@ -6,6 +6,7 @@
 //! conflict (the key was recorded with another counter or amount) and when
 //! nothing was recorded.
 
+use crate::cli::out;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
@@ -105,9 +106,9 @@ pub(super) async fn record(args: RecordArgs, config: &Config) -> ExitCode {
         if code != EXIT_OK {
             out["error"] = json!(text);
         }
-        println!("{out}");
+        out!("{out}");
     } else if code == EXIT_OK {
-        println!(
+        out!(
             "{}: event {} on {}/{} by {}",
             text,
             event.key(),
@@ -136,7 +137,7 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
     let code = match ledger.value(args.key.as_str()).await {
         Ok(value) => {
             if args.target.json {
-                println!(
+                out!(
                     "{}",
                     json!({
                         "key": args.key,
@@ -147,7 +148,7 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
                     })
                 );
             } else {
-                println!(
+                out!(
                     "{}/{}: {} ({} folded, {} in {} unfolded events)",
                     ledger.spec().name,
                     args.key,
@@ -212,7 +213,7 @@ pub(super) fn print_backlogs(rows: &[Value]) {
         } else {
             format!("missing indexes {} (run tallyd setup)", missing.join(", "))
         };
-        println!(
+        out!(
             "ledger {}: {} unfolded events, oldest {oldest}; {indexes}",
             row["events_collection"].as_str().unwrap_or_default(),
             row["unfolded_events"],

@@ -1,5 +1,6 @@
 //! `tallyd reconcile [--dry-run] [--collection NAME]... [--json]`.
 
+use crate::cli::out;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -82,15 +83,15 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
 fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, secrets: &Secrets) {
     let collections: Vec<_> = runs.iter().map(|(_, run)| run).collect();
     let summary = json!({ "dry_run": dry_run, "ok": ok, "collections": collections });
-    println!("{}", secrets.scrub(&summary.to_string()));
+    out!("{}", secrets.scrub(&summary.to_string()));
 }
 
 fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Secrets) {
     if dry_run {
-        println!("dry run: nothing was changed; the numbers say what a fold would do");
+        out!("dry run: nothing was changed; the numbers say what a fold would do");
     }
     let verb = if dry_run { "would fold" } else { "folded" };
-    println!(
+    out!(
         "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9}  result",
         "collection",
         "scanned",
@@ -131,7 +132,7 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
                 }
             }
         };
-        println!(
+        out!(
             "{:<24} {:>9} {:>9} {:>11} {:>9} {:>11} {:>9} {:>12} {:>9.2}  {}",
             target.spec.name,
             run.survey.documents_scanned,
@@ -147,7 +148,7 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
     }
     for (target, run) in runs {
         if run.survey.malformed > 0 {
-            println!(
+            out!(
                 "\n{}: {} malformed document(s) left unchanged{}:",
                 target.spec.name,
                 run.survey.malformed,
@@ -158,11 +159,11 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
                 }
             );
             for doc in &run.survey.malformed_sample {
-                println!("  _id {}: {}", doc.id, doc.reason);
+                out!("  _id {}: {}", doc.id, doc.reason);
             }
         }
         if run.refused > 0 {
-            println!(
+            out!(
                 "\n{}: {} document(s) refused by the server, left unchanged{}:",
                 target.spec.name,
                 run.refused,
@@ -173,7 +174,7 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
                 }
             );
             for doc in &run.refused_sample {
-                println!(
+                out!(
                     "  _id {}: error {}: {}",
                     doc.id,
                     doc.code,

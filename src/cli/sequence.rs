@@ -1,5 +1,6 @@
 //! `tallyd seq next NAME [--block N]`, `tallyd seq current NAME`.
 
+use crate::cli::out;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
@@ -90,7 +91,7 @@ pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
     store.shutdown().await;
     match result {
         Ok(line) => {
-            println!("{line}");
+            out!("{line}");
             ExitCode::from(EXIT_OK)
         }
         Err(err) => {

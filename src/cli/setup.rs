@@ -10,6 +10,7 @@
 //! - every collection with a ledger: its events collection's indexes (the
 //!   fold's, the exact reads', the TTL that is the dedupe window).
 
+use crate::cli::out;
 use std::process::ExitCode;
 
 use clap::Args;
@@ -69,9 +70,9 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
     }
     store.shutdown().await;
     if args.json {
-        println!("{}", serde_json::json!({ "done": done, "failed": failed }));
+        out!("{}", serde_json::json!({ "done": done, "failed": failed }));
     } else {
-        done.iter().for_each(|line| println!("{line}"));
+        done.iter().for_each(|line| out!("{line}"));
         failed.iter().for_each(|line| eprintln!("error: {line}"));
     }
     ExitCode::from(if failed.is_empty() {

@@ -640,3 +640,50 @@ async fn retries_are_logged_with_class_and_attempt_as_json() {
     assert_eq!(retry["attempt"], 1);
     assert_eq!(retry["operation"], "increment.add_token");
 }
+
+/// Runs `tallyd` with its standard output a pipe nobody reads any more
+/// (`tallyd … | head -0`): the read end is closed before the command starts.
+async fn tallyd_into_a_closed_pipe(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+            .args(args)
+            .env_clear()
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run tallyd")
+    })
+    .await
+    .expect("the command's task")
+}
+
+/// A reader that went away is no failure of the command: it does not panic
+/// (it did, on every command's first line), says nothing about it, and
+/// exits with the code of what it did — an increment counted is still 0.
+#[tokio::test]
+async fn output_into_a_closed_pipe_neither_panics_nor_changes_the_exit_code() {
+    let ctx = TestContext::new("cli_closed_pipe").await;
+    let dir = tempfile::tempdir().unwrap();
+    let collection = "[[collections]]\nname = \"views\"\n";
+    let path = write_config(dir.path(), &ctx.config_toml(false, collection));
+    let runs: [(&[&str], i32); 3] = [
+        (&["--config", &path, "check-config"], 0),
+        (
+            &["--config", &path, "incr", "k", "--collection", "views"],
+            0,
+        ),
+        (&["--config", &path, "incr", "k", "--by", "2", "--json"], 0),
+    ];
+    for (args, code) in runs {
+        let output = tallyd_into_a_closed_pipe(args).await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+    }
+    let client = ctx.client(false).await;
+    assert_eq!(counter(&client.collection("views"), "k").await, 3);
+}
