@@ -548,12 +548,11 @@ impl RetryBudget {
     /// Decides what follows a failed attempt, and logs a retry.
     pub(crate) fn after_failure(&mut self, err: MongoError) -> Next {
         let facts = Facts::of(&err);
-        let class = if self.read {
-            facts.read_class()
-        } else {
-            facts.class()
+        let (class, effect) = match (self.read, facts.read_class()) {
+            (true, ErrorClass::Transient) => (ErrorClass::Transient, Effect::MaybeApplied),
+            (true, class) => (class, facts.effect()),
+            (false, _) => (facts.class(), facts.effect()),
         };
-        let effect = facts.effect();
         if effect != Effect::NotApplied {
             self.maybe_applied = true;
         }
