@@ -41,7 +41,8 @@ pub(crate) async fn insert_if_absent(
     document: &Document,
     operation: &'static str,
 ) -> Result<Inserted, Error> {
-    let mut budget = RetryBudget::retry_once(operation, false);
+    let driver_retries = store.driver_retries_writes().await?;
+    let mut budget = RetryBudget::retry_once(operation, driver_retries);
     let failure = match store
         .with_retry(&mut budget, || collection.insert_one(document.clone()))
         .await
@@ -86,6 +87,29 @@ pub(crate) async fn insert_if_absent(
 /// stored as 2^53): the exact range of a double counter, for step 2 and the
 /// fold alike.
 pub(crate) const EXACT_DOUBLE: i128 = 1 << 53;
+
+/// The open range `(low, high)` of double counters that take `amount`
+/// exactly: integral, and both the counter and the sum of magnitude below
+/// 2^53 — the rule of step 2 and the fold. `None` when no double counter
+/// can take it (the amount itself is not exact as a double).
+pub(crate) fn exact_double_range(amount: i64) -> Option<(i64, i64)> {
+    let amount = i128::from(amount);
+    if amount.abs() >= EXACT_DOUBLE {
+        return None;
+    }
+    let low = -EXACT_DOUBLE + (-amount).max(0);
+    let high = EXACT_DOUBLE - amount.max(0);
+    // Both within ±2^53: they fit.
+    Some((low as i64, high as i64))
+}
+
+/// Whether the double counter `counter` takes `amount` exactly
+/// ([`exact_double_range`], and integral).
+pub(crate) fn double_takes(counter: f64, amount: i64) -> bool {
+    exact_double_range(amount).is_some_and(|(low, high)| {
+        counter.fract() == 0.0 && counter > low as f64 && counter < high as f64
+    })
+}
 
 /// An integral number stored as int32, int64 or an integral double (what
 /// the legacy shell writes for `0`), as an `i64`; `None` for anything else,
@@ -183,6 +207,28 @@ mod tests {
         assert_eq!(integer_value(&Bson::Double(f64::NAN)), None);
         assert_eq!(integer_value(&Bson::String("1".into())), None);
         assert_eq!(integer_value(&Bson::Null), None);
+    }
+
+    #[test]
+    fn a_double_counter_takes_an_amount_only_while_counter_and_sum_are_exact() {
+        let two_53 = 9_007_199_254_740_992.0_f64;
+        assert!(double_takes(5.0, 1));
+        assert!(double_takes(two_53 - 2.0, 1));
+        assert!(!double_takes(two_53 - 1.0, 1), "the sum is 2^53");
+        assert!(double_takes(two_53 - 1.0, -5));
+        assert!(!double_takes(two_53, -1), "2^53 itself is not exact");
+        assert!(double_takes(-(two_53 - 2.0), -1));
+        assert!(!double_takes(-(two_53 - 1.0), -1));
+        assert!(!double_takes(2.5, 1));
+        assert!(!double_takes(f64::NAN, 1));
+        assert!(!double_takes(f64::INFINITY, -1));
+        assert!(
+            !double_takes(0.0, 1 << 53),
+            "the amount is not exact as a double"
+        );
+        assert_eq!(exact_double_range(3), Some((-(1 << 53), (1 << 53) - 3)));
+        assert_eq!(exact_double_range(-3), Some((-(1 << 53) + 3, 1 << 53)));
+        assert_eq!(exact_double_range(-(1 << 53)), None);
     }
 
     #[test]

@@ -10,7 +10,11 @@
 //!
 //! Orthogonal to the class is the [`Effect`]: what the failure tells about the
 //! write it carried. "Not counted" may only be promised when the effect is
-//! [`Effect::NotApplied`].
+//! [`Effect::NotApplied`]. Where the driver retries writes itself, a
+//! server's refusal may be its retry's answer, while the first attempt —
+//! whose error the driver drops — is still on its way: such a refusal
+//! proves nothing unless the server labels it `NoWritesPerformed`
+//! ([`Facts::write_effect`]).
 //!
 //! [`RetryBudget`] applies the rule inside each operation's loop and logs
 //! every retry with its class and attempt number.
@@ -19,87 +23,11 @@ use std::fmt;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
-use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
+use mongodb::error::{
+    Error as MongoError, ErrorKind, NO_WRITES_PERFORMED, RETRYABLE_WRITE_ERROR, WriteFailure,
+};
 
-/// Server error codes tally names, as the server defines them.
-pub(crate) mod code {
-    /// `HostUnreachable`.
-    pub(crate) const HOST_UNREACHABLE: i32 = 6;
-    /// `HostNotFound`.
-    pub(crate) const HOST_NOT_FOUND: i32 = 7;
-    /// `NetworkTimeout`.
-    pub(crate) const NETWORK_TIMEOUT: i32 = 89;
-    /// `ShutdownInProgress`.
-    pub(crate) const SHUTDOWN_IN_PROGRESS: i32 = 91;
-    /// `PrimarySteppedDown`.
-    pub(crate) const PRIMARY_STEPPED_DOWN: i32 = 189;
-    /// `ExceededTimeLimit`.
-    pub(crate) const EXCEEDED_TIME_LIMIT: i32 = 262;
-    /// `SocketException`.
-    pub(crate) const SOCKET_EXCEPTION: i32 = 9001;
-    /// `NotWritablePrimary` (formerly `NotMaster`).
-    pub(crate) const NOT_WRITABLE_PRIMARY: i32 = 10107;
-    /// `InterruptedAtShutdown`.
-    pub(crate) const INTERRUPTED_AT_SHUTDOWN: i32 = 11600;
-    /// `InterruptedDueToReplStateChange`.
-    pub(crate) const INTERRUPTED_DUE_TO_REPL_STATE_CHANGE: i32 = 11602;
-    /// `NotPrimaryNoSecondaryOk`.
-    pub(crate) const NOT_PRIMARY_NO_SECONDARY_OK: i32 = 13435;
-    /// `NotPrimaryOrSecondary`.
-    pub(crate) const NOT_PRIMARY_OR_SECONDARY: i32 = 13436;
-    /// `DuplicateKey`.
-    pub(crate) const DUPLICATE_KEY: i32 = 11000;
-    /// `DuplicateKey` as reported by old servers for updates.
-    pub(crate) const DUPLICATE_KEY_ON_UPDATE: i32 = 11001;
-    /// `DuplicateKeyValue` (a duplicate found while building an index).
-    pub(crate) const DUPLICATE_KEY_VALUE: i32 = 12582;
-    /// `CursorNotFound`: the server no longer has a cursor (killed, timed
-    /// out, or on a node that stepped down). A read sent again starts anew.
-    pub(crate) const CURSOR_NOT_FOUND: i32 = 43;
-    /// `ReadConcernMajorityNotAvailableYet`: a node that just started or
-    /// stepped up cannot serve a majority read yet.
-    pub(crate) const READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET: i32 = 134;
-    /// `ChangeStreamHistoryLost`: a resume token fell off the oplog (the
-    /// daemon's change-stream monitor).
-    #[cfg(feature = "daemon")]
-    pub(crate) const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
-    /// `ChangeStreamFatalError`: the stream cannot go on from where it is
-    /// (the daemon's monitor starts a new one).
-    #[cfg(feature = "daemon")]
-    pub(crate) const CHANGE_STREAM_FATAL_ERROR: i32 = 280;
-    /// `InvalidResumeToken`: the server cannot resume from the saved token
-    /// (the daemon's monitor starts a new stream).
-    #[cfg(feature = "daemon")]
-    pub(crate) const INVALID_RESUME_TOKEN: i32 = 260;
-
-    /// Codes that make a failed attempt transient: the node is not (or no
-    /// longer) a writable primary, is recovering or shutting down, or the
-    /// network failed on the server's side.
-    pub(crate) const TRANSIENT: [i32; 12] = [
-        HOST_UNREACHABLE,
-        HOST_NOT_FOUND,
-        NETWORK_TIMEOUT,
-        SHUTDOWN_IN_PROGRESS,
-        PRIMARY_STEPPED_DOWN,
-        EXCEEDED_TIME_LIMIT,
-        SOCKET_EXCEPTION,
-        NOT_WRITABLE_PRIMARY,
-        INTERRUPTED_AT_SHUTDOWN,
-        INTERRUPTED_DUE_TO_REPL_STATE_CHANGE,
-        NOT_PRIMARY_NO_SECONDARY_OK,
-        NOT_PRIMARY_OR_SECONDARY,
-    ];
-
-    /// Codes that make a failed *read* transient besides [`TRANSIENT`]: the
-    /// read changed nothing, and sent again it may well succeed. A write
-    /// never sees them.
-    pub(crate) const READ_TRANSIENT: [i32; 2] =
-        [CURSOR_NOT_FOUND, READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET];
-
-    /// Codes that mean "a document with this unique key already exists".
-    pub(crate) const DUPLICATE_KEY_CODES: [i32; 3] =
-        [DUPLICATE_KEY, DUPLICATE_KEY_ON_UPDATE, DUPLICATE_KEY_VALUE];
-}
+pub(crate) mod code;
 
 /// The class of a failed attempt, which decides whether it is retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -143,8 +71,9 @@ impl fmt::Display for ErrorClass {
 /// What a failed attempt tells about the write it carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Effect {
-    /// The write was definitely not applied: the server refused it, no server
-    /// was selected, or the driver never sent it.
+    /// The write was definitely not applied: the server refused it (and the
+    /// driver did not retry it, or the server said no attempt wrote
+    /// anything), no server was selected, or the driver never sent it.
     NotApplied,
     /// The write may or may not have been applied (a lost reply, a reset
     /// connection, an unreadable response).
@@ -187,13 +116,17 @@ pub(crate) enum FailureKind {
 }
 
 /// The facts about a driver error that classification uses: its kind, its
-/// code and whether it carries the `RetryableWriteError` label.
+/// code and whether it carries the `RetryableWriteError` and
+/// `NoWritesPerformed` labels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Facts {
     /// The kind of failure, with the server's code where there is one.
     pub(crate) kind: FailureKind,
     /// Whether the error carries the `RetryableWriteError` label.
     pub(crate) retryable_label: bool,
+    /// Whether the error carries the `NoWritesPerformed` label: no attempt
+    /// of the operation wrote anything.
+    pub(crate) no_writes_label: bool,
 }
 
 impl Facts {
@@ -228,6 +161,7 @@ impl Facts {
         Self {
             kind,
             retryable_label: err.contains_label(RETRYABLE_WRITE_ERROR),
+            no_writes_label: err.contains_label(NO_WRITES_PERFORMED),
         }
     }
 
@@ -277,6 +211,23 @@ impl Facts {
             | (_, ErrorClass::DuplicateKey) => Effect::NotApplied,
             // A lost reply, or a node that stepped down while working on it.
             _ => Effect::MaybeApplied,
+        }
+    }
+
+    /// What the failure tells about a write the driver may have retried
+    /// itself (`driver_retries_writes`). The driver returns its retry's
+    /// error and drops the first attempt's — and that first attempt, held
+    /// up in the network, may still apply. So a server's refusal (a
+    /// command error, a write error, a duplicate key) proves that nothing
+    /// applied only when the driver did not retry, or the server labelled
+    /// it `NoWritesPerformed`. The driver does not say whether it retried.
+    pub(crate) fn write_effect(self, driver_retries_writes: bool) -> Effect {
+        let effect = self.effect();
+        let refused = matches!(self.kind, FailureKind::Command(_) | FailureKind::Write(_));
+        if driver_retries_writes && refused && !self.no_writes_label {
+            Effect::MaybeApplied
+        } else {
+            effect
         }
     }
 }
@@ -473,7 +424,9 @@ impl Error {
 /// driver retries a labelled failure itself (and the server de-duplicates
 /// it), so tally does not add a second retry on top. Duplicate-key retries,
 /// for operations where they mean "nothing applied", have their own small
-/// budget.
+/// budget. Where the driver retries writes, a refusal may be its retry's
+/// answer to a first attempt still on its way: it counts as maybe applied
+/// ([`Facts::write_effect`]).
 #[derive(Debug)]
 pub(crate) struct RetryBudget {
     operation: &'static str,
@@ -551,7 +504,10 @@ impl RetryBudget {
         let (class, effect) = match (self.read, facts.read_class()) {
             (true, ErrorClass::Transient) => (ErrorClass::Transient, Effect::MaybeApplied),
             (true, class) => (class, facts.effect()),
-            (false, _) => (facts.class(), facts.effect()),
+            (false, _) => (
+                facts.class(),
+                facts.write_effect(self.driver_retries_writes),
+            ),
         };
         if effect != Effect::NotApplied {
             self.maybe_applied = true;
@@ -687,6 +643,7 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::PoolCleared,
             retryable_label: false,
+            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Transient);
     }
@@ -696,6 +653,7 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::ServerSelection,
             retryable_label: false,
+            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Command);
         assert_eq!(facts.effect(), Effect::NotApplied);
@@ -787,6 +745,7 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::Command(2),
             retryable_label: true,
+            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Transient);
     }
@@ -818,6 +777,7 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::ClientRefused,
             retryable_label: false,
+            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Command);
         assert_eq!(facts.effect(), Effect::NotApplied);
@@ -850,6 +810,44 @@ mod tests {
             Next::GiveUp(_)
         ));
         assert!(!budget.maybe_applied());
+    }
+
+    #[test]
+    fn a_refusal_where_the_driver_retries_writes_proves_nothing_unless_no_writes_performed() {
+        // BadValue, a duplicate key: the retry's answer, the first attempt
+        // (its error dropped by the driver) maybe still on its way.
+        for kind in [FailureKind::Command(2), FailureKind::Write(11000)] {
+            let mut facts = Facts {
+                kind,
+                retryable_label: false,
+                no_writes_label: false,
+            };
+            assert_eq!(facts.write_effect(false), Effect::NotApplied, "{kind:?}");
+            assert_eq!(facts.write_effect(true), Effect::MaybeApplied, "{kind:?}");
+            facts.no_writes_label = true;
+            assert_eq!(facts.write_effect(true), Effect::NotApplied, "{kind:?}");
+        }
+        // Refused before sending: no attempt, no retry.
+        for kind in [FailureKind::ClientRefused, FailureKind::ServerSelection] {
+            let facts = Facts {
+                kind,
+                retryable_label: false,
+                no_writes_label: false,
+            };
+            assert_eq!(facts.write_effect(true), Effect::NotApplied, "{kind:?}");
+        }
+        let mut budget = RetryBudget::retry_once("t", true);
+        budget.start_attempt();
+        let Next::GiveUp(failure) = budget.after_failure(command_error(2)) else {
+            panic!("a command error is never retried");
+        };
+        assert_eq!(failure.effect, Effect::MaybeApplied);
+        assert!(budget.maybe_applied());
+        // A read applies nothing, whoever retried it.
+        let mut read = RetryBudget::read_once("find");
+        read.start_attempt();
+        let _ = read.after_failure(command_error(2));
+        assert!(!read.maybe_applied());
     }
 
     #[test]
@@ -918,7 +916,7 @@ mod tests {
         /// applied on the primary, a lost reply always may have applied.
         #[test]
         fn effect_is_consistent_with_the_kind(kind in any_kind(), label in any::<bool>()) {
-            let facts = Facts { kind, retryable_label: label };
+            let facts = Facts { kind, retryable_label: label, no_writes_label: false };
             match kind {
                 FailureKind::WriteConcern(_) =>
                     prop_assert_eq!(facts.effect(), Effect::AppliedUnconfirmed),
@@ -938,7 +936,7 @@ mod tests {
         /// on anything but kind, code and label.
         #[test]
         fn classification_is_total_and_ordered(kind in any_kind(), label in any::<bool>()) {
-            let facts = Facts { kind, retryable_label: label };
+            let facts = Facts { kind, retryable_label: label, no_writes_label: false };
             let class = facts.class();
             if let FailureKind::Command(c) | FailureKind::Write(c) = kind {
                 if code::DUPLICATE_KEY_CODES.contains(&c) {
@@ -959,7 +957,7 @@ mod tests {
             } else {
                 prop_assert_eq!(facts.read_class(), class);
             }
-            prop_assert_eq!(class, Facts { kind, retryable_label: label }.class());
+            prop_assert_eq!(class, Facts { kind, retryable_label: label, no_writes_label: false }.class());
         }
     }
 
@@ -1045,6 +1043,18 @@ mod tests {
                 (Self::Command(_) | Self::Write(_), ErrorClass::Transient) => Effect::MaybeApplied,
                 (Self::Command(_) | Self::Write(_), _) => Effect::NotApplied,
                 (Self::Io(_) | Self::Custom, _) => Effect::MaybeApplied,
+            }
+        }
+    }
+
+    impl Fault {
+        /// The effect when the driver may have retried the write itself: a
+        /// server's refusal may be its retry's answer (none of these
+        /// carries `NoWritesPerformed`), the first attempt still on its way.
+        fn expected_write_effect(&self, driver_retries_writes: bool) -> Effect {
+            match self {
+                Self::Command(_) | Self::Write(_) if driver_retries_writes => Effect::MaybeApplied,
+                _ => self.expected_effect(),
             }
         }
     }
@@ -1154,7 +1164,8 @@ mod tests {
                     ErrorClass::DuplicateKey => duplicate_retries_taken < k,
                     ErrorClass::Command => false,
                 };
-                any_maybe_applied |= fault.expected_effect() != Effect::NotApplied;
+                let effect = fault.expected_write_effect(driver_retries_writes);
+                any_maybe_applied |= effect != Effect::NotApplied;
                 let next = budget.after_failure(fault.build("X", "m"));
                 prop_assert_eq!(budget.maybe_applied(), any_maybe_applied, "after {:?}", fault);
                 match next {
@@ -1172,7 +1183,7 @@ mod tests {
                     Next::GiveUp(failure) => {
                         prop_assert!(!should_retry, "{:?} not retried (attempt {})", fault, attempt);
                         prop_assert_eq!(failure.class, class);
-                        prop_assert_eq!(failure.effect, fault.expected_effect());
+                        prop_assert_eq!(failure.effect, effect);
                         prop_assert_eq!(failure.attempts, attempt);
                         prop_assert_eq!(failure.operation, "prop");
                         break;

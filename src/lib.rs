@@ -133,7 +133,9 @@ pub use write::counter::{
     UnknownToken, WriterConfig,
 };
 pub use write::insert_loop::InsertLoop;
-pub use write::lane::{BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneTicket};
+pub use write::lane::{
+    BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneTicket,
+};
 pub use write::ledger::{
     Conflict, DEFAULT_EVENT_RETENTION, Event, EventTicket, ExactValue, Ledger, MAX_EVENT_KEY_BYTES,
     NotRecorded, Recording,

@@ -3,10 +3,10 @@
 //! `--two-step` choose, else `[writer] protocol`.
 //!
 //! Every outcome, as text or `--json`, says the amount; every hint to run
-//! another command repeats it (`--by N`) and the protocol when it is not
-//! the configured one (`--lane`, `--two-step`), so following a hint settles
-//! the increment that was made, not a `+1`, and with the protocol that made
-//! it.
+//! another command repeats it (`--by N`) and always names the protocol
+//! (`--lane`, `--two-step`) — never relying on `[writer] protocol`, which
+//! may change before the hint is followed — so following a hint settles the
+//! increment that was made, not a `+1`, and with the protocol that made it.
 
 use std::process::ExitCode;
 use std::time::SystemTime;
@@ -97,6 +97,12 @@ pub(crate) struct ResumeArgs {
     /// refused.
     #[command(flatten)]
     pub(crate) protocol: ProtocolArgs,
+    /// The lanes protocol only: the lane's position of the increment — 1
+    /// (the default) for `incr --lane`, a library ticket's own otherwise
+    /// (its display shows it). Refused, nothing written, when the lane
+    /// holds a later position.
+    #[arg(long)]
+    pub(crate) position: Option<i64>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
@@ -109,7 +115,8 @@ pub(super) struct Target {
     pub(super) spec: CollectionConfig,
     json: bool,
     pub(super) secrets: Secrets,
-    /// `[writer]`: its protocol (hints name the other one) and horizons.
+    /// `[writer]`: its protocol (the default of `incr` and `resume`) and
+    /// horizons.
     pub(super) writer: WriterConfig,
 }
 
@@ -204,9 +211,19 @@ pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
         Ok(target) => target,
         Err(code) => return code,
     };
-    let code = match args.protocol.chosen(target.writer.protocol) {
-        Protocol::TwoStep => resume_two_step(&target, &args).await,
-        Protocol::Lanes => lane::resume(&target, &args.key, args.token, args.by).await,
+    let code = match (args.protocol.chosen(target.writer.protocol), args.position) {
+        (Protocol::TwoStep, Some(_)) => {
+            let err = Error::InvalidArgument(
+                "--position is a lane's: a two-step token has none; nothing was written".into(),
+            );
+            let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
+            print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED)
+        }
+        (Protocol::TwoStep, None) => resume_two_step(&target, &args).await,
+        (Protocol::Lanes, position) => {
+            let position = position.unwrap_or(1);
+            lane::resume(&target, &args.key, args.token, args.by, position).await
+        }
     };
     target.close().await;
     code
@@ -226,10 +243,11 @@ async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
     match target.counters.lane_position(&key, &lane).await {
         Ok(None) => {}
         Ok(Some(_)) => return refuse(&other_protocol(args.token, Protocol::Lanes)),
-        // Nothing was written: the ticket is as it was, unknown (past the
-        // retry horizon, that is said instead of a hint).
+        // Nothing was written: the ticket is as unknown as it was (past
+        // the retry horizon, with no resume hint).
         Err(err) => {
-            return report_increment(target, &args.key, &Increment::Unknown(unknown.because(err)));
+            let outcome = Increment::Unknown(unknown.because(err));
+            return report_increment(target, &args.key, &outcome);
         }
     }
     match target.counters.resume(unknown).await {
@@ -345,7 +363,7 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
                  Cause: {cause}",
                 shell_word(key),
                 by_option(amount),
-                protocol_option(Protocol::TwoStep, target.writer.protocol),
+                protocol_flag(Protocol::TwoStep),
                 shell_word(collection),
                 humantime::format_duration(target.counters.retry_horizon()),
             ),
@@ -387,11 +405,11 @@ pub(super) fn counted_text(
     format!("counted: {collection}/{key} {amount:+} ({what} {id}{earlier})")
 }
 
-/// ` --lane` or ` --two-step` for a hint that must use `protocol`, or
-/// nothing when it is the configured one.
-pub(super) fn protocol_option(protocol: Protocol, configured: Protocol) -> &'static str {
+/// ` --lane` or ` --two-step` for a hint that must use `protocol`: always
+/// given, since `[writer] protocol` may change before the hint is followed
+/// (a two-step token resumed as a lane would count twice).
+pub(super) fn protocol_flag(protocol: Protocol) -> &'static str {
     match protocol {
-        _ if protocol == configured => "",
         Protocol::Lanes => " --lane",
         Protocol::TwoStep => " --two-step",
     }
@@ -459,14 +477,7 @@ mod tests {
         assert_eq!(shell_word(""), "''");
         assert_eq!(by_option(1), "");
         assert_eq!(by_option(-5), " --by -5");
-        assert_eq!(protocol_option(Protocol::Lanes, Protocol::Lanes), "");
-        assert_eq!(
-            protocol_option(Protocol::Lanes, Protocol::TwoStep),
-            " --lane"
-        );
-        assert_eq!(
-            protocol_option(Protocol::TwoStep, Protocol::Lanes),
-            " --two-step"
-        );
+        assert_eq!(protocol_flag(Protocol::Lanes), " --lane");
+        assert_eq!(protocol_flag(Protocol::TwoStep), " --two-step");
     }
 }

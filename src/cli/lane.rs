@@ -4,8 +4,10 @@
 //! A command is one process, so `incr` takes one fresh lane (a fresh
 //! handle's first) and sends its first number, s = 1, in one round trip;
 //! the token it prints is the lane. `resume` re-sends that lane's update
-//! with s = 1 — harmless however often it runs, from wherever, until the
-//! lane resume horizon.
+//! with s = 1, or the position `--position` gives (a library ticket's) —
+//! harmless however often it runs, from wherever, until the lane resume
+//! horizon; refused, nothing written, when the lane holds a later
+//! position.
 
 use std::process::ExitCode;
 
@@ -13,7 +15,7 @@ use serde_json::json;
 
 use super::increment::{
     Shown, Target, by_option, counted_text, error_json, other_protocol, print, print_failure,
-    protocol_option, shell_word,
+    protocol_flag, shell_word,
 };
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL};
 use crate::token::Token;
@@ -26,8 +28,14 @@ pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
     report(target, key, &outcome)
 }
 
-/// `tallyd resume KEY LANE [--by N] --lane`.
-pub(super) async fn resume(target: &Target, key: &str, token: Token, by: i64) -> ExitCode {
+/// `tallyd resume KEY LANE [--by N] --lane [--position S]`.
+pub(super) async fn resume(
+    target: &Target,
+    key: &str,
+    token: Token,
+    by: i64,
+    position: i64,
+) -> ExitCode {
     let shown = Shown::new(key, token, Some(by), Protocol::Lanes);
     let refuse = |err| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
     // A two-step token resumed as a lane would be counted again.
@@ -41,7 +49,7 @@ pub(super) async fn resume(target: &Target, key: &str, token: Token, by: i64) ->
             return print_failure(target, &shown, "unknown", &err, text, EXIT_TEMPFAIL);
         }
     }
-    let ticket = match LaneTicket::new(key, LaneId::Minted(token.object_id()), 1, by) {
+    let ticket = match LaneTicket::new(key, LaneId::Minted(token.object_id()), position, by) {
         Ok(ticket) => ticket,
         Err(err) => return refuse(&err),
     };
@@ -49,6 +57,14 @@ pub(super) async fn resume(target: &Target, key: &str, token: Token, by: i64) ->
         Ok(outcome) => report(target, key, &outcome),
         // Past the lane resume horizon: nothing was written.
         Err(err) => refuse(&err),
+    }
+}
+
+/// ` --position S` for a hint, or nothing for a one-shot lane's s = 1.
+fn position_option(position: Option<i64>) -> String {
+    match position {
+        Some(s) if s != 1 => format!(" --position {s}"),
+        _ => String::new(),
     }
 }
 
@@ -76,23 +92,43 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         LaneIncrement::Unknown(_) => (
             format!(
                 "unknown: the update of lane {shown_lane} ({amount:+}) may or may not have \
-                 applied to {collection}/{key}; run `tallyd resume {} {shown_lane}{}{} \
+                 applied to {collection}/{key}; run `tallyd resume {} {shown_lane}{}{}{} \
                  --collection {}` — harmless to repeat, as often as needed — within the lane \
                  resume horizon of {} from the lane's creation; after that it is counted at most \
                  once. Cause: {cause}",
                 shell_word(key),
                 by_option(amount),
-                protocol_option(Protocol::Lanes, target.writer.protocol),
+                protocol_flag(Protocol::Lanes),
+                position_option(outcome.position()),
                 shell_word(collection),
                 humantime::format_duration(target.writer.lane_resume_horizon),
             ),
             EXIT_TEMPFAIL,
         ),
         LaneIncrement::NotCounted(_) => (format!("not counted ({amount:+}): {cause}"), EXIT_FAILED),
+        LaneIncrement::OutOfOrder(behind) => (
+            format!(
+                "refused: lane {shown_lane} holds position {} in {collection}/{key}, above {}: \
+                 nothing was written; position {} ({amount:+}) is counted only if it applied \
+                 before position {} did",
+                behind.held(),
+                behind.position(),
+                behind.position(),
+                behind.held(),
+            ),
+            EXIT_FAILED,
+        ),
     };
     let mut fields = json!({ "outcome": outcome.name(), "position": outcome.position() });
-    if let LaneIncrement::Counted(counted) = outcome {
-        fields["settled_earlier"] = json!(counted.settled_earlier());
+    match outcome {
+        LaneIncrement::Counted(counted) => {
+            fields["settled_earlier"] = json!(counted.settled_earlier());
+        }
+        LaneIncrement::OutOfOrder(behind) => {
+            fields["outcome"] = json!("refused");
+            fields["held"] = json!(behind.held());
+        }
+        _ => {}
     }
     if let Some(err) = outcome.cause() {
         fields["error"] = error_json(err, &target.secrets);

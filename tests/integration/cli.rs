@@ -41,6 +41,16 @@ pub fn text(output: &Output) -> String {
     )
 }
 
+/// The command a printed outcome asks to run: the text between its first
+/// pair of backquotes.
+pub fn hint(output: &Output) -> String {
+    let shown = text(output);
+    match shown.split('`').nth(1) {
+        Some(hint) => hint.to_owned(),
+        None => panic!("no hint in {shown:?}"),
+    }
+}
+
 #[tokio::test]
 async fn the_example_config_passes_check_config() {
     let path = repo_root().join("config/tallyd.toml");
@@ -397,11 +407,7 @@ async fn an_unknown_incr_by_5_says_5_and_its_hint_counts_5() {
 
     let output = incr_by_5_lost_twice(&ctx, &path, false).await;
     assert_eq!(output.status.code(), Some(75), "{}", text(&output));
-    let shown = text(&output);
-    let hint = shown
-        .split('`')
-        .nth(1)
-        .unwrap_or_else(|| panic!("no hint in {shown:?}"));
+    let hint = hint(&output);
     assert!(hint.starts_with("tallyd resume k "), "{hint}");
     assert!(hint.contains("--by 5"), "{hint}");
     let mut args = vec!["--config", &path];

@@ -390,6 +390,22 @@ impl FailPoint {
     }
 }
 
+impl FailPoint {
+    /// The next `times` updates of `ctx`'s clients lose their connection
+    /// before the server sees them.
+    pub async fn updates_cut(ctx: &TestContext, times: i32) -> Self {
+        let data = doc! { "failCommands": ["update"], "closeConnection": true };
+        Self::set(ctx, Bson::Document(doc! { "times": times }), data).await
+    }
+
+    /// The next update of `ctx`'s clients is refused with BadValue (2), a
+    /// command error: nothing applied.
+    pub async fn update_refused(ctx: &TestContext) -> Self {
+        let data = doc! { "failCommands": ["update"], "errorCode": 2 };
+        Self::set(ctx, Bson::Document(doc! { "times": 1 }), data).await
+    }
+}
+
 impl Drop for FailPoint {
     fn drop(&mut self) {
         let uri = self.uri.clone();

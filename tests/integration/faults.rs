@@ -198,6 +198,9 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         // the increment is counted; a refused command is not counted.
         (Step1, ReplyDropped | DelayedPastTimeout) => ("counted", 2, 2),
         (Step1, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
+        // A refusal the driver may have got for its own retry — its first
+        // attempt possibly still on its way — proves nothing.
+        (Step1, CommandError) if driver_retries => ("unknown (command)", 1, 0),
         (Step1, CommandError) => ("not counted (command)", 1, 0),
         // A duplicate key on an upsert is a race that applied nothing.
         (Step1, DuplicateKey) => ("counted", 2, 1),
@@ -248,6 +251,7 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
             ("counted (already applied)", 3, 3)
         }
         (LaneNew | LaneExisting, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
+        (LaneNew | LaneExisting, CommandError) if driver_retries => ("unknown (command)", 1, 0),
         (LaneNew | LaneExisting, CommandError) => ("not counted (command)", 1, 0),
         // An upsert race that applied nothing: sent again, once.
         (LaneNew | LaneExisting, DuplicateKey) => ("counted", 2, 1),
@@ -435,6 +439,7 @@ impl Rig {
             LaneIncrement::Counted(_) => "counted".into(),
             LaneIncrement::Unknown(t) => format!("unknown ({})", class_of(t.cause())),
             LaneIncrement::NotCounted(n) => format!("not counted ({})", class_of(Some(n.cause()))),
+            LaneIncrement::OutOfOrder(o) => format!("out of order (the lane holds {})", o.held()),
         };
         let log = self.settled_log(name).await;
         let from_log = replay_lanes(&log, before.clone());
@@ -818,5 +823,92 @@ async fn a_delayed_step_1_landing_after_the_increment_is_never_counted_again() {
             Some(doc! { "counter": 1i64 }),
             "{name}: counted once"
         );
+    }
+}
+
+/// With retryable writes, the driver answers for its own retry: the first
+/// attempt is held up in the network (the client sees its connection
+/// close), the driver retries, and the server refuses the retry with a
+/// command error that is not retried (BadValue here). The driver returns
+/// the retry's error, which does not say that nothing applied — and the
+/// held first attempt lands afterwards. So neither protocol may say
+/// `NotCounted`: the increment is unknown, and resuming it counts it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_retry_refused_after_its_held_first_attempt_is_unknown_never_not_counted() {
+    let rig = Rig::new("driver_retry_refused", true).await;
+    assert!(
+        rig.driver_retries,
+        "the test deployment must let the driver retry writes"
+    );
+    for protocol in ["lanes", "two-step"] {
+        let rules = [
+            rig.proxy.rule(
+                Rule::command("update")
+                    .collection(protocol)
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            rig.proxy.rule(
+                Rule::command("update")
+                    .collection(protocol)
+                    .nth(2)
+                    .then(Action::error(2, "BadValue", &[])),
+            ),
+        ];
+        let counters = Counters::try_new(
+            &rig.store,
+            CollectionConfig::new(protocol),
+            WriterConfig::default(),
+        )
+        .expect("the default lane settings");
+        let (outcome, resumed) = if protocol == "lanes" {
+            let outcome = counters.add("k", 5).await;
+            let shown = format!("{outcome:?}");
+            let resumed = match outcome {
+                LaneIncrement::Unknown(ticket) => {
+                    held_lands(&rig.proxy, protocol).await;
+                    format!("{:?}", counters.resume_lane(ticket).await)
+                }
+                _ => String::new(),
+            };
+            (shown, resumed)
+        } else {
+            let outcome = counters.increment("k", 5).await;
+            let shown = format!("{outcome:?}");
+            let resumed = match outcome {
+                Increment::Unknown(unknown) => {
+                    held_lands(&rig.proxy, protocol).await;
+                    format!("{:?}", counters.resume(unknown).await)
+                }
+                _ => String::new(),
+            };
+            (shown, resumed)
+        };
+        drop(rules);
+        held_lands(&rig.proxy, protocol).await;
+        assert!(
+            outcome.starts_with("Unknown("),
+            "{protocol}: told {outcome}, but the held first attempt applies"
+        );
+        assert!(
+            resumed.starts_with("Ok(Counted("),
+            "{protocol}: resumed {resumed}"
+        );
+        let direct = rig.direct.collection(protocol);
+        assert_eq!(
+            crate::common::counter(&direct, "k").await,
+            5,
+            "{protocol}: counted once"
+        );
+    }
+}
+
+/// Forwards the held request of `collection` and checks it reached the
+/// server (once it did, later calls find nothing held).
+async fn held_lands(proxy: &Proxy, collection: &str) {
+    for held in proxy.release_held().await {
+        if held.collection.as_deref() == Some(collection) {
+            assert!(held.reached_server, "{collection}: {held:?}");
+        }
     }
 }

@@ -39,6 +39,14 @@ fn assert_counted(outcome: &LaneIncrement, settled_earlier: bool) {
     }
 }
 
+#[track_caller]
+fn assert_out_of_order(outcome: &LaneIncrement, held: i64) {
+    match outcome {
+        LaneIncrement::OutOfOrder(behind) => assert_eq!(behind.held(), held, "{outcome:?}"),
+        other => panic!("expected out of order (the lane holds {held}), got {other:?}"),
+    }
+}
+
 /// The document's lane map, as `(lane, s)` pairs in stored order.
 async fn lane_map(coll: &Collection<Document>, key: &str) -> Vec<(String, i64)> {
     match field(coll, key, "lanes").await {
@@ -285,12 +293,7 @@ async fn a_command_error_is_not_counted_and_the_lane_goes_on_with_its_next_numbe
     let first = views.add("k", 1).await;
     assert_counted(&first, false);
     let refused = {
-        let _fail = FailPoint::set(
-            &ctx,
-            Bson::Document(doc! { "times": 1 }),
-            doc! { "failCommands": ["update"], "errorCode": 2 },
-        )
-        .await;
+        let _fail = FailPoint::update_refused(&ctx).await;
         views.add("k", 1).await
     };
     let LaneIncrement::NotCounted(not) = &refused else {
@@ -365,8 +368,10 @@ async fn a_named_lane_counts_a_redelivered_position_once() {
         assert_counted(&views.add_from("k", 2, &partition, offset).await, false);
     }
     // The source delivers offsets 3 and 4 again (a consumer restarted
-    // before committing them), then goes on.
-    assert_counted(&views.add_from("k", 2, &partition, 3).await, true);
+    // before committing them), then goes on. The lane holds 4: offset 3 is
+    // behind it (counted, as every position was sent in order until
+    // counted), offset 4 is the one it holds.
+    assert_out_of_order(&views.add_from("k", 2, &partition, 3).await, 4);
     assert_counted(&views.add_from("k", 2, &partition, 4).await, true);
     assert_counted(&views.add_from("k", 2, &partition, 5).await, false);
     let coll = client.collection("views");
@@ -382,6 +387,86 @@ async fn a_named_lane_counts_a_redelivered_position_once() {
     );
     assert!(LaneName::new(ObjectId::new().to_hex()).is_err());
     assert_eq!(counter(&coll, "k").await, 12);
+}
+
+/// A named lane's position that was refused (not counted) and is sent
+/// again after a later position counted is not reported counted: the lane
+/// holds the later position, and the position sent is out of order —
+/// nothing is written, and the caller is told which position the lane holds.
+#[tokio::test]
+async fn a_position_sent_after_a_later_one_is_out_of_order_never_counted() {
+    let ctx = TestContext::new("lanes_out_of_order").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let coll = client.collection("views");
+    let lane = LaneName::new("orders:0").unwrap();
+    assert_counted(&views.add_from("k", 1, &lane, 4).await, false);
+    let refused = {
+        let _fail = FailPoint::update_refused(&ctx).await;
+        views.add_from("k", 10, &lane, 5).await
+    };
+    assert!(
+        matches!(refused, LaneIncrement::NotCounted(_)),
+        "{refused:?}"
+    );
+    assert_counted(&views.add_from("k", 100, &lane, 6).await, false);
+    // The refused message is delivered again (a dead-letter replay), and
+    // resumed as a ticket.
+    let again = views.add_from("k", 10, &lane, 5).await;
+    assert_out_of_order(&again, 6);
+    let ticket = LaneTicket::new("k", LaneId::Named(lane.clone()), 5, 10).unwrap();
+    assert_out_of_order(&views.resume_lane(ticket).await.unwrap(), 6);
+    // The position the lane holds is the one counted earlier.
+    assert_counted(&views.add_from("k", 100, &lane, 6).await, true);
+    assert_eq!(counter(&coll, "k").await, 101, "position 5 was never added");
+    assert_eq!(lane_map(&coll, "k").await, vec![("orders:0".into(), 6)]);
+}
+
+/// A double counter (the legacy shell writes `0` as one) is added to only
+/// while the sum is exact as a double — the rule of step 2 and the fold: at
+/// 2^53 a `$inc` would round the +1 away, and a fraction would not stay
+/// exact. Such an add is not counted, writes nothing and is not sent again
+/// and again; an integral double below that counts.
+#[tokio::test]
+async fn a_lane_add_to_a_double_counter_counts_only_while_the_sum_is_exact() {
+    let ctx = TestContext::new("lanes_double").await;
+    let client = ctx.client(false).await;
+    let views = lanes_of(&client, "views", WriterConfig::default());
+    let coll = client.collection("views");
+    let edge = 9_007_199_254_740_992.0_f64; // 2^53
+    coll.insert_many([
+        doc! { "_id": "edge", "counter": edge },
+        doc! { "_id": "below", "counter": edge - 2.0 },
+        doc! { "_id": "fraction", "counter": 2.5 },
+        doc! { "_id": "exact", "counter": 5.0 },
+    ])
+    .await
+    .unwrap();
+    for (key, amount) in [("edge", 1), ("edge", -1), ("below", 2), ("fraction", 1)] {
+        let before = coll.find_one(doc! { "_id": key }).await.unwrap();
+        let updates = client.events.count("update");
+        let outcome = views.add(key, amount).await;
+        assert!(
+            matches!(&outcome, LaneIncrement::NotCounted(n) if matches!(n.cause(), Error::Malformed { .. })),
+            "{key} {amount:+}: {outcome:?}"
+        );
+        assert!(
+            client.events.count("update") - updates <= 2,
+            "{key}: sent again and again"
+        );
+        let after = coll.find_one(doc! { "_id": key }).await.unwrap();
+        assert_eq!(after, before, "{key} {amount:+}: nothing written");
+    }
+    assert_counted(&views.add("below", 1).await, false);
+    assert_eq!(
+        field(&coll, "below", "counter").await,
+        Some(Bson::Double(edge - 1.0))
+    );
+    assert_counted(&views.add("exact", 1).await, false);
+    assert_eq!(
+        field(&coll, "exact", "counter").await,
+        Some(Bson::Double(6.0))
+    );
 }
 
 #[tokio::test]

@@ -24,3 +24,4 @@ mod reconcile;
 mod sequence;
 mod settle;
 mod soak;
+mod soak_lanes;

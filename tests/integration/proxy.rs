@@ -257,7 +257,11 @@ async fn a_delayed_reply_is_lost_when_the_client_gives_up() {
     );
     let insert = only(&log, "insert", "slow");
     assert_eq!(insert.action, Some(Action::DelayReply(delay)));
-    assert!(insert.reached_server && insert.server_replied && !insert.reply_delivered);
+    assert!(insert.reached_server);
+    // Whether the server's reply got back to the proxy before the client
+    // closed depends on the server's speed (under load it may not have);
+    // either way the held reply is never delivered.
+    assert!(!insert.reply_delivered);
 }
 
 #[tokio::test]

@@ -37,9 +37,9 @@ const DEFAULT_SEED: u64 = 20_261_122;
 /// The writers' bound on one attempt (it must exceed their server
 /// selection timeout, [`SELECTION`], by a second); the delay fault holds
 /// replies longer.
-const ATTEMPT: Duration = Duration::from_secs(3);
-const SELECTION: &str = "serverSelectionTimeoutMS=2000";
-const DELAY: Duration = Duration::from_secs(4);
+pub(crate) const ATTEMPT: Duration = Duration::from_secs(3);
+pub(crate) const SELECTION: &str = "serverSelectionTimeoutMS=2000";
+pub(crate) const DELAY: Duration = Duration::from_secs(4);
 /// The writers' retry horizon, the same as the daemon's config says.
 const RETRY_HORIZON: Duration = Duration::from_secs(6);
 /// The whole soak must finish within this.
@@ -47,7 +47,7 @@ const BUDGET: Duration = Duration::from_secs(300);
 
 /// What a writer was told about one increment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Claim {
+pub(crate) enum Claim {
     /// Counted, or pending (then counted exactly once, by `complete` or the
     /// fold).
     Counted,
@@ -259,7 +259,11 @@ async fn crash_after_step_1(raw: &Collection<Document>, key: &str) {
 
 /// One increment, settled as an application would: `complete` half of the
 /// pending ones (the fold gets the rest), `resume` the unknown ones.
-async fn settle(counters: &Counters, key: &str, rng: &mut fastrand::Rng) -> (String, Token, Claim) {
+pub(crate) async fn settle(
+    counters: &Counters,
+    key: &str,
+    rng: &mut fastrand::Rng,
+) -> (String, Token, Claim) {
     let mut outcome = counters.increment(key, 1).await;
     let token = outcome.token().expect("a token");
     let mut lookups = 0;
@@ -294,7 +298,7 @@ async fn settle(counters: &Counters, key: &str, rng: &mut fastrand::Rng) -> (Str
 
 /// For each key, the tokens whose step 1 (an `$addToSet` of the token)
 /// reached the server.
-fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, HashSet<ObjectId>> {
+pub(crate) fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, HashSet<ObjectId>> {
     let mut truth: HashMap<String, HashSet<ObjectId>> = HashMap::new();
     for exchange in log.iter().filter(|e| {
         e.command.as_deref() == Some("update") && e.collection.as_deref() == Some("views")
@@ -339,7 +343,7 @@ fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, HashSet<Objec
 }
 
 /// Every counter's value.
-async fn counters(direct: &Collection<Document>) -> HashMap<String, i64> {
+pub(crate) async fn counters(direct: &Collection<Document>) -> HashMap<String, i64> {
     direct
         .find(doc! {})
         .await

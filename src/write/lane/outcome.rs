@@ -1,10 +1,12 @@
-//! What an increment through a lane tells its caller: exactly one of three
+//! What an increment through a lane tells its caller: exactly one of four
 //! outcomes ([`LaneIncrement`]), and the ticket that settles the uncertain
 //! one ([`LaneTicket`]).
 //!
 //! Unlike the two-step increment's tickets, a [`LaneTicket`] is `Clone`:
 //! resuming it is harmless any number of times, from any process, because
 //! the lane's number `s` can apply only once.
+
+use std::fmt;
 
 use mongodb::bson::Bson;
 
@@ -34,16 +36,26 @@ pub enum LaneIncrement {
     /// Definitely not applied: nothing was written. [`NotCounted::lane`]
     /// names the lane and its number, when one was taken.
     NotCounted(NotCounted),
+    /// The lane holds a later position than this one
+    /// ([`LaneOutOfOrder::held`]): nothing was written, and sending it
+    /// again gives the same answer (Kafka's `OutOfOrderSequence`). This
+    /// position is counted only if it applied before the later one did.
+    /// It did when every position of the lane was sent in order, one at a
+    /// time, each until it was counted (an unknown one resumed before a
+    /// newer one was sent); a position that was not counted and then
+    /// skipped was never added — add it through another lane to count it.
+    OutOfOrder(LaneOutOfOrder),
 }
 
 impl LaneIncrement {
-    /// The outcome's name as the CLI prints it: `counted`, `unknown` or
-    /// `not_counted`.
+    /// The outcome's name: `counted`, `unknown`, `not_counted` or
+    /// `out_of_order`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::Counted(_) => "counted",
             Self::Unknown(_) => "unknown",
             Self::NotCounted(_) => "not_counted",
+            Self::OutOfOrder(_) => "out_of_order",
         }
     }
 
@@ -53,6 +65,7 @@ impl LaneIncrement {
             Self::Counted(c) => &c.key,
             Self::Unknown(t) => &t.key,
             Self::NotCounted(n) => n.key(),
+            Self::OutOfOrder(o) => &o.key,
         }
     }
 
@@ -63,6 +76,7 @@ impl LaneIncrement {
             Self::Counted(c) => Some(&c.lane),
             Self::Unknown(t) => Some(&t.lane),
             Self::NotCounted(n) => n.lane().map(|(lane, _)| lane),
+            Self::OutOfOrder(o) => Some(&o.lane),
         }
     }
 
@@ -72,6 +86,7 @@ impl LaneIncrement {
             Self::Counted(c) => Some(c.position),
             Self::Unknown(t) => Some(t.position),
             Self::NotCounted(n) => n.lane().map(|(_, s)| s),
+            Self::OutOfOrder(o) => Some(o.position),
         }
     }
 
@@ -81,13 +96,14 @@ impl LaneIncrement {
             Self::Counted(c) => c.amount,
             Self::Unknown(t) => t.amount,
             Self::NotCounted(n) => n.amount(),
+            Self::OutOfOrder(o) => o.amount,
         }
     }
 
     /// The error that kept this increment from being counted, if any.
     pub fn cause(&self) -> Option<&Error> {
         match self {
-            Self::Counted(_) => None,
+            Self::Counted(_) | Self::OutOfOrder(_) => None,
             Self::Unknown(t) => t.cause.as_ref(),
             Self::NotCounted(n) => Some(n.cause()),
         }
@@ -132,11 +148,31 @@ lane_accessors!(LaneCounted, "The amount added.");
 
 impl LaneCounted {
     /// True when this call did not apply it because it had applied
-    /// already: an earlier attempt whose reply was lost, an earlier resume
-    /// (from any process), or — for a named lane — an earlier delivery of
-    /// the same position (or a later position of that lane).
+    /// already — the lane holds exactly this position: an earlier attempt
+    /// whose reply was lost, an earlier resume (from any process), or — for
+    /// a named lane — an earlier delivery of the same position.
     pub fn settled_earlier(&self) -> bool {
         self.settled_earlier
+    }
+}
+
+/// An increment through a lane that holds a later position than the
+/// increment's: nothing was written (see [`LaneIncrement::OutOfOrder`]).
+#[derive(Debug, Clone)]
+pub struct LaneOutOfOrder {
+    pub(super) key: Bson,
+    pub(super) lane: LaneId,
+    pub(super) position: i64,
+    pub(super) amount: i64,
+    pub(super) held: i64,
+}
+
+lane_accessors!(LaneOutOfOrder, "The amount the increment would add.");
+
+impl LaneOutOfOrder {
+    /// The later position the lane holds in the counter document.
+    pub fn held(&self) -> i64 {
+        self.held
     }
 }
 
@@ -190,6 +226,18 @@ impl LaneTicket {
             cause: Some(cause),
             ..self
         }
+    }
+}
+
+/// `+7 to "k" through lane 65f0…, position 2`: everything a resume needs
+/// (the CLI's `tallyd resume k 65f0… --by 7 --lane --position 2`).
+impl fmt::Display for LaneTicket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:+} to {} through lane {}, position {}",
+            self.amount, self.key, self.lane, self.position
+        )
     }
 }
 

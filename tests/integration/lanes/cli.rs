@@ -13,7 +13,7 @@ use futures::future::join_all;
 use mongodb::bson::{Bson, doc};
 
 use super::lane_map;
-use crate::cli::{json, tallyd, text, write_config};
+use crate::cli::{hint, json, tallyd, text, write_config};
 use crate::common::{FailPoint, TestContext, counter, pending_len};
 
 /// A test database and a configuration file for it (`extra` appended),
@@ -102,11 +102,7 @@ async fn an_unknown_lane_incr_by_5_says_5_and_its_hint_counts_5_once() {
 
     let output = lost_twice(false).await;
     assert_eq!(output.status.code(), Some(75), "{}", text(&output));
-    let shown = text(&output);
-    let hint = shown
-        .split('`')
-        .nth(1)
-        .unwrap_or_else(|| panic!("no hint in {shown:?}"));
+    let hint = hint(&output);
     assert!(hint.starts_with("tallyd resume k "), "{hint}");
     assert!(hint.contains(" --by 5"), "{hint}");
     assert!(hint.contains(" --lane"), "{hint}");
@@ -277,4 +273,114 @@ async fn writer_protocol_picks_the_default_and_the_flags_override_it() {
     assert_eq!(counter(&views, "k").await, 2);
     let output = run(&path, &["incr", "k", "--lane", "--two-step"]).await;
     assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+}
+
+/// A lane ticket from the library (`Counters::add`) carries its position:
+/// its Display shows it, and `resume --lane --position S` re-sends that
+/// position — counted once however often it runs. A position below the
+/// one the lane holds is refused (exit 1, nothing written): re-sending
+/// s = 1 for a ticket at s = 2 would report a +7 that was never added as
+/// counted earlier.
+#[tokio::test]
+async fn resume_lane_position_resends_a_library_tickets_position_and_refuses_a_lower_one() {
+    let (ctx, _dir, path) = setup("cli_lane_resume_position", "").await;
+    let client = ctx.client(false).await;
+    let views = tally::Counters::try_new(
+        &client.store(),
+        tally::CollectionConfig::new("views"),
+        tally::WriterConfig {
+            lanes: 1,
+            ..tally::WriterConfig::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        views.add("k", 1).await,
+        tally::LaneIncrement::Counted(_)
+    ));
+    let ticket = {
+        let _fail = FailPoint::updates_cut(&ctx, 2).await;
+        match views.add("k", 7).await {
+            tally::LaneIncrement::Unknown(ticket) => ticket,
+            other => panic!("expected unknown, got {other:?}"),
+        }
+    };
+    assert_eq!(ticket.position(), 2);
+    let lane = ticket.lane().to_string();
+    assert!(
+        ticket.to_string().contains("position 2"),
+        "the ticket's display names its position: {ticket}"
+    );
+    let coll = client.collection("views");
+    let resume = |position: Option<&'static str>| {
+        let mut args = vec![
+            "resume",
+            "k",
+            lane.as_str(),
+            "--by",
+            "7",
+            "--lane",
+            "--json",
+        ];
+        if let Some(position) = position {
+            args.extend(["--position", position]);
+        }
+        let path = path.clone();
+        async move { run(&path, &args).await }
+    };
+    for earlier in [false, true] {
+        let output = resume(Some("2")).await;
+        assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+        let out = json(&output);
+        assert_eq!(out["outcome"], "counted", "{out}");
+        assert_eq!(out["settled_earlier"], earlier, "{out}");
+        assert_eq!(out["position"], 2, "{out}");
+        assert_eq!(counter(&coll, "k").await, 8);
+    }
+    // s = 1 (the default) is below what the lane holds: refused.
+    let output = resume(None).await;
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "refused", "{out}");
+    assert_eq!(out["position"], 1, "{out}");
+    assert_eq!(counter(&coll, "k").await, 8);
+    assert_eq!(lane_map(&coll, "k").await, vec![(lane.clone(), 2)]);
+}
+
+/// Every resume hint names the protocol that made the token, whatever
+/// `[writer] protocol` says: followed under a configuration whose default
+/// is the other protocol, it still settles the increment once.
+#[tokio::test]
+async fn resume_hints_always_name_the_protocol() {
+    let (ctx, _dir, lanes_path) =
+        setup("cli_hint_protocol", "[writer]\nprotocol = \"lanes\"").await;
+    let two_step_dir = tempfile::tempdir().unwrap();
+    let two_step_path = write_config(
+        two_step_dir.path(),
+        &ctx.config_toml(false, "[writer]\nprotocol = \"two-step\""),
+    );
+    // (the configuration the increment ran under, the one the hint is
+    // followed under, the protocol flag, the key)
+    let cases = [
+        (&lanes_path, &two_step_path, "--lane", "kl"),
+        (&two_step_path, &lanes_path, "--two-step", "kt"),
+    ];
+    let client = ctx.client(false).await;
+    let views = client.collection("views");
+    for (made_under, followed_under, flag, key) in cases {
+        let output = {
+            let _fail = FailPoint::updates_cut(&ctx, 2).await;
+            run(made_under, &["incr", key, "--by", "3", flag]).await
+        };
+        assert_eq!(output.status.code(), Some(75), "{flag}: {}", text(&output));
+        let hint = hint(&output);
+        assert!(hint.contains(&format!(" {flag}")), "{flag}: {hint}");
+        let mut args = vec!["--config", followed_under.as_str()];
+        args.extend(hint.split_whitespace().skip(1));
+        for _ in 0..2 {
+            let output = tallyd(&args, &[]).await;
+            assert_eq!(output.status.code(), Some(0), "{flag}: {}", text(&output));
+        }
+        assert_eq!(counter(&views, key).await, 3, "{flag}: counted once");
+    }
 }
