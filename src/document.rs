@@ -26,7 +26,9 @@ pub(crate) enum Inserted {
 /// transient failure. A duplicate key is checked by reading the `_id` back
 /// (the driver does not keep the server's `keyPattern` for inserts): if
 /// nothing is there, the duplicate was on another unique index and is
-/// returned as the error it is.
+/// returned as the error it is. A failed read after a duplicate key is
+/// [`Inserted::Unsure`] (its effect "may have applied"): the document under
+/// the `_id` may be this call's own.
 ///
 /// A write-concern error means the insert applied on the primary but its
 /// replication is unconfirmed (DESIGN §1): with a transient code or the
@@ -61,9 +63,19 @@ pub(crate) async fn insert_if_absent(
         Err(failure) => return Err(Error::Server(failure)),
     };
     let id = document.get("_id").cloned().unwrap_or(Bson::Null);
-    let found = store
+    let found = match store
         .find_one(collection, doc! { "_id": &id }, doc! {}, operation)
-        .await?;
+        .await
+    {
+        Ok(found) => found,
+        // Something holds the `_id` — maybe this call's own attempt: the
+        // read's failure says nothing about the insert.
+        Err(Error::Server(mut read)) => {
+            read.effect = Effect::MaybeApplied;
+            return Ok(Inserted::Unsure(Error::Server(read)));
+        }
+        Err(err) => return Ok(Inserted::Unsure(err)),
+    };
     match found {
         Some(found) => Ok(Inserted::Existing(found)),
         None => Err(Error::Server(failure)),
@@ -113,6 +125,25 @@ pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
     }
 }
 
+/// Whether two keys name the same document as the server compares them:
+/// numbers by value across int32, int64 and double (`5` and
+/// `NumberLong(5)` are one `_id`), anything else by its BSON.
+pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
+    fn number(value: &Bson) -> Option<f64> {
+        match value {
+            Bson::Int32(n) => Some(f64::from(*n)),
+            Bson::Int64(n) => Some(*n as f64),
+            Bson::Double(d) => Some(*d),
+            _ => None,
+        }
+    }
+    match (integer_value(a), integer_value(b), number(a), number(b)) {
+        (Some(x), Some(y), _, _) => x == y,
+        (_, _, Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// A document id as reports, logs and alerts show it: a string id as
 /// itself (`docs`), any other value as its relaxed extended JSON
 /// (`{"$oid":"…"}`, `7`, `{"a":1}`), which a shell or a driver reads back.
@@ -152,6 +183,19 @@ pub(crate) fn bson_type_name(value: &Bson) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_compare_as_the_server_compares_ids() {
+        assert!(same_key(&Bson::Int32(5), &Bson::Int64(5)));
+        assert!(same_key(&Bson::Int64(5), &Bson::Double(5.0)));
+        assert!(same_key(&Bson::Double(0.5), &Bson::Double(0.5)));
+        assert!(!same_key(&Bson::Int32(5), &Bson::Int64(6)));
+        assert!(!same_key(&Bson::Int32(5), &Bson::String("5".into())));
+        assert!(same_key(
+            &Bson::String("a".into()),
+            &Bson::String("a".into())
+        ));
+    }
 
     #[test]
     fn integers_of_every_width_and_integral_doubles() {

@@ -501,15 +501,13 @@ impl RetryBudget {
     /// Decides what follows a failed attempt, and logs a retry.
     pub(crate) fn after_failure(&mut self, err: MongoError) -> Next {
         let facts = Facts::of(&err);
-        let class = if self.read {
-            facts.read_class()
-        } else {
-            facts.class()
-        };
-        let effect = if self.read {
-            facts.effect()
-        } else {
-            facts.write_effect(self.driver_retries_writes)
+        let (class, effect) = match (self.read, facts.read_class()) {
+            (true, ErrorClass::Transient) => (ErrorClass::Transient, Effect::MaybeApplied),
+            (true, class) => (class, facts.effect()),
+            (false, _) => (
+                facts.class(),
+                facts.write_effect(self.driver_retries_writes),
+            ),
         };
         if effect != Effect::NotApplied {
             self.maybe_applied = true;

@@ -191,43 +191,49 @@ impl LedgerFolder {
         }
     }
 
-    /// One fold pass when this instance is active, then the backlog's
-    /// metrics and alert.
+    /// Fold passes while this instance is active and events are left (each
+    /// pass bounded by `pass_limit`, the fold's lock released and the role
+    /// checked between them), then the backlog's metrics and alert.
     async fn pass(&self) {
-        if *self.role.borrow() != Role::Active {
-            return;
-        }
         let name = self.collection.as_str();
-        let now = match self.store.server_time().await {
-            Ok(now) => now,
-            Err(err) => {
-                tracing::warn!(collection = name, cause = %err, "cannot read the server's clock; the fold waits");
+        loop {
+            if *self.role.borrow() != Role::Active {
                 return;
             }
-        };
-        let refused = match self.fold.fold(now, &self.shutdown).await {
-            Ok(run) => {
-                self.metrics
-                    .events_folded
-                    .with_label_values(&[name])
-                    .inc_by(run.events_folded);
-                if run.events_folded > 0 || run.recovered > 0 {
-                    tracing::debug!(
-                        collection = name,
-                        events = run.events_folded,
-                        batches = run.batches,
-                        recovered = run.recovered,
-                        "ledger folded"
-                    );
+            let now = match self.store.server_time().await {
+                Ok(now) => now,
+                Err(err) => {
+                    tracing::warn!(collection = name, cause = %err, "cannot read the server's clock; the fold waits");
+                    return;
                 }
-                None
+            };
+            let (more, refused) = match self.fold.fold(now, &self.shutdown).await {
+                Ok(run) => {
+                    self.metrics
+                        .events_folded
+                        .with_label_values(&[name])
+                        .inc_by(run.events_folded);
+                    if run.events_folded > 0 || run.recovered > 0 {
+                        tracing::debug!(
+                            collection = name,
+                            events = run.events_folded,
+                            batches = run.batches,
+                            recovered = run.recovered,
+                            "ledger folded"
+                        );
+                    }
+                    (run.more && !self.shutdown.is_cancelled(), None)
+                }
+                Err(err) => {
+                    tracing::error!(collection = name, events = %self.events(), cause = %err, "folding the ledger failed");
+                    (false, Some(err))
+                }
+            };
+            if !more {
+                self.account(now, refused).await;
+                return;
             }
-            Err(err) => {
-                tracing::error!(collection = name, events = %self.events(), cause = %err, "folding the ledger failed");
-                Some(err)
-            }
-        };
-        self.account(now, refused).await;
+        }
     }
 
     async fn account(&self, now: SystemTime, refused: Option<Error>) {

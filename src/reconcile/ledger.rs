@@ -46,7 +46,7 @@
 //! need, for a prune to keep).
 
 use std::collections::HashSet;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 mod intent;
 mod query;
@@ -88,6 +88,12 @@ pub struct EventFoldSettings {
     /// The dedupe window: a folded event is forgotten this long after it
     /// was folded (the TTL index's period). Default: 7 days.
     pub event_retention: Duration,
+    /// A pass claims no new batch once it has run this long (one batch at
+    /// least)
+    /// ([`EventsRun::more`] then says events are left): the fold's lock is
+    /// released and the caller checks its role between passes. Default:
+    /// 10 seconds.
+    pub pass_limit: Duration,
 }
 
 impl Default for EventFoldSettings {
@@ -97,6 +103,7 @@ impl Default for EventFoldSettings {
             claim_timeout: Duration::from_secs(120),
             lane_rotate: WriterConfig::default().lane_rotate,
             event_retention: index::DEFAULT_EVENT_RETENTION,
+            pass_limit: Duration::from_secs(10),
         }
     }
 }
@@ -146,6 +153,9 @@ pub struct EventsRun {
     pub recovered: u64,
     /// Counter updates sent (one per counter per batch).
     pub counters_written: u64,
+    /// The pass ended at its time limit with events possibly left: run
+    /// another.
+    pub more: bool,
 }
 
 /// The unfolded events of a ledger: how many, and the oldest.
@@ -166,6 +176,38 @@ struct FoldState {
     /// Batches whose claim was confirmed but which this fold could not
     /// finish: the next pass recovers them at once.
     abandoned: HashSet<ObjectId>,
+}
+
+/// A claimed batch not confirmed applied yet: unless disarmed, dropping it
+/// retires the fold lane and leaves the batch to the next pass's recovery.
+struct Unapplied<'a> {
+    state: &'a mut FoldState,
+    batch: ObjectId,
+    armed: bool,
+}
+
+impl<'a> Unapplied<'a> {
+    fn arm(state: &'a mut FoldState, batch: ObjectId) -> Self {
+        Self {
+            state,
+            batch,
+            armed: true,
+        }
+    }
+
+    /// The batch is applied on every counter it touches: the lane goes on.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Unapplied<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state.lane = None;
+            self.state.abandoned.insert(self.batch);
+        }
+    }
 }
 
 /// Folds one ledger's events into its counters. One pass at a time (a
@@ -224,33 +266,34 @@ impl EventFold {
     }
 
     /// One fold pass: recovery, then batches until no unclaimed event is
-    /// left or `stop` is cancelled. `now` (the server's clock) is the time
-    /// the folded marks carry. A failed step fails the pass; what it left
-    /// is finished by the next pass's recovery.
+    /// left, `stop` is cancelled or the pass has run `pass_limit`. `now` is
+    /// the server's clock at the start of the pass; each batch's folded
+    /// mark carries it advanced by the time the pass has run (a monotonic
+    /// clock), so an event's dedupe window starts when its batch is marked.
+    /// A failed step fails the pass; what it left is finished by the next
+    /// pass's recovery.
     pub async fn fold(
         &self,
         now: SystemTime,
         stop: &CancellationToken,
     ) -> Result<EventsRun, Error> {
+        let began = Instant::now();
+        let clock = move || now + began.elapsed();
         self.check_indexes().await?;
         let mut state = self.state.lock().await;
-        let mut run = self.recover_locked(&mut state, now).await?;
+        let mut run = self.recover_locked(&mut state, &clock).await?;
         while !stop.is_cancelled() {
             let Some(batch) = self.claim_locked(&mut state).await? else {
                 break;
             };
+            // The invariant: no `s + 1` on this lane before `s` is
+            // confirmed everywhere. Whatever ends this between the claim and
+            // a confirmed apply (an error, a dropped future) retires it.
+            let unapplied = Unapplied::arm(&mut state, batch.id);
             let sums = self.sum(&batch).await?;
-            match self.apply(&batch, &sums, false).await {
-                Ok(written) => run.counters_written += written,
-                Err(err) => {
-                    // The invariant: no `s + 1` on this lane before `s` is
-                    // confirmed everywhere.
-                    state.lane = None;
-                    state.abandoned.insert(batch.id);
-                    return Err(err);
-                }
-            }
-            let marked = match self.mark(&batch, now).await {
+            run.counters_written += self.apply(&batch, &sums, false).await?;
+            unapplied.disarm();
+            let marked = match self.mark(&batch, clock()).await {
                 Ok(marked) => intent::remove(&self.store, &self.intents, batch.id)
                     .await
                     .map(|()| marked),
@@ -264,6 +307,11 @@ impl EventFold {
                 }
             }
             run.batches += 1;
+            // At least one batch a pass, however short the limit.
+            if began.elapsed() >= self.settings.pass_limit {
+                run.more = true;
+                break;
+            }
         }
         Ok(run)
     }
@@ -271,8 +319,10 @@ impl EventFold {
     /// Step 1 alone: finishes every batch no fold step of this one is
     /// working on (see the module docs).
     pub async fn recover(&self, now: SystemTime) -> Result<EventsRun, Error> {
+        let began = Instant::now();
         let mut state = self.state.lock().await;
-        self.recover_locked(&mut state, now).await
+        self.recover_locked(&mut state, &move || now + began.elapsed())
+            .await
     }
 
     /// Step 2 alone: claims the next batch with this fold's lane; `None`
@@ -285,7 +335,7 @@ impl EventFold {
     async fn recover_locked(
         &self,
         state: &mut FoldState,
-        now: SystemTime,
+        clock: &impl Fn() -> SystemTime,
     ) -> Result<EventsRun, Error> {
         let mut run = EventsRun::default();
         let started = secs(self.started);
@@ -315,7 +365,7 @@ impl EventFold {
             if self.open(&batch).await? > 0 {
                 let sums = self.sum(&batch).await?;
                 run.counters_written += self.apply(&batch, &sums, true).await?;
-                run.events_folded += self.mark(&batch, now).await?;
+                run.events_folded += self.mark(&batch, clock()).await?;
             }
             if ids.is_some() {
                 intent::remove(&self.store, &self.intents, batch.id).await?;
@@ -370,20 +420,15 @@ impl EventFold {
         };
         // The intent first: recovery needs the ids to fix the batch's
         // events whatever becomes of the claim (see `intent`).
-        let claimed = match intent::write(&self.store, &self.intents, &batch, &ids).await {
-            Ok(()) => intent::claim(&self.store, &self.events, &batch, &ids).await,
-            Err(err) => Err(err),
-        };
-        match claimed {
-            Ok(()) => Ok(Some(batch)),
-            Err(err) => {
-                // Unconfirmed: events may carry this claim, or may still
-                // get it. Recovery finishes whatever does, with this lane
-                // and number, which nothing else will use.
-                state.lane = None;
-                Err(err)
-            }
-        }
+        // Until confirmed, events may carry this claim, or may still get
+        // it: an error or a dropped future retires the lane, and recovery
+        // finishes whatever does with this lane and number, which nothing
+        // else will use.
+        let unclaimed = Unapplied::arm(state, batch.id);
+        intent::write(&self.store, &self.intents, &batch, &ids).await?;
+        intent::claim(&self.store, &self.events, &batch, &ids).await?;
+        unclaimed.disarm();
+        Ok(Some(batch))
     }
 
     /// Step 3: the batch's sums per counter, computed by the server.

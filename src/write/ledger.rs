@@ -45,7 +45,7 @@ pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub use read::ExactValue;
 
 use super::counter::CollectionConfig;
-use crate::document::{Inserted, insert_if_absent, integer_value};
+use crate::document::{Inserted, insert_if_absent, integer_value, same_key};
 use crate::error::{Effect, Error, Failure, Next, RetryBudget, code};
 use crate::store::Store;
 
@@ -400,7 +400,7 @@ fn judge(event: Event, token: ObjectId, stored: &Document) -> Recording {
     }
     let stored_counter = stored.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
     let stored_amount = stored.get(field::AMOUNT).and_then(integer_value);
-    if stored_counter == event.counter && stored_amount == Some(event.amount) {
+    if same_key(&stored_counter, &event.counter) && stored_amount == Some(event.amount) {
         Recording::Duplicate(event)
     } else {
         Recording::Conflict(Conflict {

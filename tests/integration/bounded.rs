@@ -7,6 +7,7 @@ use futures::future::join_all;
 use mongodb::bson::{Bson, doc};
 use tally::{BoundedConfig, BoundedCounters, GiveBack, Take, Token};
 
+use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
 use crate::common::{FailPoint, TestContext};
 
 fn seats(client: &crate::common::TestClient) -> BoundedCounters {
@@ -182,4 +183,41 @@ async fn a_create_with_a_write_concern_error_is_a_command_error() {
     let _fail = FailPoint::write_concern_error(&ctx, "insert", 64, "WriteConcernFailed").await;
     let err = seats.create("show", 3).await.unwrap_err();
     assert_eq!(err.class(), Some(tally::ErrorClass::Command), "{err:?}");
+}
+
+/// A create whose insert landed with its reply lost, whose retry met the
+/// duplicate key and whose read of the counter then failed, may have
+/// created the counter: never "not applied".
+#[tokio::test]
+async fn a_lost_reply_then_a_failed_read_is_a_create_that_may_have_applied() {
+    let ctx = TestContext::new("bounded_create_failed_read").await;
+    let direct = ctx.client(false).await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let seats = seats(&through);
+    let _lost = proxy.rule(
+        Rule::command("insert")
+            .collection("seats")
+            .nth(1)
+            .then(Action::DropReply),
+    );
+    let _refused = proxy.rule(
+        Rule::command("find")
+            .collection("seats")
+            .nth(1)
+            .then(Action::error(11601, "Interrupted", &[])),
+    );
+    let err = seats.create("show", 3).await.unwrap_err();
+    let stored = direct
+        .collection("seats")
+        .count_documents(doc! { "_id": "show" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "the first insert landed");
+    match &err {
+        tally::Error::Server(failure) => {
+            assert_ne!(failure.effect, tally::Effect::NotApplied, "{err:?}")
+        }
+        other => panic!("a server failure, not {other:?}"),
+    }
 }

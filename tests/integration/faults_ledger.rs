@@ -214,10 +214,24 @@ impl LedgerRig {
                 };
                 drop(rule);
                 let log = settled_log(&self.0.proxy, &faulted).await;
-                let want = sums(EVENTS.iter());
+                let mut want = sums(EVENTS.iter());
                 // Exact whatever the pass left.
                 self.check_values(&direct, &want, "after the faulted pass", &mut diff)
                     .await;
+                // The same fold's next pass, with a new event on a counter
+                // the faulted batch touches: its lane must not go on past a
+                // batch it did not confirm.
+                let late = direct.record("e_late", "a", 1).await;
+                if late.name() != "recorded" {
+                    return Err(format!("recording e_late: {late:?}"));
+                }
+                *want.entry("a").or_default() += 1;
+                if let Err(err) = fold
+                    .fold(SystemTime::now(), &CancellationToken::new())
+                    .await
+                {
+                    diff.push(format!("the same fold's next pass: {err}"));
+                }
                 self.final_fold(&name).await?;
                 self.check_counters(&name, &direct, &want, &mut diff).await;
                 self.check_counts(site, fault, &log, &outcome, &mut diff);

@@ -22,7 +22,7 @@ use crate::common::{FailPoint, TestContext, counter, field};
 
 const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-async fn ledger_on(store: &Store, name: &str) -> Ledger {
+pub(crate) async fn ledger_on(store: &Store, name: &str) -> Ledger {
     let ledger = Ledger::new(store, CollectionConfig::new(name));
     ledger
         .create_indexes(RETENTION)
@@ -31,7 +31,7 @@ async fn ledger_on(store: &Store, name: &str) -> Ledger {
     ledger
 }
 
-fn fold_of(store: &Store, name: &str, batch_size: u32) -> EventFold {
+pub(crate) fn fold_of(store: &Store, name: &str, batch_size: u32) -> EventFold {
     EventFold::new(
         store,
         CollectionConfig::new(name),
@@ -57,7 +57,7 @@ async fn unfolded(store: &Store, events: &str) -> u64 {
 }
 
 #[track_caller]
-fn assert_outcome(recording: &Recording, name: &str) {
+pub(crate) fn assert_outcome(recording: &Recording, name: &str) {
     assert_eq!(recording.name(), name, "{recording:?}");
 }
 
