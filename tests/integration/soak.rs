@@ -177,8 +177,14 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     }
     let exit = daemon.terminate();
     let logs = format!("{first_log}\n{}", daemon.log());
+    // A stop that comes while a fold's update is held by the delay fault
+    // may not finish within the drain bound: the daemon then says what it
+    // could not finish and exits 1 — an honest report, not a count error
+    // (the next start resumes the stream or rescans). Anything else fails.
+    let drained_late = exit.code() == Some(1)
+        && logs.contains("stopped, but not saved or not finished: the change-stream position");
     assert!(
-        exit.success(),
+        exit.success() || drained_late,
         "seed {seed}: tallyd exited {exit:?}\n{logs}"
     );
     assert!(
