@@ -162,6 +162,23 @@ impl TargetArgs {
             )),
         }
     }
+
+    /// The collection the command works on and a connection: a command's
+    /// first steps. A failure is printed (secrets masked); its exit code is
+    /// the `Err`.
+    async fn open(
+        &self,
+        config: &Config,
+    ) -> Result<(CollectionConfig, crate::store::Store), ExitCode> {
+        let secrets = config.secrets();
+        let spec = self
+            .resolve(config)
+            .map_err(|message| fail(self.json, &message, &secrets))?;
+        let store = crate::store::Store::connect(&config.mongodb)
+            .await
+            .map_err(|err| fail(self.json, &err.to_string(), &secrets))?;
+        Ok((spec, store))
+    }
 }
 
 impl Cli {

@@ -135,12 +135,7 @@ impl Target {
 
 async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> {
     let secrets = config.secrets();
-    let spec = target
-        .resolve(config)
-        .map_err(|message| fail(target.json, &message, &secrets))?;
-    let store = Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| fail(target.json, &err.to_string(), &secrets))?;
+    let (spec, store) = target.open(config).await?;
     let counters = match Counters::try_new(&store, spec.clone(), config.writer) {
         Ok(counters) => counters,
         Err(err) => {

@@ -48,13 +48,7 @@ pub(crate) struct GetArgs {
 }
 
 async fn open(target: &TargetArgs, config: &Config) -> Result<(Store, Ledger), ExitCode> {
-    let secrets = config.secrets();
-    let spec = target
-        .resolve(config)
-        .map_err(|message| fail(target.json, &message, &secrets))?;
-    let store = Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| fail(target.json, &err.to_string(), &secrets))?;
+    let (spec, store) = target.open(config).await?;
     let ledger = Ledger::new(&store, spec);
     Ok((store, ledger))
 }
