@@ -57,58 +57,95 @@ pub(crate) enum Claim {
     AtMostOnce,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly_once() {
+/// A soak's seed: `TALLY_SOAK_SEED`, else `default`; printed, so a failure
+/// can be replayed.
+pub(crate) fn seed(name: &str, default: u64) -> u64 {
     let seed = std::env::var("TALLY_SOAK_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEED);
-    eprintln!("soak seed: {seed} (rerun with TALLY_SOAK_SEED={seed})");
+        .unwrap_or(default);
+    eprintln!("{name} seed: {seed} (rerun with TALLY_SOAK_SEED={seed})");
+    seed
+}
+
+/// What a soak runs on: its own server (its load must not slow the other
+/// tests), the counters `k0…` of `views` created at 0, and a proxy that
+/// gives each of `faults` to a seeded `share` of the `update`s on them.
+pub(crate) struct Rig {
+    _server: Option<TestServer>,
+    pub(crate) ctx: TestContext,
+    pub(crate) direct: Collection<Document>,
+    pub(crate) keys: Vec<String>,
+    pub(crate) proxy: Proxy,
+    _rules: Vec<crate::common::proxy::RuleGuard>,
+}
+
+impl Rig {
+    pub(crate) async fn start(
+        name: &str,
+        keys: usize,
+        faults: &[Action],
+        share: f64,
+        seed: u64,
+    ) -> Self {
+        let server = (!external()).then(|| TestServer::start(&ServerOptions::default()));
+        let ctx = match &server {
+            Some(server) => TestContext::on(name, server.uri()).await,
+            None => TestContext::new(name).await,
+        };
+        let direct = ctx.client(false).await.collection("views");
+        let keys: Vec<String> = (0..keys).map(|k| format!("k{k}")).collect();
+        direct
+            .insert_many(keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
+            .await
+            .expect("create the counters");
+        let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+        let rules = faults
+            .iter()
+            .enumerate()
+            .map(|(i, action)| {
+                proxy.rule(
+                    Rule::command("update")
+                        .collection("views")
+                        .probability(share, seed.wrapping_add(i as u64))
+                        .then(action.clone()),
+                )
+            })
+            .collect();
+        Self {
+            _server: server,
+            ctx,
+            direct,
+            keys,
+            proxy,
+            _rules: rules,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly_once() {
+    let seed = seed("soak", DEFAULT_SEED);
     let started = Instant::now();
-
-    // Its own server: the soak's load must not slow the other tests.
-    let server = (!external()).then(|| TestServer::start(&ServerOptions::default()));
-    let ctx = match &server {
-        Some(server) => TestContext::on("soak", server.uri()).await,
-        None => TestContext::new("soak").await,
-    };
-    let direct = ctx.client(false).await.collection("views");
-    let keys: Vec<String> = (0..KEYS).map(|k| format!("k{k}")).collect();
-    direct
-        .insert_many(keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
-        .await
-        .expect("create the counters");
-
-    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let faults = [
         Action::DropReply,
         Action::CloseBeforeForwarding,
         Action::DelayReply(DELAY),
         Action::error(10107, "NotWritablePrimary", &[]),
     ];
-    let _rules: Vec<_> = faults
-        .into_iter()
-        .enumerate()
-        .map(|(i, action)| {
-            proxy.rule(
-                Rule::command("update")
-                    .collection("views")
-                    .probability(FAULT_SHARE, seed.wrapping_add(i as u64))
-                    .then(action),
-            )
-        })
-        .collect();
+    let rig = Rig::start("soak", KEYS, &faults, FAULT_SHARE, seed).await;
+    let (ctx, direct, keys, proxy) = (&rig.ctx, &rig.direct, &rig.keys, &rig.proxy);
 
     // Folds every second, grace 10 s, retry horizon 6 s (as the writers'),
     // more than the horizon plus the writers' 3 s attempts.
-    let config = Conf::default().render(&ctx.child_uri_through(&proxy, false), &ctx.db_name);
+    let config = Conf::default().render(&ctx.child_uri_through(proxy, false), &ctx.db_name);
     let mut daemon = Tallyd::start(&config, &[]);
     daemon.wait_ready("active", Duration::from_secs(30)).await;
 
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let client = ctx.client_through_with(&proxy, false, SELECTION).await;
+        let client = ctx.client_through_with(proxy, false, SELECTION).await;
         let store = client.store().with_attempt_timeout(ATTEMPT);
         let keys = keys.clone();
         let done = done.clone();
@@ -196,9 +233,9 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     // against what the writers were told.
     let log = proxy.log();
     let truth = applied_step_1s(&log, seed);
-    let finals = counters(&direct).await;
+    let finals = counters(direct).await;
     let mut wrong = Vec::new();
-    for key in &keys {
+    for key in keys {
         let expected = truth.get(key).map_or(0, HashSet::len) as i64;
         let actual = finals.get(key).copied().unwrap_or(0);
         if actual != expected {

@@ -25,12 +25,10 @@ use mongodb::bson::{Bson, doc};
 use tally::{CollectionConfig, Counters, LaneIncrement, WriterConfig};
 use tokio::io::AsyncReadExt;
 
-use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
-use crate::common::server::{ServerOptions, TestServer};
+use crate::common::proxy::{Action, Exchange};
 use crate::common::tallyd::Tallyd;
-use crate::common::{TestContext, external};
 use crate::daemon::Conf;
-use crate::soak::{ATTEMPT, Claim, DELAY, SELECTION, applied_step_1s, counters, settle};
+use crate::soak::{ATTEMPT, Claim, DELAY, Rig, SELECTION, applied_step_1s, counters, seed, settle};
 
 const LANE_WRITERS: usize = 3;
 const TWO_STEP_WRITERS: usize = 3;
@@ -64,48 +62,20 @@ struct LaneClaim {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_once() {
-    let seed = std::env::var("TALLY_SOAK_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_SEED);
-    eprintln!("lanes soak seed: {seed} (rerun with TALLY_SOAK_SEED={seed})");
+    let seed = seed("lanes soak", DEFAULT_SEED);
     let started = Instant::now();
-
-    let server = (!external()).then(|| TestServer::start(&ServerOptions::default()));
-    let ctx = match &server {
-        Some(server) => TestContext::on("soak_lanes", server.uri()).await,
-        None => TestContext::new("soak_lanes").await,
-    };
-    let direct = ctx.client(false).await.collection("views");
-    let keys: Vec<String> = (0..KEYS).map(|k| format!("k{k}")).collect();
-    direct
-        .insert_many(keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
-        .await
-        .expect("create the counters");
-
-    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let faults = [
         Action::DropReply,
         Action::CloseBeforeForwarding,
         Action::DelayReply(DELAY),
     ];
-    let _rules: Vec<_> = faults
-        .into_iter()
-        .enumerate()
-        .map(|(i, action)| {
-            proxy.rule(
-                Rule::command("update")
-                    .collection("views")
-                    .probability(FAULT_SHARE, seed.wrapping_add(i as u64))
-                    .then(action),
-            )
-        })
-        .collect();
+    let rig = Rig::start("soak_lanes", KEYS, &faults, FAULT_SHARE, seed).await;
+    let (ctx, direct, keys, proxy) = (&rig.ctx, &rig.direct, &rig.keys, &rig.proxy);
 
     // The daemon and the processes share one config: folds every second,
     // attempts bounded by 3 s, the short lane lifetimes.
     let config = Conf::default()
-        .render(&ctx.child_uri_through(&proxy, false), &ctx.db_name)
+        .render(&ctx.child_uri_through(proxy, false), &ctx.db_name)
         .replace(
             "retry_horizon = \"6s\"",
             &format!(
@@ -133,7 +103,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     };
     let mut lane_writers = Vec::new();
     for w in 0..LANE_WRITERS {
-        let client = ctx.client_through_with(&proxy, false, SELECTION).await;
+        let client = ctx.client_through_with(proxy, false, SELECTION).await;
         let store = client.store().with_attempt_timeout(ATTEMPT);
         let (keys, config_path) = (keys.clone(), config_path.clone());
         lane_writers.push(tokio::spawn(async move {
@@ -183,7 +153,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     }
     let mut two_step_writers = Vec::new();
     for w in 0..TWO_STEP_WRITERS {
-        let client = ctx.client_through_with(&proxy, false, SELECTION).await;
+        let client = ctx.client_through_with(proxy, false, SELECTION).await;
         let store = client.store().with_attempt_timeout(ATTEMPT);
         let keys = keys.clone();
         two_step_writers.push(tokio::spawn(async move {
@@ -246,10 +216,10 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     let log = proxy.log();
     let tokens = applied_step_1s(&log, seed);
     let lanes = applied_lane_updates(&log, seed);
-    let finals = counters(&direct).await;
+    let finals = counters(direct).await;
     let mut wrong = Vec::new();
     let (mut lost, mut doubled) = (0i64, 0i64);
-    for key in &keys {
+    for key in keys {
         let from_tokens = tokens.get(key).map_or(0, |t| t.len() as i64);
         let from_lanes: i64 = lanes.get(key).map_or(0, |l| l.values().sum());
         let expected = from_tokens + from_lanes;
