@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use mongodb::bson::{Bson, doc};
+use mongodb::bson::doc;
 use tally::{BoundedConfig, BoundedCounters, GiveBack, Take, Token};
 
 use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
@@ -58,12 +58,7 @@ async fn a_take_retried_with_its_token_never_takes_twice() {
     let token = Token::new();
     {
         // The connection drops on the first attempt; tally retries it once.
-        let _fail = FailPoint::set(
-            &ctx,
-            Bson::Document(doc! { "times": 1 }),
-            doc! { "failCommands": ["update"], "closeConnection": true },
-        )
-        .await;
+        let _fail = FailPoint::updates_cut(&ctx, 1).await;
         assert_eq!(seats.take("show", token, "ann").await.unwrap(), Take::Taken);
     }
     // The caller, unsure, sends the same take again.

@@ -303,12 +303,7 @@ async fn incr_not_counted_exits_1() {
         dir.path(),
         &ctx.config_toml(false, "[[collections]]\nname = \"views\""),
     );
-    let _fail = FailPoint::set(
-        &ctx,
-        Bson::Document(doc! { "times": 1 }),
-        doc! { "failCommands": ["update"], "errorCode": 2 },
-    )
-    .await;
+    let _fail = FailPoint::update_refused(&ctx).await;
     // One collection configured: --collection may be left out.
     let output = tallyd(&["--config", &path, "incr", "k", "--json"], &[]).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
@@ -617,12 +612,7 @@ async fn retries_are_logged_with_class_and_attempt_as_json() {
     let dir = tempfile::tempdir().unwrap();
     let config = ctx.config_toml(false, "[log]\nformat = \"json\"\nlevel = \"warn\"");
     let path = write_config(dir.path(), &config);
-    let _fail = FailPoint::set(
-        &ctx,
-        Bson::Document(doc! { "times": 1 }),
-        doc! { "failCommands": ["update"], "closeConnection": true },
-    )
-    .await;
+    let _fail = FailPoint::updates_cut(&ctx, 1).await;
     let output = tallyd(
         &["--config", &path, "incr", "k", "--collection", "views"],
         &[],

@@ -209,12 +209,7 @@ async fn command_error_on_step1_is_not_counted_after_one_attempt() {
     let views = counters(&client, "views");
     assert_counted(&views.increment("warmup", 1).await);
     client.events.clear();
-    let _fail = FailPoint::set(
-        &ctx,
-        Bson::Document(doc! { "times": 1 }),
-        doc! { "failCommands": ["update"], "errorCode": 2 },
-    )
-    .await;
+    let _fail = FailPoint::update_refused(&ctx).await;
     let outcome = views.increment("k", 1).await;
     let Increment::NotCounted(not) = &outcome else {
         panic!("expected not counted, got {outcome:?}");
@@ -279,12 +274,7 @@ async fn two_lost_connections_on_step1_are_unknown_and_resume_counts_once() {
         assert_counted(&views.increment("warmup", 1).await);
         client.events.clear();
         let unknown = {
-            let _fail = FailPoint::set(
-                &ctx,
-                Bson::Document(doc! { "times": 2 }),
-                doc! { "failCommands": ["update"], "closeConnection": true },
-            )
-            .await;
+            let _fail = FailPoint::updates_cut(&ctx, 2).await;
             match views.increment("k", 1).await {
                 Increment::Unknown(unknown) => unknown,
                 other => panic!("expected unknown, got {other:?}"),
@@ -487,12 +477,7 @@ async fn on_a_standalone_server_tally_makes_the_retry_itself() {
     let views = counters(&client, "views");
     assert_counted(&views.increment("warmup", 1).await);
     client.events.clear();
-    let _fail = FailPoint::set(
-        &ctx,
-        Bson::Document(doc! { "times": 1 }),
-        doc! { "failCommands": ["update"], "closeConnection": true },
-    )
-    .await;
+    let _fail = FailPoint::updates_cut(&ctx, 1).await;
     assert_counted(&views.increment("k", 1).await);
     assert_eq!(client.events.updates_with("$addToSet"), 2);
     assert_eq!(counter(&client.collection("views"), "k").await, 1);

@@ -171,12 +171,7 @@ async fn two_lost_connections_are_unknown_and_resuming_1_2_5_times_counts_once()
             let views = lanes_of(&client, "views", WriterConfig::default());
             assert_counted(&views.add("warmup", 1).await, false);
             let ticket = {
-                let _fail = FailPoint::set(
-                    &ctx,
-                    Bson::Document(doc! { "times": 2 }),
-                    doc! { "failCommands": ["update"], "closeConnection": true },
-                )
-                .await;
+                let _fail = FailPoint::updates_cut(&ctx, 2).await;
                 match views.add("k", 3).await {
                     LaneIncrement::Unknown(ticket) => ticket,
                     other => panic!("{name}: expected unknown, got {other:?}"),

@@ -423,12 +423,7 @@ async fn a_second_run_folds_nothing_and_a_lost_connection_is_retried_exactly() {
     };
     {
         // The first fold update's connection drops: retried once.
-        let _fail = FailPoint::set(
-            &ctx,
-            Bson::Document(doc! { "times": 1 }),
-            doc! { "failCommands": ["update"], "closeConnection": true },
-        )
-        .await;
+        let _fail = FailPoint::updates_cut(&ctx, 1).await;
         let run = reconcile(&client.store(), &target, Mode::Fold).await;
         assert_eq!(
             (run.documents_folded, run.tokens_folded, run.amount_folded),

@@ -146,12 +146,7 @@ async fn resuming_a_lane_token_1_2_5_times_from_one_or_many_processes_counts_onc
         let name = format!("{runs} runs, concurrent: {concurrent}");
         let key = format!("k{runs}{concurrent}");
         let token = {
-            let _fail = FailPoint::set(
-                &ctx,
-                Bson::Document(doc! { "times": 2 }),
-                doc! { "failCommands": ["update"], "closeConnection": true },
-            )
-            .await;
+            let _fail = FailPoint::updates_cut(&ctx, 2).await;
             let output = run(&path, &["incr", &key, "--by", "7", "--lane", "--json"]).await;
             assert_eq!(output.status.code(), Some(75), "{name}: {}", text(&output));
             json(&output)["token"].as_str().unwrap().to_owned()
