@@ -417,7 +417,16 @@ impl Watcher {
         // getMore cancelled midway would leave the cursor unusable.
         loop {
             if self.shutdown.is_cancelled() {
-                self.save(stream.resume_token(), &mut saved_token).await;
+                // The last save is tried a few times: a position lost at a
+                // stop costs the next start a rescan, and one blip of the
+                // network should not (the drain's deadline bounds this).
+                let token = stream.resume_token();
+                for pause in [250, 500, 1000, 0] {
+                    if self.save(token.clone(), &mut saved_token).await || pause == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
                 return Ended::Shutdown;
             }
             if Instant::now() >= next_save {
@@ -542,22 +551,24 @@ impl Watcher {
     }
 
     /// Saves the stream's position (`token`, taken from the stream) when it
-    /// moved.
-    async fn save(&self, token: Option<ResumeToken>, saved: &mut Option<ResumeToken>) {
+    /// moved; false when the save failed.
+    async fn save(&self, token: Option<ResumeToken>, saved: &mut Option<ResumeToken>) -> bool {
         let Some(token) = token else {
-            return;
+            return true;
         };
         if saved.as_ref() == Some(&token) {
-            return;
+            return true;
         }
         match self.state.save_resume_token(self.name(), &token).await {
             Ok(()) => {
                 *saved = Some(token);
                 self.watched.unsaved.store(false, Ordering::Relaxed);
+                true
             }
             Err(err) => {
                 self.watched.unsaved.store(true, Ordering::Relaxed);
-                tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token")
+                tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token");
+                false
             }
         }
     }
