@@ -6,7 +6,9 @@
 //! acknowledged `record` to its counter under a continuous fold at half
 //! the server's recording capacity.
 //!
-//! `TALLY_BENCH_LEDGER_EVENTS` sets N (default 100,000).
+//! `TALLY_BENCH_LEDGER_EVENTS` sets N (default 100,000);
+//! `TALLY_BENCH_LEDGER_BATCH` the fold's batch size (default: the
+//! library's).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -43,55 +45,68 @@ pub async fn run(settings: &Settings) {
         "{:<22} {:>7} {:>11} {:>9} {:>9}",
         "side", "writers", "events/s", "p50 ms", "p99 ms"
     );
+    // The floor beside tally: the driver's own insert into a collection
+    // with the same indexes (what any ledger of this shape pays).
+    let bare_ledger = Ledger::new(&store, CollectionConfig::new("bare"));
+    bare_ledger
+        .create_indexes(RETENTION)
+        .await
+        .expect("indexes");
+    let bare: Collection<Document> = db.collection("bare_events");
     for (label, writers, keys, goal) in [
         ("record", 1usize, KEYS, 1.1),
         ("record", 16, KEYS, 1.1),
         ("record, one hot key", 16, 1, 1.0),
     ] {
-        let mut runs: [Vec<Run>; 2] = Default::default();
+        let mut runs: [Vec<Run>; 3] = Default::default();
         for round in 0..settings.rounds {
-            for k in 0..2 {
-                let side = (k + round) % 2;
-                let run = if side == 0 {
-                    run_plain(&plain, writers, settings.run, keys, 1).await
-                } else {
-                    run_record(&ledger, &serial, writers, settings.run, keys).await
+            for k in 0..3 {
+                let side = (k + round) % 3;
+                let run = match side {
+                    0 => run_plain(&plain, writers, settings.run, keys, 1).await,
+                    1 => run_record(&ledger, &serial, writers, settings.run, keys).await,
+                    _ => run_bare(&bare, &serial, writers, settings.run, keys, 1).await,
                 };
                 runs[side].push(run);
             }
         }
-        let [plain_runs, record_runs] = runs;
-        let (plain_run, record) = (merge(plain_runs), merge(record_runs));
+        let [plain_runs, record_runs, bare_runs] = runs;
+        let (plain_run, record, bare_run) =
+            (merge(plain_runs), merge(record_runs), merge(bare_runs));
         print_row("plain $inc", writers, &plain_run, 1);
         print_row(label, writers, &record, 1);
+        print_row("bare insert, same idx", writers, &bare_run, 1);
         println!(
-            "{:<22} {writers:>7} ratio = {:.3}x (goal >= {goal}x)",
+            "{:<22} {writers:>7} ratio = {:.3}x (goal >= {goal}x); bare insert / $inc = {:.3}x",
             format!("{label} / $inc"),
-            record.per_second() / plain_run.per_second()
+            record.per_second() / plain_run.per_second(),
+            bare_run.per_second() / plain_run.per_second()
         );
     }
     // record_many of 100: events per second against $inc per event.
-    let mut runs: [Vec<Run>; 2] = Default::default();
+    let mut runs: [Vec<Run>; 3] = Default::default();
     for round in 0..settings.rounds {
-        for k in 0..2 {
-            let side = (k + round) % 2;
-            let run = if side == 0 {
-                run_plain(&plain, 1, settings.run, KEYS, 1).await
-            } else {
-                run_record_many(&ledger, &serial, settings.run).await
+        for k in 0..3 {
+            let side = (k + round) % 3;
+            let run = match side {
+                0 => run_plain(&plain, 1, settings.run, KEYS, 1).await,
+                1 => run_record_many(&ledger, &serial, settings.run).await,
+                _ => run_bare(&bare, &serial, 1, settings.run, KEYS, MANY).await,
             };
             runs[side].push(run);
         }
     }
-    let [plain_runs, many_runs] = runs;
-    let (plain_run, many) = (merge(plain_runs), merge(many_runs));
+    let [plain_runs, many_runs, bare_runs] = runs;
+    let (plain_run, many, bare_run) = (merge(plain_runs), merge(many_runs), merge(bare_runs));
     print_row("plain $inc", 1, &plain_run, 1);
     print_row("record_many of 100", 1, &many, MANY);
+    print_row("bare insert_many 100", 1, &bare_run, MANY);
     println!(
-        "{:<22} {:>7} ratio = {:.3}x events/s (goal >= 12x)",
+        "{:<22} {:>7} ratio = {:.3}x events/s (goal >= 12x); bare insert_many / $inc = {:.3}x",
         "record_many / $inc",
         1,
-        many.per_second() * MANY as f64 / plain_run.per_second()
+        many.per_second() * MANY as f64 / plain_run.per_second(),
+        bare_run.per_second() * MANY as f64 / plain_run.per_second()
     );
 
     folds(&store, &db, events, plain_run.per_second(), settings).await;
@@ -137,13 +152,16 @@ async fn folds(
     settings: &Settings,
 ) {
     for (name, n) in [("fold_small", events / 10), ("fold_large", events)] {
-        let (folded, bare) = fold_side(store, db, name, n).await;
+        let (folded, bare, touch) = fold_side(store, db, name, n).await;
         println!(
             "fold of {n} events over {KEYS} counters: {:.2}s; bare $group over them: {:.2}s; \
-             ratio = {:.2}x (goal <= 2x); peak RSS so far {} KiB",
+             ratio = {:.2}x (goal <= 2x); one bare updateMany over them: {:.2}s \
+             (fold / ($group + updateMany) = {:.2}x); peak RSS so far {} KiB",
             folded.as_secs_f64(),
             bare.as_secs_f64(),
             folded.as_secs_f64() / bare.as_secs_f64(),
+            touch.as_secs_f64(),
+            folded.as_secs_f64() / (bare + touch).as_secs_f64(),
             peak_rss_kib()
         );
     }
@@ -183,6 +201,42 @@ async fn run_record(
     .await
 }
 
+/// The driver's own unordered insert of `per_op` event documents into
+/// `coll` (no outcome judged, no retry): the floor for `record` and
+/// `record_many`.
+async fn run_bare(
+    coll: &Collection<Document>,
+    serial: &Arc<AtomicI64>,
+    writers: usize,
+    duration: Duration,
+    keys: usize,
+    per_op: usize,
+) -> Run {
+    let (coll, serial) = (coll.clone(), serial.clone());
+    timed(writers, duration, move |w, i| {
+        let (coll, serial) = (coll.clone(), serial.clone());
+        async move {
+            let first = serial.fetch_add(per_op as i64, Ordering::Relaxed);
+            let docs: Vec<Document> = (0..per_op)
+                .map(|j| {
+                    doc! {
+                        "_id": format!("e{}", first + j as i64),
+                        "k": format!("k{}", (w * 7919 + i * 31 + j) % keys),
+                        "n": 1i64,
+                        "at": mongodb::bson::DateTime::now(),
+                        "r": mongodb::bson::oid::ObjectId::new(),
+                    }
+                })
+                .collect();
+            coll.insert_many(docs)
+                .ordered(false)
+                .await
+                .expect("bare insert");
+        }
+    })
+    .await
+}
+
 async fn run_record_many(ledger: &Arc<Ledger>, serial: &Arc<AtomicI64>, duration: Duration) -> Run {
     let (ledger, serial) = (ledger.clone(), serial.clone());
     timed(1, duration, move |_, i| {
@@ -212,7 +266,7 @@ async fn fold_side(
     db: &mongodb::Database,
     name: &str,
     events: usize,
-) -> (Duration, Duration) {
+) -> (Duration, Duration, Duration) {
     let ledger = Ledger::new(store, CollectionConfig::new(name));
     ledger.create_indexes(RETENTION).await.expect("indexes");
     let coll: Collection<Document> = db.collection(&format!("{name}_events"));
@@ -239,19 +293,38 @@ async fn fold_side(
         .expect("bare $group rows");
     let bare = started.elapsed();
     assert_eq!(rows.len(), KEYS.min(events));
-    let fold = EventFold::new(
-        store,
-        CollectionConfig::new(name),
-        EventFoldSettings::default(),
-    );
+    let mut settings = EventFoldSettings::default();
+    if let Some(size) = std::env::var("TALLY_BENCH_LEDGER_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        settings.batch_size = size;
+    }
+    let fold = EventFold::new(store, CollectionConfig::new(name), settings);
     let started = Instant::now();
-    let run = fold
-        .fold(SystemTime::now(), &CancellationToken::new())
-        .await
-        .expect("fold");
+    let mut folded_events = 0;
+    loop {
+        // A pass ends at its time limit with events left: the daemon runs
+        // the next at once, and so does this.
+        let run = fold
+            .fold(SystemTime::now(), &CancellationToken::new())
+            .await
+            .expect("fold");
+        folded_events += run.events_folded;
+        if !run.more {
+            break;
+        }
+    }
     let folded = started.elapsed();
-    assert_eq!(run.events_folded, events as u64, "every event folded");
-    (folded, bare)
+    assert_eq!(folded_events, events as u64, "every event folded");
+    // What one write per event costs on this server, for scale: one bare
+    // `updateMany` over the same events (same indexes), no lanes, no sums.
+    let started = Instant::now();
+    coll.update_many(doc! {}, doc! { "$set": { "z": 1 } })
+        .await
+        .expect("bare updateMany");
+    let touch = started.elapsed();
+    (folded, bare, touch)
 }
 
 /// The process's peak resident set (`VmHWM`), in KiB; 0 where unknown.

@@ -569,3 +569,67 @@ async fn a_claim_landing_after_its_batch_was_recovered_loses_no_event() {
     );
     assert_eq!(ledger.value("a").await.unwrap().value, 2);
 }
+
+/// A claim is sent in chunks of 100 ids (a server may match a long `$in`
+/// in quadratic time). One chunk refused after another landed fails the
+/// pass with the batch claimed in part; the next pass recovers it from its
+/// intent, claiming the rest itself: every event counted once.
+#[tokio::test]
+async fn a_claim_refused_after_its_first_chunk_is_finished_by_recovery_exactly() {
+    let ctx = TestContext::new("ledger_claim_chunks").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    let events: Vec<(String, String, i64)> = (0..250)
+        .map(|i| (format!("e{i}"), format!("c{}", i % 3), 1))
+        .collect();
+    for recording in ledger.record_many(events).await {
+        assert_outcome(&recording, "recorded");
+    }
+    let fold = fold_of(&store, "views", 5000);
+    {
+        // The fold's first update is the claim's first chunk; the second
+        // chunk is refused (a command error: not retried).
+        let _refused = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "skip": 1, "times": 1 }),
+            doc! { "failCommands": ["update"], "errorCode": 2 },
+        )
+        .await;
+        let failed = fold
+            .fold(SystemTime::now(), &CancellationToken::new())
+            .await;
+        assert!(
+            failed.is_err(),
+            "the claim's second chunk was refused: {failed:?}"
+        );
+    }
+    let claimed = client
+        .collection("views_events")
+        .count_documents(doc! { "c": { "$exists": true } })
+        .await
+        .unwrap();
+    assert_eq!(claimed, 100, "the first chunk alone landed");
+    for c in 0..3 {
+        let n = if c == 0 { 84 } else { 83 };
+        assert_eq!(ledger.value(format!("c{c}")).await.unwrap().value, n);
+    }
+    let run = fold_all(&fold).await;
+    assert_eq!(run.recovered, 1, "{run:?}");
+    assert_eq!(run.events_folded, 250, "{run:?}");
+    assert_eq!(unfolded(&store, "views_events").await, 0);
+    let intents = client
+        .collection("views_events_batches")
+        .count_documents(doc! {})
+        .await
+        .unwrap();
+    assert_eq!(intents, 0, "no intent left");
+    for c in 0..3 {
+        let n = if c == 0 { 84 } else { 83 };
+        assert_eq!(
+            counter(&client.collection("views"), format!("c{c}").as_str()).await,
+            n,
+            "c{c}: 0 lost, 0 doubled"
+        );
+    }
+}
