@@ -46,7 +46,7 @@ pub use read::ExactValue;
 
 use super::counter::CollectionConfig;
 use crate::document::{Inserted, insert_if_absent, integer_value, same_key};
-use crate::error::{Effect, Error, Failure, Next, RetryBudget, code};
+use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
 use crate::store::Store;
 
 /// The event document's fields, shared with the fold.
@@ -230,9 +230,19 @@ impl Ledger {
         mut sending: Vec<usize>,
     ) -> Vec<(usize, Recording)> {
         let mut settled = Vec::new();
+        let driver_retries = match self.store.driver_retries_writes().await {
+            Ok(retries) => retries,
+            // Nothing was sent.
+            Err(cause) => {
+                return sending
+                    .into_iter()
+                    .map(|i| (i, not_recorded(&events[i], cause.clone())))
+                    .collect();
+            }
+        };
         let mut maybe_applied = vec![false; events.len()];
         let mut existing = Vec::new();
-        let mut budget = RetryBudget::retry_once("ledger.record_many", false);
+        let mut budget = RetryBudget::retry_once("ledger.record_many", driver_retries);
         while !sending.is_empty() {
             let documents: Vec<Document> = sending
                 .iter()
@@ -265,11 +275,16 @@ impl Ledger {
                     }
                 }
                 let unconfirmed = many.write_concern_error.is_some();
+                // Where the driver retries writes, these may be its retry's
+                // answers while the first attempt, held up in the network,
+                // still lands: a refusal then proves nothing
+                // (`Facts::write_effect`).
+                let refusal_proves = !driver_retries || Facts::of(&err).no_writes_label;
                 let mut again = Vec::new();
                 for (slot, &i) in failed.into_iter().zip(&sending) {
                     match slot {
                         Some(code) if code::DUPLICATE_KEY_CODES.contains(&code) => existing.push(i),
-                        Some(_) if maybe_applied[i] => {
+                        Some(_) if maybe_applied[i] || !refusal_proves => {
                             settled.push((i, unknown_of(&events[i], cause())))
                         }
                         Some(_) => settled.push((i, not_recorded(&events[i], cause()))),
@@ -298,7 +313,7 @@ impl Ledger {
                     }
                 }
             }
-            let effect = Effect::of(&err);
+            let effect = Facts::of(&err).write_effect(driver_retries);
             match budget.after_failure(err.clone()) {
                 Next::Retry => {
                     if effect != Effect::NotApplied {
