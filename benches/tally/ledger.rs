@@ -30,7 +30,7 @@ const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 pub async fn run(settings: &Settings) {
     let events = events();
-    let (_server, store, db) = connect().await;
+    let (_server, store, db, uri) = connect().await;
     let plain: Collection<Document> = db.collection("plain");
     let ledger = Arc::new(Ledger::new(&store, CollectionConfig::new("recorded")));
     ledger.create_indexes(RETENTION).await.expect("indexes");
@@ -109,31 +109,36 @@ pub async fn run(settings: &Settings) {
         bare_run.per_second() * MANY as f64 / plain_run.per_second()
     );
 
-    folds(&store, &db, events, plain_run.per_second(), settings).await;
+    folds(&store, &db, &uri, events, plain_run.per_second(), settings).await;
 }
 
 /// The fold part alone (`ledger-fold`): the folds, peak RSS and the lag,
 /// the lag's rate taken from one writer's plain `$inc` measured here.
 pub async fn run_fold(settings: &Settings) {
     let events = events();
-    let (_server, store, db) = connect().await;
+    let (_server, store, db, uri) = connect().await;
     let plain: Collection<Document> = db.collection("plain");
     let capacity = run_plain(&plain, 1, settings.run, KEYS, 1)
         .await
         .per_second();
-    folds(&store, &db, events, capacity, settings).await;
+    folds(&store, &db, &uri, events, capacity, settings).await;
 }
 
 /// A fresh benchmark database (on a server started for the run unless
 /// `TALLY_BENCH_MONGODB_URI` names one; the guard keeps it alive).
-async fn connect() -> (Option<crate::server::TestServer>, Store, mongodb::Database) {
+async fn connect() -> (
+    Option<crate::server::TestServer>,
+    Store,
+    mongodb::Database,
+    String,
+) {
     let (uri, server) = server();
     let options = bench_options(&uri).await;
     let client = Client::with_options(options.clone()).expect("client");
     let db = client.database("tally_bench_ledger");
     db.drop().await.expect("drop bench database");
     let store = Store::from_parts(client, &options, "tally_bench_ledger");
-    (server, store, db)
+    (server, store, db, uri)
 }
 
 /// N from `TALLY_BENCH_LEDGER_EVENTS` (default 100,000).
@@ -147,6 +152,7 @@ fn events() -> usize {
 async fn folds(
     store: &Store,
     db: &mongodb::Database,
+    uri: &str,
     events: usize,
     capacity: f64,
     settings: &Settings,
@@ -165,7 +171,72 @@ async fn folds(
             peak_rss_kib()
         );
     }
-    lag(store, capacity / 2.0, settings).await;
+    lag(store, capacity / 2.0, settings, Folder::Library).await;
+    for fold_delay in ["1s", "100ms"] {
+        lag(
+            store,
+            capacity / 2.0,
+            settings,
+            Folder::Daemon { uri, fold_delay },
+        )
+        .await;
+    }
+}
+
+/// What folds the events while the lag is measured.
+#[derive(Clone, Copy)]
+enum Folder<'a> {
+    /// The library's `EventFold` in a loop: a pass as soon as the last one
+    /// found work, else after 50 ms.
+    Library,
+    /// `tallyd run` with the ledger on: the change stream on the events
+    /// collection triggers a fold within `fold_delay`.
+    Daemon { uri: &'a str, fold_delay: &'a str },
+}
+
+/// `tallyd run` folding the ledger of `collection` in `database`; killed
+/// when dropped.
+struct Tallyd {
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Tallyd {
+    fn start(uri: &str, database: &str, collection: &str, fold_delay: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let http = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .to_string();
+        let config = dir.path().join("tallyd.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{database}\"\n\
+                 [[collections]]\nname = \"{collection}\"\nledger = true\n\
+                 [reconcile]\nfold_delay = \"{fold_delay}\"\n\
+                 [schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
+                 [http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n"
+            ),
+        )
+        .expect("config");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+            .arg("--config")
+            .arg(&config)
+            .arg("run")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start tallyd");
+        Self { child, _dir: dir }
+    }
+}
+
+impl Drop for Tallyd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn print_row(label: &str, writers: usize, run: &Run, per_op: usize) {
@@ -340,31 +411,59 @@ fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// One recorder at `rate` events/s on one counter, a fold looping with no
-/// pause while it finds work (50 ms when it finds none), a poller reading
-/// the counter every 5 ms: each event's lag is from its acknowledgement
-/// to the first poll that sees the counter include it.
-async fn lag(store: &Store, rate: f64, settings: &Settings) {
-    let ledger = Arc::new(Ledger::new(store, CollectionConfig::new("lag")));
+/// One recorder at `rate` events/s on one counter, the events folded by
+/// `folder`, a poller reading the counter every 5 ms: each event's lag is
+/// from its acknowledgement to the first poll that sees the counter
+/// include it.
+async fn lag(store: &Store, rate: f64, settings: &Settings, folder: Folder<'_>) {
+    let name = match folder {
+        Folder::Library => "lag".to_owned(),
+        Folder::Daemon { fold_delay, .. } => format!("lag_daemon_{}", fold_delay),
+    };
+    let ledger = Arc::new(Ledger::new(store, CollectionConfig::new(&name)));
     ledger.create_indexes(RETENTION).await.expect("indexes");
     let stop = CancellationToken::new();
-    let fold = Arc::new(EventFold::new(
-        store,
-        CollectionConfig::new("lag"),
-        EventFoldSettings::default(),
-    ));
-    let folder = {
-        let (fold, stop) = (fold.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.is_cancelled() {
-                let run = fold.fold(SystemTime::now(), &stop).await;
-                if !matches!(run, Ok(ref r) if r.events_folded > 0) {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+    let coll: Collection<Document> = store.collection(&name);
+    let (folder_task, _daemon, label) = match folder {
+        Folder::Library => {
+            let fold = Arc::new(EventFold::new(
+                store,
+                CollectionConfig::new(&name),
+                EventFoldSettings::default(),
+            ));
+            let stop = stop.clone();
+            let task = tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    let run = fold.fold(SystemTime::now(), &stop).await;
+                    if !matches!(run, Ok(ref r) if r.events_folded > 0) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 }
+            });
+            (Some(task), None, "the library's fold in a loop".to_owned())
+        }
+        Folder::Daemon { uri, fold_delay } => {
+            let daemon = Tallyd::start(uri, "tally_bench_ledger", &name, fold_delay);
+            // Until it folds: one event through before the clock starts.
+            match ledger.record(format!("{name}_warm"), "warm", 1).await {
+                Recording::Recorded(_) => {}
+                other => panic!("lag warm-up record: {other:?}"),
             }
-        })
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while value_of(&coll, "warm").await < 1 {
+                assert!(
+                    Instant::now() < deadline,
+                    "tallyd never folded the warm-up event"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (
+                None,
+                Some(daemon),
+                format!("tallyd run, fold_delay {fold_delay}"),
+            )
+        }
     };
-    let coll: Collection<Document> = store.collection("lag");
     let poller = {
         let (coll, stop) = (coll.clone(), stop.clone());
         tokio::spawn(async move {
@@ -384,7 +483,7 @@ async fn lag(store: &Store, rate: f64, settings: &Settings) {
     for i in 0..total {
         let due = started + interval * i as u32;
         tokio::time::sleep_until(due.into()).await;
-        match ledger.record(format!("lag{i}"), "hot", 1).await {
+        match ledger.record(format!("{name}{i}"), "hot", 1).await {
             Recording::Recorded(_) => acked.push(Instant::now()),
             other => panic!("lag record: {other:?}"),
         }
@@ -399,7 +498,9 @@ async fn lag(store: &Store, rate: f64, settings: &Settings) {
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
     stop.cancel();
-    let _ = folder.await;
+    if let Some(task) = folder_task {
+        let _ = task.await;
+    }
     let seen = poller.await.expect("poller");
     let mut lags: Vec<Duration> = acked
         .iter()
@@ -417,7 +518,7 @@ async fn lag(store: &Store, rate: f64, settings: &Settings) {
     }
     let p = |q: f64| lags[((q / 100.0) * (lags.len() - 1) as f64).round() as usize];
     println!(
-        "lag record -> counter, continuous fold, {total} events at {rate:.0}/s (half of one \
+        "lag record -> counter, {label}, {total} events at {rate:.0}/s (half of one \
          writer's plain $inc rate): median {:.1} ms, p99 {:.1} ms",
         ms(p(50.0)),
         ms(p(99.0))
@@ -426,7 +527,12 @@ async fn lag(store: &Store, rate: f64, settings: &Settings) {
 
 /// The hot counter's value (0 before it exists).
 async fn hot_value(coll: &Collection<Document>) -> i64 {
-    coll.find_one(doc! { "_id": "hot" })
+    value_of(coll, "hot").await
+}
+
+/// Counter `key`'s value (0 before it exists).
+async fn value_of(coll: &Collection<Document>, key: &str) -> i64 {
+    coll.find_one(doc! { "_id": key })
         .await
         .ok()
         .flatten()
