@@ -126,6 +126,8 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
             ("recorded recorded recorded", 2, 2)
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
+        // With retryable writes on this should be `unknown`, as `record`
+        // says: see the ignored test below.
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The intent: an insert retried once; a duplicate key on the retry
         // is our own first attempt. A refused intent stops the pass before
@@ -457,4 +459,57 @@ async fn every_fault_at_every_ledger_write_and_fold_step_with_retryable_writes_o
         .await
         .run_matrix()
         .await;
+}
+
+/// With retryable writes on, the driver answers for its own retry: the
+/// first `insert` is held up in the network (the client sees its
+/// connection close), the driver retries, and the server refuses the retry
+/// with a command error that is not retried. The held first insert lands
+/// afterwards: no recording may say `not_recorded`. `record` says
+/// `unknown`; `record_many` says `not_recorded` for events that land and
+/// are folded into their counters (its retry budget and its effect ignore
+/// that the driver retries: `src/write/ledger.rs`, `insert_many`), a
+/// defect left to the library's owner.
+#[tokio::test]
+#[ignore = "fails: Ledger::record_many says not_recorded for inserts that land (reported)"]
+async fn a_driver_retry_refused_after_its_held_first_insert_is_unknown_never_not_recorded() {
+    use crate::common::proxy::{Action, Release};
+    let rig = LedgerRig::new("ledger_driver_retry_refused", true).await;
+    for many in [false, true] {
+        let name = if many { "many" } else { "one" };
+        let events = format!("{name}_events");
+        let direct = Ledger::new(&rig.rig.direct.store(), CollectionConfig::new(name));
+        direct.create_indexes(RETENTION).await.unwrap();
+        let rules = [
+            rig.rig.proxy.rule(
+                Rule::command("insert")
+                    .collection(&events)
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            rig.rig.proxy.rule(
+                Rule::command("insert")
+                    .collection(&events)
+                    .nth(2)
+                    .then(Action::error(2, "BadValue", &[])),
+            ),
+        ];
+        let ledger = Ledger::new(&rig.rig.store, CollectionConfig::new(name));
+        let recordings = if many {
+            ledger.record_many(EVENTS).await
+        } else {
+            vec![ledger.record("e1", "a", 1).await]
+        };
+        drop(rules);
+        let log = settled_log(&rig.rig.proxy, &events).await;
+        let landed = landed_events(&log);
+        let told: Vec<&str> = recordings.iter().map(Recording::name).collect();
+        eprintln!("{name}: told {told:?}, landed {landed:?}");
+        for recording in &recordings {
+            assert!(
+                !(recording.name() == "not_recorded" && landed.contains(recording.event().key())),
+                "{name}: told {recording:?}, but its held first insert landed"
+            );
+        }
+    }
 }
