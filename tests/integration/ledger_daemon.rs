@@ -1,13 +1,9 @@
 //! The events ledger through the `tallyd` binary: `setup`, `record`, `get`
 //! and `status` as a user runs them, the daemon's continuous fold (within
 //! `fold_delay` of new events, with no schedule and no scan to help), its
-//! refusal to fold a ledger without indexes, and the soak: recorders
-//! sending events twice while the daemon is killed with -9 again and
-//! again.
-//!
-//! The oracle is the set of distinct event keys recorded.
+//! refusal to fold a ledger without indexes. The soak, with the daemon
+//! killed with -9 again and again, is in `ledger_soak`.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use mongodb::bson::doc;
@@ -19,7 +15,7 @@ use crate::common::{TestContext, counter, wait_until};
 
 /// A config with the ledger of `views` on, no fold on the schedule and no
 /// periodic scan within the test's time: only the change stream folds.
-fn config(ctx: &TestContext, extra: &str) -> String {
+pub(crate) fn config(ctx: &TestContext, extra: &str) -> String {
     ctx.config_toml(
         false,
         &format!(
@@ -211,145 +207,4 @@ async fn the_daemon_refuses_a_ledger_without_indexes_and_alerts() {
         .await;
     assert!(daemon.log().contains("tallyd setup"), "{}", daemon.log());
     assert_eq!(counter(&client.collection("views"), "home").await, 0);
-}
-
-/// 8 recorder processes' worth of writers (tasks with their own clients),
-/// 20% of events sent twice — some repeats by another recorder, some
-/// several fold cycles later — while the daemon folds continuously and is
-/// killed with -9 at random moments 20 times. Every exact read during the
-/// run lies between the acknowledged and the attempted distinct events;
-/// after a final fold every counter equals its distinct events, and no
-/// event is left unfolded.
-#[tokio::test]
-async fn soak_recorders_sending_twice_while_the_daemon_is_killed_20_times() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicI64, Ordering};
-
-    const RECORDERS: usize = 8;
-    const EVENTS: usize = 250;
-    const COUNTERS: usize = 5;
-    let ctx = TestContext::new("ledger_soak").await;
-    let admin = ctx.client(false).await;
-    let ledger = Ledger::new(&admin.store(), CollectionConfig::new("views"));
-    ledger
-        .create_indexes(Duration::from_secs(3600))
-        .await
-        .unwrap();
-    let daemon_config = config(&ctx, "");
-    let mut daemon = Tallyd::start(&daemon_config, &[("RUST_LOG", "info")]);
-    // Per counter: distinct events acknowledged, and attempted.
-    let acknowledged: Arc<Vec<AtomicI64>> =
-        Arc::new((0..COUNTERS).map(|_| AtomicI64::new(0)).collect());
-    let attempted: Arc<Vec<AtomicI64>> =
-        Arc::new((0..COUNTERS).map(|_| AtomicI64::new(0)).collect());
-    let mut recorders = Vec::new();
-    for r in 0..RECORDERS {
-        let client = ctx.client(false).await;
-        let (acknowledged, attempted) = (acknowledged.clone(), attempted.clone());
-        recorders.push(tokio::spawn(async move {
-            let ledger = Ledger::new(&client.store(), CollectionConfig::new("views"));
-            let mut later = Vec::new();
-            for i in 0..EVENTS {
-                let c = (r + i) % COUNTERS;
-                let key = format!("r{r}e{i}");
-                attempted[c].fetch_add(1, Ordering::SeqCst);
-                let recording = ledger.record(key.as_str(), format!("c{c}"), 1).await;
-                assert_eq!(recording.name(), "recorded", "{recording:?}");
-                acknowledged[c].fetch_add(1, Ordering::SeqCst);
-                match i % 10 {
-                    // A repeat by this recorder at once.
-                    0 => {
-                        let again = ledger.record(key.as_str(), format!("c{c}"), 1).await;
-                        assert_eq!(again.name(), "duplicate", "{again:?}");
-                    }
-                    // A repeat later (several fold cycles).
-                    5 => later.push((key, c)),
-                    _ => {}
-                }
-                // Another recorder's events sent again by this one.
-                if i % 10 == 3 && i >= 20 {
-                    let other = (r + 1) % RECORDERS;
-                    let j = i - 20;
-                    let key = format!("r{other}e{j}");
-                    let c = (other + j) % COUNTERS;
-                    let again = ledger.record(key.as_str(), format!("c{c}"), 1).await;
-                    assert!(again.is_counted(), "{again:?}");
-                }
-                tokio::time::sleep(Duration::from_millis(fastrand::u64(40..120))).await;
-            }
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            for (key, c) in later {
-                let again = ledger.record(key.as_str(), format!("c{c}"), 1).await;
-                assert_eq!(again.name(), "duplicate", "{again:?}");
-            }
-        }));
-    }
-    let reading = tokio_util::sync::CancellationToken::new();
-    let reads = {
-        let (ledger, acknowledged, attempted, reading) = (
-            ledger.clone(),
-            acknowledged.clone(),
-            attempted.clone(),
-            reading.clone(),
-        );
-        tokio::spawn(async move {
-            let mut reads = 0u64;
-            loop {
-                for c in 0..COUNTERS {
-                    let low = acknowledged[c].load(Ordering::SeqCst);
-                    let value = ledger.value(format!("c{c}")).await.unwrap().value;
-                    let high = attempted[c].load(Ordering::SeqCst);
-                    assert!(
-                        low <= value && value <= high,
-                        "c{c}: {value} outside [{low}, {high}]"
-                    );
-                    reads += 1;
-                }
-                if reading.is_cancelled() {
-                    return reads;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    for kill in 0..20 {
-        tokio::time::sleep(Duration::from_millis(fastrand::u64(800..3000))).await;
-        daemon.kill();
-        eprintln!("kill {kill}");
-        daemon = Tallyd::start(&daemon_config, &[("RUST_LOG", "info")]);
-    }
-    for recorder in recorders {
-        recorder.await.unwrap();
-    }
-    reading.cancel();
-    let reads = reads.await.unwrap();
-    eprintln!("{reads} exact reads during the run");
-    assert!(reads > 100, "only {reads} exact reads");
-    let expected: BTreeMap<usize, i64> = (0..COUNTERS)
-        .map(|c| (c, acknowledged[c].load(Ordering::SeqCst)))
-        .collect();
-    assert_eq!(expected.values().sum::<i64>(), (RECORDERS * EVENTS) as i64);
-    let views = admin.collection("views");
-    let events = admin.collection("views_events");
-    wait_until(
-        "the daemon folded every event",
-        Duration::from_secs(60),
-        || async {
-            events
-                .count_documents(doc! { "f": { "$exists": false } })
-                .await
-                .unwrap()
-                == 0
-        },
-    )
-    .await;
-    for (c, n) in &expected {
-        assert_eq!(
-            counter(&views, format!("c{c}").as_str()).await,
-            *n,
-            "c{c}: 0 lost, 0 doubled"
-        );
-        assert_eq!(ledger.value(format!("c{c}")).await.unwrap().value, *n);
-    }
-    daemon.terminate();
 }

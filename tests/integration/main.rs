@@ -17,6 +17,7 @@ mod layout;
 mod ledger;
 mod ledger_daemon;
 mod ledger_review;
+mod ledger_soak;
 mod packaging;
 mod proxy;
 mod pruning;
