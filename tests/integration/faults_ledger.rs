@@ -126,8 +126,7 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
             ("recorded recorded recorded", 2, 2)
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
-        // With retryable writes on this should be `unknown`, as `record`
-        // says: see the ignored test below.
+        (RecordMany, CommandError) if driver_retries => ("unknown unknown unknown", 1, 0),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The intent: an insert retried once; a duplicate key on the retry
         // is our own first attempt. A refused intent stops the pass before
@@ -465,13 +464,11 @@ async fn every_fault_at_every_ledger_write_and_fold_step_with_retryable_writes_o
 /// first `insert` is held up in the network (the client sees its
 /// connection close), the driver retries, and the server refuses the retry
 /// with a command error that is not retried. The held first insert lands
-/// afterwards: no recording may say `not_recorded`. `record` says
-/// `unknown`; `record_many` says `not_recorded` for events that land and
-/// are folded into their counters (its retry budget and its effect ignore
-/// that the driver retries: `src/write/ledger.rs`, `insert_many`), a
-/// defect left to the library's owner.
+/// afterwards: no recording may say `not_recorded`; `record` and
+/// `record_many` say `unknown` (`record_many` said `not_recorded` for
+/// events that then landed and were counted, until its retry budget and
+/// effect took the driver's retries into account).
 #[tokio::test]
-#[ignore = "fails: Ledger::record_many says not_recorded for inserts that land (reported)"]
 async fn a_driver_retry_refused_after_its_held_first_insert_is_unknown_never_not_recorded() {
     use crate::common::proxy::{Action, Release};
     let rig = LedgerRig::new("ledger_driver_retry_refused", true).await;
