@@ -1578,14 +1578,21 @@ async fn a_fold_never_turns_an_int64_counter_into_a_double_when_a_step_2_moved_i
         .await
         .unwrap();
     let now = server_now(&client).await;
-    let (fail, fold) =
-        fold_held_on_the_server(&ctx, &client, now, Duration::from_millis(1500)).await;
+    // The writer (another process, not held by the fail point) connects
+    // before the hold starts: its increment must fit in the hold.
+    let (_, writer) = rival_views(&ctx).await;
+    let (fail, fold) = fold_held_on_the_server(&ctx, &client, now, Duration::from_secs(5)).await;
     // A writer's increment lands meanwhile and takes the counter near the
     // int64 limit: `counter + big` no longer fits.
-    let (_, writer) = rival_views(&ctx).await;
     let near = i64::MAX - 5;
     let outcome = writer.increment("k", near).await;
     assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+    // The race this test is about needs the fold's update still held here;
+    // on a loaded machine the hold could run out first.
+    assert!(
+        !fold.is_finished(),
+        "the test's precondition: the fold's update is still held on the server"
+    );
 
     let run = fold.await.unwrap();
     drop(fail);
