@@ -45,12 +45,12 @@
 //! anything ([`claimed_lanes`] names the lanes unfinished claims still
 //! need, for a prune to keep).
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant, SystemTime};
 
 mod intent;
 mod query;
 mod reconciler;
+mod state;
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::Collection;
@@ -68,6 +68,7 @@ use query::aggregate_all;
 pub(crate) use query::backlog;
 pub use query::claimed_lanes;
 pub(crate) use reconciler::Folds;
+use state::{FoldState, Unapplied};
 
 /// How many counters a batch's apply writes at once.
 const APPLY_CONCURRENCY: usize = 16;
@@ -165,49 +166,6 @@ pub struct Backlog {
     pub events: u64,
     /// The oldest unfolded event's age (by its `at` against `now`).
     pub oldest_age: Option<Duration>,
-}
-
-/// The fold lane and what this fold gave up on.
-#[derive(Debug, Default)]
-struct FoldState {
-    /// The current lane and its next number; none until the first claim,
-    /// and after the lane was retired.
-    lane: Option<(ObjectId, i64)>,
-    /// Batches whose claim was confirmed but which this fold could not
-    /// finish: the next pass recovers them at once.
-    abandoned: HashSet<ObjectId>,
-}
-
-/// A claimed batch not confirmed applied yet: unless disarmed, dropping it
-/// retires the fold lane and leaves the batch to the next pass's recovery.
-struct Unapplied<'a> {
-    state: &'a mut FoldState,
-    batch: ObjectId,
-    armed: bool,
-}
-
-impl<'a> Unapplied<'a> {
-    fn arm(state: &'a mut FoldState, batch: ObjectId) -> Self {
-        Self {
-            state,
-            batch,
-            armed: true,
-        }
-    }
-
-    /// The batch is applied on every counter it touches: the lane goes on.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for Unapplied<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.state.lane = None;
-            self.state.abandoned.insert(self.batch);
-        }
-    }
 }
 
 /// Folds one ledger's events into its counters. One pass at a time (a
