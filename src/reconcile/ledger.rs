@@ -40,10 +40,24 @@
 //! **Pruning.** The lane entries the fold leaves in counter documents are
 //! those of a minted lane: the daemon prunes them once the lane is older
 //! than `lane_ttl`. A batch recovered after its lane's entry was pruned
-//! would count twice, so every fold pass recovers first, and the
-//! reconcile run of a collection folds its events before it prunes
-//! anything ([`claimed_lanes`] names the lanes unfinished claims still
-//! need, for a prune to keep).
+//! would count twice, so no prune removes the entries of a lane an
+//! unfinished batch was claimed with. Every reconcile run — and the
+//! daemon's repair of stuck tokens, which folds documents without a ledger
+//! pass — first reads [`claimed_lanes`] of the collection's events
+//! collection (the configured one; `<name>_events` when the configuration
+//! names no ledger, as another host's may fold it) and keeps those lanes;
+//! when that read fails it prunes no lane at all. A run of a configured
+//! ledger folds its events before (recovery first), so what it keeps is
+//! what another fold is still working on.
+//!
+//! The read comes before the documents are read: a batch claimed after it
+//! is not kept. Only a fold's current lane takes new claims, younger than
+//! `lane_rotate` by the folding host's clock, which must be shorter than
+//! the pruning `lane_ttl` by more than that clock's lag behind the
+//! server's; recovery applies an old lane only to a batch whose intent or
+//! claims exist already, which the read sees. As for writers' lanes, an
+//! update held up in the network for longer than `lane_ttl − lane_rotate`
+//! could land after its entry was pruned.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -84,7 +98,9 @@ pub struct EventFoldSettings {
     /// than a batch takes.
     pub claim_timeout: Duration,
     /// The fold lane is replaced by a fresh one once older than this, as a
-    /// writer's lanes are (`lane_rotate`). Default: 1 hour.
+    /// writer's lanes are (`lane_rotate`). Must be shorter than the
+    /// `lane_ttl` of every prune of these counters (see the module docs,
+    /// "Pruning"), as the daemon's configuration checks. Default: 1 hour.
     pub lane_rotate: Duration,
     /// The dedupe window: a folded event is forgotten this long after it
     /// was folded (the TTL index's period). Default: 7 days.
