@@ -78,6 +78,8 @@ use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::{LaneId, LaneIncrement};
 use crate::write::ledger::{field, index};
+#[cfg(feature = "daemon")]
+pub(crate) use intent::collection_name as intents_collection_name;
 use query::aggregate_all;
 pub(crate) use query::backlog;
 pub use query::claimed_lanes;
