@@ -7,7 +7,8 @@
 //! however often and by however many daemons it runs. It also prunes the
 //! markers settles leave (`settled`) once they are older than the grace,
 //! the entries of minted writer lanes older than `lane_ttl` (DESIGN §3b;
-//! named lanes stay), and removes fields left empty.
+//! named lanes stay, and so do the lanes unfinished ledger batches need:
+//! [`ledger`]'s "Pruning"), and removes fields left empty.
 //!
 //! # How
 //!
@@ -72,7 +73,7 @@ use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::token::Token;
 use crate::write::counter::{CollectionConfig, WriterConfig};
-use model::Cutoffs;
+use model::{Cutoffs, Lines};
 use report::ReportRow;
 use statement::{Read, Statement};
 
@@ -183,14 +184,11 @@ impl Reconciler {
     /// lane counts as expired here (a run reports those).
     pub async fn survey(&self, target: &FoldTarget, cutoff: SystemTime) -> Result<Survey, Error> {
         let mut survey = Survey::default();
-        let cutoffs = Cutoffs {
-            tokens: Token::cutoff(cutoff),
-            lanes: Token::cutoff(SystemTime::UNIX_EPOCH),
-        };
+        let lines = Lines::from(no_lane_expires(Token::cutoff(cutoff)));
         let mut rows = self.report(target).await?;
         while let Some(row) = rows.try_next().await.map_err(report_failed)? {
             let read = Read::of(&row, &target.spec);
-            survey.add(&ReportRow::of(&read, cutoffs));
+            survey.add(&ReportRow::of(&read, &lines));
         }
         Ok(survey)
     }
@@ -213,22 +211,37 @@ impl Reconciler {
         let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
         // The ledger first: a batch a crashed fold left must be finished
         // before anything prunes its lane's entries; if it cannot be, the
-        // run prunes nothing.
+        // run prunes nothing. What is left unfinished (another host's
+        // batch, or a ledger this configuration does not name) keeps its
+        // lanes; when they cannot be read, no lane expires.
         let folded = self.fold_ledger(target, mode, now, stop, &mut run).await;
         if let Err(err) = folded {
             tracing::error!(collection = %target.spec.name, cause = %err, "folding the ledger failed");
             run.error = Some(err);
-        } else if let Err(err) = self
-            .fold_all(target, mode, cutoffs, stop, progress, &mut run)
-            .await
-        {
-            tracing::error!(
-                collection = %target.spec.name,
-                cause = %err,
-                folded = run.documents_folded,
-                "reconcile failed"
-            );
-            run.error = Some(err);
+        } else {
+            let (lines, unread) = match self.lines(&target.spec, cutoffs).await {
+                Ok(lines) => (lines, None),
+                Err(err) => {
+                    tracing::error!(
+                        collection = %target.spec.name,
+                        cause = %err,
+                        "cannot read the lanes unfinished ledger batches need; no lane is pruned"
+                    );
+                    (Lines::from(no_lane_expires(cutoffs.tokens)), Some(err))
+                }
+            };
+            let folded = self.fold_all(target, mode, &lines, stop, progress, &mut run);
+            if let Err(err) = folded.await {
+                tracing::error!(
+                    collection = %target.spec.name,
+                    cause = %err,
+                    folded = run.documents_folded,
+                    "reconcile failed"
+                );
+                run.error = Some(err);
+            } else {
+                run.error = unread;
+            }
         }
         run.oldest_stale_age_seconds = run
             .survey
@@ -243,7 +256,7 @@ impl Reconciler {
         &self,
         target: &FoldTarget,
         mode: Mode,
-        cutoffs: Cutoffs,
+        lines: &Lines,
         stop: &CancellationToken,
         progress: &mut (dyn FnMut(Progress) + Send),
         run: &mut CollectionRun,
@@ -254,7 +267,7 @@ impl Reconciler {
         loop {
             let row = rows.try_next().await.map_err(report_failed)?;
             let finished = row.is_none();
-            let work = row.and_then(|row| plan_row(target, &row, cutoffs, mode, run));
+            let work = row.and_then(|row| plan_row(target, &row, lines, mode, run));
             let full = work
                 .as_ref()
                 .is_some_and(|w| batch.is_full(w, target.batch_size));
@@ -266,7 +279,7 @@ impl Reconciler {
                 }
                 let documents = std::mem::take(&mut batch).documents;
                 match mode {
-                    Mode::Fold => self.fold_batch(target, cutoffs, documents, run).await?,
+                    Mode::Fold => self.fold_batch(target, lines, documents, run).await?,
                     Mode::DryRun => {
                         run.documents_folded += documents.len() as u64;
                         run.account(documents.iter().map(|w| &w.plan));
@@ -294,10 +307,11 @@ impl Reconciler {
     }
 
     /// Folds the documents `ids` now (tokens older than `now − grace`,
-    /// lanes older than `now − lane_ttl`), whatever a report said about
-    /// them before: each is read and planned afresh, then folded as a run
-    /// folds. Returns how many documents changed. Used by the daemon to
-    /// repair stuck tokens at once.
+    /// lanes older than `now − lane_ttl` that no unfinished ledger batch
+    /// needs), whatever a report said about them before: each is read and
+    /// planned afresh, then folded as a run folds. Returns how many
+    /// documents changed. Used by the daemon to repair stuck tokens at
+    /// once, without a ledger pass first.
     pub async fn fold_documents(
         &self,
         target: &FoldTarget,
@@ -305,11 +319,12 @@ impl Reconciler {
         now: SystemTime,
     ) -> Result<u64, Error> {
         let (cutoffs, cutoff_time) = self.cutoffs(target, now);
+        let lines = self.lines(&target.spec, cutoffs).await?;
         let mut run = CollectionRun::new(&target.spec.name, Mode::Fold, cutoff_time);
         let mut documents = Vec::new();
         for document in self.read_documents(target, ids).await? {
             let read = Read::of(&document, &target.spec);
-            match read.plan(cutoffs) {
+            match read.plan(&lines) {
                 Ok(plan) if plan.has_work() => {
                     documents.push(Work::new(target, &read, plan, Mode::Fold));
                 }
@@ -317,8 +332,7 @@ impl Reconciler {
                 Err(reason) => log_malformed(&target.spec.name, read.id, &reason, 0),
             }
         }
-        self.fold_batch(target, cutoffs, documents, &mut run)
-            .await?;
+        self.fold_batch(target, &lines, documents, &mut run).await?;
         Ok(run.documents_folded)
     }
 
@@ -330,7 +344,7 @@ impl Reconciler {
     async fn fold_batch(
         &self,
         target: &FoldTarget,
-        cutoffs: Cutoffs,
+        lines: &Lines,
         mut documents: Vec<Work>,
         run: &mut CollectionRun,
     ) -> Result<(), Error> {
@@ -400,7 +414,7 @@ impl Reconciler {
                     continue;
                 };
                 let read = Read::of(&document, &target.spec);
-                match read.plan(cutoffs) {
+                match read.plan(lines) {
                     Ok(plan) if plan.has_work() => {
                         documents.push(Work::new(target, &read, plan, Mode::Fold));
                     }
@@ -485,12 +499,12 @@ impl Reconciler {
 fn plan_row(
     target: &FoldTarget,
     row: &Document,
-    cutoffs: Cutoffs,
+    lines: &Lines,
     mode: Mode,
     run: &mut CollectionRun,
 ) -> Option<Work> {
     let read = Read::of(row, &target.spec);
-    let report = ReportRow::of(&read, cutoffs);
+    let report = ReportRow::of(&read, lines);
     run.survey.add(&report);
     match report.plan {
         Err(reason) => {
@@ -500,6 +514,12 @@ fn plan_row(
         Ok(plan) if plan.has_work() => Some(Work::new(target, &read, plan, mode)),
         Ok(_) => None,
     }
+}
+
+/// Cutoffs at which no lane expires, tokens at `tokens`.
+fn no_lane_expires(tokens: mongodb::bson::oid::ObjectId) -> Cutoffs {
+    let lanes = Token::cutoff(SystemTime::UNIX_EPOCH);
+    Cutoffs { tokens, lanes }
 }
 
 /// How many times a batch is sent (and its documents read again in

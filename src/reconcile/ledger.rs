@@ -40,17 +40,31 @@
 //! **Pruning.** The lane entries the fold leaves in counter documents are
 //! those of a minted lane: the daemon prunes them once the lane is older
 //! than `lane_ttl`. A batch recovered after its lane's entry was pruned
-//! would count twice, so every fold pass recovers first, and the
-//! reconcile run of a collection folds its events before it prunes
-//! anything ([`claimed_lanes`] names the lanes unfinished claims still
-//! need, for a prune to keep).
+//! would count twice, so no prune removes the entries of a lane an
+//! unfinished batch was claimed with. Every reconcile run — and the
+//! daemon's repair of stuck tokens, which folds documents without a ledger
+//! pass — first reads [`claimed_lanes`] of the collection's events
+//! collection (the configured one; `<name>_events` when the configuration
+//! names no ledger, as another host's may fold it) and keeps those lanes;
+//! when that read fails it prunes no lane at all. A run of a configured
+//! ledger folds its events before (recovery first), so what it keeps is
+//! what another fold is still working on.
+//!
+//! The read comes before the documents are read: a batch claimed after it
+//! is not kept. Only a fold's current lane takes new claims, younger than
+//! `lane_rotate` by the folding host's clock, which must be shorter than
+//! the pruning `lane_ttl` by more than that clock's lag behind the
+//! server's; recovery applies an old lane only to a batch whose intent or
+//! claims exist already, which the read sees. As for writers' lanes, an
+//! update held up in the network for longer than `lane_ttl − lane_rotate`
+//! could land after its entry was pruned.
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant, SystemTime};
 
 mod intent;
 mod query;
 mod reconciler;
+mod state;
 
 use futures::{StreamExt, TryStreamExt};
 use mongodb::Collection;
@@ -64,10 +78,13 @@ use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::{LaneId, LaneIncrement};
 use crate::write::ledger::{field, index};
+#[cfg(feature = "daemon")]
+pub(crate) use intent::collection_name as intents_collection_name;
 use query::aggregate_all;
 pub(crate) use query::backlog;
 pub use query::claimed_lanes;
 pub(crate) use reconciler::Folds;
+use state::{FoldState, Unapplied};
 
 /// How many counters a batch's apply writes at once.
 const APPLY_CONCURRENCY: usize = 16;
@@ -87,7 +104,9 @@ pub struct EventFoldSettings {
     /// than a batch takes.
     pub claim_timeout: Duration,
     /// The fold lane is replaced by a fresh one once older than this, as a
-    /// writer's lanes are (`lane_rotate`). Default: 1 hour.
+    /// writer's lanes are (`lane_rotate`). Must be shorter than the
+    /// `lane_ttl` of every prune of these counters (see the module docs,
+    /// "Pruning"), as the daemon's configuration checks. Default: 1 hour.
     pub lane_rotate: Duration,
     /// The dedupe window: a folded event is forgotten this long after it
     /// was folded (the TTL index's period). Default: 7 days.
@@ -169,49 +188,6 @@ pub struct Backlog {
     pub events: u64,
     /// The oldest unfolded event's age (by its `at` against `now`).
     pub oldest_age: Option<Duration>,
-}
-
-/// The fold lane and what this fold gave up on.
-#[derive(Debug, Default)]
-struct FoldState {
-    /// The current lane and its next number; none until the first claim,
-    /// and after the lane was retired.
-    lane: Option<(ObjectId, i64)>,
-    /// Batches whose claim was confirmed but which this fold could not
-    /// finish: the next pass recovers them at once.
-    abandoned: HashSet<ObjectId>,
-}
-
-/// A claimed batch not confirmed applied yet: unless disarmed, dropping it
-/// retires the fold lane and leaves the batch to the next pass's recovery.
-struct Unapplied<'a> {
-    state: &'a mut FoldState,
-    batch: ObjectId,
-    armed: bool,
-}
-
-impl<'a> Unapplied<'a> {
-    fn arm(state: &'a mut FoldState, batch: ObjectId) -> Self {
-        Self {
-            state,
-            batch,
-            armed: true,
-        }
-    }
-
-    /// The batch is applied on every counter it touches: the lane goes on.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for Unapplied<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.state.lane = None;
-            self.state.abandoned.insert(self.batch);
-        }
-    }
 }
 
 /// Folds one ledger's events into its counters. One pass at a time (a

@@ -23,8 +23,9 @@
 //!    document with nothing to do is not written.
 //!
 //! 6. **Lanes expire.** Minted lane entries older than the lane cutoff are
-//!    pruned, named ones kept, an empty map removed ([`plan_lanes`]); the
-//!    same statement writes both.
+//!    pruned — unless an unfinished ledger batch needs the lane — named ones
+//!    kept, an empty map removed ([`plan_lanes`]); the same statement writes
+//!    both.
 //!
 //! A document the rules cannot judge is [`Malformed`] and never modified.
 
@@ -51,6 +52,24 @@ pub struct Cutoffs {
     /// Minted lanes whose id sorts below this are expired: the server's
     /// time minus `lane_ttl`.
     pub lanes: ObjectId,
+}
+
+/// The lines a run draws, and the fold lanes it keeps however old: those
+/// an unfinished batch of the collection's ledger was claimed with (rule 5
+/// of [`lanes`]'s pruning).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Lines {
+    pub(crate) cutoffs: Cutoffs,
+    pub(crate) needed: BTreeSet<ObjectId>,
+}
+
+impl From<Cutoffs> for Lines {
+    fn from(cutoffs: Cutoffs) -> Self {
+        Self {
+            cutoffs,
+            needed: BTreeSet::new(),
+        }
+    }
 }
 
 /// Why a document is not folded (and never modified).

@@ -198,15 +198,15 @@ pub(crate) struct ReportRow {
 }
 
 impl ReportRow {
-    /// The row of a document read as `read`, planned at `cutoffs`.
-    pub(super) fn of(read: &super::statement::Read<'_>, cutoffs: model::Cutoffs) -> Self {
+    /// The row of a document read as `read`, planned at `lines`.
+    pub(super) fn of(read: &super::statement::Read<'_>, lines: &model::Lines) -> Self {
         Self {
             id: read.id.clone(),
             size: match read.pending {
                 Some(Bson::Array(entries)) => entries.len() as u64,
                 _ => 0,
             },
-            plan: read.plan(cutoffs),
+            plan: read.plan(lines),
         }
     }
 }

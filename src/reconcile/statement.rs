@@ -49,7 +49,7 @@ use std::ops::Range;
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::model::{self, Cutoffs, FoldPlan, LanePlan, Malformed, StaleEntry};
+use super::model::{self, Cutoffs, FoldPlan, LanePlan, Lines, Malformed, StaleEntry};
 use crate::document::bson_type_name;
 use crate::token::{Entry, TOKEN_FIELD};
 use crate::write::counter::{CollectionConfig, exact_as_double, inc_operand, marker_path};
@@ -99,18 +99,14 @@ impl<'a> Read<'a> {
         }
     }
 
-    /// The model's plan for these fields at `cutoffs` — refused as an
+    /// The model's plan for these fields at `lines` — refused as an
     /// overflow, too, when the document is folded by several statements
     /// and one of them could not add its share exactly (only amounts near
     /// the edge of the counter's type can do that).
-    pub(crate) fn plan(&self, cutoffs: Cutoffs) -> Result<FoldPlan, Malformed> {
-        let plan = model::plan_document(
-            self.counter,
-            self.pending,
-            self.settled,
-            self.lanes,
-            cutoffs,
-        )?;
+    pub(crate) fn plan(&self, lines: &Lines) -> Result<FoldPlan, Malformed> {
+        let (counter, pending, settled) = (self.counter, self.pending, self.settled);
+        let mut plan = model::plan_document(counter, pending, settled, self.lanes, lines.cutoffs)?;
+        plan.lanes.keep(&lines.needed);
         if prefix_form(self, &plan) {
             pieces(self, &plan)?;
         }
@@ -124,14 +120,16 @@ impl<'a> Read<'a> {
 /// [`Token::cutoff`](crate::Token::cutoff) of the server's time minus the
 /// grace, and minus `lane_ttl`). Empty when there is nothing to fold; an
 /// error, and no statement, for a malformed document. For tools that fold
-/// documents their own way; the reconciler sends the same statements.
+/// documents their own way; the reconciler sends the same statements, less
+/// the entries of lanes an unfinished ledger batch still needs
+/// ([`claimed_lanes`](super::ledger::claimed_lanes)), which these prune too.
 pub fn statements(
     spec: &CollectionConfig,
     document: &Document,
     cutoffs: Cutoffs,
 ) -> Result<Vec<Document>, Malformed> {
     let read = Read::of(document, spec);
-    let plan = read.plan(cutoffs)?;
+    let plan = read.plan(&cutoffs.into())?;
     Ok(build(spec, &read, &plan)
         .into_iter()
         .map(|s| s.body)

@@ -752,8 +752,9 @@ async fn stuck_tokens_alert_through_the_webhook_and_are_repaired() {
 }
 
 /// The daemon runs as a user holding only the role the README names:
-/// find, update and changeStream on the counter collections; find,
-/// insert, update and remove on its state collection.
+/// find, update and changeStream on the counter collections; find on their
+/// events collections and batch intents; find, insert, update and remove
+/// on its state collection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_runs_with_the_least_privileged_role() {
     if external() {

@@ -11,7 +11,9 @@ use mongodb::bson::{Document, doc};
 use serde_json::Value;
 
 use crate::cli::{tallyd, write_config};
-use crate::common::server::{AuthServer, ServerOptions, TestServer, create_tallyd_role};
+use crate::common::server::{
+    AuthServer, ServerOptions, TestServer, create_role, create_tallyd_role,
+};
 use crate::common::tallyd::free_address;
 use crate::common::{TestContext, external, with_options};
 
@@ -266,6 +268,20 @@ async fn an_unreachable_server_fails_the_connection_check() {
     assert!(!printed.contains("S3cret-pw"), "{printed}");
 }
 
+/// A counter in `views`, and each `(user, role)` with the password
+/// `Pw-of-doctor`.
+async fn views_and_users(app: &mongodb::Database, users: &[(&str, &str)]) {
+    app.collection::<Document>("views")
+        .insert_one(doc! { "_id": "home", "counter": 0i64 })
+        .await
+        .unwrap();
+    for (user, role) in users {
+        app.run_command(doc! { "createUser": *user, "pwd": "Pw-of-doctor", "roles": [*role] })
+            .await
+            .unwrap();
+    }
+}
+
 /// On a server with authentication: a user holding exactly the README's
 /// smallest role passes the privilege check (the checks that need more —
 /// listing indexes, reading the oplog — say "unknown"); a user whose role
@@ -278,17 +294,9 @@ async fn the_least_privileged_role_passes_and_one_without_change_stream_fails() 
     let db = "t_doctor_privileges";
     let server = AuthServer::start(|client| async move {
         let app = client.database(db);
-        app.collection::<Document>("views")
-            .insert_one(doc! { "_id": "home", "counter": 0i64 })
-            .await
-            .unwrap();
         create_tallyd_role(&app, "tallyd", &["find", "update", "changeStream"]).await;
         create_tallyd_role(&app, "nochange", &["find", "update"]).await;
-        for (user, role) in [("tally", "tallyd"), ("partial", "nochange")] {
-            app.run_command(doc! { "createUser": user, "pwd": "Pw-of-doctor", "roles": [role] })
-                .await
-                .unwrap();
-        }
+        views_and_users(&app, &[("tally", "tallyd"), ("partial", "nochange")]).await;
     })
     .await;
     let uri = |user: &str| server.uri(user, "Pw-of-doctor", db);
@@ -324,4 +332,58 @@ async fn the_least_privileged_role_passes_and_one_without_change_stream_fails() 
     assert!(!message.contains("find on"), "{message}");
     assert_eq!(code, Some(1));
     assert!(!format!("{output:?}").contains("Pw-of-doctor"));
+}
+
+/// With a ledger configured, the privilege check covers its collections
+/// too: a role holding the README's ledger grants passes (and notes that
+/// `tallyd setup` needs createIndex); one without `update` on the events
+/// collection fails, naming the collection and the action, exit 1.
+#[tokio::test]
+async fn the_privilege_check_covers_the_ledgers_collections() {
+    if external() {
+        return; // starts its own server with authentication
+    }
+    let db = "t_doctor_ledger_privileges";
+    let server = AuthServer::start(|client| async move {
+        let app = client.database(db);
+        let counter: &[&str] = &["find", "update", "changeStream", "insert"];
+        let batches: &[&str] = &["find", "insert", "remove"];
+        for (role, events) in [
+            ("ledger", &["find", "update", "changeStream"][..]),
+            ("noupdate", &["find", "changeStream"][..]),
+        ] {
+            let grants = [
+                ("views", counter),
+                ("views_events", events),
+                ("views_events_batches", batches),
+            ];
+            create_role(&app, role, &grants).await;
+        }
+        views_and_users(&app, &[("ledger", "ledger"), ("noupdate", "noupdate")]).await;
+    })
+    .await;
+    let with_ledger = |user: &str| {
+        let uri = server.uri(user, "Pw-of-doctor", db);
+        config(&uri, db).replace("name = \"views\"\n", "name = \"views\"\nledger = true\n")
+    };
+
+    let (code, checks, output) = doctor(&with_ledger("noupdate"), &[]).await;
+    let (privileges, message) = verdict(&checks, "privileges");
+    assert_eq!(privileges, "fail", "{message}");
+    assert!(
+        message.contains("update on t_doctor_ledger_privileges.views_events ("),
+        "{message}"
+    );
+    assert_eq!(
+        message.matches(" on t_doctor_ledger_privileges.").count(),
+        1,
+        "{message}"
+    );
+    assert_eq!(code, Some(1));
+    assert!(!format!("{output:?}").contains("Pw-of-doctor"));
+
+    let (_, checks, _) = doctor(&with_ledger("ledger"), &[]).await;
+    let (privileges, message) = verdict(&checks, "privileges");
+    assert_eq!(privileges, "ok", "{message}");
+    assert!(message.contains("createIndex"), "{message}");
 }

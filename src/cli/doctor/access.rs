@@ -9,6 +9,7 @@ use mongodb::bson::{Bson, Document, doc};
 use super::{Check, Verdict, code, run_admin};
 use crate::config::Config;
 use crate::error::server_code;
+use crate::reconcile::ledger::intents_collection_name;
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
 use crate::write::ledger::Ledger;
@@ -176,31 +177,65 @@ struct Needed {
 /// README's smallest role, for this configuration.
 fn needed(config: &Config) -> Vec<Needed> {
     let mut needed = Vec::new();
+    let mut need = |collection: &str, action, why| {
+        needed.push(Needed {
+            collection: collection.to_owned(),
+            action,
+            why,
+        });
+    };
     for spec in &config.collections {
-        let mut need = |action, why| {
-            needed.push(Needed {
-                collection: spec.name.clone(),
-                action,
-                why,
-            });
-        };
-        need("find", "the fold, status and the monitor's scans read it");
-        need("update", "the fold writes to it");
+        let ledger = spec.events_collection.is_some();
+        let (name, events) = (spec.name.as_str(), spec.events_collection_name());
+        let intents = intents_collection_name(&events);
+        need(
+            name,
+            "find",
+            "the fold, status and the monitor's scans read it",
+        );
+        need(name, "update", "the fold writes to it");
         if config.monitor.enabled {
             need(
+                name,
                 "changeStream",
                 "the monitor watches it; without it, stuck tokens are seen only at each scan",
             );
         }
+        if ledger {
+            need(
+                name,
+                "insert",
+                "the ledger's fold creates a counter on its first event",
+            );
+        }
+        let read = if ledger {
+            "the ledger's fold reads it, and so does each run before it prunes lanes"
+        } else {
+            "before pruning lanes, each run reads which fold lanes an unfinished ledger batch \
+             (another host's) still needs; without it, no lane is pruned (a grant on a \
+             collection that does not exist yet is fine)"
+        };
+        need(&events, "find", read);
+        need(&intents, "find", read);
+        if ledger {
+            need(
+                &events,
+                "update",
+                "the ledger's fold claims events and marks them folded",
+            );
+            need(
+                &events,
+                "changeStream",
+                "the ledger's fold watches it; without it, events are folded only at each scan",
+            );
+            let why = "the ledger's fold writes each batch's intent there and deletes it";
+            need(&intents, "insert", why);
+            need(&intents, "remove", why);
+        }
     }
-    let state = &config.daemon.state_collection;
     let why = "the daemon keeps its last runs, stream positions and lease there";
     for action in ["find", "insert", "update", "remove"] {
-        needed.push(Needed {
-            collection: state.clone(),
-            action,
-            why,
-        });
+        need(&config.daemon.state_collection, action, why);
     }
     needed
 }
@@ -253,12 +288,22 @@ pub(super) async fn privileges(store: &Store, config: &Config) -> Check {
         .filter(|n| !granted(&privileges, database, &n.collection, n.action))
         .map(|n| format!("{} on {database}.{} ({})", n.action, n.collection, n.why))
         .collect();
+    let setup = if config
+        .collections
+        .iter()
+        .any(|s| s.events_collection.is_some())
+    {
+        "; `tallyd setup` needs createIndex on the events collections too (run it once as an \
+         administrator)"
+    } else {
+        ""
+    };
     if missing.is_empty() {
         Check::new(
             name,
             Verdict::Ok,
             format!(
-                "{} holds every privilege the daemon needs (the README's smallest role)",
+                "{} holds every privilege the daemon needs (the README's smallest role){setup}",
                 users.join(", ")
             ),
         )
@@ -338,6 +383,53 @@ mod tests {
         assert!(granted(&everything, "app", "views", "remove"));
         let any_db = [privilege("", "", &["find"])];
         assert!(granted(&any_db, "x", "y", "find"));
+    }
+
+    /// The actions `config` needs, as `collection: action action …`.
+    fn needed_of(config: &str) -> Vec<String> {
+        let config = Config::from_toml(config, []).expect("a valid configuration");
+        let mut by_collection: Vec<(String, Vec<&str>)> = Vec::new();
+        for n in needed(&config) {
+            match by_collection.iter_mut().find(|(c, _)| *c == n.collection) {
+                Some((_, actions)) => actions.push(n.action),
+                None => by_collection.push((n.collection, vec![n.action])),
+            }
+        }
+        by_collection
+            .into_iter()
+            .map(|(c, actions)| format!("{c}: {}", actions.join(" ")))
+            .collect()
+    }
+
+    /// The README's smallest role: without a ledger, find on the events
+    /// collection and its batch intents (the prune reads them); with one,
+    /// what the fold does there too, and insert on the counters.
+    #[test]
+    fn the_ledgers_collections_are_in_the_role_a_configuration_needs() {
+        let head = "[mongodb]\nuri = \"mongodb://h/\"\ndatabase = \"app\"\n";
+        let plain = format!("{head}[[collections]]\nname = \"views\"\n");
+        assert_eq!(
+            needed_of(&plain),
+            [
+                "views: find update changeStream",
+                "views_events: find",
+                "views_events_batches: find",
+                "tally_state: find insert update remove",
+            ]
+        );
+        let ledger = format!(
+            "{head}[monitor]\nenabled = false\n[[collections]]\nname = \"views\"\n\
+             events_collection = \"log\"\n"
+        );
+        assert_eq!(
+            needed_of(&ledger),
+            [
+                "views: find update insert",
+                "log: find update changeStream",
+                "log_batches: find insert remove",
+                "tally_state: find insert update remove",
+            ]
+        );
     }
 
     fn index(keys: Document, options: Option<IndexOptions>) -> IndexModel {

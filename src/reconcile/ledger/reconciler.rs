@@ -1,14 +1,17 @@
 //! The ledger's fold inside a reconcile run: the collection's events are
-//! folded before its pending tokens, and before anything is pruned.
+//! folded before its pending tokens, and before anything is pruned; and
+//! the fold lanes a prune must keep for the batches still unfinished.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use mongodb::bson::oid::ObjectId;
 use tokio_util::sync::CancellationToken;
 
-use super::{EventFold, EventFoldSettings};
+use super::{EventFold, EventFoldSettings, claimed_lanes};
 use crate::error::Error;
+use crate::reconcile::model::{Cutoffs, Lines};
 use crate::reconcile::report::CollectionRun;
 use crate::reconcile::{FoldTarget, Mode, Reconciler};
 use crate::write::counter::CollectionConfig;
@@ -66,5 +69,24 @@ impl Reconciler {
             Mode::Fold => run.events_folded = fold.fold(now, stop).await?.events_folded,
         }
         Ok(())
+    }
+
+    /// The lines a prune of `spec` draws: `cutoffs`, keeping the fold lanes
+    /// every unfinished batch of the collection's ledger was claimed with —
+    /// its configured events collection's, or `<name>_events` when this
+    /// configuration names no ledger (another host's may fold it; a
+    /// collection that does not exist has none). An error when they cannot
+    /// be read: then the caller prunes no lane.
+    pub(crate) async fn lines(
+        &self,
+        spec: &CollectionConfig,
+        cutoffs: Cutoffs,
+    ) -> Result<Lines, Error> {
+        let needed = claimed_lanes(&self.store, &spec.events_collection_name()).await?;
+        let needed = needed
+            .iter()
+            .filter_map(|lane| ObjectId::parse_str(lane).ok())
+            .collect();
+        Ok(Lines { cutoffs, needed })
     }
 }

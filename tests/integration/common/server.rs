@@ -177,19 +177,36 @@ impl AuthServer {
 }
 
 /// Creates `role` in `db` as the README's smallest role for the daemon has
-/// it, with `counter_actions` on the counter collection `views`: find,
-/// update and changeStream there; find, insert, update and remove on the
-/// state collection `tally_state`.
+/// it without a ledger, with `counter_actions` on the counter collection
+/// `views`: find, update and changeStream there; find on its events
+/// collection and batch intents (the prune reads them); find, insert,
+/// update and remove on the state collection `tally_state`.
 pub async fn create_tallyd_role(db: &mongodb::Database, role: &str, counter_actions: &[&str]) {
+    let grants = [
+        ("views", counter_actions),
+        ("views_events", &["find"][..]),
+        ("views_events_batches", &["find"][..]),
+    ];
+    create_role(db, role, &grants).await;
+}
+
+/// Creates `role` in `db` with `actions` on each collection named, and
+/// the daemon's state collection's find, insert, update and remove.
+pub async fn create_role(db: &mongodb::Database, role: &str, grants: &[(&str, &[&str])]) {
     let name = db.name().to_owned();
-    db.run_command(mongodb::bson::doc! {
-        "createRole": role,
-        "privileges": [
-            { "resource": { "db": &name, "collection": "views" }, "actions": counter_actions },
-            { "resource": { "db": &name, "collection": "tally_state" }, "actions": ["find", "insert", "update", "remove"] },
-        ],
-        "roles": [],
-    })
+    let mut privileges: Vec<mongodb::bson::Document> = grants
+        .iter()
+        .map(|(collection, actions)| {
+            mongodb::bson::doc! { "resource": { "db": &name, "collection": *collection }, "actions": *actions }
+        })
+        .collect();
+    privileges.push(mongodb::bson::doc! {
+        "resource": { "db": &name, "collection": "tally_state" },
+        "actions": ["find", "insert", "update", "remove"],
+    });
+    db.run_command(
+        mongodb::bson::doc! { "createRole": role, "privileges": privileges, "roles": [] },
+    )
     .await
     .expect("createRole");
 }
