@@ -310,8 +310,7 @@ async fn survey_setup(
     let store = crate::store::Store::connect(&config.mongodb)
         .await
         .map_err(|err| fail(json, &err.to_string(), &secrets))?;
-    let reconciler =
-        crate::reconcile::Reconciler::new(&store).with_lane_ttl(config.writer.lane_ttl);
+    let reconciler = config.reconciler(&store);
     let now = match reconciler.server_time().await {
         Ok(now) => now,
         Err(err) => {

@@ -26,9 +26,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::reconcile::FoldTarget;
+use crate::reconcile::{EventFoldSettings, FoldTarget, Reconciler};
 use crate::redact::{SecretString, Secrets};
-use crate::store::StoreConfig;
+use crate::store::{Store, StoreConfig};
 use crate::write::counter::{CollectionConfig, WriterConfig};
 use crate::write::sequence::SequenceConfig;
 use field::Issues;
@@ -127,6 +127,19 @@ impl ConfigErrors {
 }
 
 impl Config {
+    /// The reconciler this configuration asks for on `store` (the daemon's
+    /// and `tallyd reconcile`'s alike): its `lane_ttl`, and the ledgers'
+    /// dedupe window and fold lane rotation.
+    pub(crate) fn reconciler(&self, store: &Store) -> Reconciler {
+        Reconciler::new(store)
+            .with_lane_ttl(self.writer.lane_ttl)
+            .with_event_settings(EventFoldSettings {
+                event_retention: self.reconcile.event_retention,
+                lane_rotate: self.writer.lane_rotate,
+                ..EventFoldSettings::default()
+            })
+    }
+
     /// Loads the file (`None`: `/etc/tally/tallyd.toml`, which may be missing) and
     /// applies `TALLYD__…` overrides from `env` (pass `std::env::vars()`;
     /// tests pass their own).

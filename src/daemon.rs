@@ -54,7 +54,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::reconcile::{EventFoldSettings, FoldTarget, Reconciler};
+use crate::reconcile::FoldTarget;
 use crate::store::Store;
 use alert::{AlertLedger, AlertOptions, Alerts};
 use clock::{Clock, LastSkew};
@@ -215,13 +215,7 @@ pub(crate) async fn run(
         &shutdown,
     );
 
-    let reconciler = Reconciler::new(&store)
-        .with_lane_ttl(config.writer.lane_ttl)
-        .with_event_settings(EventFoldSettings {
-            event_retention: config.reconcile.event_retention,
-            lane_rotate: config.writer.lane_rotate,
-            ..EventFoldSettings::default()
-        });
+    let reconciler = config.reconciler(&store);
     ledger::start(
         &reconciler,
         &store,
