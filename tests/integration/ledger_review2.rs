@@ -2,7 +2,8 @@
 //! larger than one `insert` command can carry, refused part-way; the
 //! command line's reconcile run folding a ledger after another collection
 //! took a while; a counter key redelivered as a neighbouring number past
-//! 2^53.
+//! 2^53; a counter key shaped like a query operator; and (passing) a
+//! recovery racing a live fold's chunked claim.
 //!
 //! The oracle is what the test recorded and what is stored, never what the
 //! code under test reports.
@@ -156,4 +157,106 @@ async fn an_event_redelivered_on_a_neighbouring_counter_past_2_53_is_a_conflict(
     let on_next = ledger.value(Bson::Int64(two_53 + 1)).await.unwrap().value;
     assert_eq!(on_next, 0, "the server keeps the two counters apart");
     assert_outcome(&again, "conflict");
+}
+
+/// A counter key is any BSON value, a document too (a compound key). One
+/// shaped like a query operator (`{"$gt": ""}` — say, a key taken from a
+/// caller's JSON) is recorded as given, and the fold's update filters on
+/// `{_id: key}`: the server reads it as an operator, and the event's amount
+/// lands on whichever counter matches. The event's own counter never gets
+/// it; another counter is counted for an event it never had. (The same
+/// filter shape is in every write path; the ledger says `recorded`.)
+#[tokio::test]
+async fn an_event_on_an_operator_shaped_counter_key_never_lands_on_another_counter() {
+    let ctx = TestContext::new("ledger_review2_operator_key").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    let fold = crate::ledger::fold_of(&store, "views", 100);
+    let stop = tokio_util::sync::CancellationToken::new();
+    assert_outcome(&ledger.record("e1", "home", 1).await, "recorded");
+    fold.fold(SystemTime::now(), &stop).await.expect("fold 1");
+    let odd = Bson::Document(doc! { "$gt": "" });
+    let recorded = ledger.record("e2", odd.clone(), 100).await;
+    let folded = fold.fold(SystemTime::now(), &stop).await;
+    let home = crate::common::counter(&client.collection("views"), "home").await;
+    assert_eq!(
+        home, 1,
+        "counter home had one event of 1; e2 ({recorded:?}, fold: {folded:?}) was on \
+         counter {odd}"
+    );
+}
+
+/// Safe path: a fold started elsewhere (a `tallyd reconcile`, a second
+/// daemon) recovers a live fold's batch while its chunked claim is part-way
+/// (the live fold's second chunk's reply is slow): recovery claims the
+/// intent's ids with the same batch, lane and number, applies, marks; the
+/// live fold then finds its lane's number applied everywhere. Every event
+/// counted once, exact reads exact throughout.
+#[tokio::test]
+async fn a_recovery_racing_a_live_chunked_claim_counts_every_event_once() {
+    let ctx = TestContext::new("ledger_review2_recovery_race").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    let events: Vec<(String, String, i64)> = (0..250)
+        .map(|i| (format!("e{i}"), format!("c{}", i % 3), 1))
+        .collect();
+    for recording in ledger.record_many(events).await {
+        assert_outcome(&recording, "recorded");
+    }
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let live = crate::ledger::fold_of(&through.store(), "views", 5000);
+    let _slow = proxy.rule(
+        Rule::command("update")
+            .collection("views_events")
+            .nth(2)
+            .then(Action::DelayReply(Duration::from_secs(3))),
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let pass = {
+        let stop = stop.clone();
+        tokio::spawn(async move { live.fold(SystemTime::now(), &stop).await })
+    };
+    let waited = tokio::time::Instant::now();
+    while proxy.requests("update").len() < 2 {
+        assert!(waited.elapsed() < Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let values = |ledger: tally::Ledger| async move {
+        let mut v = Vec::new();
+        for c in 0..3 {
+            v.push(ledger.value(format!("c{c}")).await.unwrap().value);
+        }
+        v
+    };
+    assert_eq!(values(ledger.clone()).await, [84, 83, 83]);
+    let other = crate::ledger::fold_of(&store, "views", 5000);
+    let recovered = other.recover(SystemTime::now()).await.expect("recovery");
+    assert_eq!(recovered.recovered, 1, "{recovered:?}");
+    assert_eq!(values(ledger.clone()).await, [84, 83, 83]);
+    let run = pass.await.unwrap().expect("the live pass");
+    assert_eq!(values(ledger.clone()).await, [84, 83, 83]);
+    // More events through the live fold's lane, next number.
+    let more: Vec<(String, String, i64)> = (250..260)
+        .map(|i| (format!("e{i}"), format!("c{}", i % 3), 1))
+        .collect();
+    for recording in ledger.record_many(more).await {
+        assert_outcome(&recording, "recorded");
+    }
+    let live = crate::ledger::fold_of(&store, "views", 5000);
+    live.fold(SystemTime::now(), &stop)
+        .await
+        .expect("next pass");
+    for (c, n) in [(0, 87), (1, 87), (2, 86)] {
+        let name = format!("c{c}");
+        assert_eq!(
+            crate::common::counter(&direct.collection("views"), name.as_str()).await,
+            n,
+            "{name} (live run {run:?})"
+        );
+    }
+    assert_eq!(values(ledger).await, [87, 87, 86]);
 }
