@@ -18,6 +18,7 @@ mod ledger;
 mod ledger_daemon;
 mod ledger_prune;
 mod ledger_review;
+mod ledger_review2;
 mod ledger_soak;
 mod packaging;
 mod proxy;
