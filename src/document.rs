@@ -125,22 +125,53 @@ pub(crate) fn integer_value(value: &Bson) -> Option<i64> {
     }
 }
 
-/// Whether two keys name the same document as the server compares them:
-/// numbers by value across int32, int64 and double (`5` and
-/// `NumberLong(5)` are one `_id`), anything else by its BSON.
-pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
-    fn number(value: &Bson) -> Option<f64> {
-        match value {
-            Bson::Int32(n) => Some(f64::from(*n)),
-            Bson::Int64(n) => Some(*n as f64),
-            Bson::Double(d) => Some(*d),
-            _ => None,
+/// Refuses a counter key the server would not take as a plain value in
+/// `{_id: key}`: a document with a `$`-prefixed field is read as a query
+/// operator (`{$gt: ""}` matches other counters), a regular expression as
+/// a pattern, and an array can never be an `_id`. Every write and read of
+/// a counter by key checks it first.
+pub(crate) fn check_key(key: &Bson) -> Result<(), Error> {
+    let reason = match key {
+        Bson::Document(d) if d.keys().any(|k| k.starts_with('$')) => {
+            "a document with a '$'-prefixed field is read as a query operator"
         }
+        Bson::RegularExpression(_) => "a regular expression is read as a pattern over other keys",
+        Bson::Array(_) => "an array cannot be a document's _id",
+        Bson::Undefined => "undefined cannot be a document's _id",
+        _ => return Ok(()),
+    };
+    Err(Error::InvalidArgument(format!(
+        "counter key {} cannot be used: {reason}",
+        display_id(key)
+    )))
+}
+
+/// Whether two keys name the same document as the server compares them:
+/// numbers by exact value across int32, int64 and double (`5` and
+/// `NumberLong(5)` are one `_id`; the double 2^53 and the int64 2^53 + 1
+/// are two), anything else by its BSON.
+pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
+    /// An integral double in the int64 range, as that integer.
+    fn exact_integer(d: f64) -> Option<i64> {
+        // -2^63 ≤ d < 2^63: `d as i64` is then exact, never saturated.
+        const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+        (d.fract() == 0.0 && (-TWO_63..TWO_63).contains(&d)).then_some(d as i64)
     }
-    match (integer_value(a), integer_value(b), number(a), number(b)) {
-        (Some(x), Some(y), _, _) => x == y,
-        (_, _, Some(x), Some(y)) => x == y,
-        _ => a == b,
+    let integer = |value: &Bson| match value {
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Int64(n) => Some(*n),
+        _ => None,
+    };
+    match (a, b) {
+        (Bson::Double(x), Bson::Double(y)) => x == y || (x.is_nan() && y.is_nan()),
+        (Bson::Double(d), other) | (other, Bson::Double(d)) => match integer(other) {
+            Some(n) => exact_integer(*d) == Some(n),
+            None => a == b,
+        },
+        _ => match (integer(a), integer(b)) {
+            (Some(x), Some(y)) => x == y,
+            _ => a == b,
+        },
     }
 }
 
@@ -195,6 +226,67 @@ mod tests {
             &Bson::String("a".into()),
             &Bson::String("a".into())
         ));
+    }
+
+    /// A regular expression `^h`, read from its extended JSON (the bson
+    /// crate builds one no other way outside itself).
+    fn regex() -> mongodb::bson::Regex {
+        let value: Bson = serde_json::from_str::<serde_json::Value>(
+            r#"{"$regularExpression": {"pattern": "^h", "options": ""}}"#,
+        )
+        .ok()
+        .and_then(|v| Bson::try_from(v).ok())
+        .expect("extended JSON regex");
+        match value {
+            Bson::RegularExpression(r) => r,
+            other => panic!("not a regex: {other}"),
+        }
+    }
+
+    #[test]
+    fn keys_the_server_would_read_as_a_query_are_refused() {
+        for bad in [
+            Bson::Document(doc! { "$gt": "" }),
+            Bson::Document(doc! { "a": 1, "$ne": 2 }),
+            Bson::RegularExpression(regex()),
+            Bson::Array(vec![Bson::Int32(1)]),
+        ] {
+            let err = check_key(&bad).expect_err("refused");
+            assert!(err.to_string().contains("cannot be used"), "{err}");
+        }
+        for good in [
+            Bson::String("$home".into()),
+            Bson::Document(doc! { "user": 7, "day": "mon" }),
+            Bson::Int64(5),
+            Bson::ObjectId(mongodb::bson::oid::ObjectId::new()),
+        ] {
+            assert!(check_key(&good).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn numbers_past_2_53_compare_exactly() {
+        let two_53 = 1i64 << 53;
+        assert!(same_key(&Bson::Double(two_53 as f64), &Bson::Int64(two_53)));
+        assert!(!same_key(
+            &Bson::Double(two_53 as f64),
+            &Bson::Int64(two_53 + 1)
+        ));
+        assert!(!same_key(
+            &Bson::Int64(two_53 + 1),
+            &Bson::Double(two_53 as f64)
+        ));
+        // 2^63 as a double is past every int64: never i64::MAX.
+        assert!(!same_key(
+            &Bson::Double(2f64.powi(63)),
+            &Bson::Int64(i64::MAX)
+        ));
+        assert!(same_key(
+            &Bson::Double(-(2f64.powi(63))),
+            &Bson::Int64(i64::MIN)
+        ));
+        assert!(same_key(&Bson::Double(f64::NAN), &Bson::Double(f64::NAN)));
+        assert!(!same_key(&Bson::Double(0.5), &Bson::Int32(0)));
     }
 
     #[test]

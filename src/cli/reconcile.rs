@@ -50,6 +50,10 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     };
     let show_progress = !args.json && std::io::stderr().is_terminal();
     let mut runs = Vec::new();
+    // The server's clock at the setup, carried forward by this process's
+    // monotonic clock: each collection's run gets the time it starts at
+    // (a ledger's marks start its dedupe window then, never earlier).
+    let began = std::time::Instant::now();
     for name in &names {
         let target = config.fold_target(name);
         let mut progress = |p: Progress| {
@@ -62,7 +66,7 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
             }
         };
         let run = reconciler
-            .reconcile(&target, mode, now, &stop, &mut progress)
+            .reconcile(&target, mode, now + began.elapsed(), &stop, &mut progress)
             .await;
         if show_progress {
             eprint!("\r\x1b[2K");

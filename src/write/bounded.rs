@@ -28,7 +28,7 @@
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc};
 
-use crate::document::{Inserted, bson_type_name, insert_if_absent, integer_value};
+use crate::document::{Inserted, bson_type_name, check_key, insert_if_absent, integer_value};
 use crate::error::Error;
 use crate::store::Store;
 use crate::token::Token;
@@ -119,9 +119,11 @@ impl BoundedCounters {
         if units < 0 {
             return Err(Error::InvalidArgument("units must not be negative".into()));
         }
+        let key = key.into();
+        check_key(&key)?;
         let token = Bson::ObjectId(Token::new().object_id());
         let document = doc! {
-            "_id": key.into(),
+            "_id": key,
             &self.spec.available_field: units,
             &self.spec.holders_field: [],
             TOKEN_FIELD: &token,
@@ -146,6 +148,7 @@ impl BoundedCounters {
         holder: impl Into<Bson>,
     ) -> Result<Take, Error> {
         let key = key.into();
+        check_key(&key)?;
         let holders = &self.spec.holders_field;
         let available = &self.spec.available_field;
         let filter = doc! {
@@ -188,8 +191,10 @@ impl BoundedCounters {
     /// Gives back the unit `token` holds. Idempotent: a second call reports
     /// [`GiveBack::NotHeld`] and changes nothing.
     pub async fn give_back(&self, key: impl Into<Bson>, token: Token) -> Result<GiveBack, Error> {
+        let key = key.into();
+        check_key(&key)?;
         let holders = &self.spec.holders_field;
-        let filter = doc! { "_id": key.into(), format!("{holders}.token"): token.object_id() };
+        let filter = doc! { "_id": key, format!("{holders}.token"): token.object_id() };
         let update = doc! {
             "$inc": { &self.spec.available_field: 1 },
             "$pull": { holders: { "token": token.object_id() } },
@@ -208,6 +213,7 @@ impl BoundedCounters {
     /// The units left (`None` when the counter does not exist).
     pub async fn available(&self, key: impl Into<Bson>) -> Result<Option<i64>, Error> {
         let key = key.into();
+        check_key(&key)?;
         let projection = doc! { &self.spec.available_field: 1 };
         let found = self
             .store

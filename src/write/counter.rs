@@ -194,14 +194,21 @@ impl Counters {
     /// Adds `amount` (not zero) to the counter `key`, creating it if needed.
     pub async fn increment(&self, key: impl Into<Bson>, amount: i64) -> Increment {
         let key = key.into();
-        let Some(entry) = Entry::new(Token::new(), amount) else {
-            return Increment::NotCounted(NotCounted {
-                key,
-                token: None,
-                lane: None,
-                amount,
-                cause: Error::InvalidArgument("the amount must not be zero".into()),
-            });
+        let checked = crate::document::check_key(&key).and_then(|()| {
+            Entry::new(Token::new(), amount)
+                .ok_or_else(|| Error::InvalidArgument("the amount must not be zero".into()))
+        });
+        let entry = match checked {
+            Ok(entry) => entry,
+            Err(cause) => {
+                return Increment::NotCounted(NotCounted {
+                    key,
+                    token: None,
+                    lane: None,
+                    amount,
+                    cause,
+                });
+            }
         };
         match self.add_token(&key, &entry, By::Increment).await {
             Added::Yes { copy_may_land } => {
@@ -238,11 +245,13 @@ impl Counters {
     /// The counter's current value (`None` when the document or the field
     /// does not exist). Pending entries are not included.
     pub async fn value(&self, key: impl Into<Bson>) -> Result<Option<Bson>, Error> {
+        let key = key.into();
+        crate::document::check_key(&key)?;
         let counter_field = &self.spec.counter_field;
         let found = self
             .read_one(
                 "counter.value",
-                doc! { "_id": key.into() },
+                doc! { "_id": key },
                 doc! { counter_field: 1 },
             )
             .await?;

@@ -129,7 +129,10 @@ impl Counters {
     pub async fn add(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
         let key = key.into();
         let usable = self.lanes.as_ref().map_err(Clone::clone);
-        let lanes = match usable.and_then(|lanes| check_amount(amount).map(|()| lanes)) {
+        let lanes = match usable
+            .and_then(|lanes| crate::document::check_key(&key).map(|()| lanes))
+            .and_then(|lanes| check_amount(amount).map(|()| lanes))
+        {
             Ok(lanes) => lanes,
             Err(cause) => {
                 return LaneIncrement::NotCounted(NotCounted {
@@ -179,6 +182,7 @@ impl Counters {
             amount,
         };
         let usable = self.lanes.as_ref().map_err(Clone::clone).and_then(|lanes| {
+            crate::document::check_key(&op.key)?;
             check_amount(amount)?;
             check_position(&op.lane, position)?;
             Ok(lanes)

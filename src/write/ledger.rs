@@ -156,7 +156,8 @@ impl Ledger {
     }
 
     /// Records a batch of events in one round trip (one unordered `insert`
-    /// command): one outcome per event, in the order given. An event key
+    /// command; one per 100,000 events or 16 MiB of them): one outcome per
+    /// event, in the order given. An event key
     /// given twice in one batch is recorded once; the second is a
     /// duplicate (or a conflict).
     pub async fn record_many<K, C>(
@@ -192,9 +193,10 @@ impl Ledger {
                 }))),
             }
         }
-        let settled = self.insert_many(&events, sending).await;
-        for (i, recording) in settled {
-            outcomes[i] = Some(recording);
+        for chunk in commands(&events, sending) {
+            for (i, recording) in self.insert_many(&events, chunk).await {
+                outcomes[i] = Some(recording);
+            }
         }
         outcomes
             .into_iter()
@@ -443,7 +445,41 @@ fn check_event(event: &Event) -> Result<(), Error> {
     if event.amount == 0 {
         return Err(Error::InvalidArgument("the amount must not be zero".into()));
     }
-    Ok(())
+    crate::document::check_key(&event.counter)
+}
+
+/// Events per `insert` command: the server's `maxWriteBatchSize`.
+const MAX_EVENTS_PER_INSERT: usize = 100_000;
+/// Bytes of event documents per `insert` command: a third of the server's
+/// 48 MB message limit, so the driver never splits one.
+const MAX_BYTES_PER_INSERT: usize = 16 * 1024 * 1024;
+
+/// Splits `sending` into the `insert` commands `record_many` sends, each
+/// small enough that the driver sends it whole. A command the driver split
+/// itself would fail as a whole — its error naming the last part, the
+/// parts before it inserted — and every event of it would be judged by
+/// that one error.
+fn commands(events: &[(Event, ObjectId)], sending: Vec<usize>) -> Vec<Vec<usize>> {
+    let mut commands = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut bytes = 0;
+    for i in sending {
+        let size = event_document(&events[i].0, events[i].1)
+            .to_vec()
+            .map_or(MAX_BYTES_PER_INSERT, |v| v.len());
+        if !current.is_empty()
+            && (current.len() == MAX_EVENTS_PER_INSERT || bytes + size > MAX_BYTES_PER_INSERT)
+        {
+            commands.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        current.push(i);
+        bytes += size;
+    }
+    if !current.is_empty() {
+        commands.push(current);
+    }
+    commands
 }
 
 /// The event's document as recorded by the recording `token`.

@@ -32,7 +32,13 @@ async fn record_many_past_the_drivers_batch_limit_refused_part_way_never_says_no
  {
     let ctx = TestContext::new("ledger_review2_split_batch").await;
     let client = ctx.client(false).await;
-    let ledger = ledger_on(&client.store(), "views").await;
+    // Inserting 100,000 events takes the test server tens of seconds, more
+    // under load: one attempt must be allowed to finish (a timed-out first
+    // attempt would meet the fail point with its retry instead).
+    let store = client
+        .store()
+        .with_attempt_timeout(Duration::from_secs(600));
+    let ledger = ledger_on(&store, "views").await;
     const EVENTS: usize = 100_001;
     let events: Vec<(String, &str, i64)> = (0..EVENTS).map(|i| (format!("e{i}"), "a", 1)).collect();
     let outcomes = {

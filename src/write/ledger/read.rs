@@ -57,6 +57,7 @@ impl Ledger {
     /// changed during every one of 20 double reads.
     pub async fn value(&self, key: impl Into<Bson>) -> Result<ExactValue, Error> {
         let key = key.into();
+        crate::document::check_key(&key)?;
         for _ in 0..READ_ROUNDS {
             let before = self.counter_state(&key).await?;
             let events = self.unfolded_events(&key).await?;
