@@ -21,14 +21,17 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use mongodb::bson::{Bson, doc};
+use mongodb::bson::Bson;
 use tally::{CollectionConfig, Counters, LaneIncrement, WriterConfig};
 use tokio::io::AsyncReadExt;
 
 use crate::common::proxy::{Action, Exchange};
 use crate::common::tallyd::Tallyd;
 use crate::daemon::Conf;
-use crate::soak::{ATTEMPT, Claim, DELAY, Rig, SELECTION, applied_step_1s, counters, seed, settle};
+use crate::soak::{
+    ATTEMPT, Claim, DELAY, Rig, SELECTION, applied_step_1s, counters, fold_out_and_stop, seed,
+    settle,
+};
 
 const LANE_WRITERS: usize = 3;
 const TWO_STEP_WRITERS: usize = 3;
@@ -186,32 +189,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     let pruned_while_writing = lanes_pruned(&daemon.log());
 
     // A final fold: every two-step token is folded once past its grace.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let left = direct
-            .count_documents(doc! { "pending.0": { "$exists": true } })
-            .await
-            .expect("count pending");
-        if left == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "seed {seed}: {left} documents still hold tokens 90 s after the writers stopped\nlog:\n{}",
-            daemon.log()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    let exit = daemon.terminate();
-    let logs = daemon.log();
-    assert!(
-        exit.success(),
-        "seed {seed}: tallyd exited {exit:?}\n{logs}"
-    );
-    assert!(
-        !logs.contains("panicked"),
-        "seed {seed}: a panic in the daemon's log\n{logs}"
-    );
+    let logs = fold_out_and_stop(direct, &mut daemon, "", seed, false).await;
 
     let log = proxy.log();
     let tokens = applied_step_1s(&log, seed);
