@@ -42,6 +42,17 @@ pub(crate) fn fold_of(store: &Store, name: &str, batch_size: u32) -> EventFold {
     )
 }
 
+/// Records `events` events of 1, `e0…`, spread over the counters `c0…`
+/// (`counters` of them, round robin), each `recorded`.
+pub(crate) async fn record_spread(ledger: &Ledger, events: usize, counters: usize) {
+    let events: Vec<(String, String, i64)> = (0..events)
+        .map(|i| (format!("e{i}"), format!("c{}", i % counters), 1))
+        .collect();
+    for recording in ledger.record_many(events).await {
+        assert_outcome(&recording, "recorded");
+    }
+}
+
 async fn fold_all(fold: &EventFold) -> tally::EventsRun {
     fold.fold(SystemTime::now(), &CancellationToken::new())
         .await
@@ -580,12 +591,7 @@ async fn a_claim_refused_after_its_first_chunk_is_finished_by_recovery_exactly()
     let client = ctx.client(false).await;
     let store = client.store();
     let ledger = ledger_on(&store, "views").await;
-    let events: Vec<(String, String, i64)> = (0..250)
-        .map(|i| (format!("e{i}"), format!("c{}", i % 3), 1))
-        .collect();
-    for recording in ledger.record_many(events).await {
-        assert_outcome(&recording, "recorded");
-    }
+    record_spread(&ledger, 250, 3).await;
     let fold = fold_of(&store, "views", 5000);
     {
         // The fold's first update is the claim's first chunk; the second

@@ -205,12 +205,7 @@ async fn a_recovery_racing_a_live_chunked_claim_counts_every_event_once() {
     let direct = ctx.client(false).await;
     let store = direct.store();
     let ledger = ledger_on(&store, "views").await;
-    let events: Vec<(String, String, i64)> = (0..250)
-        .map(|i| (format!("e{i}"), format!("c{}", i % 3), 1))
-        .collect();
-    for recording in ledger.record_many(events).await {
-        assert_outcome(&recording, "recorded");
-    }
+    crate::ledger::record_spread(&ledger, 250, 3).await;
     let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let through = ctx.client_through(&proxy, false).await;
     let live = crate::ledger::fold_of(&through.store(), "views", 5000);
