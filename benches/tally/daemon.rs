@@ -17,7 +17,7 @@ use crate::measure::{bench_options, server};
 
 const STUCK_AFTER: Duration = Duration::from_secs(3);
 
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     http: String,
     _dir: tempfile::TempDir,
@@ -32,6 +32,22 @@ impl Drop for Daemon {
 
 impl Daemon {
     fn start(uri: &str) -> Self {
+        Self::start_with(
+            uri,
+            &format!(
+                "database = \"tally_bench_daemon\"\n\
+                 server_selection_timeout = \"500ms\"\nattempt_timeout = \"900ms\"\n\
+                 [[collections]]\nname = \"views\"\n[writer]\nretry_horizon = \"2s\"\n\
+                 [reconcile]\ngrace = \"{stuck}s\"\n[schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
+                 [alerts]\nstuck_after = \"{stuck}s\"\n",
+                stuck = STUCK_AFTER.as_secs()
+            ),
+        )
+    }
+
+    /// `tallyd run` on `uri` with `settings` (the rest of `[mongodb]`, then
+    /// any other tables), listening on a free port, logging warnings only.
+    pub(crate) fn start_with(uri: &str, settings: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let http = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -41,12 +57,8 @@ impl Daemon {
         std::fs::write(
             &config,
             format!(
-                "[mongodb]\nuri = \"{uri}\"\ndatabase = \"tally_bench_daemon\"\n\
-                 server_selection_timeout = \"500ms\"\nattempt_timeout = \"900ms\"\n\
-                 [[collections]]\nname = \"views\"\n[writer]\nretry_horizon = \"2s\"\n\
-                 [reconcile]\ngrace = \"{stuck}s\"\n[schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
-                 [alerts]\nstuck_after = \"{stuck}s\"\n[http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n",
-                stuck = STUCK_AFTER.as_secs()
+                "[mongodb]\nuri = \"{uri}\"\n{settings}\
+                 [http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n"
             ),
         )
         .expect("config");

@@ -21,6 +21,7 @@ use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording, S
 use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
+use crate::daemon::Daemon;
 use crate::increment::run_plain;
 use crate::measure::{Run, bench_options, merge, ms, server, timed};
 
@@ -192,51 +193,6 @@ enum Folder<'a> {
     /// `tallyd run` with the ledger on: the change stream on the events
     /// collection triggers a fold within `fold_delay`.
     Daemon { uri: &'a str, fold_delay: &'a str },
-}
-
-/// `tallyd run` folding the ledger of `collection` in `database`; killed
-/// when dropped.
-struct Tallyd {
-    child: std::process::Child,
-    _dir: tempfile::TempDir,
-}
-
-impl Tallyd {
-    fn start(uri: &str, database: &str, collection: &str, fold_delay: &str) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let http = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .to_string();
-        let config = dir.path().join("tallyd.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{database}\"\n\
-                 [[collections]]\nname = \"{collection}\"\nledger = true\n\
-                 [reconcile]\nfold_delay = \"{fold_delay}\"\n\
-                 [schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n\
-                 [http]\nlisten = \"{http}\"\n[log]\nlevel = \"warn\"\n"
-            ),
-        )
-        .expect("config");
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
-            .arg("--config")
-            .arg(&config)
-            .arg("run")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start tallyd");
-        Self { child, _dir: dir }
-    }
-}
-
-impl Drop for Tallyd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn print_row(label: &str, writers: usize, run: &Run, per_op: usize) {
@@ -443,7 +399,15 @@ async fn lag(store: &Store, rate: f64, settings: &Settings, folder: Folder<'_>) 
             (Some(task), None, "the library's fold in a loop".to_owned())
         }
         Folder::Daemon { uri, fold_delay } => {
-            let daemon = Tallyd::start(uri, "tally_bench_ledger", &name, fold_delay);
+            let daemon = Daemon::start_with(
+                uri,
+                &format!(
+                    "database = \"tally_bench_ledger\"\n\
+                     [[collections]]\nname = \"{name}\"\nledger = true\n\
+                     [reconcile]\nfold_delay = \"{fold_delay}\"\n\
+                     [schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n"
+                ),
+            );
             // Until it folds: one event through before the clock starts.
             match ledger.record(format!("{name}_warm"), "warm", 1).await {
                 Recording::Recorded(_) => {}
