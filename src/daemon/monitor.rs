@@ -421,10 +421,9 @@ impl Watcher {
                 // stop costs the next start a rescan, and one blip of the
                 // network should not (the drain's deadline bounds this).
                 let token = stream.resume_token();
-                for pause in [250, 500, 1000, 0] {
-                    if self.save(token.clone(), &mut saved_token).await || pause == 0 {
-                        break;
-                    }
+                let mut pauses = [250, 500, 1000].into_iter();
+                while !self.save(token.clone(), &mut saved_token).await {
+                    let Some(pause) = pauses.next() else { break };
                     tokio::time::sleep(Duration::from_millis(pause)).await;
                 }
                 return Ended::Shutdown;
