@@ -41,8 +41,7 @@ pub(crate) async fn insert_if_absent(
     document: &Document,
     operation: &'static str,
 ) -> Result<Inserted, Error> {
-    let driver_retries = store.driver_retries_writes().await?;
-    let mut budget = RetryBudget::retry_once(operation, driver_retries);
+    let mut budget = RetryBudget::retry_once(operation);
     let failure = match store
         .with_retry(&mut budget, || collection.insert_one(document.clone()))
         .await

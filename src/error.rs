@@ -10,11 +10,10 @@
 //!
 //! Orthogonal to the class is the [`Effect`]: what the failure tells about the
 //! write it carried. "Not counted" may only be promised when the effect is
-//! [`Effect::NotApplied`]. Where the driver retries writes itself, a
-//! server's refusal may be its retry's answer, while the first attempt —
-//! whose error the driver drops — is still on its way: such a refusal
-//! proves nothing unless the server labels it `NoWritesPerformed`
-//! ([`Facts::write_effect`]).
+//! [`Effect::NotApplied`]. tally owns its retries (the driver's retry of
+//! writes is off on every client tally uses, see `store`), so it knows how
+//! often each write was sent: a server's refusal of a write sent once is a
+//! definite "not applied".
 //!
 //! [`RetryBudget`] applies the rule inside each operation's loop and logs
 //! every retry with its class and attempt number.
@@ -24,7 +23,7 @@ use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
 use mongodb::error::{
-    Error as MongoError, ErrorKind, NO_WRITES_PERFORMED, RETRYABLE_WRITE_ERROR, WriteFailure,
+    Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure,
 };
 
 pub(crate) mod code;
@@ -116,17 +115,13 @@ pub(crate) enum FailureKind {
 }
 
 /// The facts about a driver error that classification uses: its kind, its
-/// code and whether it carries the `RetryableWriteError` and
-/// `NoWritesPerformed` labels.
+/// code and whether it carries the `RetryableWriteError` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Facts {
     /// The kind of failure, with the server's code where there is one.
     pub(crate) kind: FailureKind,
     /// Whether the error carries the `RetryableWriteError` label.
     pub(crate) retryable_label: bool,
-    /// Whether the error carries the `NoWritesPerformed` label: no attempt
-    /// of the operation wrote anything.
-    pub(crate) no_writes_label: bool,
 }
 
 impl Facts {
@@ -161,7 +156,6 @@ impl Facts {
         Self {
             kind,
             retryable_label: err.contains_label(RETRYABLE_WRITE_ERROR),
-            no_writes_label: err.contains_label(NO_WRITES_PERFORMED),
         }
     }
 
@@ -211,23 +205,6 @@ impl Facts {
             | (_, ErrorClass::DuplicateKey) => Effect::NotApplied,
             // A lost reply, or a node that stepped down while working on it.
             _ => Effect::MaybeApplied,
-        }
-    }
-
-    /// What the failure tells about a write the driver may have retried
-    /// itself (`driver_retries_writes`). The driver returns its retry's
-    /// error and drops the first attempt's — and that first attempt, held
-    /// up in the network, may still apply. So a server's refusal (a
-    /// command error, a write error, a duplicate key) proves that nothing
-    /// applied only when the driver did not retry, or the server labelled
-    /// it `NoWritesPerformed`. The driver does not say whether it retried.
-    pub(crate) fn write_effect(self, driver_retries_writes: bool) -> Effect {
-        let effect = self.effect();
-        let refused = matches!(self.kind, FailureKind::Command(_) | FailureKind::Write(_));
-        if driver_retries_writes && refused && !self.no_writes_label {
-            Effect::MaybeApplied
-        } else {
-            effect
         }
     }
 }
@@ -419,20 +396,17 @@ impl Error {
 
 /// Applies the retry-once rule inside an operation's attempt loop.
 ///
-/// A transient failure earns one retry when the operation is idempotent —
-/// unless the driver has already spent it: with retryable writes on, the
-/// driver retries a labelled failure itself (and the server de-duplicates
-/// it), so tally does not add a second retry on top. Duplicate-key retries,
-/// for operations where they mean "nothing applied", have their own small
-/// budget. Where the driver retries writes, a refusal may be its retry's
-/// answer to a first attempt still on its way: it counts as maybe applied
-/// ([`Facts::write_effect`]).
+/// A transient failure earns one retry when the operation is idempotent.
+/// The driver never retries tally's writes (its retryable writes are off on
+/// the client tally uses), so every attempt is tally's own and counted
+/// here: a refusal of a write sent once applied nothing. Duplicate-key
+/// retries, for operations where they mean "nothing applied", have their
+/// own small budget.
 #[derive(Debug)]
 pub(crate) struct RetryBudget {
     operation: &'static str,
     /// A read: classified by [`Facts::read_class`].
     read: bool,
-    driver_retries_writes: bool,
     transient_left: u32,
     duplicate_left: u32,
     attempts: u32,
@@ -451,13 +425,11 @@ pub(crate) enum Next {
 impl RetryBudget {
     /// One transient retry: for an idempotent operation, or one whose
     /// repetition is acceptable (a sequence's `$inc`, where it may skip a
-    /// number). `driver_retries_writes` says whether the driver already
-    /// retries this operation's labelled failures itself.
-    pub(crate) fn retry_once(operation: &'static str, driver_retries_writes: bool) -> Self {
+    /// number).
+    pub(crate) fn retry_once(operation: &'static str) -> Self {
         Self {
             operation,
             read: false,
-            driver_retries_writes,
             transient_left: 1,
             duplicate_left: 0,
             attempts: 0,
@@ -465,13 +437,12 @@ impl RetryBudget {
         }
     }
 
-    /// One transient retry for a read (find, aggregate, `hello`), which the
-    /// driver never retries on tally's behalf here; classified by the read
-    /// rule ([`Facts::read_class`]).
+    /// One transient retry for a read (find, aggregate, `hello`);
+    /// classified by the read rule ([`Facts::read_class`]).
     pub(crate) fn read_once(operation: &'static str) -> Self {
         Self {
             read: true,
-            ..Self::retry_once(operation, false)
+            ..Self::retry_once(operation)
         }
     }
 
@@ -504,19 +475,14 @@ impl RetryBudget {
         let (class, effect) = match (self.read, facts.read_class()) {
             (true, ErrorClass::Transient) => (ErrorClass::Transient, Effect::MaybeApplied),
             (true, class) => (class, facts.effect()),
-            (false, _) => (
-                facts.class(),
-                facts.write_effect(self.driver_retries_writes),
-            ),
+            (false, _) => (facts.class(), facts.effect()),
         };
         if effect != Effect::NotApplied {
             self.maybe_applied = true;
         }
         let retry = match class {
             ErrorClass::Transient => {
-                // The driver retried this one itself already.
-                let driver_retried = self.driver_retries_writes && facts.retryable_label;
-                if !driver_retried && self.transient_left > 0 {
+                if self.transient_left > 0 {
                     self.transient_left -= 1;
                     true
                 } else {
@@ -643,7 +609,6 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::PoolCleared,
             retryable_label: false,
-            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Transient);
     }
@@ -653,7 +618,6 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::ServerSelection,
             retryable_label: false,
-            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Command);
         assert_eq!(facts.effect(), Effect::NotApplied);
@@ -682,7 +646,7 @@ mod tests {
                 panic!("a read is retried once, code {code}");
             };
             assert_eq!(failure.class, ErrorClass::Transient);
-            let mut write = RetryBudget::retry_once("update", false);
+            let mut write = RetryBudget::retry_once("update");
             write.start_attempt();
             assert!(matches!(
                 write.after_failure(command_error(code)),
@@ -745,7 +709,6 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::Command(2),
             retryable_label: true,
-            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Transient);
     }
@@ -777,7 +740,6 @@ mod tests {
         let facts = Facts {
             kind: FailureKind::ClientRefused,
             retryable_label: false,
-            no_writes_label: false,
         };
         assert_eq!(facts.class(), ErrorClass::Command);
         assert_eq!(facts.effect(), Effect::NotApplied);
@@ -785,7 +747,7 @@ mod tests {
 
     #[test]
     fn budget_retries_a_transient_failure_once() {
-        let mut budget = RetryBudget::retry_once("t", false);
+        let mut budget = RetryBudget::retry_once("t");
         budget.start_attempt();
         assert!(matches!(
             budget.after_failure(io(std::io::ErrorKind::ConnectionReset)),
@@ -803,7 +765,7 @@ mod tests {
 
     #[test]
     fn budget_never_retries_a_command_error() {
-        let mut budget = RetryBudget::retry_once("t", false);
+        let mut budget = RetryBudget::retry_once("t");
         budget.start_attempt();
         assert!(matches!(
             budget.after_failure(command_error(2)),
@@ -813,63 +775,8 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_where_the_driver_retries_writes_proves_nothing_unless_no_writes_performed() {
-        // BadValue, a duplicate key: the retry's answer, the first attempt
-        // (its error dropped by the driver) maybe still on its way.
-        for kind in [FailureKind::Command(2), FailureKind::Write(11000)] {
-            let mut facts = Facts {
-                kind,
-                retryable_label: false,
-                no_writes_label: false,
-            };
-            assert_eq!(facts.write_effect(false), Effect::NotApplied, "{kind:?}");
-            assert_eq!(facts.write_effect(true), Effect::MaybeApplied, "{kind:?}");
-            facts.no_writes_label = true;
-            assert_eq!(facts.write_effect(true), Effect::NotApplied, "{kind:?}");
-        }
-        // Refused before sending: no attempt, no retry.
-        for kind in [FailureKind::ClientRefused, FailureKind::ServerSelection] {
-            let facts = Facts {
-                kind,
-                retryable_label: false,
-                no_writes_label: false,
-            };
-            assert_eq!(facts.write_effect(true), Effect::NotApplied, "{kind:?}");
-        }
-        let mut budget = RetryBudget::retry_once("t", true);
-        budget.start_attempt();
-        let Next::GiveUp(failure) = budget.after_failure(command_error(2)) else {
-            panic!("a command error is never retried");
-        };
-        assert_eq!(failure.effect, Effect::MaybeApplied);
-        assert!(budget.maybe_applied());
-        // A read applies nothing, whoever retried it.
-        let mut read = RetryBudget::read_once("find");
-        read.start_attempt();
-        let _ = read.after_failure(command_error(2));
-        assert!(!read.maybe_applied());
-    }
-
-    #[test]
-    fn budget_leaves_the_retry_to_the_driver_when_it_already_retried() {
-        // The driver attaches `RetryableWriteError` to failures it retries;
-        // a write-concern error carries it where tests can construct it.
-        let labelled = write_concern_error(91, &["RetryableWriteError"]);
-        let mut budget = RetryBudget::retry_once("t", true);
-        budget.start_attempt();
-        assert!(matches!(budget.after_failure(labelled), Next::GiveUp(_)));
-        // Without the label the driver did not retry: tally does, once.
-        let mut budget = RetryBudget::retry_once("t", true);
-        budget.start_attempt();
-        assert!(matches!(
-            budget.after_failure(command_error(10107)),
-            Next::Retry
-        ));
-    }
-
-    #[test]
     fn duplicate_key_retries_have_their_own_budget() {
-        let mut budget = RetryBudget::retry_once("t", false).with_duplicate_key_retries(2);
+        let mut budget = RetryBudget::retry_once("t").with_duplicate_key_retries(2);
         for _ in 0..2 {
             budget.start_attempt();
             assert!(matches!(
@@ -916,7 +823,7 @@ mod tests {
         /// applied on the primary, a lost reply always may have applied.
         #[test]
         fn effect_is_consistent_with_the_kind(kind in any_kind(), label in any::<bool>()) {
-            let facts = Facts { kind, retryable_label: label, no_writes_label: false };
+            let facts = Facts { kind, retryable_label: label };
             match kind {
                 FailureKind::WriteConcern(_) =>
                     prop_assert_eq!(facts.effect(), Effect::AppliedUnconfirmed),
@@ -936,7 +843,7 @@ mod tests {
         /// on anything but kind, code and label.
         #[test]
         fn classification_is_total_and_ordered(kind in any_kind(), label in any::<bool>()) {
-            let facts = Facts { kind, retryable_label: label, no_writes_label: false };
+            let facts = Facts { kind, retryable_label: label };
             let class = facts.class();
             if let FailureKind::Command(c) | FailureKind::Write(c) = kind {
                 if code::DUPLICATE_KEY_CODES.contains(&c) {
@@ -957,7 +864,7 @@ mod tests {
             } else {
                 prop_assert_eq!(facts.read_class(), class);
             }
-            prop_assert_eq!(class, Facts { kind, retryable_label: label, no_writes_label: false }.class());
+            prop_assert_eq!(class, Facts { kind, retryable_label: label }.class());
         }
     }
 
@@ -1047,18 +954,6 @@ mod tests {
         }
     }
 
-    impl Fault {
-        /// The effect when the driver may have retried the write itself: a
-        /// server's refusal may be its retry's answer (none of these
-        /// carries `NoWritesPerformed`), the first attempt still on its way.
-        fn expected_write_effect(&self, driver_retries_writes: bool) -> Effect {
-            match self {
-                Self::Command(_) | Self::Write(_) if driver_retries_writes => Effect::MaybeApplied,
-                _ => self.expected_effect(),
-            }
-        }
-    }
-
     fn any_code() -> impl Strategy<Value = i32> {
         prop_oneof![
             3 => proptest::sample::select(DESIGN_TRANSIENT.to_vec()),
@@ -1134,17 +1029,15 @@ mod tests {
         }
 
         /// The retry rule over any sequence of failures: at most one
-        /// transient retry in total, none when the driver already retried a
-        /// labelled failure; never a command error; at most `k` duplicate
+        /// transient retry in total; never a command error; at most `k` duplicate
         /// keys; and `maybe_applied` is true exactly when some failure so far
         /// may have applied its write.
         #[test]
         fn retry_budget_follows_the_rule_for_any_sequence(
             faults in proptest::collection::vec(any_fault(), 1..12),
-            driver_retries_writes in any::<bool>(),
             duplicate_retries in proptest::option::of(0u32..4),
         ) {
-            let mut budget = RetryBudget::retry_once("prop", driver_retries_writes);
+            let mut budget = RetryBudget::retry_once("prop");
             if let Some(k) = duplicate_retries {
                 budget = budget.with_duplicate_key_retries(k);
             }
@@ -1159,12 +1052,12 @@ mod tests {
                 // The reference rule, from DESIGN §1 and `RetryBudget`'s docs.
                 let should_retry = match class {
                     ErrorClass::Transient => {
-                        !(driver_retries_writes && fault.labelled()) && transient_retries == 0
+                        transient_retries == 0
                     }
                     ErrorClass::DuplicateKey => duplicate_retries_taken < k,
                     ErrorClass::Command => false,
                 };
-                let effect = fault.expected_write_effect(driver_retries_writes);
+                let effect = fault.expected_effect();
                 any_maybe_applied |= effect != Effect::NotApplied;
                 let next = budget.after_failure(fault.build("X", "m"));
                 prop_assert_eq!(budget.maybe_applied(), any_maybe_applied, "after {:?}", fault);

@@ -451,7 +451,7 @@ impl Reconciler {
         let spec = &target.spec;
         let collection = self.store.collection(&spec.name);
         let filter = doc! { "_id": { "$in": ids } };
-        let mut budget = RetryBudget::retry_once("reconcile.read", false);
+        let mut budget = RetryBudget::retry_once("reconcile.read");
         let cursor = self
             .store
             .with_retry(&mut budget, || {
@@ -482,7 +482,7 @@ impl Reconciler {
             ] } },
             doc! { "$project": projection(spec) },
         ];
-        let mut budget = RetryBudget::retry_once("reconcile.report", false);
+        let mut budget = RetryBudget::retry_once("reconcile.report");
         self.store
             .with_retry(&mut budget, || {
                 collection

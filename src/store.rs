@@ -1,13 +1,19 @@
 //! The connected handle every operation works through.
 //!
-//! A [`Store`] is a cheap-to-clone handle holding the driver's `Client`, the
-//! database tally works in, and one fact the retry rule needs: whether the
-//! driver itself retries writes (retryable writes on, and a deployment that
-//! supports them). That fact is learned from one `hello`, lazily, so a
-//! `Store` can be built while the server is still down.
+//! A [`Store`] is a cheap-to-clone handle holding the driver's `Client` and
+//! the database tally works in. No I/O happens until the first operation, so
+//! a `Store` can be built while the server is still down.
 //!
-//! Two settings are tally's own, whatever the connection string says:
+//! Some settings are tally's own, whatever the connection string says:
 //!
+//! - **tally owns its retries**: the driver's retry of writes is off on the
+//!   client tally uses (`retryWrites=true` in a URI, the driver's default,
+//!   is overridden). Every tally write is idempotent by construction and
+//!   tally retries a transient failure once itself, so it knows how often
+//!   each write was sent: a refusal of a write sent once is a definite "not
+//!   applied" (`NotCounted`), never "unknown". With the driver retrying, a
+//!   refusal could be the answer to its retry while the first attempt was
+//!   still on its way, and tally could not tell.
 //! - **write concern `majority`** for every write (the database handle
 //!   carries it, so every collection and command made from it does): with
 //!   `w: 1`, a step 1 that a failover rolls back could still be "counted" by
@@ -39,7 +45,6 @@ use mongodb::options::{
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
 use serde::Serialize;
-use tokio::sync::OnceCell;
 
 use crate::error::{Error, Failure, Next, RetryBudget};
 use crate::redact::{SecretString, Secrets, redact_uri};
@@ -183,11 +188,8 @@ pub struct Store {
 struct Inner {
     client: Client,
     database: Database,
-    retry_writes_requested: bool,
-    load_balanced: bool,
     server_selection_timeout: Duration,
     attempt_timeout: Duration,
-    driver_retries_writes: OnceCell<bool>,
     /// The connection's password, to scrub from the server's messages.
     secrets: Secrets,
 }
@@ -200,6 +202,7 @@ impl Store {
             .await
             .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
         config.apply_to(&mut options);
+        options.retry_writes = Some(false);
         let client = Client::with_options(options.clone())
             .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
         Ok(Self::from_parts(client, &options, &config.database)
@@ -207,12 +210,26 @@ impl Store {
     }
 
     /// Wraps an existing client. `options` are the ones the client was built
-    /// with: they say whether retryable writes were requested, and how long
-    /// server selection waits. Whatever write concern they ask for, tally's
-    /// own writes use `majority` (a warning says so when they asked for
-    /// another `w`); whatever read preference, its reads go to the primary
-    /// (likewise).
+    /// with: they say how long server selection waits. Whatever write
+    /// concern they ask for, tally's own writes use `majority` (a warning
+    /// says so when they asked for another `w`); whatever read preference,
+    /// its reads go to the primary (likewise).
+    ///
+    /// tally owns its retries: when `options` leave the driver's retryable
+    /// writes on (the driver's default), tally builds its own client from
+    /// `options` with them off (a second connection pool, sharing nothing
+    /// with `client`) and uses that one. Build `client` with
+    /// `retry_writes: Some(false)` to share one pool.
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
+        let client = if options.retry_writes == Some(false) {
+            client
+        } else {
+            let mut own = options.clone();
+            own.retry_writes = Some(false);
+            // Building a client does no I/O; it fails only for options the
+            // driver refuses, which `client` was built from already.
+            Client::with_options(own).unwrap_or(client)
+        };
         let database = client.database_with_options(
             database,
             DatabaseOptions::builder()
@@ -227,11 +244,8 @@ impl Store {
             inner: Arc::new(Inner {
                 client,
                 database,
-                retry_writes_requested: options.retry_writes != Some(false),
-                load_balanced: options.load_balanced == Some(true),
                 server_selection_timeout,
                 attempt_timeout: attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout),
-                driver_retries_writes: OnceCell::new(),
                 secrets: Secrets::new(
                     "",
                     options
@@ -251,11 +265,8 @@ impl Store {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             client: shared.client.clone(),
             database: shared.database.clone(),
-            retry_writes_requested: shared.retry_writes_requested,
-            load_balanced: shared.load_balanced,
             server_selection_timeout: shared.server_selection_timeout,
             attempt_timeout: shared.attempt_timeout,
-            driver_retries_writes: OnceCell::new(),
             secrets: shared.secrets.clone(),
         });
         let bound = attempt_bound(timeout, inner.server_selection_timeout);
@@ -355,33 +366,8 @@ impl Store {
         self.inner.database.collection(name)
     }
 
-    /// Whether the driver retries single-document writes itself: retryable
-    /// writes requested and a deployment that supports them (a replica set,
-    /// a sharded cluster or a load balancer; never a standalone server).
-    /// Learned from one `hello` the first time it is needed.
-    pub async fn driver_retries_writes(&self) -> Result<bool, Error> {
-        if !self.inner.retry_writes_requested {
-            return Ok(false);
-        }
-        if self.inner.load_balanced {
-            return Ok(true);
-        }
-        self.inner
-            .driver_retries_writes
-            .get_or_try_init(|| async {
-                let hello = self.hello().await?;
-                let sessions = hello.contains_key("logicalSessionTimeoutMinutes");
-                let replicated = hello.contains_key("setName")
-                    || hello.get_str("msg").is_ok_and(|m| m == "isdbgrid");
-                Ok(sessions && replicated)
-            })
-            .await
-            .copied()
-    }
-
     /// One idempotent `updateOne` (operators or a pipeline), retried once on
-    /// a transient failure (leaving the retry to the driver when it makes
-    /// it).
+    /// a transient failure.
     pub(crate) async fn update_one(
         &self,
         collection: &Collection<Document>,
@@ -389,8 +375,7 @@ impl Store {
         update: impl Into<UpdateModifications> + Clone,
         operation: &'static str,
     ) -> Result<UpdateResult, Error> {
-        let driver_retries = self.driver_retries_writes().await?;
-        let mut budget = RetryBudget::retry_once(operation, driver_retries);
+        let mut budget = RetryBudget::retry_once(operation);
         self.with_retry(&mut budget, || {
             collection.update_one(filter.clone(), update.clone())
         })

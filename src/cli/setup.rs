@@ -124,7 +124,7 @@ async fn sparse_index(
                 .build(),
         )
         .build();
-    let mut budget = RetryBudget::retry_once("setup.create_index", false);
+    let mut budget = RetryBudget::retry_once("setup.create_index");
     store
         .with_retry(&mut budget, || collection.create_index(model.clone()))
         .await

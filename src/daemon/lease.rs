@@ -91,10 +91,9 @@ impl Lease {
             "expires": DateTime::from_system_time(now + self.ttl),
             "renewed": DateTime::from_system_time(now),
         }};
-        let driver_retries = self.store.driver_retries_writes().await?;
         // Idempotent for its owner: setting the same owner and a later expiry
         // again is harmless.
-        let mut budget = RetryBudget::retry_once("lease.renew", driver_retries);
+        let mut budget = RetryBudget::retry_once("lease.renew");
         let taken: Option<Document> = self
             .store
             .with_retry(&mut budget, || {

@@ -94,7 +94,7 @@ impl State {
     /// Forgets the saved resume token (after the server lost its history).
     pub(crate) async fn forget_resume_token(&self, collection: &str) -> Result<(), Error> {
         let filter = doc! { "_id": format!("resume:{collection}") };
-        let mut budget = crate::error::RetryBudget::retry_once("state.forget", false);
+        let mut budget = crate::error::RetryBudget::retry_once("state.forget");
         self.store
             .with_retry(&mut budget, || self.collection.delete_one(filter.clone()))
             .await
@@ -112,7 +112,7 @@ impl State {
     async fn write(&self, id: &str, fields: Document) -> Result<(), Error> {
         // Two daemons upserting the same new document race on `_id`: the
         // loser's duplicate key applied nothing and is sent again.
-        let mut budget = crate::error::RetryBudget::retry_once("state.write", false)
+        let mut budget = crate::error::RetryBudget::retry_once("state.write")
             .with_duplicate_key_retries(3);
         self.store
             .with_retry(&mut budget, || {

@@ -82,7 +82,7 @@ async fn send_command(
     outcome: &mut Outcome,
 ) -> Result<(), Error> {
     let mut live: Vec<&(usize, &Statement)> = statements.iter().collect();
-    let mut budget = RetryBudget::retry_once("reconcile.fold", false);
+    let mut budget = RetryBudget::retry_once("reconcile.fold");
     loop {
         let mut command = doc! {
             "update": collection,

@@ -494,7 +494,7 @@ impl EventFold {
     pub async fn mark(&self, batch: &ClaimedBatch, now: SystemTime) -> Result<u64, Error> {
         let filter = doc! { field::BATCH: batch.id, field::FOLDED: { "$exists": false } };
         let update = doc! { "$set": { field::FOLDED: DateTime::from_system_time(now) } };
-        let mut budget = RetryBudget::retry_once("ledger.fold.mark", false);
+        let mut budget = RetryBudget::retry_once("ledger.fold.mark");
         let marked = self
             .store
             .with_retry(&mut budget, || {

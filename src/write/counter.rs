@@ -261,10 +261,6 @@ impl Counters {
     /// Step 1: `$addToSet` the entry, upserting the counter document (for a
     /// settle, only while the token has no marker).
     async fn add_token(&self, key: &Bson, entry: &Entry, by: By) -> Added {
-        let driver_retries = match self.store.driver_retries_writes().await {
-            Ok(retries) => retries,
-            Err(err) => return Added::No(err),
-        };
         let (filter, update) = step::add(&self.spec, key, entry, by);
         // A settle reads the document again instead: a duplicate key may
         // mean a marker it must not write past.
@@ -272,7 +268,7 @@ impl Counters {
             By::Increment => UPSERT_RACE_RETRIES,
             By::Settle => 0,
         };
-        let mut budget = RetryBudget::retry_once("increment.add_token", driver_retries)
+        let mut budget = RetryBudget::retry_once("increment.add_token")
             .with_duplicate_key_retries(duplicate_retries);
         // Never (re)send step 1 for a token the daemon may fold: a retry
         // that lands after the fold would count twice.

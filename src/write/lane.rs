@@ -331,16 +331,12 @@ impl Counters {
             By::Increment => "lane.add",
             By::Resume => "lane.resume",
         };
-        let driver_retries = match self.store.driver_retries_writes().await {
-            Ok(retries) => retries,
-            Err(cause) => return undecided(by, false, cause),
-        };
         let (filter, update) = statement(&self.spec, op);
         let mut maybe_applied = false;
         let mut collided = None;
         for _ in 0..READ_ROUNDS {
             let mut budget =
-                RetryBudget::retry_once(operation, driver_retries).with_duplicate_key_retries(1);
+                RetryBudget::retry_once(operation).with_duplicate_key_retries(1);
             // Never (re)send a minted lane's update once the daemon may
             // prune its entry: it would apply again.
             let allowed = || within_horizon(lanes, &op.lane, SystemTime::now());

@@ -232,19 +232,9 @@ impl Ledger {
         mut sending: Vec<usize>,
     ) -> Vec<(usize, Recording)> {
         let mut settled = Vec::new();
-        let driver_retries = match self.store.driver_retries_writes().await {
-            Ok(retries) => retries,
-            // Nothing was sent.
-            Err(cause) => {
-                return sending
-                    .into_iter()
-                    .map(|i| (i, not_recorded(&events[i], cause.clone())))
-                    .collect();
-            }
-        };
         let mut maybe_applied = vec![false; events.len()];
         let mut existing = Vec::new();
-        let mut budget = RetryBudget::retry_once("ledger.record_many", driver_retries);
+        let mut budget = RetryBudget::retry_once("ledger.record_many");
         while !sending.is_empty() {
             let documents: Vec<Document> = sending
                 .iter()
@@ -277,16 +267,11 @@ impl Ledger {
                     }
                 }
                 let unconfirmed = many.write_concern_error.is_some();
-                // Where the driver retries writes, these may be its retry's
-                // answers while the first attempt, held up in the network,
-                // still lands: a refusal then proves nothing
-                // (`Facts::write_effect`).
-                let refusal_proves = !driver_retries || Facts::of(&err).no_writes_label;
                 let mut again = Vec::new();
                 for (slot, &i) in failed.into_iter().zip(&sending) {
                     match slot {
                         Some(code) if code::DUPLICATE_KEY_CODES.contains(&code) => existing.push(i),
-                        Some(_) if maybe_applied[i] || !refusal_proves => {
+                        Some(_) if maybe_applied[i] => {
                             settled.push((i, unknown_of(&events[i], cause())))
                         }
                         Some(_) => settled.push((i, not_recorded(&events[i], cause()))),
@@ -315,7 +300,7 @@ impl Ledger {
                     }
                 }
             }
-            let effect = Facts::of(&err).write_effect(driver_retries);
+            let effect = Facts::of(&err).effect();
             match budget.after_failure(err.clone()) {
                 Next::Retry => {
                     if effect != Effect::NotApplied {

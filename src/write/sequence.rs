@@ -171,8 +171,7 @@ impl Sequences {
         update: Document,
         operation: &'static str,
     ) -> Result<Option<i64>, Error> {
-        let driver_retries = self.store.driver_retries_writes().await?;
-        let mut budget = RetryBudget::retry_once(operation, driver_retries);
+        let mut budget = RetryBudget::retry_once(operation);
         let found = self
             .store
             .with_retry(&mut budget, || {

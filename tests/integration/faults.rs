@@ -186,11 +186,9 @@ impl Expected {
     }
 }
 
-/// The matrix. `driver_retries`: the driver retries writes itself
-/// (`retryWrites=true` on a deployment that supports it); the server then
-/// de-duplicates its retry, so a lost reply is answered from the first
-/// execution instead of a second one.
-fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
+/// The matrix: the same with `retryWrites=true` or `false` in the URI,
+/// because tally owns its retries (the driver's are off on its client).
+fn expected(site: Site, fault: Fault) -> Expected {
     use Fault::*;
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
@@ -198,9 +196,6 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         // the increment is counted; a refused command is not counted.
         (Step1, ReplyDropped | DelayedPastTimeout) => ("counted", 2, 2),
         (Step1, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
-        // A refusal the driver may have got for its own retry — its first
-        // attempt possibly still on its way — proves nothing.
-        (Step1, CommandError) if driver_retries => ("unknown (command)", 1, 0),
         (Step1, CommandError) => ("not counted (command)", 1, 0),
         // A duplicate key on an upsert is a race that applied nothing.
         (Step1, DuplicateKey) => ("counted", 2, 1),
@@ -209,26 +204,22 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         // 2, as a step 1 attempt may have applied) makes the fold drop it.
         (Step1, Delayed) => ("counted", 2, 2),
         // Step 2 applies at most once: a retry after a lost reply finds the
-        // token gone — unless the server answers the driver's retry from
-        // the first execution.
-        (Step2, ReplyDropped) if driver_retries => ("counted", 2, 2),
+        // token gone.
         (Step2, ReplyDropped | DelayedPastTimeout) => ("counted (already settled)", 2, 2),
         (Step2, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
         // A refused step 2 leaves the token pending; `complete` counts it.
         (Step2, CommandError) => ("pending (command), then complete: counted", 2, 1),
         (Step2, DuplicateKey) => ("pending (duplicate_key), then complete: counted", 2, 1),
         // The held step 2 lands after its retry counted the token: it finds
-        // the token gone (or is answered from the retry's execution).
+        // the token gone.
         (Step2, Delayed) => ("counted", 2, 2),
         // `next` from 1: a retried `$inc` whose first execution applied
         // skips a number — a gap, never a duplicate.
-        (SequenceNext, ReplyDropped) if driver_retries => ("2", 2, 2),
         (SequenceNext, ReplyDropped | DelayedPastTimeout) => ("3", 2, 2),
         (SequenceNext, ClosedBeforeForwarding | NotPrimary) => ("2", 2, 1),
         (SequenceNext, CommandError) => ("error (command)", 1, 0),
         (SequenceNext, DuplicateKey) => ("error (duplicate_key)", 1, 0),
         // A retried take with the same token never takes twice.
-        (BoundedTake, ReplyDropped) if driver_retries => ("taken", 2, 2),
         (BoundedTake, ReplyDropped | DelayedPastTimeout) => ("already taken", 2, 2),
         (BoundedTake, ClosedBeforeForwarding | NotPrimary) => ("taken", 2, 1),
         (BoundedTake, CommandError) => ("error (command)", 1, 0),
@@ -244,14 +235,11 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         (Fold, DuplicateKey) => ("refused (11000), next run: folded 2 tokens (+4)", 2, 1),
         // A lane's update applies at most once: a retry after a lost reply
         // collides with what the first attempt wrote (its upsert, on `_id`,
-        // twice), and the lane's entry says it applied — unless the server
-        // answers the driver's retry from the first execution.
-        (LaneNew | LaneExisting, ReplyDropped) if driver_retries => ("counted", 2, 2),
+        // twice), and the lane's entry says it applied.
         (LaneNew | LaneExisting, ReplyDropped | DelayedPastTimeout) => {
             ("counted (already applied)", 3, 3)
         }
         (LaneNew | LaneExisting, ClosedBeforeForwarding | NotPrimary) => ("counted", 2, 1),
-        (LaneNew | LaneExisting, CommandError) if driver_retries => ("unknown (command)", 1, 0),
         (LaneNew | LaneExisting, CommandError) => ("not counted (command)", 1, 0),
         // An upsert race that applied nothing: sent again, once.
         (LaneNew | LaneExisting, DuplicateKey) => ("counted", 2, 1),
@@ -274,7 +262,6 @@ pub(crate) struct Rig {
     /// Through the proxy, each attempt bounded by [`ATTEMPT`].
     pub(crate) store: Store,
     pub(crate) direct: TestClient,
-    driver_retries: bool,
     retry_writes: bool,
 }
 
@@ -288,16 +275,11 @@ impl Rig {
             .store()
             .with_attempt_timeout(ATTEMPT);
         assert_eq!(store.attempt_timeout(), ATTEMPT);
-        let driver_retries = store
-            .driver_retries_writes()
-            .await
-            .expect("hello through the proxy");
         let direct = ctx.client(false).await;
         Self {
             proxy,
             store,
             direct,
-            driver_retries,
             retry_writes,
         }
     }
@@ -314,9 +296,8 @@ impl Rig {
         }
         assert!(
             failures.is_empty(),
-            "fault matrix (retryWrites={}, driver retries writes: {}):\n{failures}",
-            self.retry_writes,
-            self.driver_retries
+            "fault matrix (retryWrites={} in the URI):\n{failures}",
+            self.retry_writes
         );
     }
 
@@ -324,14 +305,13 @@ impl Rig {
         let name = format!("{site:?}_{fault:?}").to_lowercase();
         let direct = self.direct.collection(&name);
         self.proxy.clear_log();
-        let retryable_write = self.driver_retries && site != Site::Fold;
         let rule = self.proxy.rule(
             Rule::command(site.command())
                 .collection(&name)
                 .nth(site.nth())
-                .then(fault.action(retryable_write)),
+                .then(fault.action(false)),
         );
-        let want = expected(site, fault, self.driver_retries);
+        let want = expected(site, fault);
         let (outcome, state, from_log) = match site {
             Site::Step1 | Site::Step2 => self.increment(&name, &direct).await,
             Site::SequenceNext => self.sequence_next(&name, &direct).await,
@@ -763,12 +743,7 @@ async fn every_fault_at_every_write_with_retryable_writes_off() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_fault_at_every_write_with_retryable_writes_on() {
-    let rig = Rig::new("faults_retry_on", true).await;
-    assert!(
-        rig.driver_retries,
-        "the test deployment (a replica set) must let the driver retry writes"
-    );
-    rig.run_matrix().await;
+    Rig::new("faults_retry_on", true).await.run_matrix().await;
 }
 
 /// The increment's first step 1 is held up in the network and lands after
@@ -826,20 +801,16 @@ async fn a_delayed_step_1_landing_after_the_increment_is_never_counted_again() {
     }
 }
 
-/// With retryable writes, the driver answers for its own retry: the first
-/// attempt is held up in the network (the client sees its connection
-/// close), the driver retries, and the server refuses the retry with a
-/// command error that is not retried (BadValue here). The driver returns
-/// the retry's error, which does not say that nothing applied — and the
+/// The first attempt is held up in the network (the client's attempt runs
+/// out of time), tally retries, and the server refuses the retry with a
+/// command error (BadValue here). The refusal answers the retry only — the
 /// held first attempt lands afterwards. So neither protocol may say
 /// `NotCounted`: the increment is unknown, and resuming it counts it once.
+/// (With `retryWrites=true` in the URI: tally's client has the driver's
+/// retries off, and tally's own retry is this one.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_driver_retry_refused_after_its_held_first_attempt_is_unknown_never_not_counted() {
+async fn a_retry_refused_after_its_held_first_attempt_is_unknown_never_not_counted() {
     let rig = Rig::new("driver_retry_refused", true).await;
-    assert!(
-        rig.driver_retries,
-        "the test deployment must let the driver retry writes"
-    );
     for protocol in ["lanes", "two-step"] {
         let rules = [
             rig.proxy.rule(

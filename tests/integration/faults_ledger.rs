@@ -85,13 +85,6 @@ const SITES: [Site; 8] = [
 ];
 
 impl Site {
-    /// Whether the driver retries the faulted command itself when retryable
-    /// writes are on: a write of one document (or an `insert` of many),
-    /// never an `updateMany` or a read.
-    fn driver_retries(self) -> bool {
-        !matches!(self, Self::Claim | Self::Sum | Self::Mark)
-    }
-
     /// The faulted command, the collection (by suffix of the cell's name)
     /// and which of its requests.
     fn target(self) -> (&'static str, &'static str, u64) {
@@ -107,26 +100,20 @@ impl Site {
     }
 }
 
-/// The table. `driver_retries`: retryable writes are on; where a cell's
-/// expectation differs from the off case, its arm says why. A driver's
-/// retry and tally's retry count alike here: each is one request more.
-fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
+/// The table: the same with `retryWrites=true` or `false` in the URI,
+/// because tally owns its retries (the driver's are off on its client).
+fn expected(site: Site, fault: Fault) -> Expected {
     use Fault::*;
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
-        // A lost reply: the retry's duplicate key names our own token (or
-        // the server answers the driver's retry from the first insert).
+        // A lost reply: the retry's duplicate key names our own token.
         (Record, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
         (Record, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
-        // A refusal the driver may have got for its own retry — its first
-        // attempt possibly still on its way — proves nothing.
-        (Record, CommandError) if driver_retries => ("unknown", 1, 0),
         (Record, CommandError) => ("not_recorded", 1, 0),
         (RecordMany, ReplyDropped | DelayedPastTimeout | Delayed) => {
             ("recorded recorded recorded", 2, 2)
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
-        (RecordMany, CommandError) if driver_retries => ("unknown unknown unknown", 1, 0),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The intent: an insert retried once; a duplicate key on the retry
         // is our own first attempt. A refused intent stops the pass before
@@ -148,9 +135,6 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
         // with the upsert that landed, and the update sent again finds the
         // lane holding the number. A refused one leaves the batch to
         // recovery.
-        // The server answers the driver's retry from the first execution:
-        // no collision, so no third update of the counter.
-        (Apply, ReplyDropped) if driver_retries => ("folded 3", 3, 3),
         (Apply, ReplyDropped | DelayedPastTimeout) => ("folded 3", 4, 4),
         (Apply, Delayed) => ("folded 3", 3, 3),
         (Apply, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
@@ -176,27 +160,14 @@ fn expected(site: Site, fault: Fault, driver_retries: bool) -> Expected {
 /// The matrix's rig, with the ledger's cells.
 struct LedgerRig {
     rig: Rig,
-    /// The driver retries writes itself (`retryWrites=true` on a deployment
-    /// that supports it).
-    driver_retries: bool,
+    /// `retryWrites` in the URI.
+    retry_writes: bool,
 }
 
 impl LedgerRig {
     async fn new(name: &str, retry_writes: bool) -> Self {
         let rig = Rig::new(name, retry_writes).await;
-        let driver_retries = rig
-            .store
-            .driver_retries_writes()
-            .await
-            .expect("hello through the proxy");
-        assert_eq!(
-            driver_retries, retry_writes,
-            "the test deployment (a replica set) must let the driver retry writes when asked"
-        );
-        Self {
-            rig,
-            driver_retries,
-        }
+        Self { rig, retry_writes }
     }
 
     /// Runs every cell; panics listing every cell that disagrees.
@@ -211,8 +182,8 @@ impl LedgerRig {
         }
         assert!(
             failures.is_empty(),
-            "ledger fault matrix (driver retries writes: {}):\n{failures}",
-            self.driver_retries
+            "ledger fault matrix (retryWrites={} in the URI):\n{failures}",
+            self.retry_writes
         );
     }
 
@@ -230,7 +201,7 @@ impl LedgerRig {
             Rule::command(command)
                 .collection(&faulted)
                 .nth(nth)
-                .then(fault.action(self.driver_retries && site.driver_retries())),
+                .then(fault.action(false)),
         );
         let mut diff = Vec::new();
         match site {
@@ -408,7 +379,7 @@ impl LedgerRig {
             .collect();
         let sent = ours.len();
         let reached = ours.iter().filter(|e| e.reached_server).count();
-        expected(site, fault, self.driver_retries).judge(outcome, sent, reached, diff);
+        expected(site, fault).judge(outcome, sent, reached, diff);
     }
 }
 
@@ -460,16 +431,12 @@ async fn every_fault_at_every_ledger_write_and_fold_step_with_retryable_writes_o
         .await;
 }
 
-/// With retryable writes on, the driver answers for its own retry: the
-/// first `insert` is held up in the network (the client sees its
-/// connection close), the driver retries, and the server refuses the retry
-/// with a command error that is not retried. The held first insert lands
-/// afterwards: no recording may say `not_recorded`; `record` and
-/// `record_many` say `unknown` (`record_many` said `not_recorded` for
-/// events that then landed and were counted, until its retry budget and
-/// effect took the driver's retries into account).
+/// The first `insert` is held up in the network (its attempt runs out of
+/// time), tally retries, and the server refuses the retry with a command
+/// error. The held first insert lands afterwards: no recording may say
+/// `not_recorded`; `record` and `record_many` say `unknown`.
 #[tokio::test]
-async fn a_driver_retry_refused_after_its_held_first_insert_is_unknown_never_not_recorded() {
+async fn a_retry_refused_after_its_held_first_insert_is_unknown_never_not_recorded() {
     use crate::common::proxy::{Action, Release};
     let rig = LedgerRig::new("ledger_driver_retry_refused", true).await;
     for many in [false, true] {

@@ -439,27 +439,6 @@ async fn bare_tokens_written_by_other_clients_are_completed() {
     );
 }
 
-#[tokio::test]
-async fn the_store_learns_whether_the_driver_retries_writes() {
-    let ctx = TestContext::new("retry_fact").await;
-    assert!(
-        ctx.client(true)
-            .await
-            .store()
-            .driver_retries_writes()
-            .await
-            .unwrap()
-    );
-    assert!(
-        !ctx.client(false)
-            .await
-            .store()
-            .driver_retries_writes()
-            .await
-            .unwrap()
-    );
-}
-
 /// A standalone server has no retryable writes even when the URI asks for
 /// them: tally must make the one retry itself.
 #[tokio::test]
@@ -473,7 +452,6 @@ async fn on_a_standalone_server_tally_makes_the_retry_itself() {
     });
     let ctx = TestContext::on("standalone_retry", server.uri()).await;
     let client = ctx.client(true).await;
-    assert!(!client.store().driver_retries_writes().await.unwrap());
     let views = counters(&client, "views");
     assert_counted(&views.increment("warmup", 1).await);
     client.events.clear();

@@ -49,7 +49,7 @@ pub(super) async fn write(
     let intent = doc! {
         "_id": batch.id, "l": batch.lane.to_hex(), "s": batch.number, "ids": ids.to_vec(),
     };
-    let mut budget = RetryBudget::retry_once("ledger.fold.intent", false);
+    let mut budget = RetryBudget::retry_once("ledger.fold.intent");
     let written = store
         .with_retry(&mut budget, || intents.insert_one(intent.clone()))
         .await;
@@ -82,7 +82,7 @@ pub(super) async fn claim(
             field::CLAIM: { "$exists": false },
             field::FOLDED: { "$exists": false },
         };
-        let mut budget = RetryBudget::retry_once("ledger.fold.claim", false);
+        let mut budget = RetryBudget::retry_once("ledger.fold.claim");
         store
             .with_retry(&mut budget, || {
                 events.update_many(filter.clone(), claim.clone())
@@ -125,7 +125,7 @@ pub(super) async fn remove(
     intents: &Collection<Document>,
     id: ObjectId,
 ) -> Result<(), Error> {
-    let mut budget = RetryBudget::retry_once("ledger.fold.intent_done", false);
+    let mut budget = RetryBudget::retry_once("ledger.fold.intent_done");
     store
         .with_retry(&mut budget, || intents.delete_one(doc! { "_id": id }))
         .await

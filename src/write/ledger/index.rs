@@ -155,7 +155,7 @@ pub(crate) async fn create(
                     "collMod": collection,
                     "index": { "name": name, "expireAfterSeconds": ttl.unwrap_or_default() },
                 };
-                let mut budget = RetryBudget::retry_once("ledger.retune_ttl", false);
+                let mut budget = RetryBudget::retry_once("ledger.retune_ttl");
                 store
                     .with_retry(&mut budget, || {
                         store.database().run_command(command.clone())
@@ -175,7 +175,7 @@ pub(crate) async fn create(
                     .keys(need.keys.clone())
                     .options(options)
                     .build();
-                let mut budget = RetryBudget::retry_once("ledger.create_index", false);
+                let mut budget = RetryBudget::retry_once("ledger.create_index");
                 store
                     .with_retry(&mut budget, || coll.create_index(model.clone()))
                     .await
