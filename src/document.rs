@@ -102,6 +102,22 @@ pub(crate) fn exact_double_range(amount: i64) -> Option<(i64, i64)> {
     Some((low as i64, high as i64))
 }
 
+/// Whether a counter `value` cannot take `amount` without passing the int64
+/// limit — the rule of step 1's guard (`int64_room`): integers exactly, a
+/// double by its value. Other types are not this rule's (malformed).
+pub(crate) fn int64_overflow(value: &Bson, amount: i64) -> bool {
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0; // 2^63
+    match value {
+        Bson::Int32(v) => i64::from(*v).checked_add(amount).is_none(),
+        Bson::Int64(v) => v.checked_add(amount).is_none(),
+        Bson::Double(v) => {
+            let sum = *v + amount as f64;
+            !(-LIMIT..LIMIT).contains(&sum)
+        }
+        _ => false,
+    }
+}
+
 /// Whether the double counter `counter` takes `amount` exactly
 /// ([`exact_double_range`], and integral).
 pub(crate) fn double_takes(counter: f64, amount: i64) -> bool {

@@ -22,9 +22,7 @@ use std::fmt;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
-use mongodb::error::{
-    Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure,
-};
+use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 pub(crate) mod code;
 
@@ -332,6 +330,23 @@ pub enum Error {
         stored: i64,
         /// The amount the caller gave.
         given: i64,
+    },
+
+    /// The counter cannot take the amount: the sum would pass the int64
+    /// limit. Refused before anything was written; not counted.
+    #[error(
+        "counter {collection}/{key} is {value} and cannot take {amount:+} without passing the \
+         int64 limit: nothing was written, not counted"
+    )]
+    Overflow {
+        /// The counter collection.
+        collection: String,
+        /// The counter's `_id`, as shown in logs.
+        key: String,
+        /// The counter's value when it was read.
+        value: String,
+        /// The amount refused.
+        amount: i64,
     },
 
     /// The caller passed a value the operation cannot accept; nothing was

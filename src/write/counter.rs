@@ -292,7 +292,12 @@ impl Counters {
             },
             Err(Stopped::Refused(cause)) if budget.maybe_applied() => Added::Unknown(cause),
             Err(Stopped::Refused(cause)) => Added::No(cause),
-            Err(Stopped::GaveUp(failure)) => self.step_1_failed(&budget, failure, by),
+            Err(Stopped::GaveUp(failure)) => {
+                if let Some(refused) = self.overflow_refusal(key, entry, &failure).await {
+                    return Added::No(refused);
+                }
+                self.step_1_failed(&budget, failure, by)
+            }
         }
     }
 
@@ -325,6 +330,30 @@ impl Counters {
                 },
             }
         }
+    }
+
+    /// When step 1 collided on `_id` because the counter cannot take the
+    /// amount (its filter refuses a counter the amount would take past the
+    /// int64 limit): the refusal to report. Nothing applied — a collision
+    /// writes nothing, and the filter refused every attempt alike. `None`
+    /// for any other failure, or when the document reads otherwise.
+    async fn overflow_refusal(
+        &self,
+        key: &Bson,
+        entry: &Entry,
+        failure: &Failure,
+    ) -> Option<Error> {
+        let on_id = duplicate_on_id(&failure.source) != Some(false);
+        if failure.class != ErrorClass::DuplicateKey || !on_id {
+            return None;
+        }
+        let value = self.value(key.clone()).await.ok().flatten()?;
+        crate::document::int64_overflow(&value, entry.amount()).then(|| Error::Overflow {
+            collection: self.spec.name.clone(),
+            key: key.to_string(),
+            value: value.to_string(),
+            amount: entry.amount(),
+        })
     }
 
     /// What a step 1 that gave up established.

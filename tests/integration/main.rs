@@ -20,6 +20,7 @@ mod ledger_prune;
 mod ledger_review;
 mod ledger_review2;
 mod ledger_soak;
+mod overflow;
 mod packaging;
 mod proxy;
 mod pruning;

@@ -29,14 +29,16 @@ pub(super) enum By {
 /// Step 1: `$addToSet` the entry, creating the counter document (counting
 /// from int64 0) if needed. A settle's step 1 applies only while the
 /// document has no marker for the token: once a settle counted it, re-adding
-/// it would make it pending again. Returns the filter and the update.
+/// it would make it pending again. Neither applies to a counter the amount
+/// would take past the int64 limit ([`int64_room`]): step 2 could never
+/// count it. Returns the filter and the update.
 pub(super) fn add(
     spec: &CollectionConfig,
     key: &Bson,
     entry: &Entry,
     by: By,
 ) -> (Document, Document) {
-    let mut filter = doc! { "_id": key };
+    let mut filter = doc! { "_id": key, &spec.counter_field: int64_room(entry.amount()) };
     if by == By::Settle {
         filter.insert(marker_path(spec), doc! { "$ne": entry.token().object_id() });
     }
@@ -88,6 +90,19 @@ pub(super) fn count(
         );
     }
     (filter, vec![doc! { "$set": set }])
+}
+
+/// A condition on the counter: it can take `amount` without passing the
+/// int64 limit (`$not` so that a missing counter, which counts from 0,
+/// matches). One condition on the counter's own path, off the hot path's
+/// `_id` lookup; a counter it refuses makes step 1's upsert collide on
+/// `_id`, and the document read then says why.
+pub(crate) fn int64_room(amount: i64) -> Document {
+    if amount > 0 {
+        doc! { "$not": { "$gt": i64::MAX - amount } }
+    } else {
+        doc! { "$not": { "$lt": i64::MIN - amount } }
+    }
 }
 
 /// `counter + amount` as `$inc` would compute it: a missing counter counts
