@@ -27,5 +27,6 @@ mod pruning;
 mod reconcile;
 mod sequence;
 mod settle;
+mod shown_configs;
 mod soak;
 mod soak_lanes;
