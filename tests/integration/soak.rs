@@ -1,4 +1,5 @@
-//! The exactly-once soak: 16 writers × 500 increments through the
+//! The exactly-once soak: 16 writers × 150 increments (× the soak scale,
+//! `TALLY_SOAK_SCALE`, default 1; 10 for a long run) through the
 //! black-pipe proxy with ~10% of the `update`s on the counters faulted at
 //! random (reply dropped, connection closed, reply delayed past the
 //! timeout, not-primary), some writers "crashing" after step 1, the daemon
@@ -27,7 +28,8 @@ use crate::common::{TestContext, external};
 use crate::daemon::Conf;
 
 const WRITERS: usize = 16;
-const INCREMENTS: usize = 500;
+/// Increments per writer at scale 1.
+const INCREMENTS: usize = 150;
 const KEYS: usize = 50;
 /// Each of the four fault rules selects this share of the `update`s.
 const FAULT_SHARE: f64 = 0.026;
@@ -42,8 +44,27 @@ pub(crate) const SELECTION: &str = "serverSelectionTimeoutMS=2000";
 pub(crate) const DELAY: Duration = Duration::from_secs(4);
 /// The writers' retry horizon, the same as the daemon's config says.
 const RETRY_HORIZON: Duration = Duration::from_secs(6);
-/// The whole soak must finish within this.
+/// The whole soak must finish within this, at scale 1.
 const BUDGET: Duration = Duration::from_secs(300);
+
+/// How much longer than in CI a soak runs: `TALLY_SOAK_SCALE` (a number,
+/// default 1), multiplying its work and its time budget. CI runs scale 1,
+/// about a minute per soak; `TALLY_SOAK_SCALE=10 scripts/test soak` is the
+/// long form.
+pub(crate) fn soak_scale() -> f64 {
+    match std::env::var("TALLY_SOAK_SCALE") {
+        Ok(text) => match text.parse::<f64>() {
+            Ok(scale) if scale.is_finite() && scale > 0.0 => scale,
+            _ => panic!("TALLY_SOAK_SCALE must be a positive number, not {text:?}"),
+        },
+        Err(_) => 1.0,
+    }
+}
+
+/// `n` at the soak scale (at least 1).
+pub(crate) fn scaled(n: usize) -> usize {
+    ((n as f64 * soak_scale()).round() as usize).max(1)
+}
 
 /// What a writer was told about one increment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -186,6 +207,8 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     let mut daemon = Tallyd::start(&config, &[]);
     daemon.wait_ready("active", Duration::from_secs(30)).await;
 
+    let increments = scaled(INCREMENTS);
+    let budget = BUDGET.mul_f64(soak_scale().max(1.0));
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
@@ -204,8 +227,8 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
             );
             let raw = store.collection("views");
             let mut rng = fastrand::Rng::with_seed(seed ^ ((w as u64 + 1) << 32));
-            let mut claims = Vec::with_capacity(INCREMENTS);
-            for i in 0..INCREMENTS {
+            let mut claims = Vec::with_capacity(increments);
+            for i in 0..increments {
                 let key = &keys[(w * 7 + i * 13) % keys.len()];
                 if rng.f64() < CRASH_SHARE {
                     crash_after_step_1(&raw, key).await;
@@ -219,10 +242,10 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
     }
 
     // Halfway: SIGKILL the daemon (mid-fold, likely) and start another.
-    let half = WRITERS * INCREMENTS / 2;
+    let half = WRITERS * increments / 2;
     while done.load(std::sync::atomic::Ordering::Relaxed) < half {
         assert!(
-            started.elapsed() < BUDGET,
+            started.elapsed() < budget,
             "seed {seed}: writers stalled before halfway"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -283,7 +306,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
         .count();
     eprintln!(
         "soak seed {seed}: {} increments, {updates} updates, {faulted} faulted; writers told {told:?}; {:.0?}",
-        WRITERS * INCREMENTS,
+        WRITERS * increments,
         started.elapsed()
     );
     assert!(
@@ -297,7 +320,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
         "seed {seed}: only {faulted} of {updates} updates were faulted"
     );
     assert!(
-        started.elapsed() < BUDGET,
+        started.elapsed() < budget,
         "seed {seed}: the soak took {:?}",
         started.elapsed()
     );
