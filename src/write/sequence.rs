@@ -12,9 +12,10 @@
 //!
 //! **Gaps.** A transient failure is retried once. If the lost attempt had
 //! applied, its number is skipped: a sequence may have gaps but never returns
-//! a number twice — the same promise PostgreSQL makes for `nextval`. With
-//! retryable writes on (the default on replica sets) the server
-//! de-duplicates the driver's retry and no number is skipped.
+//! a number twice — the same promise PostgreSQL makes for `nextval`. tally
+//! makes that retry itself (the driver's retryable writes are off on its
+//! client, whatever the URI says), so a lost reply may skip a number on
+//! every deployment.
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
