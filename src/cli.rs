@@ -249,6 +249,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     match cli.command {
         Command::CheckConfig(args) => {
             write_out(format_args!("{}", config.to_redacted_toml()), false);
+            for warning in config.warnings() {
+                eprintln!("warning: {warning}");
+            }
             eprintln!("configuration is valid");
             if args.connect {
                 doctor::check_indexes(&config).await
@@ -257,6 +260,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             }
         }
         Command::Run => {
+            for warning in config.warnings() {
+                tracing::warn!("{warning}");
+            }
             // A reload reads the configuration again from where this did.
             let reload = Cli {
                 config: cli.config,

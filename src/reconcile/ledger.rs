@@ -124,7 +124,7 @@ impl Default for EventFoldSettings {
         Self {
             batch_size: 5000,
             claim_timeout: Duration::from_secs(120),
-            lane_rotate: WriterConfig::default().lane_rotate,
+            lane_rotate: Duration::from_secs(3600),
             event_retention: index::DEFAULT_EVENT_RETENTION,
             pass_limit: Duration::from_secs(10),
         }

@@ -1,0 +1,314 @@
+//! A handle's lane and its group commit: one update in flight per counter,
+//! the increments that arrive meanwhile summed into the next.
+//!
+//! [`Counters::add`] queues the caller's share under its counter's
+//! canonical key ([`CanonicalKey`]: `5`, `NumberLong(5)` and `5.0` are one
+//! counter) in the handle's [`Batcher`]. The caller whose share finds the
+//! counter idle starts the counter's **sender**, a spawned task: it takes
+//! the waiting shares as one group, sends their sum under the lane's next
+//! number, tells every caller its own outcome, and takes the next group
+//! until none waits. A caller that gives up does not stop it: a share not
+//! sent yet is taken back (not counted), one sent shares its update's fate.
+//!
+//! **Retirement, per counter.** After an unknown outcome on counter `k`,
+//! nothing newer may go to `k` on the lane that carried it (a newer number
+//! applied first would make the unknown one look applied): the handle
+//! mints a fresh lane for `k` alone ([`LaneBook`]) and keeps its lane for
+//! every other counter. Retiring the whole lane instead would leave a new
+//! entry in every counter the handle writes afterwards. Once the retired
+//! update is past the resume horizon, nothing can resume it any more, and
+//! `k` may go back to the handle's lane (its numbers only grow, so a copy
+//! of the old update held up in the network is still refused).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use mongodb::bson::Bson;
+use mongodb::bson::oid::ObjectId;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::number::LaneNumbers;
+use super::{By, LaneId, LaneIncrement, LaneOp, Sent};
+use crate::document::CanonicalKey;
+use crate::token::Token;
+use crate::write::counter::Counters;
+use crate::write::group::{Batcher, GroupLimits, Next};
+
+/// One caller's increment waiting for its group's update.
+#[derive(Debug)]
+pub(super) struct Share {
+    /// The counter's key as this caller gave it.
+    pub(super) key: Bson,
+    /// What this caller adds.
+    pub(super) amount: i64,
+    /// Where its outcome goes.
+    pub(super) reply: oneshot::Sender<LaneIncrement>,
+}
+
+/// Which lane each counter is written through: the handle's, or — after an
+/// unknown outcome on it — a fresh one for that counter alone, until the
+/// retirement is older than the resume horizon. Takes "now" as a parameter.
+#[derive(Debug)]
+pub(crate) struct LaneBook<K> {
+    lane: ObjectId,
+    horizon: Duration,
+    retired: HashMap<K, (ObjectId, Instant)>,
+}
+
+impl<K: Eq + std::hash::Hash + Clone> LaneBook<K> {
+    pub(crate) fn new(lane: ObjectId, horizon: Duration) -> Self {
+        Self {
+            lane,
+            horizon,
+            retired: HashMap::new(),
+        }
+    }
+
+    /// The lane `key`'s next update goes through.
+    pub(crate) fn lane_for(&self, key: &K) -> ObjectId {
+        self.retired.get(key).map_or(self.lane, |(lane, _)| *lane)
+    }
+
+    /// An update of `key` through `lane` ended unknown at `now`: `key` gets
+    /// a fresh lane (minted at `minted`), unless it has moved on already.
+    /// Forgets the retirements past the horizon.
+    pub(crate) fn retire(&mut self, key: &K, lane: ObjectId, now: Instant, minted: SystemTime) {
+        let horizon = self.horizon;
+        self.retired
+            .retain(|_, (_, since)| now.saturating_duration_since(*since) < horizon);
+        if self.lane_for(key) == lane {
+            let fresh = Token::created_at_time(minted).object_id();
+            self.retired.insert(key.clone(), (fresh, now));
+        }
+    }
+}
+
+/// What a handle's group commit has done so far: [`Counters::lane_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaneStats {
+    /// Updates sent by [`Counters::add`] (each a group of increments).
+    pub updates: u64,
+    /// Increments those updates carried.
+    pub increments: u64,
+    /// Counters whose lane was retired after an unknown outcome.
+    pub retired: u64,
+}
+
+impl LaneStats {
+    /// Increments per update: how much group commit saved (1 when every
+    /// increment went alone; 0 before the first update).
+    pub fn group_size(&self) -> f64 {
+        if self.updates == 0 {
+            0.0
+        } else {
+            self.increments as f64 / self.updates as f64
+        }
+    }
+}
+
+/// A handle's lane, its numbers, its retirements and its queue.
+#[derive(Debug)]
+pub(crate) struct LaneWriter {
+    numbers: LaneNumbers,
+    book: Mutex<LaneBook<CanonicalKey>>,
+    pub(super) batcher: Batcher<CanonicalKey, Share>,
+    pub(super) resume_horizon: Duration,
+    updates: AtomicU64,
+    increments: AtomicU64,
+    retired: AtomicU64,
+}
+
+impl LaneWriter {
+    /// A fresh lane, minted now.
+    pub(crate) fn new(limits: GroupLimits, resume_horizon: Duration) -> Self {
+        let lane = Token::created_at_time(SystemTime::now()).object_id();
+        Self {
+            numbers: LaneNumbers::default(),
+            book: Mutex::new(LaneBook::new(lane, resume_horizon)),
+            batcher: Batcher::new(limits),
+            resume_horizon,
+            updates: AtomicU64::new(0),
+            increments: AtomicU64::new(0),
+            retired: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> LaneStats {
+        LaneStats {
+            updates: self.updates.load(Ordering::Relaxed),
+            increments: self.increments.load(Ordering::Relaxed),
+            retired: self.retired.load(Ordering::Relaxed),
+        }
+    }
+
+    fn retire(&self, key: &CanonicalKey, lane: ObjectId) {
+        self.retired.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(lane = %lane, "lane retired for a counter after an unknown outcome");
+        self.book()
+            .retire(key, lane, Instant::now(), SystemTime::now());
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, LaneBook<CanonicalKey>> {
+        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The sum of a group's shares must stay an int64.
+fn fits(batch: &[(u64, Share)], next: &Share) -> bool {
+    batch
+        .iter()
+        .try_fold(next.amount, |sum, (_, share)| sum.checked_add(share.amount))
+        .is_some()
+}
+
+impl Counters {
+    /// Starts the sender of the counter `key`: a task of its own, so no
+    /// caller's future carries the others' updates.
+    pub(super) fn start_sender(&self, writer: Arc<LaneWriter>, key: CanonicalKey) {
+        let counters = self.clone();
+        tokio::spawn(async move { counters.run_sender(writer, key).await });
+    }
+
+    async fn run_sender(self, writer: Arc<LaneWriter>, key: CanonicalKey) {
+        let mut stopped = SenderStopped {
+            writer: &writer,
+            key: &key,
+            armed: true,
+        };
+        loop {
+            match writer.batcher.next(&key, fits) {
+                Next::Idle => break,
+                Next::WaitUntil(due) => tokio::time::sleep_until(due).await,
+                Next::Send(batch) => {
+                    self.send_group(&writer, &key, batch).await;
+                    writer.batcher.finished(&key);
+                }
+            }
+        }
+        stopped.armed = false;
+    }
+
+    /// Sends one group as one update and tells each caller its outcome.
+    async fn send_group(&self, writer: &LaneWriter, key: &CanonicalKey, batch: Vec<(u64, Share)>) {
+        let lane = writer.book().lane_for(key);
+        let shares: Vec<Share> = batch.into_iter().map(|(_, share)| share).collect();
+        let op = LaneOp {
+            key: shares[0].key.clone(),
+            lane: LaneId::Minted(lane),
+            position: writer.numbers.next(SystemTime::now()),
+            amount: shares.iter().map(|s| s.amount).sum(),
+        };
+        writer.updates.fetch_add(1, Ordering::Relaxed);
+        writer
+            .increments
+            .fetch_add(shares.len() as u64, Ordering::Relaxed);
+        let mut flight = Flight {
+            writer,
+            key,
+            op,
+            shares,
+            over: false,
+        };
+        let sent = self
+            .send(writer.resume_horizon, &flight.op, By::Increment)
+            .await;
+        flight.land(&sent);
+    }
+}
+
+/// A group's update on its way: when it ends — or when the sender is
+/// dropped before it does, its fate unknown — every caller hears its own
+/// outcome, and an unknown one retires the lane for the counter.
+struct Flight<'a> {
+    writer: &'a LaneWriter,
+    key: &'a CanonicalKey,
+    op: LaneOp,
+    shares: Vec<Share>,
+    over: bool,
+}
+
+impl Flight<'_> {
+    fn land(&mut self, sent: &Sent) {
+        self.over = true;
+        // A lane behind its own entry must never send to this counter again.
+        if matches!(sent, Sent::Unknown(_) | Sent::OutOfOrder(_)) {
+            if let LaneId::Minted(lane) = self.op.lane {
+                self.writer.retire(self.key, lane);
+            }
+        }
+        for share in self.shares.drain(..) {
+            let outcome = self.op.outcome_for(sent, share.key, share.amount);
+            // A caller that gave up no longer listens.
+            let _ = share.reply.send(outcome);
+        }
+    }
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        if !self.over {
+            self.land(&Sent::Dropped);
+        }
+    }
+}
+
+/// Forgets a counter whose sender stopped before its queue was empty (the
+/// runtime shutting down): its waiting shares were never sent, and their
+/// callers, told nothing, queue them again.
+struct SenderStopped<'a> {
+    writer: &'a LaneWriter,
+    key: &'a CanonicalKey,
+    armed: bool,
+}
+
+impl Drop for SenderStopped<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            drop(self.writer.batcher.abandon(self.key));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// After an unknown outcome on a counter, the lane that carried it
+        /// is never used for that counter again within the resume horizon,
+        /// and every other counter keeps the handle's lane.
+        #[test]
+        fn a_retired_lane_never_carries_its_counter_again_and_others_keep_theirs(
+            steps in proptest::collection::vec((0u8..4, any::<bool>(), 0u64..40), 1..200),
+        ) {
+            let horizon = Duration::from_secs(100);
+            let handle_lane = ObjectId::new();
+            let mut book: LaneBook<u8> = LaneBook::new(handle_lane, horizon);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut retired: Vec<(u8, ObjectId, Instant)> = Vec::new();
+            for (key, unknown, wait) in steps {
+                now += Duration::from_secs(wait);
+                let lane = book.lane_for(&key);
+                for (k, gone, at) in &retired {
+                    if *k == key && now.duration_since(*at) < horizon {
+                        prop_assert_ne!(lane, *gone, "a retired lane carried its counter");
+                    }
+                }
+                if unknown {
+                    book.retire(&key, lane, now, SystemTime::now());
+                    retired.push((key, lane, now));
+                    prop_assert_ne!(book.lane_for(&key), lane);
+                }
+                let touched: Vec<u8> = retired.iter().map(|(k, ..)| *k).collect();
+                for other in (0u8..4).filter(|k| !touched.contains(k)) {
+                    prop_assert_eq!(book.lane_for(&other), handle_lane);
+                }
+            }
+        }
+    }
+}
