@@ -297,6 +297,37 @@ impl Counters {
         }
     }
 
+    /// Adds `amount` (not zero) to `key` through a fresh lane of its own,
+    /// at number 1: the increment of a one-shot process (`tallyd incr
+    /// --lane`), whose ticket is its lane alone — a count, not a time, so
+    /// its age, and its entry's, is the lane's (minted now).
+    #[cfg(feature = "daemon")]
+    pub(crate) async fn add_once(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
+        let fresh = crate::token::Token::created_at_time(SystemTime::now()).object_id();
+        let op = LaneOp {
+            key: key.into(),
+            lane: LaneId::Minted(fresh),
+            position: 1,
+            amount,
+        };
+        let usable = self
+            .lanes
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|writer| {
+                crate::document::check_key(&op.key)?;
+                check_amount(amount)?;
+                Ok(writer.resume_horizon)
+            });
+        match usable {
+            Ok(horizon) => {
+                let sent = self.send(horizon, &op, By::Increment).await;
+                op.outcome(sent)
+            }
+            Err(cause) => op.outcome(Sent::NotApplied(cause)),
+        }
+    }
+
     /// Adds `amount` to `key` through the minted lane `lane` at `position`
     /// for the daemon's fold of recorded events: the lanes protocol's
     /// update, without a resume horizon — the fold finishes a batch it

@@ -45,9 +45,8 @@ const KEYS: usize = 20;
 /// Each of the three fault rules selects this share of the `update`s.
 const FAULT_SHARE: f64 = 0.02;
 const DEFAULT_SEED: u64 = 20_261_212;
-/// The lane lifetimes, the writers' and the daemon's: rotation below the
-/// resume horizon, the horizon plus one attempt (3 s) below `lane_ttl`.
-const LANE_ROTATE: Duration = Duration::from_secs(2);
+/// The lane lifetimes, the writers' and the daemon's: the resume horizon
+/// plus one attempt (3 s) below `lane_ttl`.
 const LANE_RESUME_HORIZON: Duration = Duration::from_secs(8);
 const LANE_TTL: Duration = Duration::from_secs(12);
 const RETRY_HORIZON: Duration = Duration::from_secs(6);
@@ -82,9 +81,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
         .replace(
             "retry_horizon = \"6s\"",
             &format!(
-                "retry_horizon = \"6s\"\nlane_rotate = \"{}s\"\nlane_resume_horizon = \"{}s\"\n\
-                 lane_ttl = \"{}s\"",
-                LANE_ROTATE.as_secs(),
+                "retry_horizon = \"6s\"\nlane_resume_horizon = \"{}s\"\nlane_ttl = \"{}s\"",
                 LANE_RESUME_HORIZON.as_secs(),
                 LANE_TTL.as_secs()
             ),
@@ -98,8 +95,6 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
 
     let writer_config = WriterConfig {
         retry_horizon: RETRY_HORIZON,
-        lanes: 2,
-        lane_rotate: LANE_ROTATE,
         lane_resume_horizon: LANE_RESUME_HORIZON,
         lane_ttl: LANE_TTL,
         ..WriterConfig::default()
