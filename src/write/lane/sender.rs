@@ -31,10 +31,13 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::number::LaneNumbers;
+use super::outcome::check_amount;
 use super::{By, LaneId, LaneIncrement, LaneOp, Sent};
 use crate::document::CanonicalKey;
+use crate::error::Error;
 use crate::token::Token;
 use crate::write::counter::Counters;
+use crate::write::counter::{NotCounted, WriterConfig};
 use crate::write::group::{Batcher, GroupLimits, Next};
 
 /// One caller's increment waiting for its group's update.
@@ -156,6 +159,59 @@ impl LaneWriter {
     }
 }
 
+/// How often an increment is queued again when its counter's sender
+/// stopped before sending it (the runtime shutting down).
+const QUEUE_ROUNDS: u32 = 3;
+
+/// The lane the writer's settings make, or every problem with them.
+pub(crate) fn writer(
+    writer: &WriterConfig,
+    attempt_timeout: Duration,
+) -> Result<Arc<LaneWriter>, Error> {
+    let mut problems = writer.group_problems();
+    problems.extend(writer.lane_margin_problems(attempt_timeout));
+    if !problems.is_empty() {
+        let listed: Vec<String> = problems
+            .iter()
+            .map(|(key, why)| format!("WriterConfig::{key} {why}"))
+            .collect();
+        return Err(Error::InvalidArgument(listed.join("; ")));
+    }
+    let limits = GroupLimits {
+        max_group: writer.group_max,
+        queue_limit: writer.queue_limit,
+        linger: writer.group_wait,
+    };
+    Ok(Arc::new(LaneWriter::new(
+        limits,
+        writer.lane_resume_horizon,
+    )))
+}
+
+/// A caller's share queued in its counter's batcher: taken back when the
+/// caller gives up before it left.
+struct Waiting<'a> {
+    writer: &'a LaneWriter,
+    key: &'a CanonicalKey,
+    id: Option<u64>,
+}
+
+impl Waiting<'_> {
+    /// The share's outcome came: nothing to take back.
+    fn left(mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            // Not counted if it had not left yet; else its update's fate.
+            drop(self.writer.batcher.withdraw(self.key, id));
+        }
+    }
+}
+
 /// The sum of a group's shares must stay an int64.
 fn fits(batch: &[(u64, Share)], next: &Share) -> bool {
     batch
@@ -165,6 +221,95 @@ fn fits(batch: &[(u64, Share)], next: &Share) -> bool {
 }
 
 impl Counters {
+    /// Adds `amount` (not zero) to the counter `key` in one round trip
+    /// through this handle's lane, creating the counter if needed. While
+    /// an update of `key` is in flight, this waits and goes out with the
+    /// handle's other increments of `key` as the next update (group
+    /// commit); the outcome is this caller's own. An
+    /// [`LaneIncrement::Unknown`] names the group's shared update: settle
+    /// it with [`Counters::resume_lane`], as often as needed, from any
+    /// caller. Dropping this future before its update leaves takes the
+    /// increment back (not counted); after, its fate is the update's.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::LaneIncrement;
+    ///
+    /// match views.add("home", 1).await {
+    ///     LaneIncrement::Counted(_) => {}
+    ///     LaneIncrement::Unknown(ticket) => {
+    ///         let _ = views.resume_lane(ticket).await?;
+    ///     }
+    ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
+    ///     LaneIncrement::OutOfOrder(_) => unreachable!("only named lanes"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn add(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
+        let key = key.into();
+        let usable = self.lanes.as_ref().map_err(Clone::clone);
+        let writer = match usable
+            .and_then(|writer| crate::document::check_key(&key).map(|()| writer))
+            .and_then(|writer| check_amount(amount).map(|()| writer))
+        {
+            Ok(writer) => writer,
+            Err(cause) => {
+                return LaneIncrement::NotCounted(NotCounted {
+                    key,
+                    token: None,
+                    lane: None,
+                    amount,
+                    cause,
+                });
+            }
+        };
+        let canonical = CanonicalKey::of(&key);
+        for _ in 0..QUEUE_ROUNDS {
+            let (reply, outcome) = oneshot::channel();
+            let share = Share {
+                key: key.clone(),
+                amount,
+                reply,
+            };
+            let queued = writer.batcher.queue(canonical.clone(), share).await;
+            if queued.start_sender {
+                self.start_sender(writer.clone(), canonical.clone());
+            }
+            let waiting = Waiting {
+                writer,
+                key: &canonical,
+                id: Some(queued.id),
+            };
+            let heard = outcome.await;
+            waiting.left();
+            if let Ok(outcome) = heard {
+                return outcome;
+            }
+            // The sender stopped before sending it: queue it again.
+        }
+        LaneIncrement::NotCounted(NotCounted {
+            key,
+            token: None,
+            lane: None,
+            amount,
+            cause: Error::InvalidArgument(
+                "the counter's sender stopped again and again before sending this increment \
+                 (is the runtime shutting down?): nothing was written"
+                    .into(),
+            ),
+        })
+    }
+
+    /// What this handle's group commit has done so far: updates sent,
+    /// increments they carried (their ratio is the mean group size), and
+    /// counters whose lane was retired after an unknown outcome.
+    pub fn lane_stats(&self) -> LaneStats {
+        self.lanes
+            .as_ref()
+            .map(|writer| writer.stats())
+            .unwrap_or_default()
+    }
+
     /// Starts the sender of the counter `key`: a task of its own, so no
     /// caller's future carries the others' updates.
     pub(super) fn start_sender(&self, writer: Arc<LaneWriter>, key: CanonicalKey) {
