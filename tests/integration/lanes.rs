@@ -7,6 +7,7 @@
 //! per handle, plus one per unknown outcome) and the server's own count of
 //! the updates it received (fewer than the increments when groups form).
 
+mod bench;
 mod cli;
 
 use std::time::{Duration, SystemTime};

@@ -379,10 +379,10 @@ impl Flight<'_> {
     fn land(&mut self, sent: &Sent) {
         self.over = true;
         // A lane behind its own entry must never send to this counter again.
-        if matches!(sent, Sent::Unknown(_) | Sent::OutOfOrder(_)) {
-            if let LaneId::Minted(lane) = self.op.lane {
-                self.writer.retire(self.key, lane);
-            }
+        if matches!(sent, Sent::Unknown(_) | Sent::OutOfOrder(_))
+            && let LaneId::Minted(lane) = self.op.lane
+        {
+            self.writer.retire(self.key, lane);
         }
         for share in self.shares.drain(..) {
             let outcome = self.op.outcome_for(sent, share.key, share.amount);
