@@ -197,7 +197,6 @@ impl<K: Eq + Hash + Clone, I> Groups<K, I> {
     }
 
     /// Items waiting across every key.
-    #[cfg(test)]
     pub(crate) fn waiting(&self) -> usize {
         self.waiting
     }
@@ -272,7 +271,6 @@ impl<K: Eq + Hash + Clone, I> Batcher<K, I> {
     }
 
     /// Items waiting across every key.
-    #[cfg(test)]
     pub(crate) fn waiting(&self) -> usize {
         self.groups().waiting()
     }

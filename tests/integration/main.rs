@@ -8,6 +8,7 @@ mod common;
 mod daemon;
 mod doctor;
 mod faults;
+mod faults_group;
 mod faults_ledger;
 mod history;
 mod increment;

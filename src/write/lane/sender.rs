@@ -98,6 +98,9 @@ pub struct LaneStats {
     pub increments: u64,
     /// Counters whose lane was retired after an unknown outcome.
     pub retired: u64,
+    /// Increments waiting for their update now (the queue's depth; at most
+    /// `queue_limit`).
+    pub waiting: u64,
 }
 
 impl LaneStats {
@@ -144,6 +147,7 @@ impl LaneWriter {
             updates: self.updates.load(Ordering::Relaxed),
             increments: self.increments.load(Ordering::Relaxed),
             retired: self.retired.load(Ordering::Relaxed),
+            waiting: self.batcher.waiting() as u64,
         }
     }
 
