@@ -134,7 +134,16 @@ pub(super) fn validate_writer(
             MAX_QUEUE_LIMIT as u64,
         )
         .map_or(DEFAULT_QUEUE_LIMIT, |n| n as usize);
-    let group_wait = issues.duration("writer.group_wait", raw.group_wait, DEFAULT_GROUP_WAIT);
+    // Zero is a group_wait of its own (no waiting), unlike other durations.
+    let zero = raw
+        .group_wait
+        .as_ref()
+        .and_then(Value::as_str)
+        .map(str::trim);
+    let group_wait = match zero.map(humantime::parse_duration) {
+        Some(Ok(wait)) if wait.is_zero() => Duration::ZERO,
+        _ => issues.duration("writer.group_wait", raw.group_wait, DEFAULT_GROUP_WAIT),
+    };
     let lane_resume_horizon = issues.duration(
         "writer.lane_resume_horizon",
         raw.lane_resume_horizon,

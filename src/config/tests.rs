@@ -507,6 +507,11 @@ fn the_lane_settings_default_and_are_read() {
         crate::write::counter::Protocol::TwoStep
     );
     assert_eq!(config.warnings().count(), 0);
+    let zero = format!("{MINIMAL}[writer]\ngroup_wait = \"0s\"\n");
+    assert_eq!(
+        Config::from_toml(&zero, []).unwrap().writer.group_wait,
+        Duration::ZERO
+    );
     let text = format!(
         "{MINIMAL}[writer]\ngroup_max = 4\nqueue_limit = 100\ngroup_wait = \"2ms\"\n\
          lane_resume_horizon = \"2h\"\nlane_ttl = \"3h\"\nprotocol = \"lanes\"\n\
