@@ -28,4 +28,5 @@ mod reconcile;
 mod sequence;
 mod settle;
 mod soak;
+mod soak_group;
 mod soak_lanes;

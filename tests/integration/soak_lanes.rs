@@ -54,12 +54,12 @@ const RETRY_HORIZON: Duration = Duration::from_secs(6);
 const BUDGET: Duration = Duration::from_secs(240);
 
 /// A definite answer about one lane increment, by lane and position.
-struct LaneClaim {
-    key: String,
-    lane: String,
-    position: i64,
-    claim: Claim,
-    by: &'static str,
+pub(crate) struct LaneClaim {
+    pub(crate) key: String,
+    pub(crate) lane: String,
+    pub(crate) position: i64,
+    pub(crate) claim: Claim,
+    pub(crate) by: &'static str,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -270,7 +270,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     );
 }
 
-fn agrees(claim: Claim, applied: bool) -> bool {
+pub(crate) fn agrees(claim: Claim, applied: bool) -> bool {
     match claim {
         Claim::Counted => applied,
         Claim::NotCounted => !applied,
@@ -278,7 +278,7 @@ fn agrees(claim: Claim, applied: bool) -> bool {
     }
 }
 
-fn reached(applied: bool) -> &'static str {
+pub(crate) fn reached(applied: bool) -> &'static str {
     if applied {
         "reached the server"
     } else {
@@ -346,7 +346,7 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
 
 /// Resumes an unknown lane increment 1–3 times from `tallyd resume
 /// --lane` processes, at once or one after another.
-async fn resume_elsewhere(
+pub(crate) async fn resume_elsewhere(
     config: &Path,
     key: &str,
     lane: &str,
@@ -443,7 +443,7 @@ async fn run(
 
 /// For each key, the lane increments — (lane, position) → amount — some
 /// update of which reached the server: the first that arrived applied.
-fn applied_lane_updates(
+pub(crate) fn applied_lane_updates(
     log: &[Exchange],
     seed: u64,
 ) -> HashMap<String, HashMap<(String, i64), i64>> {
@@ -503,7 +503,7 @@ fn applied_lane_updates(
 
 /// The lane entries the daemon logged as pruned (its `reconcile run` lines'
 /// `lanes_pruned`).
-fn lanes_pruned(log: &str) -> u64 {
+pub(crate) fn lanes_pruned(log: &str) -> u64 {
     log.match_indices("lanes_pruned")
         .filter_map(|(at, name)| {
             let rest = log[at + name.len()..].trim_start_matches(['"', '=', ':', ' ']);
