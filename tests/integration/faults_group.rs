@@ -22,9 +22,12 @@ use crate::common::proxy::{Action, Exchange, Release, Rule};
 use crate::common::wait_until;
 use crate::faults::{DELAY, Rig, project, replay_lanes, settled_log};
 
+/// A row: its name, and the actions on the group update's first attempts.
+type Row = (&'static str, &'static [fn() -> Action]);
+
 /// The faults on the group's update: the actions on its first and, for
 /// the unknown rows, its second attempt.
-const ROWS: [(&str, &[fn() -> Action]); 8] = [
+const ROWS: [Row; 8] = [
     ("reply lost", &[|| Action::DropReply]),
     ("connection cut", &[|| Action::CloseBeforeForwarding]),
     (
