@@ -16,9 +16,11 @@
 //! sides alike, and the ratio is the lane's filter and `$set`).
 //!
 //! Then lane memory over a simulated day: 8 handles writing one hot
-//! counter while a reconciler prunes with `lane_ttl` scaled down to
-//! seconds; the entries in the document after every slice (target ≤ 8),
-//! and the throughput of the last slices against the first (target
+//! counter, one of them replaced every third slice (a restarted process),
+//! while a reconciler prunes with `lane_ttl` scaled down to seconds; the
+//! most entries the document held after a slice (target: 8, plus the
+//! handles replaced within `lane_ttl`, plus unknown outcomes), and the
+//! throughput of the last third of the slices against the first (target
 //! ≥ 0.95×).
 //!
 //! Every lane increment must count: the lanes collection's counters add up
@@ -220,7 +222,7 @@ pub async fn run(settings: &Settings) {
         }
     }
 
-    lane_memory(settings, &store, &db, &made).await;
+    lane_memory(settings, &options, &db, &made).await;
 
     let counted = sum_counters(&db.collection("lanes")).await;
     let made = made.load(Ordering::Relaxed);
@@ -253,32 +255,37 @@ fn print_group_size(writers: usize, keys: &str, before: tally::LaneStats, after:
     );
 }
 
-/// A simulated day on one hot counter: 8 handles, 2 callers each, a
-/// reconciler pruning with `lane_ttl` of a few seconds after every slice.
+/// A simulated day on one hot counter: 8 handles, 2 callers each, one of
+/// them replaced every third slice (a process restarted), a reconciler
+/// pruning with `lane_ttl` of a few seconds after every slice.
 async fn lane_memory(
     settings: &Settings,
-    store: &Store,
+    options: &mongodb::options::ClientOptions,
     db: &mongodb::Database,
     made: &Arc<AtomicI64>,
 ) {
     const HANDLES: usize = 8;
+    const RESTART_EVERY: usize = 3;
     let lane_ttl = Duration::from_secs(4);
     let writer = WriterConfig {
         lane_resume_horizon: Duration::from_secs(1),
         lane_ttl,
         ..WriterConfig::default()
     };
-    let store = store
-        .clone()
+    // Attempts bounded by 2.5 s (server selection 1 s): the scaled
+    // lifetimes leave one attempt between the horizon and lane_ttl.
+    let mut options = options.clone();
+    options.server_selection_timeout = Some(Duration::from_secs(1));
+    let client = Client::with_options(options.clone()).expect("client");
+    let store = Store::from_parts(client, &options, DATABASE)
         .with_attempt_timeout(Duration::from_millis(2500));
-    let handles: Vec<Arc<Counters>> = (0..HANDLES)
-        .map(|_| {
-            Arc::new(
-                Counters::try_new(&store, CollectionConfig::new("lanes"), writer)
-                    .expect("the scaled lane settings hold together"),
-            )
-        })
-        .collect();
+    let handle = || {
+        Arc::new(
+            Counters::try_new(&store, CollectionConfig::new("lanes"), writer)
+                .expect("the scaled lane settings hold together"),
+        )
+    };
+    let mut handles: Vec<Arc<Counters>> = (0..HANDLES).map(|_| handle()).collect();
     let reconciler = Reconciler::new(&store).with_lane_ttl(lane_ttl);
     let target = FoldTarget {
         spec: CollectionConfig::new("lanes"),
@@ -287,8 +294,12 @@ async fn lane_memory(
     };
     let slices = (settings.rounds * 3).max(6);
     let mut rates = Vec::new();
-    let mut most = 0;
-    for _ in 0..slices {
+    let (mut most, mut pruned, mut unknown) = (0, 0, 0);
+    for slice in 0..slices {
+        if slice % RESTART_EVERY == RESTART_EVERY - 1 {
+            let old = std::mem::replace(&mut handles[slice % HANDLES], handle());
+            unknown += old.lane_stats().retired;
+        }
         let sides = handles.clone();
         let made_here = made.clone();
         let run = timed(HANDLES * 2, settings.run, move |w, _| {
@@ -306,7 +317,7 @@ async fn lane_memory(
         .await;
         rates.push(run.per_second());
         let now = reconciler.server_time().await.expect("server time");
-        let pruned = reconciler
+        let run = reconciler
             .reconcile(
                 &target,
                 Mode::Fold,
@@ -315,7 +326,8 @@ async fn lane_memory(
                 &mut |_| {},
             )
             .await;
-        assert!(pruned.error.is_none(), "prune: {:?}", pruned.error);
+        assert!(run.error.is_none(), "prune: {:?}", run.error);
+        pruned += run.lanes_pruned;
         let found = db
             .collection::<Document>("lanes")
             .find_one(doc! { "_id": "day" })
@@ -325,13 +337,19 @@ async fn lane_memory(
         let entries = found.get_document("lanes").map_or(0, Document::len);
         most = most.max(entries);
     }
+    unknown += handles.iter().map(|h| h.lane_stats().retired).sum::<u64>();
     let third = slices / 3;
     let mean = |rates: &[f64]| rates.iter().sum::<f64>() / rates.len() as f64;
     let (start, end) = (mean(&rates[..third]), mean(&rates[slices - third..]));
+    let slice_secs = settings.run.as_secs_f64();
+    let restarts_within_ttl =
+        (lane_ttl.as_secs_f64() / (slice_secs * RESTART_EVERY as f64)).ceil() as usize + 1;
     println!(
-        "lane memory: {HANDLES} handles x 2 callers on one counter, {slices} slices, lane_ttl \
-         {lane_ttl:?}: at most {most} entries (target <= {HANDLES}); end / start throughput = \
-         {:.3}x (target >= 0.95x)",
+        "lane memory: {HANDLES} handles x 2 callers on one counter, one handle restarted every \
+         {RESTART_EVERY} slices, {slices} slices of {:?}, lane_ttl {lane_ttl:?}: at most {most} \
+         entries (target <= {HANDLES} + {restarts_within_ttl} restarted within lane_ttl + \
+         {unknown} unknown), {pruned} pruned; end / start throughput = {:.3}x (target >= 0.95x)",
+        settings.run,
         end / start
     );
 }
