@@ -439,7 +439,7 @@ mod tests {
         let mut seed: u64 = 20_261_126;
         let mut unknown = || {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            (seed >> 33) % 100 == 0
+            (seed >> 33).is_multiple_of(100)
         };
         let now = Instant::now();
         let mut book: LaneBook<usize> = LaneBook::new(ObjectId::new(), Duration::from_secs(3600));
