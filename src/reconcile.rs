@@ -49,9 +49,8 @@
 //! the server by less than `grace − retry_horizon` (14 minutes with the
 //! defaults); a writer ahead of the server only delays the fold.
 //!
-//! A minted lane's entry holds the time its writer wrote it (or, for a
-//! count, its lane's id holds one), by the writer's clock too, and it is
-//! pruned once that time is older than the server's time minus `lane_ttl`;
+//! A minted lane's entry holds its writer's time of writing (a count: its
+//! lane id's), and is pruned once older than the server's time − `lane_ttl`;
 //! writers stop sending an update at `lane_resume_horizon`, so pruning is
 //! exact as long as writers lag the server by less than `lane_ttl −
 //! lane_resume_horizon − attempt_timeout`.
