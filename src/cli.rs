@@ -4,6 +4,7 @@
 //! refused, 75 (`EX_TEMPFAIL`) pending or unknown — try again later,
 //! 78 (`EX_CONFIG`) bad configuration.
 
+mod bench;
 mod daemon;
 mod doctor;
 mod generate;
@@ -25,6 +26,7 @@ use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::write::counter::CollectionConfig;
 
+use bench::BenchArgs;
 use daemon::StatusArgs;
 use doctor::DoctorArgs;
 use generate::{CompletionsArgs, ManArgs};
@@ -125,6 +127,11 @@ pub(crate) enum Command {
     /// Create the indexes the configuration needs (idempotent; says what
     /// it did): the ledgers' and the advised sparse ones.
     Setup(SetupArgs),
+    /// Measure tally against a plain `$inc` on the configured server, in a
+    /// scratch collection it creates and drops: ops/s, p50/p99, outcomes
+    /// and the ratio per protocol, then every side's counters checked
+    /// against its counted increments (exit 1 on any difference).
+    Bench(BenchArgs),
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
@@ -249,6 +256,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     match cli.command {
         Command::CheckConfig(args) => {
             write_out(format_args!("{}", config.to_redacted_toml()), false);
+            for warning in config.warnings() {
+                eprintln!("warning: {warning}");
+            }
             eprintln!("configuration is valid");
             if args.connect {
                 doctor::check_indexes(&config).await
@@ -257,6 +267,9 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             }
         }
         Command::Run => {
+            for warning in config.warnings() {
+                tracing::warn!("{warning}");
+            }
             // A reload reads the configuration again from where this did.
             let reload = Cli {
                 config: cli.config,
@@ -275,6 +288,7 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Record(args) => ledger::record(args, &config).await,
         Command::Get(args) => ledger::get(args, &config).await,
         Command::Setup(args) => setup::run(args, &config).await,
+        Command::Bench(args) => bench::run(args, &config).await,
         Command::Completions(args) => generate::completions(&args),
         Command::Man(args) => generate::man(&args),
     }

@@ -81,6 +81,10 @@ pub struct Config {
     pub(crate) daemon: DaemonConfig,
     /// `[log]`: what is logged and how.
     pub(crate) log: LogConfig,
+    /// Keys that are read but no longer used: `check-config` and `run`
+    /// warn about each.
+    #[serde(skip)]
+    pub(crate) warnings: Vec<ConfigIssue>,
 }
 
 /// One problem with the configuration.
@@ -135,7 +139,11 @@ impl Config {
             .with_lane_ttl(self.writer.lane_ttl)
             .with_event_settings(EventFoldSettings {
                 event_retention: self.reconcile.event_retention,
-                lane_rotate: self.writer.lane_rotate,
+                // The fold's lane is replaced well before its entries
+                // could be pruned.
+                lane_rotate: EventFoldSettings::default()
+                    .lane_rotate
+                    .min(self.writer.lane_resume_horizon),
                 ..EventFoldSettings::default()
             })
     }
@@ -250,6 +258,14 @@ impl Config {
             .unwrap_or_else(|| CollectionConfig::new(name))
     }
 
+    /// Each key that is read but no longer used, as `key: why` (warnings,
+    /// not errors: an upgrade must not stop a daemon).
+    pub(crate) fn warnings(&self) -> impl Iterator<Item = String> + '_ {
+        self.warnings
+            .iter()
+            .map(|w| format!("{}: {}", w.key, w.message))
+    }
+
     /// The effective configuration as TOML, with every secret masked.
     pub(crate) fn to_redacted_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_else(|err| format!("# cannot render: {err}\n"))
@@ -283,7 +299,9 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
     issues.unknown_keys("", &raw.unknown);
     let mongodb = library::validate_mongodb(issues.table("mongodb", raw.mongodb), issues);
     let collections = library::validate_collections(raw.collections, issues);
-    let writer = library::validate_writer(issues.table("writer", raw.writer), issues);
+    let mut warnings = Vec::new();
+    let writer =
+        library::validate_writer(issues.table("writer", raw.writer), issues, &mut warnings);
     let reconcile = library::validate_reconcile(issues.table("reconcile", raw.reconcile), issues);
     let sequences = library::validate_sequences(issues.table("sequences", raw.sequences), issues);
     let schedule = daemon::validate_schedule(issues.table("schedule", raw.schedule), issues);
@@ -306,6 +324,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         http,
         daemon,
         log,
+        warnings,
     };
     margins::check(&config, issues);
     config

@@ -161,32 +161,141 @@ pub(crate) fn check_key(key: &Bson) -> Result<(), Error> {
     )))
 }
 
-/// Whether two keys name the same document as the server compares them:
-/// numbers by exact value across int32, int64 and double (`5` and
-/// `NumberLong(5)` are one `_id`; the double 2^53 and the int64 2^53 + 1
-/// are two), anything else by its BSON.
+/// Whether two keys name the same document as the server compares them
+/// (see [`CanonicalKey`]).
 pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
-    /// An integral double in the int64 range, as that integer.
-    fn exact_integer(d: f64) -> Option<i64> {
-        // -2^63 ≤ d < 2^63: `d as i64` is then exact, never saturated.
-        const TWO_63: f64 = 9_223_372_036_854_775_808.0;
-        (d.fract() == 0.0 && (-TWO_63..TWO_63).contains(&d)).then_some(d as i64)
+    CanonicalKey::of(a) == CanonicalKey::of(b)
+}
+
+/// A counter key in the form the server compares `_id`s by, so that two
+/// keys naming one document are equal (and hash alike) here too: numbers
+/// by exact value across int32, int64, double and decimal (`5`,
+/// `NumberLong(5)`, `5.0` and `NumberDecimal("5.00")` are one `_id`; the
+/// double 2^53 and the int64 2^53 + 1 are two), inside documents and arrays
+/// as well; strings by their bytes (no collation); anything else by its
+/// BSON. A fraction stored as a double and the same fraction as a decimal
+/// stay two keys (the server rarely finds them equal: a double's fraction
+/// is binary).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum CanonicalKey {
+    /// An integral number in the int64 range, whatever its type.
+    Integer(i64),
+    /// Any other double, by its bits (every NaN one, no -0).
+    Double(u64),
+    /// Any other decimal, as its sign, its significant digits (no leading
+    /// or trailing zero) and the exponent of the last one; `digits` holds
+    /// the decimal's text when it is not finite.
+    Decimal {
+        /// Below zero.
+        negative: bool,
+        /// The significant digits.
+        digits: String,
+        /// The power of ten of the last digit.
+        exponent: i64,
+    },
+    /// A string.
+    Text(String),
+    /// A document: its fields in order.
+    Document(Vec<(String, CanonicalKey)>),
+    /// An array: its elements in order.
+    Array(Vec<CanonicalKey>),
+    /// Anything else: its BSON encoding.
+    Other(Vec<u8>),
+}
+
+impl CanonicalKey {
+    /// The canonical form of `key`.
+    pub(crate) fn of(key: &Bson) -> Self {
+        match key {
+            Bson::Int32(n) => Self::Integer(i64::from(*n)),
+            Bson::Int64(n) => Self::Integer(*n),
+            Bson::Double(d) => match exact_integer(*d) {
+                Some(n) => Self::Integer(n),
+                None if d.is_nan() => Self::Double(f64::NAN.to_bits()),
+                None => Self::Double(d.to_bits()),
+            },
+            Bson::Decimal128(d) => decimal_key(&d.to_string()),
+            Bson::String(text) => Self::Text(text.clone()),
+            Bson::Document(fields) => Self::Document(
+                fields
+                    .iter()
+                    .map(|(name, value)| (name.clone(), Self::of(value)))
+                    .collect(),
+            ),
+            Bson::Array(items) => Self::Array(items.iter().map(Self::of).collect()),
+            other => {
+                let mut bytes = Vec::new();
+                let wrapped = doc! { "": other.clone() };
+                // Writing a document to memory fails only for a value that
+                // has no encoding; its text then stands for it.
+                if wrapped.to_writer(&mut bytes).is_err() {
+                    bytes = other.to_string().into_bytes();
+                }
+                Self::Other(bytes)
+            }
+        }
     }
-    let integer = |value: &Bson| match value {
-        Bson::Int32(n) => Some(i64::from(*n)),
-        Bson::Int64(n) => Some(*n),
-        _ => None,
+}
+
+/// An integral double in the int64 range, as that integer.
+fn exact_integer(d: f64) -> Option<i64> {
+    // -2^63 ≤ d < 2^63: `d as i64` is then exact, never saturated.
+    const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+    (d.fract() == 0.0 && (-TWO_63..TWO_63).contains(&d)).then_some(d as i64)
+}
+
+/// The canonical form of a decimal written as `text` (`-12.50E+3`, as the
+/// bson crate shows one): an integer when it is one in the int64 range,
+/// else its sign, significant digits and exponent.
+fn decimal_key(text: &str) -> CanonicalKey {
+    let not_finite = || CanonicalKey::Decimal {
+        negative: false,
+        digits: text.to_owned(),
+        exponent: 0,
     };
-    match (a, b) {
-        (Bson::Double(x), Bson::Double(y)) => x == y || (x.is_nan() && y.is_nan()),
-        (Bson::Double(d), other) | (other, Bson::Double(d)) => match integer(other) {
-            Some(n) => exact_integer(*d) == Some(n),
-            None => a == b,
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['E', 'e']) {
+        Some((m, e)) => match e.parse::<i64>() {
+            Ok(e) => (m, e),
+            Err(_) => return not_finite(),
         },
-        _ => match (integer(a), integer(b)) {
-            (Some(x), Some(y)) => x == y,
-            _ => a == b,
-        },
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if whole.is_empty() && fraction.is_empty()
+        || !whole
+            .bytes()
+            .chain(fraction.bytes())
+            .all(|b| b.is_ascii_digit())
+    {
+        return not_finite();
+    }
+    let all = format!("{whole}{fraction}");
+    let mut exponent = exponent - fraction.len() as i64;
+    let trimmed = all.trim_start_matches('0');
+    let significant = trimmed.trim_end_matches('0');
+    if significant.is_empty() {
+        return CanonicalKey::Integer(0);
+    }
+    exponent += (trimmed.len() - significant.len()) as i64;
+    if (0..=18).contains(&exponent) && significant.len() as i64 + exponent <= 19 {
+        let magnitude = format!("{significant}{}", "0".repeat(exponent as usize));
+        let signed = if negative {
+            format!("-{magnitude}")
+        } else {
+            magnitude
+        };
+        if let Ok(n) = signed.parse::<i64>() {
+            return CanonicalKey::Integer(n);
+        }
+    }
+    CanonicalKey::Decimal {
+        negative,
+        digits: significant.to_owned(),
+        exponent,
     }
 }
 
@@ -302,6 +411,57 @@ mod tests {
         ));
         assert!(same_key(&Bson::Double(f64::NAN), &Bson::Double(f64::NAN)));
         assert!(!same_key(&Bson::Double(0.5), &Bson::Int32(0)));
+    }
+
+    /// One document, one key: numbers of every type by value, at every
+    /// depth, so one counter is never queued as two.
+    #[test]
+    fn a_keys_canonical_form_compares_numbers_by_value_at_every_depth() {
+        use mongodb::bson::Decimal128;
+        let decimal = |text: &str| Bson::Decimal128(text.parse::<Decimal128>().unwrap());
+        let five = CanonicalKey::of(&Bson::Int32(5));
+        for same in [
+            Bson::Int64(5),
+            Bson::Double(5.0),
+            decimal("5"),
+            decimal("5.00"),
+            decimal("0.5E+1"),
+        ] {
+            assert_eq!(CanonicalKey::of(&same), five, "{same}");
+        }
+        assert_ne!(CanonicalKey::of(&decimal("5.5")), five);
+        assert_eq!(
+            CanonicalKey::of(&decimal("5.50")),
+            CanonicalKey::of(&decimal("55E-1"))
+        );
+        assert_eq!(
+            CanonicalKey::of(&Bson::Double(-0.0)),
+            CanonicalKey::of(&Bson::Int32(0))
+        );
+        let nested = |n: Bson| Bson::Document(doc! { "user": n.clone(), "tags": [n, "x"] });
+        assert_eq!(
+            CanonicalKey::of(&nested(Bson::Int32(7))),
+            CanonicalKey::of(&nested(Bson::Double(7.0)))
+        );
+        assert_ne!(
+            CanonicalKey::of(&nested(Bson::Int32(7))),
+            CanonicalKey::of(&nested(Bson::Int32(8)))
+        );
+        // Field order matters to the server, and so it does here.
+        assert_ne!(
+            CanonicalKey::of(&Bson::Document(doc! { "a": 1, "b": 2 })),
+            CanonicalKey::of(&Bson::Document(doc! { "b": 2, "a": 1 }))
+        );
+        let oid = mongodb::bson::oid::ObjectId::new();
+        assert_eq!(
+            CanonicalKey::of(&Bson::ObjectId(oid)),
+            CanonicalKey::of(&Bson::ObjectId(oid))
+        );
+        assert_ne!(
+            CanonicalKey::of(&Bson::ObjectId(oid)),
+            CanonicalKey::of(&Bson::String(oid.to_hex()))
+        );
+        assert!(same_key(&decimal("5"), &Bson::Int64(5)));
     }
 
     #[test]

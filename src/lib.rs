@@ -54,7 +54,8 @@
 //!   array.
 //! - `write`: the protocols a writer calls — `counter` (the two-step
 //!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `lane`
-//!   (writer lanes: one round trip, [`Counters::add`], and its pool),
+//!   (writer lanes: one round trip, [`Counters::add`], group commit),
+//!   `group` (group commit's keyed queue),
 //!   `ledger` (the events ledger: idempotency keys, [`Ledger`]),
 //!   `sequence`, `insert_loop`, `bounded`.
 //! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
@@ -134,7 +135,8 @@ pub use write::counter::{
 };
 pub use write::insert_loop::InsertLoop;
 pub use write::lane::{
-    BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneTicket,
+    BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneStats,
+    LaneTicket,
 };
 pub use write::ledger::{
     Conflict, DEFAULT_EVENT_RETENTION, Event, EventTicket, ExactValue, Ledger, MAX_EVENT_KEY_BYTES,

@@ -6,7 +6,7 @@
 //! adds it to the counter and removes it, exactly once, on live documents,
 //! however often and by however many daemons it runs. It also prunes the
 //! markers settles leave (`settled`) once they are older than the grace,
-//! the entries of minted writer lanes older than `lane_ttl` (DESIGN §3b;
+//! the entries of minted writer lanes not written for `lane_ttl` (DESIGN §3b;
 //! named lanes stay, and so do the lanes unfinished ledger batches need:
 //! [`ledger`]'s "Pruning"), and removes fields left empty.
 //!
@@ -49,9 +49,9 @@
 //! the server by less than `grace − retry_horizon` (14 minutes with the
 //! defaults); a writer ahead of the server only delays the fold.
 //!
-//! A minted lane's time comes from its writer's clock too, and its entry is
-//! pruned once that time is older than the server's time minus `lane_ttl`;
-//! writers stop sending on a lane at `lane_resume_horizon`, so pruning is
+//! A minted lane's entry holds its writer's time of writing (a count: its
+//! lane id's), and is pruned once older than the server's time − `lane_ttl`;
+//! writers stop sending an update at `lane_resume_horizon`, so pruning is
 //! exact as long as writers lag the server by less than `lane_ttl −
 //! lane_resume_horizon − attempt_timeout`.
 

@@ -7,7 +7,9 @@
 //!   protocols share, and the settings it shares with the fold (the
 //!   collection's field names, the retry horizon, the lanes' lifetimes);
 //! - [`lane`]: writer lanes (DESIGN §3b), an exact increment in one round
-//!   trip, safe to resume any number of times;
+//!   trip, safe to resume any number of times, a counter's concurrent
+//!   increments sent together;
+//! - [`group`]: group commit's queue, per key one batch in flight;
 //! - [`ledger`]: the events ledger (DESIGN §8), idempotency keys: the
 //!   same event recorded twice is counted once, and exact reads;
 //! - [`sequence`]: numbers from a counters collection, never handed out
@@ -17,6 +19,7 @@
 
 pub(crate) mod bounded;
 pub(crate) mod counter;
+pub(crate) mod group;
 pub(crate) mod insert_loop;
 pub(crate) mod lane;
 pub(crate) mod ledger;

@@ -4,12 +4,25 @@
 //! Over 1,000 keys and over one hot key, 1 and 16 writers. Target: the lane
 //! increment at ≥ 0.85× a plain `$inc`'s throughput, p99 ≤ 1.3× plain.
 //!
+//! The writers share one handle, as an application's request handlers do,
+//! so on the hot key their increments leave in groups (group commit): the
+//! mean group size is printed, and a handle with `group_max = 1` (every
+//! increment alone) beside it. Target on the hot key with 16 writers: ≥ 5×
+//! a plain `$inc`.
+//!
 //! Then the cost against the lane map's size: one document holding 10, 100
 //! and 1,000 lane entries, incremented through lanes, beside a plain `$inc`
 //! on a document holding the same map (so the document's size costs both
-//! sides alike, and the ratio is the lane's filter and `$set`). With 16
-//! writers, a pool of 4 lanes is measured beside the default (the pool
-//! bounds one handle's increments in flight).
+//! sides alike, and the ratio is the lane's filter and `$set`).
+//!
+//! Then lane memory over a simulated day: 8 handles writing one hot
+//! counter, one of them replaced every third slice (a restarted process),
+//! while a reconciler prunes with `lane_ttl` scaled down to seconds; the
+//! most entries the document held after a slice (target: 8, plus the
+//! handles replaced within `lane_ttl`, plus unknown outcomes), and the
+//! throughput of the last third of the slices against the first, each
+//! slice's as a ratio to a plain `$inc` run right after it (target
+//! ≥ 0.95×).
 //!
 //! Every lane increment must count: the lanes collection's counters add up
 //! to the increments made, checked at the end.
@@ -21,7 +34,11 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::{Client, Collection};
-use tally::{CollectionConfig, Counters, Increment, LaneIncrement, Store, WriterConfig};
+use tally::{
+    CollectionConfig, Counters, FoldTarget, Increment, LaneIncrement, Mode, Reconciler, Store,
+    WriterConfig,
+};
+use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
 use crate::measure::{Run, bench_options, merge, ms, server, timed};
@@ -138,15 +155,15 @@ pub async fn run(settings: &Settings) {
             .expect("seed keys");
     }
     let store = Store::from_parts(client.clone(), &options, DATABASE);
-    let handle = |name: &str, lanes: usize| {
+    let handle = |name: &str, group_max: usize| {
         let writer = WriterConfig {
-            lanes,
+            group_max,
             ..WriterConfig::default()
         };
         Arc::new(Counters::try_new(&store, CollectionConfig::new(name), writer).expect("lanes"))
     };
-    let lanes = handle("lanes", WriterConfig::default().lanes);
-    let two_step = handle("two_step", WriterConfig::default().lanes);
+    let lanes = handle("lanes", WriterConfig::default().group_max);
+    let two_step = handle("two_step", WriterConfig::default().group_max);
     let made = Arc::new(AtomicI64::new(0));
 
     println!(
@@ -155,7 +172,7 @@ pub async fn run(settings: &Settings) {
         settings.rounds, settings.run
     );
     println!(
-        "{:>7}  {:<10} {:<9} {:>9} {:>9} {:>9}",
+        "{:>7}  {:<10} {:<18} {:>9} {:>9} {:>9}",
         "writers", "keys", "kind", "ops/s", "p50 ms", "p99 ms"
     );
     let sides = [
@@ -165,29 +182,26 @@ pub async fn run(settings: &Settings) {
     ];
     for keys in [Keys::Spread, Keys::Hot("hot")] {
         for writers in [1usize, 16] {
+            let before = lanes.lane_stats();
             let runs = compare(settings, &sides, keys, writers, &made).await;
             for (kind, run) in ["plain", "lanes", "two-step"].iter().zip(&runs) {
                 print_row(writers, keys.name(), kind, run);
             }
             print_ratios(writers, keys.name(), &runs[0], &runs[1], Some(&runs[2]));
+            print_group_size(writers, keys.name(), before, lanes.lane_stats());
         }
     }
 
-    // The pool: 16 writers through 4 lanes against the default.
-    let small_pool = handle("lanes", 4);
-    let sides = [Side::Lanes(lanes.clone()), Side::Lanes(small_pool)];
-    let runs = compare(settings, &sides, Keys::Spread, 16, &made).await;
-    let default = format!("pool {}", WriterConfig::default().lanes);
-    print_row(16, "1000 keys", &default, &runs[0]);
-    print_row(16, "1000 keys", "pool 4", &runs[1]);
-    println!(
-        "{:>7}  pool 4 / {default} = {:.3}x",
-        16,
-        runs[1].per_second() / runs[0].per_second()
-    );
+    // Group commit's share: the hot key through a handle that sends every
+    // increment alone.
+    let alone = handle("lanes", 1);
+    let sides = [Side::Plain(plain.clone()), Side::Lanes(alone)];
+    let runs = compare(settings, &sides, Keys::Hot("hot"), 16, &made).await;
+    print_row(16, "hot key", "lanes, group_max 1", &runs[1]);
+    print_ratios(16, "hot key", &runs[0], &runs[1], None);
 
     // The lane map's size.
-    println!("lane map size: one document holding N lane entries (plus the pool's own)");
+    println!("lane map size: one document holding N lane entries (plus the handle's own)");
     for entries in [10usize, 100, 1000] {
         let key = format!("map{entries}");
         let map: Document = (0..entries)
@@ -209,6 +223,8 @@ pub async fn run(settings: &Settings) {
         }
     }
 
+    lane_memory(settings, &options, &db, &made).await;
+
     let counted = sum_counters(&db.collection("lanes")).await;
     let made = made.load(Ordering::Relaxed);
     println!(
@@ -219,13 +235,136 @@ pub async fn run(settings: &Settings) {
 
 fn print_row(writers: usize, keys: &str, kind: &str, run: &Run) {
     println!(
-        "{:>7}  {:<10} {:<9} {:>9.0} {:>9.2} {:>9.2}",
+        "{:>7}  {:<10} {:<18} {:>9.0} {:>9.2} {:>9.2}",
         writers,
         keys,
         kind,
         run.per_second(),
         ms(run.percentile(50.0)),
         ms(run.percentile(99.0))
+    );
+}
+
+fn print_group_size(writers: usize, keys: &str, before: tally::LaneStats, after: tally::LaneStats) {
+    let updates = after.updates - before.updates;
+    let increments = after.increments - before.increments;
+    println!(
+        "{:>7}  {:<10} lanes: {increments} increments in {updates} updates, mean group {:.1}",
+        writers,
+        keys,
+        increments as f64 / updates.max(1) as f64
+    );
+}
+
+/// A simulated day on one hot counter: 8 handles, 2 callers each, one of
+/// them replaced every third slice (a process restarted), a reconciler
+/// pruning with `lane_ttl` of a few seconds after every slice.
+async fn lane_memory(
+    settings: &Settings,
+    options: &mongodb::options::ClientOptions,
+    db: &mongodb::Database,
+    made: &Arc<AtomicI64>,
+) {
+    const HANDLES: usize = 8;
+    const RESTART_EVERY: usize = 3;
+    let lane_ttl = Duration::from_secs(4);
+    let writer = WriterConfig {
+        lane_resume_horizon: Duration::from_secs(1),
+        lane_ttl,
+        ..WriterConfig::default()
+    };
+    // Attempts bounded by 2.5 s (server selection 1 s): the scaled
+    // lifetimes leave one attempt between the horizon and lane_ttl.
+    let mut options = options.clone();
+    options.server_selection_timeout = Some(Duration::from_secs(1));
+    let client = Client::with_options(options.clone()).expect("client");
+    let store = Store::from_parts(client, &options, DATABASE)
+        .with_attempt_timeout(Duration::from_millis(2500));
+    let handle = || {
+        Arc::new(
+            Counters::try_new(&store, CollectionConfig::new("lanes"), writer)
+                .expect("the scaled lane settings hold together"),
+        )
+    };
+    let mut handles: Vec<Arc<Counters>> = (0..HANDLES).map(|_| handle()).collect();
+    let reconciler = Reconciler::new(&store).with_lane_ttl(lane_ttl);
+    let target = FoldTarget {
+        spec: CollectionConfig::new("lanes"),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    let slices = (settings.rounds * 3).max(6);
+    let mut rates = Vec::new();
+    let (mut most, mut pruned, mut unknown) = (0, 0, 0);
+    for slice in 0..slices {
+        if slice % RESTART_EVERY == RESTART_EVERY - 1 {
+            let old = std::mem::replace(&mut handles[slice % HANDLES], handle());
+            unknown += old.lane_stats().retired;
+        }
+        let sides = handles.clone();
+        let made_here = made.clone();
+        let run = timed(HANDLES * 2, settings.run, move |w, _| {
+            let counters = sides[w % HANDLES].clone();
+            let made = made_here.clone();
+            async move {
+                match counters.add("day", 1).await {
+                    LaneIncrement::Counted(_) => {
+                        made.fetch_add(1, Ordering::Relaxed);
+                    }
+                    other => panic!("benchmark lane increment not counted: {other:?}"),
+                }
+            }
+        })
+        .await;
+        // A plain `$inc` beside it, same slice length, so the server's
+        // drift through the day cancels out of the ratio.
+        let plain_coll = db.collection::<Document>("plain");
+        let baseline = timed(HANDLES * 2, settings.run, move |_, _| {
+            let coll = plain_coll.clone();
+            async move {
+                coll.update_one(doc! { "_id": "day" }, doc! { "$inc": { "counter": 1 } })
+                    .upsert(true)
+                    .await
+                    .expect("plain $inc");
+            }
+        })
+        .await;
+        rates.push(run.per_second() / baseline.per_second());
+        let now = reconciler.server_time().await.expect("server time");
+        let run = reconciler
+            .reconcile(
+                &target,
+                Mode::Fold,
+                now,
+                &CancellationToken::new(),
+                &mut |_| {},
+            )
+            .await;
+        assert!(run.error.is_none(), "prune: {:?}", run.error);
+        pruned += run.lanes_pruned;
+        let found = db
+            .collection::<Document>("lanes")
+            .find_one(doc! { "_id": "day" })
+            .await
+            .expect("read the day's counter")
+            .expect("the day's counter exists");
+        let entries = found.get_document("lanes").map_or(0, Document::len);
+        most = most.max(entries);
+    }
+    unknown += handles.iter().map(|h| h.lane_stats().retired).sum::<u64>();
+    let third = slices / 3;
+    let mean = |rates: &[f64]| rates.iter().sum::<f64>() / rates.len() as f64;
+    let (start, end) = (mean(&rates[..third]), mean(&rates[slices - third..]));
+    let slice_secs = settings.run.as_secs_f64();
+    let restarts_within_ttl =
+        (lane_ttl.as_secs_f64() / (slice_secs * RESTART_EVERY as f64)).ceil() as usize + 1;
+    println!(
+        "lane memory: {HANDLES} handles x 2 callers on one counter, one handle restarted every \
+         {RESTART_EVERY} slices, {slices} slices of {:?}, lane_ttl {lane_ttl:?}: at most {most} \
+         entries (target <= {HANDLES} + {restarts_within_ttl} restarted within lane_ttl + \
+         {unknown} unknown), {pruned} pruned; lanes / plain at the end against the start = {:.3}x (target >= 0.95x)",
+        settings.run,
+        end / start
     );
 }
 

@@ -1,8 +1,9 @@
 //! `tallyd incr --lane` and `tallyd resume --lane`: the lanes protocol
 //! (DESIGN §3b) on the command line.
 //!
-//! A command is one process, so `incr` takes one fresh lane (a fresh
-//! handle's first) and sends its first number, s = 1, in one round trip;
+//! A command is one process, so `incr` takes one fresh lane of its own
+//! and sends its first number, s = 1, in one round trip (a count, whose age
+//! is the lane's, minted now);
 //! the token it prints is the lane. `resume` re-sends that lane's update
 //! with s = 1, or the position `--position` gives (a library ticket's) —
 //! harmless however often it runs, from wherever, until the lane resume
@@ -24,7 +25,7 @@ use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
 
 /// `tallyd incr KEY [--by N] --lane`.
 pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
-    let outcome = target.counters.add(key, by).await;
+    let outcome = target.counters.add_once(key, by).await;
     report(target, key, &outcome)
 }
 

@@ -12,16 +12,17 @@ use mongodb::options::ConnectionString;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::ConfigIssue;
 use super::field::{Issues, describe};
 use super::raw::{RawCollection, RawMongo, RawReconcile, RawSequences, RawWriter};
 use crate::reconcile::{DEFAULT_BATCH_SIZE, DEFAULT_GRACE};
 use crate::redact::{SecretString, Secrets, redact_uri};
 use crate::store::{StoreConfig, serialize_duration};
 use crate::write::counter::{
-    CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_ROTATE,
-    DEFAULT_LANE_TTL, DEFAULT_LANES, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD,
-    DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, Protocol,
-    WriterConfig,
+    CollectionConfig, DEFAULT_COUNTER_FIELD, DEFAULT_GROUP_MAX, DEFAULT_GROUP_WAIT,
+    DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_TTL, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD,
+    DEFAULT_QUEUE_LIMIT, DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_GROUP_MAX,
+    MAX_QUEUE_LIMIT, MIN_RETRY_HORIZON, Protocol, WriterConfig,
 };
 use crate::write::ledger::DEFAULT_EVENT_RETENTION;
 use crate::write::sequence::SequenceConfig;
@@ -84,8 +85,30 @@ pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> Reco
 /// bounded.
 const MAX_BATCH_SIZE: u64 = 10_000;
 
-pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConfig {
+/// Keys of `[writer]` that tally no longer reads, and why: a file from an
+/// earlier version still loads, with a warning naming each.
+const RETIRED_WRITER_KEYS: [&str; 2] = ["lanes", "lane_rotate"];
+
+/// `[writer]`, and a warning for each retired key it sets.
+pub(super) fn validate_writer(
+    raw: RawWriter,
+    issues: &mut Issues,
+    warnings: &mut Vec<ConfigIssue>,
+) -> WriterConfig {
     issues.unknown_keys("writer", &raw.unknown);
+    for (key, set) in RETIRED_WRITER_KEYS
+        .into_iter()
+        .zip([raw.lanes.is_some(), raw.lane_rotate.is_some()])
+    {
+        if set {
+            warnings.push(ConfigIssue {
+                key: format!("writer.{key}"),
+                message: "no longer used: a handle has one lane, whose entries the daemon prunes \
+                          by when they were last written; delete it"
+                    .into(),
+            });
+        }
+    }
     let retry_horizon = issues.duration(
         "writer.retry_horizon",
         raw.retry_horizon,
@@ -100,10 +123,27 @@ pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConf
             ),
         );
     }
-    let lanes = issues
-        .optional_integer("writer.lanes", raw.lanes, 1, MAX_LANES as u64)
-        .map_or(DEFAULT_LANES, |n| n as usize);
-    let lane_rotate = issues.duration("writer.lane_rotate", raw.lane_rotate, DEFAULT_LANE_ROTATE);
+    let group_max = issues
+        .optional_integer("writer.group_max", raw.group_max, 1, MAX_GROUP_MAX as u64)
+        .map_or(DEFAULT_GROUP_MAX, |n| n as usize);
+    let queue_limit = issues
+        .optional_integer(
+            "writer.queue_limit",
+            raw.queue_limit,
+            1,
+            MAX_QUEUE_LIMIT as u64,
+        )
+        .map_or(DEFAULT_QUEUE_LIMIT, |n| n as usize);
+    // Zero is a group_wait of its own (no waiting), unlike other durations.
+    let zero = raw
+        .group_wait
+        .as_ref()
+        .and_then(Value::as_str)
+        .map(str::trim);
+    let group_wait = match zero.map(humantime::parse_duration) {
+        Some(Ok(wait)) if wait.is_zero() => Duration::ZERO,
+        _ => issues.duration("writer.group_wait", raw.group_wait, DEFAULT_GROUP_WAIT),
+    };
     let lane_resume_horizon = issues.duration(
         "writer.lane_resume_horizon",
         raw.lane_resume_horizon,
@@ -123,8 +163,9 @@ pub(super) fn validate_writer(raw: RawWriter, issues: &mut Issues) -> WriterConf
     };
     WriterConfig {
         retry_horizon,
-        lanes,
-        lane_rotate,
+        group_max,
+        queue_limit,
+        group_wait,
         lane_resume_horizon,
         lane_ttl,
         protocol,

@@ -13,8 +13,8 @@
 //! - `stuck_after` must be at least the longest grace: a token younger than
 //!   its grace is not folded yet, so an alert for it would be noise and a
 //!   repair would find nothing to do, again and again;
-//! - `lane_rotate` must be shorter than `lane_resume_horizon`, and
-//!   `lane_resume_horizon` plus one attempt shorter than `lane_ttl`: a
+//! - `lane_resume_horizon` plus one attempt must be shorter than
+//!   `lane_ttl`: a
 //!   lane's update re-sent just inside the horizon may still execute for one
 //!   attempt, and must find the lane's entry not pruned yet.
 //!
@@ -40,13 +40,13 @@ pub(super) fn check(config: &Config, issues: &mut Issues) {
     check_graces(config, issues);
     check_stuck_after(config, issues);
     check_lane_lifetimes(config, issues);
+    check_group_bounds(config, issues);
 }
 
 /// The writer's lane lifetimes against each other and one attempt, as the
 /// library checks them when a handle is built.
 fn check_lane_lifetimes(config: &Config, issues: &mut Issues) {
     let involved = [
-        "writer.lane_rotate",
         "writer.lane_resume_horizon",
         "writer.lane_ttl",
         "mongodb.attempt_timeout",
@@ -57,6 +57,17 @@ fn check_lane_lifetimes(config: &Config, issues: &mut Issues) {
     let attempt = config.mongodb.attempt_timeout;
     for (key, problem) in config.writer.lane_margin_problems(attempt) {
         issues.push(format!("writer.{key}"), problem);
+    }
+}
+
+/// The group commit bounds, as the library checks them (their ranges were
+/// checked as they were read; what is left is `group_wait`'s).
+fn check_group_bounds(config: &Config, issues: &mut Issues) {
+    for (key, problem) in config.writer.group_problems() {
+        let key = format!("writer.{key}");
+        if !issues.has(&key) {
+            issues.push(key, problem);
+        }
     }
 }
 

@@ -73,8 +73,13 @@ pub(crate) struct RawCollection {
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawWriter {
     pub(crate) retry_horizon: Option<Value>,
+    /// Retired: read only to warn that it is no longer used.
     pub(crate) lanes: Option<Value>,
+    /// Retired: read only to warn that it is no longer used.
     pub(crate) lane_rotate: Option<Value>,
+    pub(crate) group_max: Option<Value>,
+    pub(crate) queue_limit: Option<Value>,
+    pub(crate) group_wait: Option<Value>,
     pub(crate) lane_resume_horizon: Option<Value>,
     pub(crate) lane_ttl: Option<Value>,
     pub(crate) protocol: Option<Value>,

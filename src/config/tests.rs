@@ -494,8 +494,9 @@ fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
 #[test]
 fn the_lane_settings_default_and_are_read() {
     let config = Config::from_toml(MINIMAL, []).unwrap();
-    assert_eq!(config.writer.lanes, 10);
-    assert_eq!(config.writer.lane_rotate, Duration::from_secs(3600));
+    assert_eq!(config.writer.group_max, 256);
+    assert_eq!(config.writer.queue_limit, 10_000);
+    assert_eq!(config.writer.group_wait, Duration::ZERO);
     assert_eq!(
         config.writer.lane_resume_horizon,
         Duration::from_secs(23 * 3600)
@@ -505,13 +506,21 @@ fn the_lane_settings_default_and_are_read() {
         config.writer.protocol,
         crate::write::counter::Protocol::TwoStep
     );
-    let text = format!(
-        "{MINIMAL}[writer]\nlanes = 4\nlane_rotate = \"10m\"\nlane_resume_horizon = \"2h\"\n\
-         lane_ttl = \"3h\"\nprotocol = \"lanes\"\n[[collections]]\nname = \"a\"\nlanes_field = \"w\"\n"
+    assert_eq!(config.warnings().count(), 0);
+    let zero = format!("{MINIMAL}[writer]\ngroup_wait = \"0s\"\n");
+    assert_eq!(
+        Config::from_toml(&zero, []).unwrap().writer.group_wait,
+        Duration::ZERO
     );
-    let config = Config::from_toml(&text, env(&[("TALLYD__WRITER__LANES", "8")])).unwrap();
-    assert_eq!(config.writer.lanes, 8);
-    assert_eq!(config.writer.lane_rotate, Duration::from_secs(600));
+    let text = format!(
+        "{MINIMAL}[writer]\ngroup_max = 4\nqueue_limit = 100\ngroup_wait = \"2ms\"\n\
+         lane_resume_horizon = \"2h\"\nlane_ttl = \"3h\"\nprotocol = \"lanes\"\n\
+         [[collections]]\nname = \"a\"\nlanes_field = \"w\"\n"
+    );
+    let config = Config::from_toml(&text, env(&[("TALLYD__WRITER__GROUP_MAX", "8")])).unwrap();
+    assert_eq!(config.writer.group_max, 8);
+    assert_eq!(config.writer.queue_limit, 100);
+    assert_eq!(config.writer.group_wait, Duration::from_millis(2));
     assert_eq!(
         config.writer.protocol,
         crate::write::counter::Protocol::Lanes
@@ -520,24 +529,48 @@ fn the_lane_settings_default_and_are_read() {
     assert_eq!(config.collection("other").lanes_field, "lanes");
 }
 
+/// A file written for the lane pool still loads: its retired keys are
+/// warned about, each by name, and change nothing.
+#[test]
+fn the_retired_pool_keys_are_accepted_with_a_warning_naming_each() {
+    let text = format!("{MINIMAL}[writer]\nlanes = 4\nlane_rotate = \"10m\"\n");
+    let config = Config::from_toml(&text, []).unwrap();
+    let warnings: Vec<String> = config.warnings().collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with("writer.lanes: no longer used"),
+        "{warnings:?}"
+    );
+    assert!(warnings[1].starts_with("writer.lane_rotate: no longer used"));
+    assert!(
+        warnings.iter().all(|w| w.ends_with("delete it")),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        config.writer,
+        Config::from_toml(MINIMAL, []).unwrap().writer
+    );
+}
+
 #[test]
 fn lane_lifetimes_must_leave_their_margins_and_every_bad_lane_key_is_named() {
     // 2h + 60s (the default attempt bound) is not shorter than a lane_ttl
-    // of 2h; a rotation of 3h outlives the resume horizon.
+    // of 2h.
     let text = format!(
-        "{MINIMAL}[writer]\nlanes = 0\nlane_rotate = \"3h\"\nlane_resume_horizon = \"2h\"\n\
-         lane_ttl = \"2h\"\nprotocol = \"fast\"\n[[collections]]\nname = \"a\"\n\
-         lanes_field = \"pending\"\n"
+        "{MINIMAL}[writer]\ngroup_max = 0\nqueue_limit = 0\ngroup_wait = \"2s\"\n\
+         lane_resume_horizon = \"2h\"\nlane_ttl = \"2h\"\nprotocol = \"fast\"\n\
+         [[collections]]\nname = \"a\"\nlanes_field = \"pending\"\n"
     );
     let err = Config::from_toml(&text, []).unwrap_err();
     assert_eq!(
         keys(&err),
         [
             "collections[0].lanes_field",
-            "writer.lanes",
+            "writer.group_max",
+            "writer.queue_limit",
             "writer.protocol",
-            "writer.lane_rotate",
             "writer.lane_ttl",
+            "writer.group_wait",
         ],
         "{err}"
     );
@@ -546,10 +579,11 @@ fn lane_lifetimes_must_leave_their_margins_and_every_bad_lane_key_is_named() {
         said.contains("lane_resume_horizon + attempt_timeout") && said.contains("2h 1m"),
         "{said}"
     );
-    assert!(message(&err, "writer.lane_rotate").contains("lane_resume_horizon"));
+    assert!(message(&err, "writer.group_wait").contains("at most 1s"));
     let fixed = text
-        .replace("lanes = 0", "lanes = 1")
-        .replace("\"3h\"", "\"1h\"")
+        .replace("group_max = 0", "group_max = 1")
+        .replace("queue_limit = 0", "queue_limit = 1")
+        .replace("\"2s\"", "\"1s\"")
         .replace("lane_ttl = \"2h\"", "lane_ttl = \"2h 1m 1s\"")
         .replace("\"fast\"", "\"two-step\"")
         .replace("lanes_field = \"pending\"", "lanes_field = \"lanes\"");

@@ -103,8 +103,10 @@ pub struct EventFoldSettings {
     /// this one's is finished by recovery. Default: 2 minutes — far longer
     /// than a batch takes.
     pub claim_timeout: Duration,
-    /// The fold lane is replaced by a fresh one once older than this, as a
-    /// writer's lanes are (`lane_rotate`). Must be shorter than the
+    /// The fold lane is replaced by a fresh one once older than this (its
+    /// numbers are counts, whose entries are pruned by the lane's age;
+    /// `tallyd` sets it to `[writer] lane_resume_horizon`, at most 1 hour).
+    /// Must be shorter than the
     /// `lane_ttl` of every prune of these counters (see the module docs,
     /// "Pruning"), as the daemon's configuration checks. Default: 1 hour.
     pub lane_rotate: Duration,
@@ -124,7 +126,7 @@ impl Default for EventFoldSettings {
         Self {
             batch_size: 5000,
             claim_timeout: Duration::from_secs(120),
-            lane_rotate: WriterConfig::default().lane_rotate,
+            lane_rotate: Duration::from_secs(3600),
             event_retention: index::DEFAULT_EVENT_RETENTION,
             pass_limit: Duration::from_secs(10),
         }

@@ -58,9 +58,10 @@ pub use config::{CollectionConfig, Protocol, WriterConfig};
 // The daemon's configuration reads its defaults from here.
 #[cfg(feature = "daemon")]
 pub(crate) use config::{
-    DEFAULT_COUNTER_FIELD, DEFAULT_LANE_RESUME_HORIZON, DEFAULT_LANE_ROTATE, DEFAULT_LANE_TTL,
-    DEFAULT_LANES, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_RETRY_HORIZON,
-    DEFAULT_SETTLED_FIELD, MAX_LANES, MIN_RETRY_HORIZON, least_retry_horizon,
+    DEFAULT_COUNTER_FIELD, DEFAULT_GROUP_MAX, DEFAULT_GROUP_WAIT, DEFAULT_LANE_RESUME_HORIZON,
+    DEFAULT_LANE_TTL, DEFAULT_LANES_FIELD, DEFAULT_PENDING_FIELD, DEFAULT_QUEUE_LIMIT,
+    DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_GROUP_MAX, MAX_QUEUE_LIMIT,
+    MIN_RETRY_HORIZON, least_retry_horizon,
 };
 pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, UnknownToken};
 // The fold adds to counters the way step 2 does, and reads markers alike.
@@ -69,7 +70,7 @@ pub use outcome::{Completion, Counted, Increment, NotCounted, PendingToken, Unkn
 pub(crate) use settle::Found;
 pub(crate) use step::{exact_as_double, inc_operand, marker_path};
 
-use super::lane::LanePool;
+use super::lane::LaneWriter;
 use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
 use crate::store::Store;
 use crate::token::{Entry, Token};
@@ -81,23 +82,17 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 
 /// Increments counters of one collection, with either protocol: the
 /// two-step increment ([`Counters::increment`]) or a writer lane
-/// ([`Counters::add`], DESIGN §3b). Clones share one pool of lanes.
+/// ([`Counters::add`], DESIGN §3b). Clones share one lane and its queue:
+/// make one handle per process (per collection) and clone it.
 #[derive(Clone, Debug)]
 pub struct Counters {
     pub(super) store: Store,
     pub(super) collection: Collection<Document>,
     pub(super) spec: Arc<CollectionConfig>,
     retry_horizon: Duration,
-    /// The pool of lanes and their resume horizon, or why the writer's lane
+    /// The handle's lane and its group commit, or why the writer's lane
     /// settings were refused (every lane operation is then refused too).
-    pub(super) lanes: Result<Lanes, Error>,
-}
-
-/// What the lanes protocol needs from a handle.
-#[derive(Clone, Debug)]
-pub(super) struct Lanes {
-    pub(super) pool: Arc<LanePool>,
-    pub(super) resume_horizon: Duration,
+    pub(super) lanes: Result<Arc<LaneWriter>, Error>,
 }
 
 /// Why an upsert sent with [`Counters::upsert_while`] did not apply.
@@ -144,9 +139,9 @@ impl Counters {
     }
 
     /// Like [`Counters::new`], but refuses lane settings that do not hold
-    /// together: a pool of 1 to 1024 lanes, `lane_rotate` shorter than
-    /// `lane_resume_horizon`, and `lane_resume_horizon` plus the store's
-    /// attempt bound shorter than `lane_ttl`
+    /// together: `group_max`, `queue_limit` and `group_wait` within their
+    /// bounds, and `lane_resume_horizon` plus the store's attempt bound
+    /// shorter than `lane_ttl`
     /// ([`Error::InvalidArgument`], naming every setting at fault).
     pub fn try_new(
         store: &Store,
@@ -177,7 +172,7 @@ impl Counters {
             store: store.clone(),
             spec: Arc::new(spec),
             retry_horizon: writer.retry_horizon.max(least),
-            lanes: super::lane::lanes(&writer, store.attempt_timeout()),
+            lanes: super::lane::writer(&writer, store.attempt_timeout()),
         }
     }
 

@@ -41,19 +41,30 @@
 //! the old `s` was in flight, and as long as the lane's entry is in the
 //! document:
 //!
-//! - **One operation in flight per lane.** A [`Counters`] handle keeps a
-//!   pool of minted lanes (`WriterConfig::lanes`, default 10): an increment
-//!   takes a free one, waiting if there is none ([`pool`]).
-//! - **Retirement.** A lane whose operation ended unknown is never used
-//!   again — nor one whose increment the caller dropped mid-flight: a newer
-//!   number applied first would make the old one look applied. A counted or
-//!   not-counted operation returns its lane with `s` advanced.
-//! - **Rotation.** A lane older than `lane_rotate` (1 h) is replaced by a
-//!   fresh one before its next use, and a minted lane's update is sent, and
-//!   resumed, only while the lane is younger than `lane_resume_horizon`
-//!   (23 h): the daemon prunes a minted lane's entries once it is older than
-//!   `lane_ttl` (24 h, by the time in the lane's id), and an update arriving
-//!   after its entry was pruned would apply again.
+//! - **One lane per handle, one update in flight per counter.** A
+//!   [`Counters`] handle mints its lane when it is made, and its clones
+//!   share it: make one handle per process and clone it. The lane carries
+//!   updates to many counters at once, to each one at a time, in order;
+//!   increments of a counter that arrive while its update is in flight
+//!   wait and leave together as its next update — **group commit**
+//!   ([`sender`]): their sum under one number, each caller told its own
+//!   outcome (`Counted`, `NotCounted`, or `Unknown` with the group's shared
+//!   ticket). Bounded by `group_max` increments per update and
+//!   `queue_limit` waiting per handle (a caller beyond it waits for room).
+//! - **Numbers are times.** The number a lane sends is `max(last + 1, now
+//!   in µs)` ([`number`]): the entry a lane leaves in a counter tells when
+//!   it last wrote it.
+//! - **Retirement, per counter.** After an unknown outcome on a counter,
+//!   nothing newer goes to that counter on that lane: the handle mints a
+//!   fresh lane for that counter alone.
+//! - **Pruning, no rotation.** The daemon prunes a minted lane's entry once
+//!   it was not written for `lane_ttl` (24 h), and a minted lane's update
+//!   is sent, and resumed, only while the time in its number is younger
+//!   than `lane_resume_horizon` (23 h): an update arriving after its entry
+//!   was pruned would apply again. Entries per counter ≈ the handles that
+//!   wrote it within `lane_ttl`, plus one per unknown outcome. (An entry of
+//!   tally 0.1's lane pool holds a count, not a time: its age is its lane
+//!   id's.)
 //!
 //! **Named lanes** ([`Counters::add_from`]) serve ordered sources — a Kafka
 //! partition, a change stream, a log file: the caller names the lane
@@ -64,20 +75,21 @@
 //! lanes are never pruned and have no resume horizon.
 
 mod name;
+mod number;
 mod outcome;
-mod pool;
+mod sender;
 
 use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, Document, doc};
 
 pub use name::{BadLaneName, LaneId, LaneName};
+pub(crate) use number::written_before;
 pub use outcome::{LaneCounted, LaneIncrement, LaneOutOfOrder, LaneTicket};
-pub(crate) use pool::LanePool;
+pub use sender::LaneStats;
+pub(crate) use sender::{LaneWriter, writer};
 
-use super::counter::{
-    CollectionConfig, Counters, Lanes, NotCounted, Stopped, WriterConfig, inc_operand,
-};
+use super::counter::{CollectionConfig, Counters, NotCounted, Stopped, inc_operand};
 use crate::document::{bson_type_name, double_takes, exact_double_range};
 use crate::error::{Effect, Error, ErrorClass, RetryBudget, duplicate_on_id};
 use outcome::{check_amount, check_position};
@@ -119,48 +131,12 @@ enum Sent {
     Unknown(Error),
     /// Nothing was sent: the lane is past its resume horizon.
     Refused(Error),
+    /// The sender stopped while the update was on its way: unknown, with
+    /// no error to tell.
+    Dropped,
 }
 
 impl Counters {
-    /// Adds `amount` (not zero) to the counter `key` in one round trip,
-    /// through a lane of this handle's pool (waiting for a free one),
-    /// creating the counter if needed. An [`LaneIncrement::Unknown`] is
-    /// settled by [`Counters::resume_lane`], as often as needed.
-    pub async fn add(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
-        let key = key.into();
-        let usable = self.lanes.as_ref().map_err(Clone::clone);
-        let lanes = match usable
-            .and_then(|lanes| crate::document::check_key(&key).map(|()| lanes))
-            .and_then(|lanes| check_amount(amount).map(|()| lanes))
-        {
-            Ok(lanes) => lanes,
-            Err(cause) => {
-                return LaneIncrement::NotCounted(NotCounted {
-                    key,
-                    token: None,
-                    lane: None,
-                    amount,
-                    cause,
-                });
-            }
-        };
-        let lease = lanes.pool.acquire(SystemTime::now).await;
-        let lane = lease.lane();
-        let op = LaneOp {
-            key,
-            lane: lane.id(),
-            position: lane.next,
-            amount,
-        };
-        let sent = self.send(lanes, &op, By::Increment).await;
-        match sent {
-            // A lane behind its own entry must never send again.
-            Sent::Unknown(_) | Sent::OutOfOrder(_) => lease.retire(),
-            _ => lease.decided(),
-        }
-        op.outcome(sent)
-    }
-
     /// Adds `amount` (not zero) to the counter `key` through the named lane
     /// `lane` at the source's `position` (0 or more): the position the lane
     /// holds — the same message delivered again — is counted once; an
@@ -188,16 +164,17 @@ impl Counters {
             Ok(lanes)
         });
         match usable {
-            Ok(lanes) => {
-                let sent = self.send(lanes, &op, By::Increment).await;
+            Ok(writer) => {
+                let sent = self.send(writer.resume_horizon, &op, By::Increment).await;
                 op.outcome(sent)
             }
             Err(cause) => op.outcome(Sent::NotApplied(cause)),
         }
     }
 
-    /// Sends a ticket's update again: harmless any number of times, from
-    /// any process, concurrently — the lane's number applies once. Returns
+    /// Sends a ticket's update again — the whole group's, when the ticket
+    /// is shared: harmless any number of times, from any caller or
+    /// process, concurrently — the lane's number applies once. Returns
     /// [`LaneIncrement::Counted`] (with `settled_earlier` when the lane
     /// holds its number already), [`LaneIncrement::OutOfOrder`] when the
     /// lane holds a later number (nothing written), or, when this attempt
@@ -205,21 +182,53 @@ impl Counters {
     /// ticket: resume again later.
     ///
     /// `Err` means refused without writing anything:
-    /// [`Error::LaneResumeHorizonExceeded`] (a minted lane older than
-    /// `lane_resume_horizon`, whose entry the daemon may prune: the
-    /// increment is counted at most once), or the handle's lane settings
+    /// [`Error::LaneResumeHorizonExceeded`] (a minted lane's update whose
+    /// time is older than `lane_resume_horizon`, whose entry the daemon may
+    /// prune: the increment is counted at most once), or the handle's lane
+    /// settings
     /// were refused ([`Error::InvalidArgument`]).
     pub async fn resume_lane(&self, ticket: LaneTicket) -> Result<LaneIncrement, Error> {
-        let lanes = self.lanes.as_ref().map_err(Clone::clone)?;
+        let writer = self.lanes.as_ref().map_err(Clone::clone)?;
         let op = LaneOp {
-            key: ticket.key,
+            key: ticket.key.clone(),
             lane: ticket.lane,
             position: ticket.position,
             amount: ticket.amount,
         };
-        match self.send(lanes, &op, By::Resume).await {
+        match self.send(writer.resume_horizon, &op, By::Resume).await {
             Sent::Refused(cause) => Err(cause),
-            sent => Ok(op.outcome(sent)),
+            sent => Ok(op.outcome_for(&sent, ticket.key, ticket.share)),
+        }
+    }
+
+    /// Adds `amount` (not zero) to `key` through a fresh lane of its own,
+    /// at number 1: the increment of a one-shot process (`tallyd incr
+    /// --lane`), whose ticket is its lane alone — a count, not a time, so
+    /// its age, and its entry's, is the lane's (minted now).
+    #[cfg(feature = "daemon")]
+    pub(crate) async fn add_once(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
+        let fresh = crate::token::Token::created_at_time(SystemTime::now()).object_id();
+        let op = LaneOp {
+            key: key.into(),
+            lane: LaneId::Minted(fresh),
+            position: 1,
+            amount,
+        };
+        let usable = self
+            .lanes
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|writer| {
+                crate::document::check_key(&op.key)?;
+                check_amount(amount)?;
+                Ok(writer.resume_horizon)
+            });
+        match usable {
+            Ok(horizon) => {
+                let sent = self.send(horizon, &op, By::Increment).await;
+                op.outcome(sent)
+            }
+            Err(cause) => op.outcome(Sent::NotApplied(cause)),
         }
     }
 
@@ -242,18 +251,14 @@ impl Counters {
             position,
             amount,
         };
-        let usable = self.lanes.as_ref().map_err(Clone::clone).and_then(|lanes| {
+        let usable = self.lanes.as_ref().map_err(Clone::clone).and_then(|_| {
             check_amount(amount)?;
-            check_position(&op.lane, position)?;
-            Ok(Lanes {
-                pool: lanes.pool.clone(),
-                resume_horizon: std::time::Duration::MAX,
-            })
+            check_position(&op.lane, position)
         });
         let by = if resumed { By::Resume } else { By::Increment };
         match usable {
-            Ok(lanes) => {
-                let sent = self.send(&lanes, &op, by).await;
+            Ok(()) => {
+                let sent = self.send(Duration::MAX, &op, by).await;
                 op.outcome(sent)
             }
             Err(cause) => op.outcome(undecided(by, false, cause)),
@@ -325,8 +330,8 @@ impl Counters {
     }
 
     /// Sends `op`'s update until its fate is known or the retry rule gives
-    /// up.
-    async fn send(&self, lanes: &Lanes, op: &LaneOp, by: By) -> Sent {
+    /// up — a minted lane's only while its time is younger than `horizon`.
+    async fn send(&self, horizon: Duration, op: &LaneOp, by: By) -> Sent {
         let operation = match by {
             By::Increment => "lane.add",
             By::Resume => "lane.resume",
@@ -338,7 +343,7 @@ impl Counters {
             let mut budget = RetryBudget::retry_once(operation).with_duplicate_key_retries(1);
             // Never (re)send a minted lane's update once the daemon may
             // prune its entry: it would apply again.
-            let allowed = || within_horizon(lanes, &op.lane, SystemTime::now());
+            let allowed = || within_horizon(horizon, &op.lane, op.position, SystemTime::now());
             let failure = match self
                 .upsert_while(&mut budget, &filter, &update, allowed)
                 .await
@@ -407,39 +412,26 @@ struct LaneView {
     counter: Option<Bson>,
 }
 
-/// The pool the writer's lane settings make, or every problem with them.
-pub(super) fn lanes(writer: &WriterConfig, attempt_timeout: Duration) -> Result<Lanes, Error> {
-    let mut problems = writer.lane_margin_problems(attempt_timeout);
-    if let Some(why) = writer.lane_pool_problem() {
-        problems.insert(0, ("lanes", why));
-    }
-    if !problems.is_empty() {
-        let listed: Vec<String> = problems
-            .iter()
-            .map(|(key, why)| format!("WriterConfig::{key} {why}"))
-            .collect();
-        return Err(Error::InvalidArgument(listed.join("; ")));
-    }
-    Ok(Lanes {
-        pool: LanePool::new(writer.lanes, writer.lane_rotate),
-        resume_horizon: writer.lane_resume_horizon,
-    })
-}
-
 impl LaneOp {
+    /// The outcome of the caller whose own increment was `op`.
     fn outcome(self, sent: Sent) -> LaneIncrement {
-        let Self {
-            key,
-            lane,
-            position,
-            amount,
-        } = self;
+        let key = self.key.clone();
+        let amount = self.amount;
+        self.outcome_for(&sent, key, amount)
+    }
+
+    /// The outcome of one caller whose `share` of this update's amount was
+    /// its increment of `key`: the update's fate, with the caller's own
+    /// key and share; an unknown one names the whole update.
+    fn outcome_for(&self, sent: &Sent, key: Bson, share: i64) -> LaneIncrement {
+        let lane = self.lane.clone();
+        let position = self.position;
         let counted = |settled_earlier| {
             LaneIncrement::Counted(LaneCounted {
                 key: key.clone(),
                 lane: lane.clone(),
                 position,
-                amount,
+                amount: share,
                 settled_earlier,
             })
         };
@@ -450,28 +442,29 @@ impl LaneOp {
                 key,
                 lane,
                 position,
-                amount,
-                held,
+                amount: share,
+                held: *held,
             }),
             Sent::NotApplied(cause) | Sent::Refused(cause) => {
                 LaneIncrement::NotCounted(NotCounted {
                     key,
                     token: None,
                     lane: Some((lane, position)),
-                    amount,
-                    cause,
+                    amount: share,
+                    cause: cause.clone(),
                 })
             }
-            Sent::Unknown(cause) => LaneIncrement::Unknown(
-                LaneTicket {
-                    key,
-                    lane,
-                    position,
-                    amount,
-                    cause: None,
-                }
-                .because(cause),
-            ),
+            Sent::Unknown(_) | Sent::Dropped => LaneIncrement::Unknown(LaneTicket {
+                key: self.key.clone(),
+                lane,
+                position,
+                amount: self.amount,
+                share,
+                cause: match sent {
+                    Sent::Unknown(cause) => Some(cause.clone()),
+                    _ => None,
+                },
+            }),
         }
     }
 }
@@ -487,13 +480,19 @@ fn undecided(by: By, maybe_applied: bool, cause: Error) -> Sent {
     }
 }
 
-/// Refuses a minted lane at or past its resume horizon at `now`.
-fn within_horizon(lanes: &Lanes, lane: &LaneId, now: SystemTime) -> Result<(), Error> {
-    match lane.age(now) {
-        Some(age) if age >= lanes.resume_horizon => Err(Error::LaneResumeHorizonExceeded {
+/// Refuses a minted lane's update at `position` whose time is at or past
+/// `horizon` at `now` (a count's: its lane's creation).
+fn within_horizon(
+    horizon: Duration,
+    lane: &LaneId,
+    position: i64,
+    now: SystemTime,
+) -> Result<(), Error> {
+    match number::update_age(lane, position, now) {
+        Some(age) if age >= horizon => Err(Error::LaneResumeHorizonExceeded {
             lane: lane.to_string(),
             age,
-            horizon: lanes.resume_horizon,
+            horizon,
         }),
         _ => Ok(()),
     }
@@ -576,23 +575,82 @@ mod tests {
 
     #[test]
     fn a_minted_lane_is_refused_from_its_resume_horizon_on_and_a_named_one_never() {
-        let lanes = Lanes {
-            pool: LanePool::new(1, Duration::from_secs(3600)),
-            resume_horizon: Duration::from_secs(23 * 3600),
-        };
+        let horizon = Duration::from_secs(23 * 3600);
         let minted = ObjectId::new();
         let created: SystemTime = minted.timestamp().into();
         let lane = LaneId::Minted(minted);
-        let just_inside = created + lanes.resume_horizon - Duration::from_secs(1);
-        assert!(within_horizon(&lanes, &lane, just_inside).is_ok());
-        let refused = within_horizon(&lanes, &lane, created + lanes.resume_horizon);
+        // A count (tally 0.1's pool): the lane's age.
+        let just_inside = created + horizon - Duration::from_secs(1);
+        assert!(within_horizon(horizon, &lane, 1, just_inside).is_ok());
+        let refused = within_horizon(horizon, &lane, 1, created + horizon);
         assert!(
             matches!(refused, Err(Error::LaneResumeHorizonExceeded { .. })),
             "{refused:?}"
         );
+        // A time: its own age, whatever the lane's.
+        let written = created + Duration::from_secs(48 * 3600);
+        let position = number::micros(written);
+        assert!(
+            within_horizon(
+                horizon,
+                &lane,
+                position,
+                written + horizon - Duration::from_secs(1)
+            )
+            .is_ok()
+        );
+        assert!(within_horizon(horizon, &lane, position, written + horizon).is_err());
         let named = LaneId::Named(LaneName::new("orders:3").unwrap());
         let far = created + Duration::from_secs(10 * 365 * 86400);
-        assert!(within_horizon(&lanes, &named, far).is_ok());
+        assert!(within_horizon(horizon, &named, 1, far).is_ok());
+    }
+
+    /// Every caller of a group hears the update's fate with its own key
+    /// and share; an unknown one names the whole update.
+    #[test]
+    fn each_caller_of_a_group_gets_the_updates_outcome_with_its_own_share() {
+        let op = LaneOp {
+            key: Bson::Int32(5),
+            lane: LaneId::Minted(ObjectId::new()),
+            position: 1_700_000_000_000_000,
+            amount: 10,
+        };
+        let shares = [(Bson::Int64(5), 3), (Bson::Double(5.0), 7)];
+        let cause = || Error::InvalidArgument("x".into());
+        let fates = [
+            Sent::Applied,
+            Sent::AppliedEarlier,
+            Sent::NotApplied(cause()),
+            Sent::Unknown(cause()),
+            Sent::Dropped,
+            Sent::OutOfOrder(op.position + 1),
+        ];
+        for sent in &fates {
+            let outcomes: Vec<LaneIncrement> = shares
+                .iter()
+                .map(|(key, share)| op.outcome_for(sent, key.clone(), *share))
+                .collect();
+            for (outcome, (key, share)) in outcomes.iter().zip(&shares) {
+                let unknown = matches!(outcome, LaneIncrement::Unknown(_));
+                let amount = if unknown { op.amount } else { *share };
+                assert_eq!(outcome.amount(), amount, "{sent:?}");
+                assert_eq!(outcome.position(), Some(op.position));
+                assert_eq!(outcome.lane(), Some(&op.lane));
+                match (sent, outcome) {
+                    (Sent::Applied, LaneIncrement::Counted(c)) => assert!(!c.settled_earlier()),
+                    (Sent::AppliedEarlier, LaneIncrement::Counted(c)) => {
+                        assert!(c.settled_earlier())
+                    }
+                    (Sent::NotApplied(_), LaneIncrement::NotCounted(n)) => assert_eq!(n.key(), key),
+                    (Sent::Unknown(_) | Sent::Dropped, LaneIncrement::Unknown(t)) => {
+                        assert_eq!((t.amount(), t.share()), (10, *share));
+                        assert_eq!(t.key(), &op.key);
+                    }
+                    (Sent::OutOfOrder(_), LaneIncrement::OutOfOrder(_)) => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
     }
 
     #[test]

@@ -105,7 +105,7 @@ enum Site {
     /// upserts it).
     LaneNew,
     /// `Counters::add` on an existing counter holding another lane's entry,
-    /// through a lane that wrote it once already (its second number).
+    /// through a lane that wrote it once already (a later number).
     LaneExisting,
 }
 
@@ -380,7 +380,8 @@ impl Rig {
     }
 
     /// The lane cells: `add` of 1 to `k` — a new counter, or one at 5 with
-    /// another lane's entry that this lane already wrote once. State:
+    /// another lane's entry that this handle's lane already wrote once (its
+    /// second number is later than its first). State:
     /// `counter` and `lanes`. Besides matching the log, the document must
     /// be exactly what the outcome promises (`counted`: the amount added
     /// once, the lane holding its number); a mismatch is reported at once.
@@ -398,15 +399,16 @@ impl Rig {
         )
         .expect("the default lane settings");
         let lanes = ["counter", "lanes"];
+        let mut first = 0;
         if site == Site::LaneExisting {
             direct
                 .insert_one(doc! { "_id": "k", "counter": 5i64, "lanes": { "other:0": 7i64 } })
                 .await
                 .expect("seed the counter");
-            match counters.add("k", 1).await {
-                LaneIncrement::Counted(c) if c.position() == 1 => {}
+            first = match counters.add("k", 1).await {
+                LaneIncrement::Counted(c) => c.position(),
                 other => return Err(format!("the first add: {other:?}")),
-            }
+            };
             self.settled_log(name).await;
             self.proxy.clear_log();
         }
@@ -426,15 +428,15 @@ impl Rig {
         let state = project(direct, "k", &lanes).await;
         let promised = match (site, counted) {
             (Site::LaneNew, false) => None,
-            (Site::LaneNew, true) => Some(doc! { "counter": 1i32, "lanes": { &lane: 1i64 } }),
+            (Site::LaneNew, true) => Some(doc! { "counter": 1i32, "lanes": { &lane: position } }),
             (_, false) => before,
             (_, true) => Some(doc! {
                 "counter": 7i64,
-                "lanes": { "other:0": 7i64, &lane: 2i64 },
+                "lanes": { "other:0": 7i64, &lane: position },
             }),
         };
-        let wanted_position = if site == Site::LaneNew { 1 } else { 2 };
-        if state != promised || position != wanted_position {
+        // The same lane, a later number than its first add's.
+        if state != promised || position <= first {
             return Err(format!(
                 "outcome {outcome:?} at s = {position}: document {state:?}, promised {promised:?}"
             ));
@@ -678,7 +680,7 @@ fn replay_increment(log: &[Exchange], token: ObjectId) -> Option<Document> {
 /// as the server executed them: an update applies — adds its amount, sets
 /// its lane's entry to its number — only while the lane holds less (no
 /// entry counts as less), and creates the document when there is none.
-fn replay_lanes(log: &[Exchange], before: Option<Document>) -> Option<Document> {
+pub(crate) fn replay_lanes(log: &[Exchange], before: Option<Document>) -> Option<Document> {
     let mut state = before;
     for update in executed(log, "update") {
         let statement = update.body.get_array("updates").expect("updates")[0]
@@ -711,7 +713,7 @@ fn replay_lanes(log: &[Exchange], before: Option<Document>) -> Option<Document> 
 }
 
 /// The fields `fields` of document `id`, or `None` when it does not exist.
-async fn project(
+pub(crate) async fn project(
     coll: &mongodb::Collection<Document>,
     id: &str,
     fields: &[&str],

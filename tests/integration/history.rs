@@ -3,7 +3,9 @@
 //! and concurrent (copies of a ticket on other hosts, `tallyd resume` and
 //! `tallyd complete` child processes, an operator completing an unknown
 //! ticket's token, a resume after the count), reads, sequences and blocks,
-//! takes and give-backs, the insert loop — through the black-pipe proxy,
+//! takes and give-backs, the insert loop, lane adds in bursts of concurrent
+//! callers (group commit) and their shared tickets resumed from several
+//! hosts at once — through the black-pipe proxy,
 //! which faults a seeded share of their requests (reply dropped after the
 //! server executed it, connection closed before forwarding, reply delayed
 //! past the attempt timeout, not-primary 10107, command error 2, duplicate
@@ -49,6 +51,10 @@ use workload::{Host, Shared};
 
 /// The hot counters every increment goes to.
 const KEYS: [&str; 4] = ["k0", "k1", "k2", "k3"];
+/// The hot counters of the lanes collection, which lane adds go to.
+const LANE_KEYS: [&str; 2] = ["l0", "l1"];
+/// The lanes collection.
+const LANES: &str = "lane_views";
 /// Sequences handed out by `next` and `next_block` alike.
 const SEQUENCES: [&str; 2] = ["orders", "invoices"];
 /// Bounded counters and their stock.
@@ -191,6 +197,21 @@ fn seed_and_seconds() -> (u64, u64) {
     (seed, seconds)
 }
 
+/// A lane update statement's (lane, number), key and amount.
+fn lane_update(statement: &Document) -> Option<((String, i64), String, i64)> {
+    let ops = statement.get_document("u").ok()?;
+    let (path, position) = ops.get_document("$set").ok()?.iter().next()?;
+    let lane = path.strip_prefix("lanes.")?.to_owned();
+    let amount = integer(ops.get_document("$inc").ok()?.get("counter"))?;
+    let key = statement
+        .get_document("q")
+        .ok()?
+        .get_str("_id")
+        .ok()?
+        .to_owned();
+    Some(((lane, position.as_i64()?), key, amount))
+}
+
 /// The counters exist before the first step 1 (so one that reaches the
 /// server always applies: the oracle relies on it); so do the bounded
 /// counters. Sequences are created by their first use, under faults.
@@ -200,6 +221,11 @@ async fn create_counters(direct: &TestClient) {
         .insert_many(KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
         .await
         .expect("create the counters");
+    direct
+        .collection(LANES)
+        .insert_many(LANE_KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
+        .await
+        .expect("create the lane counters");
     let seats = BoundedCounters::new(&direct.store(), BoundedConfig::new("seats"));
     for (key, units) in BOUNDED {
         let created = seats.create(key, units).await;
@@ -258,6 +284,7 @@ fn assert_exercised(
         "give_back",
         "insert",
         "crash abandoned",
+        "lane add",
     ] {
         assert!(
             exercised.get(what).copied().unwrap_or(0) > 0,
@@ -295,6 +322,7 @@ fn host(store: &tally::Store) -> Host {
         bounded: BoundedCounters::new(store, BoundedConfig::new("seats")),
         inserts: InsertLoop::new(store, "docs").max_attempts(20),
         raw: store.collection("views"),
+        lanes: Counters::new(store, CollectionConfig::new(LANES), WriterConfig::default()),
     }
 }
 
@@ -430,6 +458,12 @@ async fn all(collection: Collection<Document>) -> Vec<Document> {
 /// What the run left, read directly (not through the proxy).
 async fn final_state(direct: &TestClient) -> FinalState {
     let mut end = FinalState::default();
+    for d in all(direct.collection(LANES)).await {
+        let key = d.get_str("_id").expect("string keys").to_owned();
+        let counter = integer(d.get("counter"))
+            .unwrap_or_else(|| panic!("lane counter {key} is not an integer: {d}"));
+        end.lane_counters.insert(key, counter);
+    }
     for d in all(direct.collection("views")).await {
         let key = d.get_str("_id").expect("string keys").to_owned();
         let counter = integer(d.get("counter"))
@@ -488,6 +522,13 @@ fn oracle(log: &[Exchange]) -> Oracle {
         };
         for statement in statements.iter().filter_map(Bson::as_document) {
             match exchange.collection.as_deref() {
+                Some(LANES) => {
+                    if let Some((update, key, amount)) = lane_update(statement)
+                        && exchange.reached_server
+                    {
+                        oracle.lane_updates.entry(update).or_insert((key, amount));
+                    }
+                }
                 Some("views") => {
                     if let Some((key, token, amount)) = step_1(statement)
                         && exchange.reached_server

@@ -387,40 +387,46 @@ async fn a_fold_racing_a_lane_writer_keeps_the_fresh_lane_and_every_count() {
     assert_eq!(counter(&views, "k").await, 6);
 }
 
-/// Writers keep adding through fresh lanes (rotated every second) while
-/// the fold prunes lanes older than 5 s every 300 ms: every counter equals
-/// the increments acknowledged, lanes were pruned while in use, and no map
-/// keeps an entry past its lifetime.
+/// Writers keep adding through fresh handles (a new one every second, as
+/// processes come and go) while the fold prunes entries not written for
+/// 5 s every 300 ms: every counter equals the increments acknowledged,
+/// entries were pruned while writers wrote, and no map keeps an entry past
+/// its lifetime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pruning_is_exact_on_live_documents_written_through_fresh_lanes() {
     const KEYS: i32 = 3;
     const WRITERS: usize = 3;
     let lane_ttl = Duration::from_secs(5);
     let ctx = TestContext::new("prune_live").await;
-    // Attempts bounded by 2 s (server selection 1 s + its margin), so a
-    // lane resumable for 2 s may be pruned after 5 s.
+    // Attempts bounded by 2 s (server selection 1 s + its margin), so an
+    // update resumable for 2 s may be pruned after 5 s.
     let client = ctx
         .client_with_uri_options("serverSelectionTimeoutMS=1000", false)
         .await;
     let store = client.store().with_attempt_timeout(Duration::from_secs(2));
     let writer = WriterConfig {
-        lanes: 2,
-        lane_rotate: Duration::from_secs(1),
         lane_resume_horizon: Duration::from_secs(2),
         lane_ttl,
         ..WriterConfig::default()
     };
-    let counters = Counters::try_new(&store, CollectionConfig::new("views"), writer)
-        .expect("the lane settings hold together");
+    let handle = move || {
+        Counters::try_new(&store, CollectionConfig::new("views"), writer)
+            .expect("the lane settings hold together")
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let acknowledged: Arc<Vec<AtomicU64>> =
         Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let (counters, stop, acknowledged) = (counters.clone(), stop.clone(), acknowledged.clone());
+        let (handle, stop, acknowledged) = (handle.clone(), stop.clone(), acknowledged.clone());
         writers.push(tokio::spawn(async move {
             let mut i = w;
+            let mut counters = handle();
+            let mut made = std::time::Instant::now();
             while !stop.load(Ordering::Relaxed) {
+                if made.elapsed() >= Duration::from_secs(1) {
+                    (counters, made) = (handle(), std::time::Instant::now());
+                }
                 let key = (i % KEYS as usize) as i32;
                 match counters.add(key, 1).await {
                     LaneIncrement::Counted(_) => {
@@ -453,15 +459,28 @@ async fn pruning_is_exact_on_live_documents_written_through_fresh_lanes() {
         total += expected;
     }
     assert!(total > 100, "the writers wrote: {total}");
-    assert!(pruned > 0, "lanes were pruned while writers wrote");
-    // One more run: no entry older than the lifetime stays.
+    assert!(pruned > 0, "entries were pruned while writers wrote");
+    // One more run: no entry written before the lifetime stays.
     let now = run_by(&reconciler, Mode::Fold).await.cutoff + GRACE;
-    let cutoff = Token::cutoff(now - lane_ttl);
+    let cutoff = now - lane_ttl;
+    let cutoff_micros = cutoff
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+        * 1_000_000;
     for key in 0..KEYS {
         if let Some(Bson::Document(lanes)) = field(&views, key, "lanes").await {
-            for lane in lanes.keys() {
-                let id = ObjectId::parse_str(lane).unwrap();
-                assert!(id >= cutoff, "key {key}: lane {lane} outlived lane_ttl");
+            assert!(
+                lanes.len() <= WRITERS * 7,
+                "key {key}: {} entries",
+                lanes.len()
+            );
+            for (lane, written) in &lanes {
+                let written = written.as_i64().expect("a time");
+                assert!(
+                    written >= cutoff_micros,
+                    "key {key}: lane {lane} outlived lane_ttl"
+                );
             }
         }
     }

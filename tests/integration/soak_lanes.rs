@@ -45,9 +45,8 @@ const KEYS: usize = 20;
 /// Each of the three fault rules selects this share of the `update`s.
 const FAULT_SHARE: f64 = 0.02;
 const DEFAULT_SEED: u64 = 20_261_212;
-/// The lane lifetimes, the writers' and the daemon's: rotation below the
-/// resume horizon, the horizon plus one attempt (3 s) below `lane_ttl`.
-const LANE_ROTATE: Duration = Duration::from_secs(2);
+/// The lane lifetimes, the writers' and the daemon's: the resume horizon
+/// plus one attempt (3 s) below `lane_ttl`.
 const LANE_RESUME_HORIZON: Duration = Duration::from_secs(8);
 const LANE_TTL: Duration = Duration::from_secs(12);
 const RETRY_HORIZON: Duration = Duration::from_secs(6);
@@ -55,12 +54,12 @@ const RETRY_HORIZON: Duration = Duration::from_secs(6);
 const BUDGET: Duration = Duration::from_secs(240);
 
 /// A definite answer about one lane increment, by lane and position.
-struct LaneClaim {
-    key: String,
-    lane: String,
-    position: i64,
-    claim: Claim,
-    by: &'static str,
+pub(crate) struct LaneClaim {
+    pub(crate) key: String,
+    pub(crate) lane: String,
+    pub(crate) position: i64,
+    pub(crate) claim: Claim,
+    pub(crate) by: &'static str,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -82,9 +81,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
         .replace(
             "retry_horizon = \"6s\"",
             &format!(
-                "retry_horizon = \"6s\"\nlane_rotate = \"{}s\"\nlane_resume_horizon = \"{}s\"\n\
-                 lane_ttl = \"{}s\"",
-                LANE_ROTATE.as_secs(),
+                "retry_horizon = \"6s\"\nlane_resume_horizon = \"{}s\"\nlane_ttl = \"{}s\"",
                 LANE_RESUME_HORIZON.as_secs(),
                 LANE_TTL.as_secs()
             ),
@@ -98,8 +95,6 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
 
     let writer_config = WriterConfig {
         retry_horizon: RETRY_HORIZON,
-        lanes: 2,
-        lane_rotate: LANE_ROTATE,
         lane_resume_horizon: LANE_RESUME_HORIZON,
         lane_ttl: LANE_TTL,
         ..WriterConfig::default()
@@ -275,7 +270,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
     );
 }
 
-fn agrees(claim: Claim, applied: bool) -> bool {
+pub(crate) fn agrees(claim: Claim, applied: bool) -> bool {
     match claim {
         Claim::Counted => applied,
         Claim::NotCounted => !applied,
@@ -283,7 +278,7 @@ fn agrees(claim: Claim, applied: bool) -> bool {
     }
 }
 
-fn reached(applied: bool) -> &'static str {
+pub(crate) fn reached(applied: bool) -> &'static str {
     if applied {
         "reached the server"
     } else {
@@ -351,7 +346,7 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
 
 /// Resumes an unknown lane increment 1–3 times from `tallyd resume
 /// --lane` processes, at once or one after another.
-async fn resume_elsewhere(
+pub(crate) async fn resume_elsewhere(
     config: &Path,
     key: &str,
     lane: &str,
@@ -448,7 +443,7 @@ async fn run(
 
 /// For each key, the lane increments — (lane, position) → amount — some
 /// update of which reached the server: the first that arrived applied.
-fn applied_lane_updates(
+pub(crate) fn applied_lane_updates(
     log: &[Exchange],
     seed: u64,
 ) -> HashMap<String, HashMap<(String, i64), i64>> {
@@ -508,7 +503,7 @@ fn applied_lane_updates(
 
 /// The lane entries the daemon logged as pruned (its `reconcile run` lines'
 /// `lanes_pruned`).
-fn lanes_pruned(log: &str) -> u64 {
+pub(crate) fn lanes_pruned(log: &str) -> u64 {
     log.match_indices("lanes_pruned")
         .filter_map(|(at, name)| {
             let rest = log[at + name.len()..].trim_start_matches(['"', '=', ':', ' ']);

@@ -5,8 +5,13 @@
 //! `{<lane>: s, ...}`:
 //!
 //! 1. **Minted lanes expire.** An entry whose key is a minted lane (24 hex
-//!    digits: an ObjectId) created before L is removed. Its writer stopped
-//!    sending and resuming on it well before (`lane_resume_horizon`).
+//!    digits: an ObjectId) that was last written before L is removed: its
+//!    value is the time of that write in microseconds (at or above 10^15;
+//!    below, a count of tally 0.1's lane pool or a fold's batch number,
+//!    whose time is the lane's creation, in its id). Its writer stopped
+//!    sending and resuming that update well before
+//!    (`lane_resume_horizon`), and a lane that writes the counter again
+//!    refreshes its entry.
 //! 2. **Named lanes stay.** Any other key is a lane a caller named for an
 //!    ordered source; it has no age and is never removed.
 //! 3. **No empty map.** A map left empty (or found empty) is removed.
@@ -27,7 +32,7 @@ use mongodb::bson::{Bson, oid::ObjectId};
 
 use super::Malformed;
 use crate::document::bson_type_name;
-use crate::write::lane::LaneId;
+use crate::write::lane::{LaneId, written_before};
 
 /// What pruning one document's lane map does.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -64,7 +69,8 @@ impl LanePlan {
 }
 
 /// Plans the pruning of the lane map `lanes` (`None`: absent) at `cutoff`:
-/// a minted lane whose id sorts below the cutoff is expired.
+/// a minted lane's entry last written before the cutoff's second is
+/// expired.
 pub fn plan_lanes(lanes: Option<&Bson>, cutoff: ObjectId) -> Result<LanePlan, Malformed> {
     let Some(field) = lanes else {
         return Ok(LanePlan::default());
@@ -96,7 +102,7 @@ pub fn plan_lanes(lanes: Option<&Bson>, cutoff: ObjectId) -> Result<LanePlan, Ma
         }
         match key.parse::<LaneId>() {
             Ok(LaneId::Minted(id)) => {
-                if id < cutoff {
+                if written_before(id, position, cutoff) {
                     plan.expired.push((key.clone(), value.clone()));
                 }
             }
@@ -160,6 +166,19 @@ mod tests {
         assert!(plan.has_work());
     }
 
+    /// An entry holding a time is judged by that time, not by its lane's
+    /// age: a lane made long ago that wrote the counter a second ago stays.
+    #[test]
+    fn an_entry_holding_a_time_expires_by_that_time() {
+        let old_lane = minted(-86_400, [1; 8]);
+        let at = |offset: i64| (i64::from(CUTOFF_SECS) + offset) * 1_000_000;
+        let map = doc! { &old_lane: at(1), minted(-5, [2; 8]): at(-1), minted(-5, [3; 8]): 9i64 };
+        let plan = prune(map).unwrap();
+        let expired: Vec<&str> = plan.expired.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(expired, [minted(-5, [2; 8]), minted(-5, [3; 8])]);
+        assert_eq!(plan.kept(), 1);
+    }
+
     /// Rule 5, also for a key written in upper case (still the same
     /// minted lane).
     #[test]
@@ -215,11 +234,14 @@ mod tests {
     }
 
     /// Keys and values of a well-formed map: minted lanes around the
-    /// cutoff and named lanes, with positions of either integer width.
+    /// cutoff and named lanes, with positions of either integer width —
+    /// counts, and times around the cutoff.
     fn entry() -> impl Strategy<Value = (String, Bson)> {
+        let cutoff_micros = i64::from(CUTOFF_SECS) * 1_000_000;
         let position = prop_oneof![
             (0i32..i32::MAX).prop_map(Bson::Int32),
             (0i64..i64::MAX).prop_map(Bson::Int64),
+            (-5_000_000i64..5_000_000).prop_map(move |o| Bson::Int64(cutoff_micros + o)),
         ];
         let key = prop_oneof![
             (-5i32..5, any::<[u8; 8]>()).prop_map(|(o, r)| minted(o, r)),
@@ -233,14 +255,28 @@ mod tests {
         entries.iter().cloned().collect()
     }
 
-    fn is_old_minted(key: &str) -> bool {
-        matches!(key.parse::<LaneId>(), Ok(LaneId::Minted(id)) if id < cutoff())
+    /// Whether a minted lane's entry was last written before the cutoff:
+    /// by its time (a value from 10^15 on), else by the lane's id.
+    fn is_old_minted(key: &str, value: &Bson) -> bool {
+        let position = match value {
+            Bson::Int32(n) => i64::from(*n),
+            Bson::Int64(n) => *n,
+            _ => return false,
+        };
+        let Ok(LaneId::Minted(id)) = key.parse::<LaneId>() else {
+            return false;
+        };
+        if position >= 1_000_000_000_000_000 {
+            position < i64::from(CUTOFF_SECS) * 1_000_000
+        } else {
+            id < cutoff()
+        }
     }
 
     proptest! {
-        /// Pruning removes exactly the minted lanes created before the
-        /// cutoff second: never a named lane, never a young minted lane,
-        /// and every value that stays is unchanged.
+        /// Pruning removes exactly the minted lanes' entries last written
+        /// before the cutoff second: never a named lane, never a young
+        /// entry, and every value that stays is unchanged.
         #[test]
         fn pruning_removes_exactly_the_expired_minted_lanes(
             entries in proptest::collection::vec(entry(), 0..20),
@@ -249,7 +285,7 @@ mod tests {
             let plan = prune(map.clone()).unwrap();
             let after = apply(&map, &plan).unwrap_or_default();
             for (key, value) in &map {
-                if is_old_minted(key) {
+                if is_old_minted(key, value) {
                     prop_assert!(!after.contains_key(key), "{} kept", key);
                 } else {
                     prop_assert_eq!(after.get(key), Some(value), "{} removed", key);

@@ -1,6 +1,7 @@
 //! The settings an increment needs: a counter collection's field names
 //! ([`CollectionConfig`], shared with the fold) and the writer's limits —
-//! the retry horizon, the lanes' pool and lifetimes ([`WriterConfig`]).
+//! the retry horizon, the lanes' group commit bounds and lifetimes
+//! ([`WriterConfig`]).
 
 use std::time::Duration;
 
@@ -125,16 +126,20 @@ impl CollectionConfig {
     }
 }
 
-/// Default pool size: lanes per [`Counters`](super::Counters) handle — the
-/// driver's default connection pool (`maxPoolSize` 10): a lane carries one
-/// update at a time, so more lanes than connections add lane entries to the
-/// documents and no speed.
-pub(crate) const DEFAULT_LANES: usize = 10;
-/// The largest pool: every lane a handle uses may leave an entry in each
-/// counter document it writes.
-pub(crate) const MAX_LANES: usize = 1024;
-/// Default age at which a minted lane is replaced before its next use.
-pub(crate) const DEFAULT_LANE_ROTATE: Duration = Duration::from_secs(3600);
+/// Default `group_max`: the most increments one lane update carries.
+pub(crate) const DEFAULT_GROUP_MAX: usize = 256;
+/// The largest `group_max`.
+pub(crate) const MAX_GROUP_MAX: usize = 100_000;
+/// Default `queue_limit`: the most increments waiting across a handle.
+pub(crate) const DEFAULT_QUEUE_LIMIT: usize = 10_000;
+/// The largest `queue_limit`.
+pub(crate) const MAX_QUEUE_LIMIT: usize = 10_000_000;
+/// Default `group_wait`: a counter's increments leave as soon as its
+/// previous update is over.
+pub(crate) const DEFAULT_GROUP_WAIT: Duration = Duration::ZERO;
+/// The longest `group_wait`: a caller never waits longer than this for
+/// company.
+pub(crate) const MAX_GROUP_WAIT: Duration = Duration::from_secs(1);
 /// Default age up to which a minted lane's ticket may be resumed.
 pub(crate) const DEFAULT_LANE_RESUME_HORIZON: Duration = Duration::from_secs(23 * 3600);
 /// Default age at which the daemon prunes a minted lane's entries.
@@ -182,31 +187,39 @@ pub struct WriterConfig {
     /// [`Counters::new`]: super::Counters::new
     #[serde(serialize_with = "serialize_duration")]
     pub retry_horizon: Duration,
-    /// How many lanes a [`Counters`](super::Counters) handle keeps: its
-    /// lanes increments in flight at once (one per lane; a further one
-    /// waits for a free lane). Each lane that writes a counter leaves one
-    /// entry in its document until the daemon prunes it. 1 to 1024.
-    /// Default: 10, the driver's default `maxPoolSize` (more lanes than
-    /// connections add entries, not speed).
-    pub lanes: usize,
-    /// A minted lane older than this is replaced by a fresh one before its
-    /// next use, so every lane's tickets stay resumable for at least
-    /// `lane_resume_horizon − lane_rotate`. Must be shorter than
-    /// `lane_resume_horizon`. Default: 1h.
+    /// The most increments of one counter a lane update carries (group
+    /// commit: while a counter's update is in flight, the handle's further
+    /// increments of it wait and leave together as the next update, their
+    /// sum under one lane number). 1 sends every increment alone. 1 to
+    /// 100000. Default: 256.
+    pub group_max: usize,
+    /// The most increments waiting for their update across a handle: an
+    /// [`add`](super::Counters::add) beyond it waits for room
+    /// (backpressure), so a server slower than the callers costs no
+    /// unbounded memory. 1 to 10000000. Default: 10000.
+    pub queue_limit: usize,
+    /// How long a counter's next update waits for more increments when it
+    /// holds fewer than `group_max`, from its oldest increment's arrival.
+    /// 0 (the default) sends it as soon as the counter's previous update is
+    /// over: groups form from the increments that arrive meanwhile. At most
+    /// 1s.
     #[serde(serialize_with = "serialize_duration")]
-    pub lane_rotate: Duration,
-    /// A minted lane's update is (re)sent only while the lane is younger
-    /// than this: past it [`Counters::resume_lane`] refuses without writing,
-    /// as the daemon may prune the lane's entry. Must be shorter than
+    pub group_wait: Duration,
+    /// A minted lane's update is (re)sent only while the time it carries
+    /// (its number, the lane's time of writing; for a lane of tally 0.1,
+    /// the lane's creation) is younger than this: past it
+    /// [`Counters::resume_lane`] refuses without writing, as the daemon may
+    /// prune the lane's entry. Must be shorter than
     /// `lane_ttl` by more than one attempt (`attempt_timeout`) plus the
     /// clock skew between writers and the server. Default: 23h.
     ///
     /// [`Counters::resume_lane`]: super::Counters::resume_lane
     #[serde(serialize_with = "serialize_duration")]
     pub lane_resume_horizon: Duration,
-    /// The daemon prunes a minted lane's entries once the lane (by the time
-    /// in its id, against the server's clock) is older than this. Named
-    /// lanes are never pruned. Default: 24h.
+    /// The daemon prunes a minted lane's entry in a counter once the lane
+    /// has not written that counter for this long (by the time its entry
+    /// holds, against the server's clock). Named lanes are never pruned.
+    /// Default: 24h.
     #[serde(serialize_with = "serialize_duration")]
     pub lane_ttl: Duration,
     /// The protocol a caller that does not choose one uses: `tallyd incr`
@@ -216,32 +229,44 @@ pub struct WriterConfig {
 }
 
 impl WriterConfig {
-    /// Why the pool size is refused, if it is: 1 to [`MAX_LANES`].
-    pub(crate) fn lane_pool_problem(&self) -> Option<String> {
-        let valid = (1..=MAX_LANES).contains(&self.lanes);
-        (!valid).then(|| format!("must be 1 to {MAX_LANES}, not {}", self.lanes))
+    /// Why the group commit bounds are refused: each as the key to change
+    /// and why.
+    pub(crate) fn group_problems(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        if !(1..=MAX_GROUP_MAX).contains(&self.group_max) {
+            problems.push((
+                "group_max",
+                format!("must be 1 to {MAX_GROUP_MAX}, not {}", self.group_max),
+            ));
+        }
+        if !(1..=MAX_QUEUE_LIMIT).contains(&self.queue_limit) {
+            problems.push((
+                "queue_limit",
+                format!("must be 1 to {MAX_QUEUE_LIMIT}, not {}", self.queue_limit),
+            ));
+        }
+        if self.group_wait > MAX_GROUP_WAIT {
+            problems.push((
+                "group_wait",
+                format!(
+                    "must be at most {}, not {}",
+                    humantime::format_duration(MAX_GROUP_WAIT),
+                    humantime::format_duration(self.group_wait)
+                ),
+            ));
+        }
+        problems
     }
 
     /// Checks the lane settings against each other and against the bound on
     /// one attempt (`attempt_timeout`, the store's): every problem, each as
-    /// the key to change and why. The pool size is checked on its own
-    /// ([`MAX_LANES`]).
+    /// the key to change and why.
     pub(crate) fn lane_margin_problems(
         &self,
         attempt_timeout: Duration,
     ) -> Vec<(&'static str, String)> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
         let mut problems = Vec::new();
-        if self.lane_rotate >= self.lane_resume_horizon {
-            problems.push((
-                "lane_rotate",
-                format!(
-                    "must be shorter than lane_resume_horizon ({}): a lane in use must leave its \
-                     tickets time to be resumed",
-                    show(self.lane_resume_horizon)
-                ),
-            ));
-        }
         let least = self.lane_resume_horizon + attempt_timeout;
         if self.lane_ttl <= least {
             problems.push((
@@ -264,8 +289,9 @@ impl Default for WriterConfig {
     fn default() -> Self {
         Self {
             retry_horizon: DEFAULT_RETRY_HORIZON,
-            lanes: DEFAULT_LANES,
-            lane_rotate: DEFAULT_LANE_ROTATE,
+            group_max: DEFAULT_GROUP_MAX,
+            queue_limit: DEFAULT_QUEUE_LIMIT,
+            group_wait: DEFAULT_GROUP_WAIT,
             lane_resume_horizon: DEFAULT_LANE_RESUME_HORIZON,
             lane_ttl: DEFAULT_LANE_TTL,
             protocol: Protocol::TwoStep,

@@ -1,4 +1,4 @@
-//! Which lane an increment goes through: a lane the pool minted (a fresh
+//! Which lane an increment goes through: a lane a handle minted (a fresh
 //! ObjectId, whose time is the lane's creation time) or a lane the caller
 //! named for an ordered source (`orders:3`, a source and its partition).
 
@@ -76,9 +76,10 @@ pub struct BadLaneName {
 /// A lane: its key in the counter's lane map.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum LaneId {
-    /// Minted by a [`Counters`](crate::Counters) handle's pool: the key is
-    /// the ObjectId's 24 lower-case hex digits, its time the lane's creation
-    /// time. Its entries are pruned by the daemon after `lane_ttl`.
+    /// Minted by a [`Counters`](crate::Counters) handle: the key is the
+    /// ObjectId's 24 lower-case hex digits, its time the lane's creation
+    /// time. Its entry in a counter is pruned by the daemon once the lane
+    /// has not written that counter for `lane_ttl`.
     Minted(ObjectId),
     /// Named by the caller for an ordered source; never pruned by age.
     Named(LaneName),

@@ -27,9 +27,10 @@ pub enum LaneIncrement {
     /// [`LaneCounted::settled_earlier`]).
     Counted(LaneCounted),
     /// The update may or may not have applied. Resume the ticket with
-    /// [`Counters::resume_lane`] — any number of times, from any process —
-    /// while the lane is younger than `lane_resume_horizon` (a named lane:
-    /// at any time); after that, the increment is counted at most once.
+    /// [`Counters::resume_lane`] — any number of times, from any process,
+    /// by any caller whose increment the update carried — while the update
+    /// is younger than `lane_resume_horizon` (a named lane: at any time);
+    /// after that, the increment is counted at most once.
     ///
     /// [`Counters::resume_lane`]: crate::Counters::resume_lane
     Unknown(LaneTicket),
@@ -90,7 +91,9 @@ impl LaneIncrement {
         }
     }
 
-    /// The amount this increment adds (or would have added).
+    /// The amount this increment adds (or would have added); for an
+    /// unknown one, the whole update's (its ticket's
+    /// [`share`](LaneTicket::share) is this caller's).
     pub fn amount(&self) -> i64 {
         match self {
             Self::Counted(c) => c.amount,
@@ -177,18 +180,25 @@ impl LaneOutOfOrder {
 }
 
 /// The ticket of an increment through a lane whose update may or may not
-/// have applied: the counter, the lane, the lane's number and the amount —
-/// everything needed to send the same update again.
+/// have applied: the counter, the lane, the lane's number and the update's
+/// amount — everything needed to send the same update again. With group
+/// commit several callers' increments travel in one update: each gets the
+/// same update in its ticket ([`LaneTicket::amount`], their sum) and its
+/// own [`share`](LaneTicket::share); resuming any of them settles all.
 #[derive(Debug, Clone)]
 pub struct LaneTicket {
     pub(super) key: Bson,
     pub(super) lane: LaneId,
     pub(super) position: i64,
     pub(super) amount: i64,
+    pub(super) share: i64,
     pub(super) cause: Option<Error>,
 }
 
-lane_accessors!(LaneTicket, "The amount the increment adds.");
+lane_accessors!(
+    LaneTicket,
+    "The amount the update adds: the sum of every share it carries."
+);
 
 impl LaneTicket {
     /// Rebuilds a ticket from its parts — for an increment another process
@@ -210,8 +220,15 @@ impl LaneTicket {
             lane,
             position,
             amount,
+            share: amount,
             cause: None,
         })
+    }
+
+    /// This caller's own increment within the update (the whole amount for
+    /// a ticket rebuilt with [`LaneTicket::new`]).
+    pub fn share(&self) -> i64 {
+        self.share
     }
 
     /// Why the update was not confirmed (none when rebuilt with
@@ -219,25 +236,22 @@ impl LaneTicket {
     pub fn cause(&self) -> Option<&Error> {
         self.cause.as_ref()
     }
-
-    /// The same ticket, with the reason it is still unknown.
-    pub(super) fn because(self, cause: Error) -> Self {
-        Self {
-            cause: Some(cause),
-            ..self
-        }
-    }
 }
 
 /// `+7 to "k" through lane 65f0…, position 2`: everything a resume needs
-/// (the CLI's `tallyd resume k 65f0… --by 7 --lane --position 2`).
+/// (the CLI's `tallyd resume k 65f0… --by 7 --lane --position 2`), and the
+/// caller's share when the update carries others' increments too.
 impl fmt::Display for LaneTicket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "{:+} to {} through lane {}, position {}",
             self.amount, self.key, self.lane, self.position
-        )
+        )?;
+        if self.share != self.amount {
+            write!(f, " ({:+} of it this caller's)", self.share)?;
+        }
+        Ok(())
     }
 }
 

@@ -22,6 +22,13 @@
 //!   one document at most per call, none for a call that failed without
 //!   possibly writing; so the documents number the calls that returned an
 //!   id plus at most those that failed after possibly writing.
+//! - **Lane increments (group commit).** Each caller's outcome agrees
+//!   with the oracle: counted only if its update (lane, number) reached
+//!   the server, not counted only if it never did; every unknown one is
+//!   settled by a resume; each update that reached the server carried
+//!   exactly the sum of its callers' shares; each lane counter is exactly
+//!   the sum of its updates that reached the server — and of the shares
+//!   of the calls they carried.
 //! - **Bounded counters.** A token holds at most one unit and is never
 //!   told `Taken` twice for one holding; `available + holders` is the
 //!   initial stock; every unit confirmed taken and not given back is held,
@@ -30,6 +37,7 @@
 mod bounded;
 mod counters;
 mod ids;
+mod lanes;
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -79,6 +87,7 @@ pub fn check(ops: &[Op], end: &FinalState, oracle: &Oracle) -> Vec<Violation> {
     ids::check_sequences(ops, end, &mut found);
     ids::check_inserts(ops, end, oracle, &mut found);
     bounded::check(ops, end, oracle, &mut found);
+    lanes::check(ops, end, oracle, &mut found);
     found
 }
 

@@ -68,6 +68,22 @@ pub enum Call {
     Insert { call: u64, tagged: bool },
     /// One `Reconciler::reconcile` run (not judged; shown in slices).
     Fold,
+    /// `Counters::add(key, amount)` on the lanes collection, one caller of
+    /// a burst: the lane and number of the update that carried it (shared
+    /// by the callers of its group).
+    Add {
+        key: String,
+        amount: i64,
+        lane: String,
+        position: i64,
+    },
+    /// `Counters::resume_lane` of a caller's ticket (its update's total).
+    ResumeLane {
+        key: String,
+        lane: String,
+        position: i64,
+        total: i64,
+    },
 }
 
 /// What a call returned.
@@ -161,7 +177,9 @@ impl Call {
             | Self::Resume { key, .. }
             | Self::Read { key }
             | Self::Take { key, .. }
-            | Self::GiveBack { key, .. } => Some(key),
+            | Self::GiveBack { key, .. }
+            | Self::Add { key, .. }
+            | Self::ResumeLane { key, .. } => Some(key),
             Self::Next { name } | Self::Block { name, .. } => Some(name),
             Self::Insert { .. } | Self::Fold => None,
         }
@@ -215,6 +233,26 @@ impl fmt::Display for Op {
                 if *tagged { "" } else { ", same body as others" }
             )?,
             Call::Fold => write!(f, "fold")?,
+            Call::Add {
+                key,
+                amount,
+                lane,
+                position,
+            } => write!(
+                f,
+                "add({key}, {amount:+}) lane …{} s {position}",
+                &lane[16..]
+            )?,
+            Call::ResumeLane {
+                key,
+                lane,
+                position,
+                total,
+            } => write!(
+                f,
+                "resume_lane({key}, …{} s {position}, total {total:+})",
+                &lane[16..]
+            )?,
         }
         write!(f, " → {:?}", self.outcome)
     }
@@ -291,6 +329,8 @@ pub struct FinalState {
     pub sequences: BTreeMap<String, i64>,
     pub inserted: Vec<InsertedDoc>,
     pub bounded: BTreeMap<String, BoundedState>,
+    /// Every counter of the lanes collection.
+    pub lane_counters: BTreeMap<String, i64>,
 }
 
 /// What the proxy's log says reached the server: the second oracle.
@@ -308,6 +348,10 @@ pub struct Oracle {
     /// for and matched (a reply the proxy never saw counts as matched): a
     /// `NotHeld` after it is that call's own earlier attempt.
     pub given_back: HashSet<ObjectId>,
+    /// Every lane update (lane, number) that reached the server: its key
+    /// and amount (the group's sum). The lane counters exist beforehand, so
+    /// the first to arrive applies and a repeat applies nothing.
+    pub lane_updates: HashMap<(String, i64), (String, i64)>,
 }
 
 /// The inserts that carried one token (one insert-loop call's).

@@ -5,6 +5,7 @@
 //! `tallyd resume` or `tallyd complete` child process, an operator
 //! completing an unknown ticket's token, a resume after it was counted.
 
+mod lanes;
 mod settle;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,8 @@ use settle::{complete_until_counted, settle_unknown};
 #[derive(Clone)]
 pub struct Host {
     pub counters: Counters,
+    /// The lanes collection's handle: one lane, group commit.
+    pub lanes: Counters,
     pub sequences: Sequences,
     pub bounded: BoundedCounters,
     pub inserts: InsertLoop,
@@ -41,6 +44,7 @@ pub enum Leftover {
     Pending(PendingToken),
     Take(String, Token),
     GiveBack(String, Token),
+    Lane(tally::LaneTicket),
 }
 
 /// What every task of the run shares.
@@ -82,7 +86,8 @@ pub async fn worker(shared: Arc<Shared>, w: usize, mut rng: fastrand::Rng) {
     while Instant::now() < shared.until {
         let roll = rng.u32(0..100);
         match roll {
-            0..34 => increment(&shared, w, &me, &host, &mut rng).await,
+            0..28 => increment(&shared, w, &me, &host, &mut rng).await,
+            28..34 => lanes::burst(&shared, w, &me, &host, &mut rng).await,
             34..42 => crash(&shared, w, &me, &host, &mut rng, true).await,
             42..45 => crash(&shared, w, &me, &host, &mut rng, false).await,
             45..63 => read(&shared, &me, &host, &mut rng).await,
@@ -369,6 +374,13 @@ pub async fn settle_leftovers(shared: &Shared) {
             Leftover::GiveBack(key, token) => {
                 for _ in 0..20 {
                     if give_back_once(shared, me, host, &key, token).await {
+                        break;
+                    }
+                }
+            }
+            Leftover::Lane(ticket) => {
+                for _ in 0..20 {
+                    if lanes::resume_once(shared, me, 0, &ticket).await {
                         break;
                     }
                 }

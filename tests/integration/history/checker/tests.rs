@@ -477,3 +477,78 @@ fn the_explanation_marks_the_calls_and_shows_their_neighbours() {
     // The increment acknowledged before the read is shown beside it.
     assert!(text.contains("increment(k, +3)"), "{text}");
 }
+
+fn add(amount: i64, position: i64, outcome: Outcome) -> Op {
+    let call = Call::Add {
+        key: "l".into(),
+        amount,
+        lane: oid(7).to_hex(),
+        position,
+    };
+    op(0, 10, call, outcome)
+}
+
+fn lane_oracle(updates: &[(i64, i64)]) -> Oracle {
+    Oracle {
+        lane_updates: updates
+            .iter()
+            .map(|(position, amount)| ((oid(7).to_hex(), *position), ("l".to_owned(), *amount)))
+            .collect(),
+        ..Oracle::default()
+    }
+}
+
+/// A group of three callers in one update, a second update unknown and
+/// resumed: passes. A caller told counted whose update never reached the
+/// server, an update whose sum is not its callers' shares, a counter off
+/// by one, an unknown never settled: each caught.
+#[test]
+fn lane_groups_are_judged_caller_by_caller_against_the_log() {
+    let counted = || Outcome::Counted { earlier: false };
+    let resume = Op {
+        call: Call::ResumeLane {
+            key: "l".into(),
+            lane: oid(7).to_hex(),
+            position: 2,
+            total: 5,
+        },
+        ..add(5, 2, Outcome::Counted { earlier: true })
+    };
+    let good = vec![
+        add(1, 1, counted()),
+        add(2, 1, counted()),
+        add(3, 1, counted()),
+        add(5, 2, Outcome::Unknown),
+        resume.clone(),
+    ];
+    let end = FinalState {
+        lane_counters: [("l".to_owned(), 11)].into(),
+        ..FinalState::default()
+    };
+    let oracle = lane_oracle(&[(1, 6), (2, 5)]);
+    assert!(check(&good, &end, &oracle).is_empty());
+
+    let lost = lane_oracle(&[(2, 5)]);
+    let found = check(&good, &end, &lost);
+    assert!(
+        found.iter().any(|v| v.what.contains("never reached")),
+        "{found:?}"
+    );
+    let short = lane_oracle(&[(1, 5), (2, 5)]);
+    let found = check(&good, &end, &short);
+    assert!(
+        found.iter().any(|v| v.what.contains("shares sum to 6")),
+        "{found:?}"
+    );
+    let off = FinalState {
+        lane_counters: [("l".to_owned(), 12)].into(),
+        ..FinalState::default()
+    };
+    assert!(!check(&good, &off, &oracle).is_empty());
+    let unsettled = &good[..4];
+    let found = check(unsettled, &end, &oracle);
+    assert!(
+        found.iter().any(|v| v.what.contains("never settled")),
+        "{found:?}"
+    );
+}

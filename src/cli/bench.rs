@@ -1,0 +1,432 @@
+//! `tallyd bench`: a load generator for operators, to measure tally on
+//! their own cluster before adopting it (as pgbench, redis-benchmark and
+//! YCSB do for theirs).
+//!
+//! Each side — a plain `$inc` (the unsafe baseline), the two-step
+//! increment, the lanes protocol, the events ledger — runs with `--writers`
+//! concurrent callers sharing one handle, as an application's request
+//! handlers do, over `--keys` counters, in a scratch collection the command
+//! creates and drops (`--collection` names it, `--keep` leaves it). The
+//! sides run interleaved in slices, so a server that speeds up or slows
+//! down hits them alike. Per side: operations per second, p50 and p99
+//! latency, the outcomes, the mean group size for lanes, and the ratio to
+//! `plain`.
+//!
+//! At the end every unknown or pending outcome is settled (resumed,
+//! completed, recorded again), and each side's counters are checked
+//! against the increments its callers were told were counted: exit 1 on
+//! any difference. A plain `$inc` that failed cannot be settled — its side
+//! is then not checked, and says so.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::{EXIT_FAILED, EXIT_OK, fail, out};
+use crate::config::Config;
+use crate::store::Store;
+use crate::write::counter::{CollectionConfig, Counters, Increment};
+use crate::write::lane::LaneIncrement;
+use crate::write::ledger::{Ledger, Recording, field};
+
+mod side;
+
+use side::{Settle, Side, Tally};
+
+/// The longest slice: the sides take turns at least this often.
+const MAX_SLICE: Duration = Duration::from_secs(1);
+
+/// `tallyd bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// The sides to measure, comma-separated: plain (a bare `$inc`, the
+    /// baseline), two-step, lanes, ledger.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "plain,two-step,lanes,ledger"
+    )]
+    protocol: Vec<Protocol>,
+    /// Concurrent callers per side, sharing one handle.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    writers: u32,
+    /// Counters the callers spread their increments over (1: one hot
+    /// counter).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    keys: u32,
+    /// Seconds each side runs, in interleaved slices of at most a second.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    seconds: u32,
+    /// The scratch collection (it must not exist; its ledger's events go to
+    /// NAME_events). Default: tally_bench_ and a fresh id.
+    #[arg(long, value_name = "NAME")]
+    collection: Option<String>,
+    /// Leave the scratch collection for inspection instead of dropping it.
+    #[arg(long)]
+    keep: bool,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One side of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Protocol {
+    /// A bare `updateOne` with `$inc` and upsert: the unsafe baseline.
+    Plain,
+    /// [`Counters::increment`].
+    TwoStep,
+    /// [`Counters::add`].
+    Lanes,
+    /// [`Ledger::record`].
+    Ledger,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Plain => "plain",
+            Self::TwoStep => "two-step",
+            Self::Lanes => "lanes",
+            Self::Ledger => "ledger",
+        }
+    }
+}
+
+/// What every caller of a run shares.
+struct Handles {
+    plain: mongodb::Collection<Document>,
+    events: mongodb::Collection<Document>,
+    counters: Counters,
+    ledger: Ledger,
+    /// Makes event keys unique to this run.
+    run: String,
+    keys: u32,
+}
+
+/// `tallyd bench`.
+pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
+    let secrets = config.secrets();
+    let mut protocols = args.protocol.clone();
+    protocols.dedup();
+    let name = args
+        .collection
+        .clone()
+        .unwrap_or_else(|| format!("tally_bench_{}", ObjectId::new().to_hex()));
+    let spec = CollectionConfig::new(&name);
+    let store = match Store::connect(&config.mongodb).await {
+        Ok(store) => store,
+        Err(err) => return fail(args.json, &err.to_string(), &secrets),
+    };
+    let scratch = [name.clone(), spec.events_collection_name()];
+    match existing(&store, &scratch).await {
+        Ok(found) if found.is_empty() => {}
+        Ok(found) => {
+            store.shutdown().await;
+            let message = format!(
+                "the collection {} exists already: name a new one with --collection (the bench \
+                 drops what it creates, and touches nothing else)",
+                found.join(" and ")
+            );
+            return fail(args.json, &message, &secrets);
+        }
+        Err(err) => {
+            store.shutdown().await;
+            return fail(args.json, &err, &secrets);
+        }
+    }
+    let handles = Arc::new(Handles {
+        plain: store.collection(&name),
+        events: store.collection(&scratch[1]),
+        counters: Counters::new(&store, spec.clone(), config.writer),
+        ledger: Ledger::new(&store, spec),
+        run: ObjectId::new().to_hex(),
+        keys: args.keys,
+    });
+    let sides = measure(&args, &protocols, &handles).await;
+    let checked = check(&handles, sides).await;
+    if !args.keep {
+        for collection in &scratch {
+            if let Err(err) = store.collection(collection).drop().await {
+                eprintln!("warning: could not drop {collection}: {err}");
+            }
+        }
+    }
+    drop(handles);
+    store.shutdown().await;
+    match checked {
+        Ok(sides) => report(&args, &name, &sides),
+        Err(err) => fail(args.json, &err, &secrets),
+    }
+}
+
+/// Which of `names` exist in the database.
+async fn existing(store: &Store, names: &[String]) -> Result<Vec<String>, String> {
+    let found = store
+        .database()
+        .list_collection_names()
+        .filter(doc! { "name": { "$in": names } })
+        .await
+        .map_err(|err| format!("cannot list the database's collections: {err}"))?;
+    Ok(found)
+}
+
+/// Runs the sides in interleaved slices and settles what was left open.
+async fn measure(args: &BenchArgs, protocols: &[Protocol], handles: &Arc<Handles>) -> Vec<Side> {
+    let total = Duration::from_secs(u64::from(args.seconds));
+    let slices = total.as_secs_f64() / MAX_SLICE.as_secs_f64();
+    let slices = (slices.ceil() as u32).max(1);
+    let slice = total / slices;
+    let mut sides: Vec<Side> = protocols.iter().map(|p| Side::new(*p)).collect();
+    let progress = !args.json && std::io::stderr().is_terminal();
+    for round in 0..slices {
+        for k in 0..sides.len() {
+            let at = (k + round as usize) % sides.len();
+            if progress {
+                eprint!(
+                    "\r\x1b[Kslice {}/{slices}: {}",
+                    round + 1,
+                    sides[at].protocol.name()
+                );
+            }
+            let before = handles.counters.lane_stats();
+            let tally = run_slice(handles, sides[at].protocol, args.writers, slice, round).await;
+            let after = handles.counters.lane_stats();
+            sides[at].add(
+                tally,
+                after.updates - before.updates,
+                after.increments - before.increments,
+            );
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[Ksettling the unknown and pending outcomes…");
+    }
+    for side in &mut sides {
+        let open = std::mem::take(&mut side.open);
+        for settle in open {
+            side.settled(settle_one(handles, settle).await);
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[K");
+    }
+    sides
+}
+
+/// `writers` callers on one side for `length`.
+async fn run_slice(
+    handles: &Arc<Handles>,
+    protocol: Protocol,
+    writers: u32,
+    length: Duration,
+    round: u32,
+) -> Tally {
+    let until = Instant::now() + length;
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            let handles = handles.clone();
+            tokio::spawn(async move {
+                let mut tally = Tally::default();
+                let mut i: u64 = 0;
+                while Instant::now() < until {
+                    let n = u64::from(w) * 7919 + u64::from(round) * 104_729 + i * 31;
+                    let key = format!("{}:{}", protocol.name(), n % u64::from(handles.keys));
+                    let event = format!("{}:{round}:{w}:{i}", handles.run);
+                    let started = Instant::now();
+                    let outcome = one(&handles, protocol, key, event).await;
+                    tally.record(started.elapsed(), outcome);
+                    i += 1;
+                }
+                tally
+            })
+        })
+        .collect();
+    let mut merged = Tally::default();
+    for task in tasks {
+        match task.await {
+            Ok(tally) => merged.merge(tally),
+            Err(err) => std::panic::resume_unwind(err.into_panic()),
+        }
+    }
+    merged.elapsed = length;
+    merged
+}
+
+/// What one increment's caller was told.
+pub(crate) enum Told {
+    Counted,
+    NotCounted,
+    /// Unknown or pending: settled at the end.
+    Open(Box<Settle>),
+    /// A plain `$inc` that failed: nothing can tell whether it applied.
+    Failed,
+}
+
+async fn one(handles: &Handles, protocol: Protocol, key: String, event: String) -> Told {
+    match protocol {
+        Protocol::Plain => {
+            let sent = handles
+                .plain
+                .update_one(doc! { "_id": &key }, doc! { "$inc": { "counter": 1 } })
+                .upsert(true)
+                .await;
+            if sent.is_ok() {
+                Told::Counted
+            } else {
+                Told::Failed
+            }
+        }
+        Protocol::TwoStep => match handles.counters.increment(key, 1).await {
+            Increment::Counted(_) => Told::Counted,
+            Increment::NotCounted(_) => Told::NotCounted,
+            Increment::Pending(token) => Told::Open(Box::new(Settle::Pending(token))),
+            Increment::Unknown(token) => Told::Open(Box::new(Settle::Unknown(token))),
+        },
+        Protocol::Lanes => match handles.counters.add(key, 1).await {
+            LaneIncrement::Counted(_) => Told::Counted,
+            LaneIncrement::Unknown(ticket) => Told::Open(Box::new(Settle::Lane(ticket))),
+            LaneIncrement::NotCounted(_) | LaneIncrement::OutOfOrder(_) => Told::NotCounted,
+        },
+        Protocol::Ledger => match handles.ledger.record(event, key, 1).await {
+            Recording::Recorded(_) => Told::Counted,
+            Recording::Unknown(ticket) => Told::Open(Box::new(Settle::Event(ticket))),
+            Recording::Duplicate(_) | Recording::Conflict(_) | Recording::NotRecorded(_) => {
+                Told::NotCounted
+            }
+        },
+    }
+}
+
+/// Settles an open outcome: `Some(counted)` when settled, `None` when it
+/// stayed open after a few tries.
+async fn settle_one(handles: &Handles, settle: Settle) -> Option<bool> {
+    let mut settle = settle;
+    for _ in 0..3 {
+        let next = match settle {
+            Settle::Pending(token) => match handles.counters.complete(token).await {
+                crate::write::counter::Completion::Counted(_) => return Some(true),
+                crate::write::counter::Completion::Pending(token) => Settle::Pending(token),
+            },
+            Settle::Unknown(token) => match handles.counters.resume(token).await {
+                Ok(Increment::Counted(_)) => return Some(true),
+                Ok(Increment::Pending(token)) => Settle::Pending(token),
+                Ok(Increment::Unknown(token)) => Settle::Unknown(token),
+                Ok(Increment::NotCounted(_)) => return Some(false),
+                Err(_) => return None,
+            },
+            Settle::Lane(ticket) => match handles.counters.resume_lane(ticket).await {
+                Ok(LaneIncrement::Counted(_)) => return Some(true),
+                Ok(LaneIncrement::Unknown(ticket)) => Settle::Lane(ticket),
+                Ok(LaneIncrement::NotCounted(_) | LaneIncrement::OutOfOrder(_)) => {
+                    return Some(false);
+                }
+                Err(_) => return None,
+            },
+            Settle::Event(ticket) => match handles.ledger.record_again(ticket).await {
+                Recording::Recorded(_) => return Some(true),
+                Recording::Unknown(ticket) => Settle::Event(ticket),
+                _ => return Some(false),
+            },
+        };
+        settle = next;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
+/// Reads each side's counters back: what its callers were told counted
+/// must be there, no more (and no less).
+async fn check(handles: &Handles, mut sides: Vec<Side>) -> Result<Vec<Side>, String> {
+    for side in &mut sides {
+        let prefix = format!("^{}:", regex_escape(side.protocol.name()));
+        let found = match side.protocol {
+            Protocol::Ledger => {
+                sum(&handles.events, field::COUNTER, &prefix, field::AMOUNT).await?
+            }
+            _ => sum(&handles.plain, "_id", &prefix, "counter").await?,
+        };
+        side.found = Some(found);
+    }
+    Ok(sides)
+}
+
+/// The sum of `amount` over the documents whose `key` matches `pattern`.
+async fn sum(
+    collection: &mongodb::Collection<Document>,
+    key: &str,
+    pattern: &str,
+    amount: &str,
+) -> Result<i64, String> {
+    let pipeline = vec![
+        doc! { "$match": { key: { "$regex": pattern } } },
+        doc! { "$group": { "_id": Bson::Null, "n": { "$sum": format!("${amount}") } } },
+    ];
+    let read = |err: mongodb::error::Error| {
+        format!(
+            "cannot read the counters back: {}",
+            crate::error::Failure::once("bench.check", err)
+        )
+    };
+    let mut cursor = collection.aggregate(pipeline).await.map_err(read)?;
+    let total = cursor.try_next().await.map_err(read)?;
+    Ok(total
+        .and_then(|d| crate::document::integer_value(d.get("n")?))
+        .unwrap_or(0))
+}
+
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let special = "\\^$.|?*+()[]{}".contains(c);
+            special.then_some('\\').into_iter().chain([c])
+        })
+        .collect()
+}
+
+/// Prints the table (or the JSON) and says whether every check held.
+fn report(args: &BenchArgs, collection: &str, sides: &[Side]) -> ExitCode {
+    let plain = sides
+        .iter()
+        .find(|s| s.protocol == Protocol::Plain)
+        .map(Side::per_second);
+    let ok = sides.iter().all(|s| s.check().is_ok());
+    let kept = if args.keep { "kept" } else { "dropped" };
+    if args.json {
+        let shown: Vec<_> = sides.iter().map(|s| s.json(plain)).collect();
+        out!(
+            "{}",
+            json!({
+                "writers": args.writers,
+                "keys": args.keys,
+                "seconds": args.seconds,
+                "collection": collection,
+                "kept": args.keep,
+                "sides": shown,
+                "ok": ok,
+            })
+        );
+    } else {
+        out!(
+            "tallyd bench: {} writers sharing one handle, {} keys, {}s per side in interleaved \
+             slices; collection {collection} ({kept})",
+            args.writers,
+            args.keys,
+            args.seconds
+        );
+        out!("{}", Side::header());
+        for side in sides {
+            out!("{}", side.row(plain));
+        }
+        for side in sides {
+            out!("{}", side.check_line());
+        }
+    }
+    ExitCode::from(if ok { EXIT_OK } else { EXIT_FAILED })
+}
