@@ -19,14 +19,16 @@
 //! every retry with its class and attempt number.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
-use mongodb::error::{
-    Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure,
-};
+use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 pub(crate) mod code;
+mod message;
+
+pub(crate) use message::{Reach, Readable, human_duration, words};
 
 /// The class of a failed attempt, which decides whether it is retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -221,6 +223,25 @@ pub(crate) fn server_code(err: &MongoError) -> Option<i32> {
     }
 }
 
+/// The server's code and its name, when the server answered with one: for
+/// programs reading a failure (`--json`).
+pub(crate) fn server_code_and_name(err: &MongoError) -> Option<(i32, String)> {
+    let named = |code: i32, name: Option<&str>| {
+        let name = name.filter(|n| !n.is_empty()).or_else(|| code::name(code));
+        (code, name.unwrap_or_default().to_owned())
+    };
+    match err.kind.as_ref() {
+        ErrorKind::Command(c) => Some(named(c.code, Some(&c.code_name))),
+        ErrorKind::Write(WriteFailure::WriteError(w)) => {
+            Some(named(w.code, w.code_name.as_deref()))
+        }
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => {
+            Some(named(w.code, Some(&w.code_name)))
+        }
+        _ => server_code(err).map(|code| named(code, None)),
+    }
+}
+
 /// For a duplicate-key error, whether the duplicate is on `_id` — a race
 /// for the same document — rather than on another unique index, which no
 /// retry can fix. Read from the `keyPattern` the server attaches (MongoDB
@@ -246,8 +267,13 @@ pub(crate) fn duplicate_on_id(err: &MongoError) -> Option<bool> {
 }
 
 /// A failed attempt against the server, classified.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{operation} failed ({class} error): {source}")]
+///
+/// Its `Display` is for people: what failed in one sentence (the server's
+/// message with its code and code name, the host that refused the
+/// connection, the user whose authentication failed), then what to do
+/// where tally knows — never the driver's internal formatting. Programs
+/// read the fields.
+#[derive(Debug, Clone)]
 pub struct Failure {
     /// The operation that failed, e.g. `increment.add_token`.
     pub operation: &'static str,
@@ -259,6 +285,27 @@ pub struct Failure {
     pub attempts: u32,
     /// The driver's error for the last attempt.
     pub source: MongoError,
+    /// Where the operation was sent, for the message (the store adds it).
+    reach: Option<Arc<Reach>>,
+}
+
+impl std::error::Error for Failure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// What a failure means to the person who asked for the operation, by the
+/// error's kind and code (never its text): it decides the command line's
+/// exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Trouble {
+    /// No server could be reached or used: nothing more can be done now.
+    Unavailable,
+    /// The server refused the credentials or the user lacks a privilege.
+    PermissionDenied,
+    /// The server refused the operation for another reason.
+    Refused,
 }
 
 impl Failure {
@@ -272,7 +319,38 @@ impl Failure {
             effect: facts.effect(),
             attempts: 1,
             source,
+            reach: None,
         })
+    }
+
+    /// The same failure, its message naming where the operation went.
+    pub(crate) fn with_reach(mut self: Box<Self>, reach: Arc<Reach>) -> Box<Self> {
+        self.reach = Some(reach);
+        self
+    }
+
+    /// What the failure means to the person who asked.
+    pub(crate) fn trouble(&self) -> Trouble {
+        trouble(&self.source)
+    }
+}
+
+/// What a driver error means to the person who asked, by kind and code.
+pub(crate) fn trouble(err: &MongoError) -> Trouble {
+    if matches!(err.kind.as_ref(), ErrorKind::Authentication { .. })
+        || matches!(
+            server_code(err),
+            Some(code::UNAUTHORIZED | code::AUTHENTICATION_FAILED)
+        )
+    {
+        return Trouble::PermissionDenied;
+    }
+    let facts = Facts::of(err);
+    match (facts.kind, facts.class()) {
+        (FailureKind::ServerSelection | FailureKind::Io | FailureKind::PoolCleared, _)
+        | (_, ErrorClass::Transient) => Trouble::Unavailable,
+        _ if matches!(err.kind.as_ref(), ErrorKind::DnsResolve { .. }) => Trouble::Unavailable,
+        _ => Trouble::Refused,
     }
 }
 
@@ -288,8 +366,10 @@ pub enum Error {
     /// horizon. Re-adding it could count twice if the daemon has already
     /// folded it, so nothing was sent: the increment is counted at most once.
     #[error(
-        "token {token} is {age:?} old, past the retry horizon of {horizon:?}: nothing was sent; \
-         the increment is counted at most once"
+        "token {token} is {age} old, past the retry horizon of {horizon}: nothing was sent; \
+         the increment is counted at most once",
+        age = human_duration(*.age),
+        horizon = human_duration(*.horizon)
     )]
     RetryHorizonExceeded {
         /// The token, as 24 hex digits.
@@ -305,8 +385,10 @@ pub enum Error {
     /// (`lane_ttl`), after which re-sending its update could count twice.
     /// Nothing was sent: the increment is counted at most once.
     #[error(
-        "lane {lane} is {age:?} old, past the lane resume horizon of {horizon:?}: nothing was \
-         sent; the increment is counted at most once"
+        "lane {lane} is {age} old, past the lane resume horizon of {horizon}: nothing was \
+         sent; the increment is counted at most once",
+        age = human_duration(*.age),
+        horizon = human_duration(*.horizon)
     )]
     LaneResumeHorizonExceeded {
         /// The lane, as 24 hex digits.
@@ -366,8 +448,9 @@ pub enum Error {
     /// (`tallyd setup` creates them): the fold refused to run rather than
     /// scan the collection on every pass.
     #[error(
-        "the events collection {collection} lacks the indexes {missing:?}: run `tallyd setup` \
-         to create them"
+        "the events collection {collection} lacks the indexes {missing}: run `tallyd setup` \
+         to create them",
+        missing = words(.missing)
     )]
     IndexesMissing {
         /// The events collection.
@@ -411,6 +494,8 @@ pub(crate) struct RetryBudget {
     duplicate_left: u32,
     attempts: u32,
     maybe_applied: bool,
+    /// Where the operation goes, for the messages of its failures.
+    reach: Option<Arc<Reach>>,
 }
 
 /// What to do after a failed attempt.
@@ -434,6 +519,7 @@ impl RetryBudget {
             duplicate_left: 0,
             attempts: 0,
             maybe_applied: false,
+            reach: None,
         }
     }
 
@@ -451,6 +537,11 @@ impl RetryBudget {
     pub(crate) fn with_duplicate_key_retries(mut self, n: u32) -> Self {
         self.duplicate_left = n;
         self
+    }
+
+    /// Names where the operation goes in its failures' messages.
+    pub(crate) fn reaching(&mut self, reach: Arc<Reach>) {
+        self.reach = Some(reach);
     }
 
     /// Attempts made so far.
@@ -503,7 +594,7 @@ impl RetryBudget {
                 operation = self.operation,
                 class = %class,
                 attempt = self.attempts,
-                cause = %err,
+                cause = %Readable { err: &err, reach: self.reach.as_deref() },
                 "attempt failed, retrying"
             );
             Next::Retry
@@ -514,6 +605,7 @@ impl RetryBudget {
                 effect,
                 attempts: self.attempts,
                 source: err,
+                reach: self.reach.clone(),
             }))
         }
     }

@@ -32,12 +32,15 @@
 //! [`StoreConfig`] says how to reach the server; the daemon's `[mongodb]`
 //! section is read into one.
 
+use std::collections::BTreeMap;
 use std::future::IntoFuture;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
-use mongodb::error::Error as MongoError;
+use mongodb::error::{Error as MongoError, ErrorKind};
+use mongodb::event::EventHandler;
+use mongodb::event::sdam::SdamEvent;
 use mongodb::options::{
     Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, ReadPreference,
     SelectionCriteria, UpdateModifications, WriteConcern,
@@ -46,7 +49,7 @@ use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
 use serde::Serialize;
 
-use crate::error::{Error, Failure, Next, RetryBudget};
+use crate::error::{Error, Failure, Next, Reach, Readable, RetryBudget};
 use crate::redact::{SecretString, Secrets, redact_uri};
 
 /// Default bound on one attempt of an operation: longer than the default
@@ -192,6 +195,44 @@ struct Inner {
     attempt_timeout: Duration,
     /// The connection's password, to scrub from the server's messages.
     secrets: Secrets,
+    /// Where the client connects and as whom, for failures' messages.
+    reach: Arc<Reach>,
+    /// Why each host the driver cannot reach failed its last heartbeat.
+    heartbeats: Heartbeats,
+}
+
+/// The last heartbeat failure of each host that is failing them now, kept
+/// by the client's monitoring events: what a server-selection failure's
+/// message says about why.
+#[derive(Debug, Clone, Default)]
+struct Heartbeats(Arc<Mutex<BTreeMap<String, MongoError>>>);
+
+impl Heartbeats {
+    /// Installs the recorder on `options` (replacing no handler: tally's
+    /// clients have none).
+    fn record_from(&self, options: &mut ClientOptions) {
+        let failures = self.0.clone();
+        options.sdam_event_handler = Some(EventHandler::callback(move |event: SdamEvent| {
+            let mut failures = failures.lock().unwrap_or_else(PoisonError::into_inner);
+            match event {
+                SdamEvent::ServerHeartbeatFailed(failed) => {
+                    failures.insert(failed.server_address.to_string(), failed.failure);
+                }
+                SdamEvent::ServerHeartbeatSucceeded(succeeded) => {
+                    failures.remove(&succeeded.server_address.to_string());
+                }
+                _ => {}
+            }
+        }));
+    }
+
+    fn now(&self) -> Vec<(String, MongoError)> {
+        let failures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        failures
+            .iter()
+            .map(|(h, e)| (h.clone(), e.clone()))
+            .collect()
+    }
 }
 
 impl Store {
@@ -200,13 +241,17 @@ impl Store {
     pub async fn connect(config: &StoreConfig) -> Result<Self, ConnectError> {
         let mut options = ClientOptions::parse(config.uri.expose())
             .await
-            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
+            .map_err(|err| ConnectError::from_driver(&err, &config.secrets()))?;
         config.apply_to(&mut options);
         options.retry_writes = Some(false);
+        let heartbeats = Heartbeats::default();
+        heartbeats.record_from(&mut options);
         let client = Client::with_options(options.clone())
-            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
-        Ok(Self::from_parts(client, &options, &config.database)
-            .with_attempt_timeout(config.attempt_timeout))
+            .map_err(|err| ConnectError::from_driver(&err, &config.secrets()))?;
+        Ok(
+            Self::with_heartbeats(client, &options, &config.database, heartbeats)
+                .with_attempt_timeout(config.attempt_timeout),
+        )
     }
 
     /// Wraps an existing client. `options` are the ones the client was built
@@ -221,15 +266,28 @@ impl Store {
     /// with `client`) and uses that one. Build `client` with
     /// `retry_writes: Some(false)` to share one pool.
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
+        let heartbeats = Heartbeats::default();
         let client = if options.retry_writes == Some(false) {
             client
         } else {
             let mut own = options.clone();
             own.retry_writes = Some(false);
+            heartbeats.record_from(&mut own);
             // Building a client does no I/O; it fails only for options the
             // driver refuses, which `client` was built from already.
             Client::with_options(own).unwrap_or(client)
         };
+        Self::with_heartbeats(client, options, database, heartbeats)
+    }
+
+    /// A store on `client`, built from `options`, whose monitoring events
+    /// `heartbeats` records (if the client was built with its recorder).
+    fn with_heartbeats(
+        client: Client,
+        options: &ClientOptions,
+        database: &str,
+        heartbeats: Heartbeats,
+    ) -> Self {
         let database = client.database_with_options(
             database,
             DatabaseOptions::builder()
@@ -240,12 +298,30 @@ impl Store {
         let server_selection_timeout = options
             .server_selection_timeout
             .unwrap_or(DEFAULT_SERVER_SELECTION_TIMEOUT);
+        let attempt_timeout = attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout);
+        let credential = options.credential.as_ref();
+        let reach = Reach {
+            hosts: options.hosts.iter().map(ToString::to_string).collect(),
+            user: credential.and_then(|c| c.username.clone()),
+            // The driver's default: the URI's database, else admin.
+            auth_source: credential.map(|c| {
+                c.source
+                    .clone()
+                    .or_else(|| options.default_database.clone())
+                    .unwrap_or_else(|| "admin".to_owned())
+            }),
+            selection_timeout: server_selection_timeout,
+            attempt_timeout,
+            unreachable: Vec::new(),
+        };
         Self {
             inner: Arc::new(Inner {
                 client,
                 database,
                 server_selection_timeout,
-                attempt_timeout: attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout),
+                attempt_timeout,
+                reach: Arc::new(reach),
+                heartbeats,
                 secrets: Secrets::new(
                     "",
                     options
@@ -268,6 +344,8 @@ impl Store {
             server_selection_timeout: shared.server_selection_timeout,
             attempt_timeout: shared.attempt_timeout,
             secrets: shared.secrets.clone(),
+            reach: shared.reach.clone(),
+            heartbeats: shared.heartbeats.clone(),
         });
         let bound = attempt_bound(timeout, inner.server_selection_timeout);
         if bound != timeout {
@@ -279,9 +357,14 @@ impl Store {
                  lost reply; raised"
             );
         }
+        let reach = Reach {
+            attempt_timeout: bound,
+            ..Reach::clone(&inner.reach)
+        };
         Self {
             inner: Arc::new(Inner {
                 attempt_timeout: bound,
+                reach: Arc::new(reach),
                 ..inner
             }),
         }
@@ -334,16 +417,81 @@ impl Store {
         F: FnMut() -> Fut,
         Fut: IntoFuture<Output = Result<T, MongoError>>,
     {
+        budget.reaching(self.inner.reach.clone());
         loop {
             budget.start_attempt();
             match self.attempt(operation()).await {
                 Ok(value) => return Ok(value),
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(failure),
+                    Next::GiveUp(failure) => {
+                        let reach = self.reach_for(&failure.source);
+                        return Err(failure.with_reach(reach));
+                    }
                 },
             }
         }
+    }
+
+    /// Where this store connects and as whom, with why each host is
+    /// unreachable when `err` says no server could be selected.
+    fn reach_for(&self, err: &MongoError) -> Arc<Reach> {
+        match err.kind.as_ref() {
+            ErrorKind::ServerSelection { .. } => Arc::new(Reach {
+                unreachable: self.inner.heartbeats.now(),
+                ..Reach::clone(&self.inner.reach)
+            }),
+            _ => self.inner.reach.clone(),
+        }
+    }
+
+    /// Where this store connects (hosts, user, timeouts): what `tallyd
+    /// status` and `doctor` name.
+    pub(crate) fn reach(&self) -> Arc<Reach> {
+        self.inner.reach.clone()
+    }
+
+    /// A driver error of an operation on this store as people read it
+    /// (naming its host, its user, why no server could be selected), the
+    /// password removed.
+    pub(crate) fn describe(&self, err: &MongoError) -> String {
+        let reach = self.reach_for(err);
+        let readable = Readable {
+            err,
+            reach: Some(&reach),
+        };
+        self.scrub(&readable.to_string())
+    }
+
+    /// `MongoDB at HOST has not answered for 5s (why)`, for a caller
+    /// waiting for the server.
+    pub(crate) fn unanswered(&self, waited: Duration) -> String {
+        let reach = Reach {
+            unreachable: self.inner.heartbeats.now(),
+            ..Reach::clone(&self.inner.reach)
+        };
+        self.scrub(&reach.unanswered(waited))
+    }
+
+    /// Whether the driver's monitoring reached a server at its last try:
+    /// false once every host of the connection string failed its last
+    /// heartbeat. A stop does not wait for a server known to be gone.
+    pub(crate) fn seems_reachable(&self) -> bool {
+        let failing = self.inner.heartbeats.now();
+        let hosts = &self.inner.reach.hosts;
+        failing.is_empty() || !hosts.iter().all(|h| failing.iter().any(|(f, _)| f == h))
+    }
+
+    /// An error of an operation on this store as people read it: a
+    /// failure names the hosts, the user, why no server could be selected
+    /// (what this store knows, when the failure does not say); the
+    /// password removed.
+    pub(crate) fn explain(&self, err: &Error) -> String {
+        let reach = match err {
+            Error::Server(failure) => self.reach_for(&failure.source),
+            _ => self.inner.reach.clone(),
+        };
+        self.scrub(&err.describe(Some(&reach)))
     }
 
     /// `message` (from the server) without the connection's password.
@@ -483,8 +631,19 @@ fn primary_over(asked: Option<&SelectionCriteria>) -> SelectionCriteria {
 /// The URI could not be turned into a client. The message has every secret
 /// removed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("cannot create a MongoDB client: {0}")]
+#[error("the connection string cannot be used: {0}")]
 pub struct ConnectError(String);
+
+impl ConnectError {
+    /// The driver's refusal of the URI or its options, secrets removed.
+    fn from_driver(err: &MongoError, secrets: &Secrets) -> Self {
+        let reason = match err.kind.as_ref() {
+            ErrorKind::InvalidArgument { message, .. } => message.clone(),
+            _ => Readable { err, reach: None }.to_string(),
+        };
+        Self(secrets.scrub(&reason))
+    }
+}
 
 #[cfg(test)]
 mod tests {
