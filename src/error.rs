@@ -28,7 +28,9 @@ use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, Writ
 pub(crate) mod code;
 mod message;
 
-pub(crate) use message::{Reach, Readable, human_duration, words};
+pub(crate) use message::{
+    Reach, Readable, Trouble, human_duration, server_code_and_name, trouble, words,
+};
 
 /// The class of a failed attempt, which decides whether it is retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -223,25 +225,6 @@ pub(crate) fn server_code(err: &MongoError) -> Option<i32> {
     }
 }
 
-/// The server's code and its name, when the server answered with one: for
-/// programs reading a failure (`--json`).
-pub(crate) fn server_code_and_name(err: &MongoError) -> Option<(i32, String)> {
-    let named = |code: i32, name: Option<&str>| {
-        let name = name.filter(|n| !n.is_empty()).or_else(|| code::name(code));
-        (code, name.unwrap_or_default().to_owned())
-    };
-    match err.kind.as_ref() {
-        ErrorKind::Command(c) => Some(named(c.code, Some(&c.code_name))),
-        ErrorKind::Write(WriteFailure::WriteError(w)) => {
-            Some(named(w.code, w.code_name.as_deref()))
-        }
-        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => {
-            Some(named(w.code, Some(&w.code_name)))
-        }
-        _ => server_code(err).map(|code| named(code, None)),
-    }
-}
-
 /// For a duplicate-key error, whether the duplicate is on `_id` — a race
 /// for the same document — rather than on another unique index, which no
 /// retry can fix. Read from the `keyPattern` the server attaches (MongoDB
@@ -295,19 +278,6 @@ impl std::error::Error for Failure {
     }
 }
 
-/// What a failure means to the person who asked for the operation, by the
-/// error's kind and code (never its text): it decides the command line's
-/// exit code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Trouble {
-    /// No server could be reached or used: nothing more can be done now.
-    Unavailable,
-    /// The server refused the credentials or the user lacks a privilege.
-    PermissionDenied,
-    /// The server refused the operation for another reason.
-    Refused,
-}
-
 impl Failure {
     /// A failure that is not retried where it happens (a cursor that broke
     /// off mid-stream cannot be resumed): classified, one attempt.
@@ -332,25 +302,6 @@ impl Failure {
     /// What the failure means to the person who asked.
     pub(crate) fn trouble(&self) -> Trouble {
         trouble(&self.source)
-    }
-}
-
-/// What a driver error means to the person who asked, by kind and code.
-pub(crate) fn trouble(err: &MongoError) -> Trouble {
-    if matches!(err.kind.as_ref(), ErrorKind::Authentication { .. })
-        || matches!(
-            server_code(err),
-            Some(code::UNAUTHORIZED | code::AUTHENTICATION_FAILED)
-        )
-    {
-        return Trouble::PermissionDenied;
-    }
-    let facts = Facts::of(err);
-    match (facts.kind, facts.class()) {
-        (FailureKind::ServerSelection | FailureKind::Io | FailureKind::PoolCleared, _)
-        | (_, ErrorClass::Transient) => Trouble::Unavailable,
-        _ if matches!(err.kind.as_ref(), ErrorKind::DnsResolve { .. }) => Trouble::Unavailable,
-        _ => Trouble::Refused,
     }
 }
 

@@ -32,15 +32,12 @@
 //! [`StoreConfig`] says how to reach the server; the daemon's `[mongodb]`
 //! section is read into one.
 
-use std::collections::BTreeMap;
 use std::future::IntoFuture;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
 use mongodb::error::{Error as MongoError, ErrorKind};
-use mongodb::event::EventHandler;
-use mongodb::event::sdam::SdamEvent;
 use mongodb::options::{
     Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, ReadPreference,
     SelectionCriteria, UpdateModifications, WriteConcern,
@@ -50,7 +47,10 @@ use mongodb::{Client, Collection, Database};
 use serde::Serialize;
 
 use crate::error::{Error, Failure, Next, Reach, Readable, RetryBudget};
+
+mod reach;
 use crate::redact::{SecretString, Secrets, redact_uri};
+use reach::Heartbeats;
 
 /// Default bound on one attempt of an operation: longer than the default
 /// server selection timeout, so an outage is told apart from a lost reply.
@@ -201,40 +201,6 @@ struct Inner {
     heartbeats: Heartbeats,
 }
 
-/// The last heartbeat failure of each host that is failing them now, kept
-/// by the client's monitoring events: what a server-selection failure's
-/// message says about why.
-#[derive(Debug, Clone, Default)]
-struct Heartbeats(Arc<Mutex<BTreeMap<String, MongoError>>>);
-
-impl Heartbeats {
-    /// Installs the recorder on `options` (replacing no handler: tally's
-    /// clients have none).
-    fn record_from(&self, options: &mut ClientOptions) {
-        let failures = self.0.clone();
-        options.sdam_event_handler = Some(EventHandler::callback(move |event: SdamEvent| {
-            let mut failures = failures.lock().unwrap_or_else(PoisonError::into_inner);
-            match event {
-                SdamEvent::ServerHeartbeatFailed(failed) => {
-                    failures.insert(failed.server_address.to_string(), failed.failure);
-                }
-                SdamEvent::ServerHeartbeatSucceeded(succeeded) => {
-                    failures.remove(&succeeded.server_address.to_string());
-                }
-                _ => {}
-            }
-        }));
-    }
-
-    fn now(&self) -> Vec<(String, MongoError)> {
-        let failures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        failures
-            .iter()
-            .map(|(h, e)| (h.clone(), e.clone()))
-            .collect()
-    }
-}
-
 impl Store {
     /// Builds a client from `config`. No I/O happens here unless the URI is
     /// `mongodb+srv://` (which resolves DNS records).
@@ -299,21 +265,7 @@ impl Store {
             .server_selection_timeout
             .unwrap_or(DEFAULT_SERVER_SELECTION_TIMEOUT);
         let attempt_timeout = attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout);
-        let credential = options.credential.as_ref();
-        let reach = Reach {
-            hosts: options.hosts.iter().map(ToString::to_string).collect(),
-            user: credential.and_then(|c| c.username.clone()),
-            // The driver's default: the URI's database, else admin.
-            auth_source: credential.map(|c| {
-                c.source
-                    .clone()
-                    .or_else(|| options.default_database.clone())
-                    .unwrap_or_else(|| "admin".to_owned())
-            }),
-            selection_timeout: server_selection_timeout,
-            attempt_timeout,
-            unreachable: Vec::new(),
-        };
+        let reach = reach::of(options, server_selection_timeout, attempt_timeout);
         Self {
             inner: Arc::new(Inner {
                 client,
@@ -431,67 +383,6 @@ impl Store {
                 },
             }
         }
-    }
-
-    /// Where this store connects and as whom, with why each host is
-    /// unreachable when `err` says no server could be selected.
-    fn reach_for(&self, err: &MongoError) -> Arc<Reach> {
-        match err.kind.as_ref() {
-            ErrorKind::ServerSelection { .. } => Arc::new(Reach {
-                unreachable: self.inner.heartbeats.now(),
-                ..Reach::clone(&self.inner.reach)
-            }),
-            _ => self.inner.reach.clone(),
-        }
-    }
-
-    /// Where this store connects (hosts, user, timeouts): what `tallyd
-    /// status` and `doctor` name.
-    pub(crate) fn reach(&self) -> Arc<Reach> {
-        self.inner.reach.clone()
-    }
-
-    /// A driver error of an operation on this store as people read it
-    /// (naming its host, its user, why no server could be selected), the
-    /// password removed.
-    pub(crate) fn describe(&self, err: &MongoError) -> String {
-        let reach = self.reach_for(err);
-        let readable = Readable {
-            err,
-            reach: Some(&reach),
-        };
-        self.scrub(&readable.to_string())
-    }
-
-    /// `MongoDB at HOST has not answered for 5s (why)`, for a caller
-    /// waiting for the server.
-    pub(crate) fn unanswered(&self, waited: Duration) -> String {
-        let reach = Reach {
-            unreachable: self.inner.heartbeats.now(),
-            ..Reach::clone(&self.inner.reach)
-        };
-        self.scrub(&reach.unanswered(waited))
-    }
-
-    /// Whether the driver's monitoring reached a server at its last try:
-    /// false once every host of the connection string failed its last
-    /// heartbeat. A stop does not wait for a server known to be gone.
-    pub(crate) fn seems_reachable(&self) -> bool {
-        let failing = self.inner.heartbeats.now();
-        let hosts = &self.inner.reach.hosts;
-        failing.is_empty() || !hosts.iter().all(|h| failing.iter().any(|(f, _)| f == h))
-    }
-
-    /// An error of an operation on this store as people read it: a
-    /// failure names the hosts, the user, why no server could be selected
-    /// (what this store knows, when the failure does not say); the
-    /// password removed.
-    pub(crate) fn explain(&self, err: &Error) -> String {
-        let reach = match err {
-            Error::Server(failure) => self.reach_for(&failure.source),
-            _ => self.inner.reach.clone(),
-        };
-        self.scrub(&err.describe(Some(&reach)))
     }
 
     /// `message` (from the server) without the connection's password.

@@ -118,8 +118,9 @@ fn listen_for_signals() -> std::io::Result<mpsc::UnboundedReceiver<Command>> {
 /// documents; documents with lane entries, lane entries, the largest lane
 /// map and the named lanes (never pruned) with their highest positions.
 /// First, the server and database it reads; a database that holds none of
-/// the collections is said so (exit 78), not shown as zeros. With
-/// `--check`, exit 1 when something needs attention.
+/// the collections (nor their ledgers' events, nor the daemon's state) is
+/// said so and exits 78 — a misspelt `[mongodb] database` must not pass
+/// for a clean one. With `--check`, exit 1 when something needs attention.
 pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let (names, reconciler, now, store) =
@@ -127,12 +128,15 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
             Ok(setup) => setup,
             Err(code) => return code,
         };
-    let existing = match database::existing(&store, &names).await {
-        Ok(Some(existing)) if existing.is_empty() => {
-            let message = database::holds_none(&store, &names);
-            store.shutdown().await;
-            return fail(args.json, &message, &secrets, EXIT_CONFIG);
+    let mut wanted = names.clone();
+    for name in &names {
+        let spec = config.collection(name);
+        if spec.events_collection.is_some() {
+            wanted.push(spec.events_collection_name());
         }
+    }
+    wanted.push(config.daemon.state_collection.clone());
+    let existing = match database::existing(&store, &wanted).await {
         Ok(existing) => existing,
         Err(err) => {
             let code = fail_with(args.json, &err, &store, &secrets);
@@ -166,6 +170,10 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     drop(reconciler);
     let attention = attention(&rows, &ledgers, config.alerts.stuck_after);
     let missing = |name: &String| existing.as_ref().map(|e| !e.contains(name));
+    let holds_none = existing
+        .as_ref()
+        .is_some_and(Vec::is_empty)
+        .then(|| database::holds_none(&store, &names));
     if args.json {
         let collections: Vec<_> = rows
             .iter()
@@ -199,24 +207,30 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                 "collections": collections,
                 "ledgers": ledgers,
                 "attention": attention,
+                "error": holds_none,
             })
         );
     } else {
         out!("{}", database::described(&store));
         print_table(&rows, now, config);
-        for name in names.iter().filter(|n| missing(n) == Some(true)) {
-            out!("{name}: no such collection in this database yet");
+        if holds_none.is_none() {
+            for name in names.iter().filter(|n| missing(n) == Some(true)) {
+                out!("{name}: no such collection in this database yet");
+            }
         }
         super::ledger::print_backlogs(&ledgers);
         if !attention.is_empty() {
             out!("needs attention: {}", attention.join("; "));
         }
+        if let Some(message) = &holds_none {
+            eprintln!("error: {}", secrets.scrub(message));
+        }
     }
     store.shutdown().await;
-    ExitCode::from(if args.check && !attention.is_empty() {
-        EXIT_FAILED
-    } else {
-        EXIT_OK
+    ExitCode::from(match holds_none {
+        Some(_) => EXIT_CONFIG,
+        None if args.check && !attention.is_empty() => EXIT_FAILED,
+        None => EXIT_OK,
     })
 }
 

@@ -168,29 +168,45 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
 /// when it holds none of them: a probe write would create it).
 async fn database_check(store: &Store, config: &Config) -> (bool, Check) {
     let names: Vec<String> = config.collections.iter().map(|c| c.name.clone()).collect();
+    let mut wanted = names.clone();
+    wanted.extend(
+        config
+            .collections
+            .iter()
+            .filter(|c| c.events_collection.is_some())
+            .map(|c| c.events_collection_name()),
+    );
+    wanted.push(config.daemon.state_collection.clone());
     let name = store.database().name().to_owned();
-    let (held, verdict, message) = match database::existing(store, &names).await {
+    let (held, verdict, message) = match database::existing(store, &wanted).await {
         // Nothing unsafe, and a fresh deployment looks the same as a
         // misspelt name: a warning that says both.
         Ok(Some(existing)) if existing.is_empty() => {
             (false, Verdict::Warn, database::holds_none(store, &names))
         }
         Ok(Some(existing)) => {
-            let absent: Vec<&String> = names.iter().filter(|n| !existing.contains(n)).collect();
-            if absent.is_empty() {
-                (
+            let (held, absent): (Vec<&String>, Vec<&String>) =
+                names.iter().partition(|n| existing.contains(n));
+            match (held.as_slice(), absent.as_slice()) {
+                (_, []) => (true, Verdict::Ok, format!("{name} holds {}", words(&held))),
+                // Only the ledgers' events or the daemon's state so far.
+                ([], _) => (
                     true,
                     Verdict::Ok,
-                    format!("{name} holds {}", words(&existing)),
-                )
-            } else {
-                let absent: Vec<&str> = absent.iter().map(|n| n.as_str()).collect();
-                let message = format!(
-                    "{name} holds {} but not yet {} (the first write creates a collection)",
-                    words(&existing),
-                    words(&absent)
-                );
-                (true, Verdict::Warn, message)
+                    format!(
+                        "{name} holds {}; the counter collections come with the first writes",
+                        words(&existing)
+                    ),
+                ),
+                _ => (
+                    true,
+                    Verdict::Warn,
+                    format!(
+                        "{name} holds {} but not yet {} (the first write creates a collection)",
+                        words(&held),
+                        words(&absent)
+                    ),
+                ),
             }
         }
         Ok(None) => (

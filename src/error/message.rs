@@ -162,6 +162,62 @@ impl fmt::Display for Readable<'_> {
     }
 }
 
+/// What a failure means to the person who asked for the operation, by the
+/// error's kind and code (never its text): it decides the command line's
+/// exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Trouble {
+    /// No server could be reached or used: nothing more can be done now.
+    Unavailable,
+    /// The server refused the credentials or the user lacks a privilege.
+    PermissionDenied,
+    /// The server refused the operation for another reason.
+    Refused,
+}
+
+/// What a driver error means to the person who asked, by kind and code.
+pub(crate) fn trouble(err: &MongoError) -> Trouble {
+    if matches!(err.kind.as_ref(), ErrorKind::Authentication { .. })
+        || matches!(
+            super::server_code(err),
+            Some(code::UNAUTHORIZED | code::AUTHENTICATION_FAILED)
+        )
+    {
+        return Trouble::PermissionDenied;
+    }
+    let facts = super::Facts::of(err);
+    match (facts.kind, facts.class()) {
+        (
+            super::FailureKind::ServerSelection
+            | super::FailureKind::Io
+            | super::FailureKind::PoolCleared,
+            _,
+        )
+        | (_, super::ErrorClass::Transient) => Trouble::Unavailable,
+        _ if matches!(err.kind.as_ref(), ErrorKind::DnsResolve { .. }) => Trouble::Unavailable,
+        _ => Trouble::Refused,
+    }
+}
+
+/// The server's code and its name, when the server answered with one: for
+/// programs reading a failure (`--json`).
+pub(crate) fn server_code_and_name(err: &MongoError) -> Option<(i32, String)> {
+    let named = |code: i32, name: Option<&str>| {
+        let name = name.filter(|n| !n.is_empty()).or_else(|| code::name(code));
+        (code, name.unwrap_or_default().to_owned())
+    };
+    match err.kind.as_ref() {
+        ErrorKind::Command(c) => Some(named(c.code, Some(&c.code_name))),
+        ErrorKind::Write(WriteFailure::WriteError(w)) => {
+            Some(named(w.code, w.code_name.as_deref()))
+        }
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => {
+            Some(named(w.code, Some(&w.code_name)))
+        }
+        _ => super::server_code(err).map(|code| named(code, None)),
+    }
+}
+
 /// `MESSAGE (CODE CodeName)`, then what to do for the codes tally knows.
 fn server_says(
     f: &mut fmt::Formatter<'_>,
