@@ -9,7 +9,7 @@ use std::time::Duration;
 use mongodb::bson::doc;
 
 use crate::cli::{json, text, write_config};
-use crate::common::server::AuthServer;
+use crate::common::server::{AuthServer, create_views_user};
 use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{TestContext, counter, external, wait_until};
 use crate::daemon::{Conf, LONG, seed_stale};
@@ -44,22 +44,8 @@ async fn a_uri_with_an_ampersand_arrives_whole_where_a_shell_loses_it() {
         return; // needs a server with authentication
     }
     let server = AuthServer::start(|client| async move {
-        let app = client.database("app");
-        app.run_command(doc! {
-            "createRole": "writer",
-            "privileges": [{
-                "resource": { "db": "app", "collection": "views" },
-                "actions": ["find", "insert", "update"],
-            }],
-            "roles": [],
-        })
-        .await
-        .expect("createRole");
-        app.run_command(
-            doc! { "createUser": "writer", "pwd": "Pw-of-writer", "roles": ["writer"] },
-        )
-        .await
-        .expect("createUser");
+        let actions = ["find", "insert", "update"];
+        create_views_user(&client.database("app"), "writer", "Pw-of-writer", &actions).await;
     })
     .await;
     let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ use std::process::Output;
 use mongodb::bson::{Bson, doc};
 
 use crate::cli::{json, tallyd, text, write_config};
-use crate::common::server::AuthServer;
+use crate::common::server::{AuthServer, create_views_user};
 use crate::common::tallyd::free_address;
 use crate::common::{FailPoint, TestContext, counter, external};
 
@@ -101,20 +101,7 @@ async fn a_wrong_password_and_a_missing_privilege_exit_77() {
         return; // needs a server with authentication
     }
     let server = AuthServer::start(|client| async move {
-        let app = client.database("app");
-        // (Only `find`: the test server grants an action on any collection
-        // of the database once a role holds it on one, so no other grant
-        // may carry `update`.)
-        app.run_command(doc! {
-            "createRole": "reader",
-            "privileges": [{ "resource": { "db": "app", "collection": "views" }, "actions": ["find"] }],
-            "roles": [],
-        })
-        .await
-        .expect("createRole");
-        app.run_command(doc! { "createUser": "reader", "pwd": "Pw-of-reader", "roles": ["reader"] })
-            .await
-            .expect("createUser");
+        create_views_user(&client.database("app"), "reader", "Pw-of-reader", &["find"]).await;
     })
     .await;
 
