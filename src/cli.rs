@@ -1,7 +1,7 @@
 //! The `tallyd` command line: each command is a thin layer over the library.
 //!
 //! Every command exits by the class of what happened, the same way
-//! ([`exit`]; `sysexits.h` where one fits):
+//! (`exit`; `sysexits.h` where one fits):
 //!
 //! | exit | meaning |
 //! |---|---|
@@ -17,7 +17,7 @@
 //! ([`Cli::load_config`]), so one configuration gets one verdict from all
 //! of them; `--collection` names a configured collection (another one only
 //! with `--any-collection`). What a command prints about a failure is one
-//! sentence for people ([`crate::error`]'s messages), secrets removed.
+//! sentence for people (the messages of `error`), secrets removed.
 
 mod daemon;
 mod database;
