@@ -354,7 +354,11 @@ fn authentication(
     // The server's refusal, when the driver kept it as the cause.
     let refusal = err
         .source()
-        .and_then(|cause| cause.downcast_ref::<MongoError>())
+        .and_then(|cause| {
+            cause
+                .downcast_ref::<MongoError>()
+                .or_else(|| cause.downcast_ref::<Box<MongoError>>().map(|boxed| &**boxed))
+        })
         .and_then(|cause| match cause.kind.as_ref() {
             ErrorKind::Command(command) => Some(command),
             _ => None,
