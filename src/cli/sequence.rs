@@ -27,7 +27,7 @@ pub(crate) struct NextArgs {
     /// The sequence's name (its `_id` in the counters collection).
     pub(crate) name: String,
     /// Reserve N consecutive numbers in one round trip.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", value_parser = block_size)]
     pub(crate) block: Option<u32>,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -42,6 +42,15 @@ pub(crate) struct CurrentArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `--block N`: a whole number from 1 to 4294967295 (said in words: clap's
+/// own range check would print a Rust range).
+fn block_size(text: &str) -> Result<u32, String> {
+    match text.parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("a block is a whole number from 1 to {}", u32::MAX)),
+    }
 }
 
 pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {

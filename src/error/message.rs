@@ -355,9 +355,11 @@ fn authentication(
     let refusal = err
         .source()
         .and_then(|cause| {
-            cause
-                .downcast_ref::<MongoError>()
-                .or_else(|| cause.downcast_ref::<Box<MongoError>>().map(|boxed| &**boxed))
+            cause.downcast_ref::<MongoError>().or_else(|| {
+                cause
+                    .downcast_ref::<Box<MongoError>>()
+                    .map(|boxed| &**boxed)
+            })
         })
         .and_then(|cause| match cause.kind.as_ref() {
             ErrorKind::Command(command) => Some(command),

@@ -216,13 +216,14 @@ async fn refusals_exit_1_with_the_servers_code_name_and_message() {
     assert!(lanes.get("lanes").is_none(), "nothing written: {lanes}");
 }
 
-/// Usage errors exit 64 — a missing argument, an unknown flag, flags that
-/// exclude each other, no command — and the help and version exit 0; the
-/// help ends with the exit codes.
+/// Usage errors exit 64 — a missing argument, a value out of range (said
+/// in words), an unknown flag, flags that exclude each other, no command —
+/// and the help and version exit 0; the help ends with the exit codes.
 #[tokio::test]
 async fn usage_errors_exit_64_and_help_exits_0() {
-    let cases: [(&[&str], i32); 7] = [
+    let cases: [(&[&str], i32); 8] = [
         (&["incr"], 64),
+        (&["seq", "next", "orders", "--block", "0"], 64),
         (&["--bogus", "status"], 64),
         (&["incr", "k", "--lane", "--two-step"], 64),
         (&["status", "--any-collection"], 64),
@@ -232,12 +233,9 @@ async fn usage_errors_exit_64_and_help_exits_0() {
     ];
     for (args, code) in cases {
         let output = tallyd(args, &[]).await;
-        assert_eq!(
-            output.status.code(),
-            Some(code),
-            "{args:?}: {}",
-            text(&output)
-        );
+        let shown = text(&output);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {shown}");
+        assert!(!shown.contains("..="), "a range as words: {shown}");
     }
     let help = tallyd(&["doctor", "--help"], &[]).await;
     assert!(
