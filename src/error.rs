@@ -28,9 +28,9 @@ use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, Writ
 pub(crate) mod code;
 mod message;
 
-pub(crate) use message::{
-    Reach, Readable, Trouble, human_duration, server_code_and_name, trouble, words,
-};
+pub(crate) use message::{Reach, Readable, human_duration, words};
+#[cfg(feature = "daemon")]
+pub(crate) use message::{Trouble, server_code_and_name, trouble};
 
 /// The class of a failed attempt, which decides whether it is retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -300,6 +300,7 @@ impl Failure {
     }
 
     /// What the failure means to the person who asked.
+    #[cfg(feature = "daemon")]
     pub(crate) fn trouble(&self) -> Trouble {
         trouble(&self.source)
     }

@@ -165,6 +165,7 @@ impl fmt::Display for Readable<'_> {
 /// What a failure means to the person who asked for the operation, by the
 /// error's kind and code (never its text): it decides the command line's
 /// exit code.
+#[cfg(feature = "daemon")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Trouble {
     /// No server could be reached or used: nothing more can be done now.
@@ -176,6 +177,7 @@ pub(crate) enum Trouble {
 }
 
 /// What a driver error means to the person who asked, by kind and code.
+#[cfg(feature = "daemon")]
 pub(crate) fn trouble(err: &MongoError) -> Trouble {
     if matches!(err.kind.as_ref(), ErrorKind::Authentication { .. })
         || matches!(
@@ -201,6 +203,7 @@ pub(crate) fn trouble(err: &MongoError) -> Trouble {
 
 /// The server's code and its name, when the server answered with one: for
 /// programs reading a failure (`--json`).
+#[cfg(feature = "daemon")]
 pub(crate) fn server_code_and_name(err: &MongoError) -> Option<(i32, String)> {
     let named = |code: i32, name: Option<&str>| {
         let name = name.filter(|n| !n.is_empty()).or_else(|| code::name(code));
@@ -297,6 +300,7 @@ fn unselectable(f: &mut fmt::Formatter<'_>, reach: &Reach) -> fmt::Result {
 impl Reach {
     /// `MongoDB at HOST has not answered for 5s (why)`: what the daemon
     /// says while it waits for the server.
+    #[cfg(feature = "daemon")]
     pub(crate) fn unanswered(&self, waited: Duration) -> String {
         format!(
             "MongoDB at {} has not answered for {} ({})",
@@ -443,6 +447,7 @@ impl fmt::Display for super::Failure {
 impl super::Error {
     /// The error as people read it; `fallback` names where a failed
     /// operation went when the failure itself does not say.
+    #[cfg(feature = "daemon")]
     pub(crate) fn describe(&self, fallback: Option<&Reach>) -> String {
         match self {
             Self::Server(failure) => failure.describe(fallback),
@@ -543,6 +548,7 @@ mod tests {
     /// error: its message's parts are checked here, the whole in the
     /// integration tests.)
     #[test]
+    #[cfg(feature = "daemon")]
     fn no_server_selected_says_where_and_why() {
         let mut reach = one_host();
         reach.unreachable = vec![("db:27017".into(), io(std::io::ErrorKind::ConnectionRefused))];

@@ -13,7 +13,9 @@ use mongodb::event::sdam::SdamEvent;
 use mongodb::options::ClientOptions;
 
 use super::Store;
-use crate::error::{Error, Reach, Readable};
+use crate::error::Reach;
+#[cfg(feature = "daemon")]
+use crate::error::{Error, Readable};
 
 /// Where a client built from `options` connects and as whom.
 pub(super) fn of(
@@ -94,6 +96,7 @@ impl Store {
     /// A driver error of an operation on this store as people read it
     /// (naming its host, its user, why no server could be selected), the
     /// password removed.
+    #[cfg(feature = "daemon")]
     pub(crate) fn describe(&self, err: &MongoError) -> String {
         let reach = self.reach_for(err);
         let readable = Readable {
@@ -105,6 +108,7 @@ impl Store {
 
     /// `MongoDB at HOST has not answered for 5s (why)`, for a caller
     /// waiting for the server.
+    #[cfg(feature = "daemon")]
     pub(crate) fn unanswered(&self, waited: Duration) -> String {
         let reach = Reach {
             unreachable: self.inner.heartbeats.now(),
@@ -116,6 +120,7 @@ impl Store {
     /// Whether the driver's monitoring reached a server at its last try:
     /// false once every host of the connection string failed its last
     /// heartbeat. A stop does not wait for a server known to be gone.
+    #[cfg(feature = "daemon")]
     pub(crate) fn seems_reachable(&self) -> bool {
         let failing = self.inner.heartbeats.now();
         let hosts = &self.inner.reach.hosts;
@@ -126,6 +131,7 @@ impl Store {
     /// failure names the hosts, the user, why no server could be selected
     /// (what this store knows, when the failure does not say); the
     /// password removed.
+    #[cfg(feature = "daemon")]
     pub(crate) fn explain(&self, err: &Error) -> String {
         let reach = match err {
             Error::Server(failure) => self.reach_for(&failure.source),
