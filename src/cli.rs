@@ -1,12 +1,30 @@
 //! The `tallyd` command line: each command is a thin layer over the library.
 //!
-//! Exit codes follow `sysexits.h` where one fits: 0 done, 1 failed or
-//! refused, 75 (`EX_TEMPFAIL`) pending or unknown — try again later,
-//! 78 (`EX_CONFIG`) bad configuration.
+//! Every command exits by the class of what happened, the same way
+//! (`exit`; `sysexits.h` where one fits):
+//!
+//! | exit | meaning |
+//! |---|---|
+//! | 0 | done |
+//! | 1 | definitely not done (refused, nothing written); `status --check`: something needs attention |
+//! | 64 | usage: an unknown command or flag, a missing or malformed argument |
+//! | 69 | the server is unavailable (nothing was written) |
+//! | 75 | the outcome is unknown or pending: resuming is safe |
+//! | 77 | permission denied: authentication failed, or a privilege is missing |
+//! | 78 | configuration: a bad key, a collection not configured, an unusable URI |
+//!
+//! Every command reads and checks the configuration the same way
+//! ([`Cli::load_config`]), so one configuration gets one verdict from all
+//! of them; `--collection` names a configured collection (another one only
+//! with `--any-collection`). What a command prints about a failure is one
+//! sentence for people (the messages of `error`), secrets removed.
 
 mod bench;
 mod daemon;
+mod database;
 mod doctor;
+mod envfile;
+pub(crate) mod exit;
 mod generate;
 mod increment;
 mod lane;
@@ -22,8 +40,10 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{Config, ConfigErrors};
 use crate::daemon::clock::{Clock, ClockOffset};
+use crate::error::{Error, words};
 use crate::logging::Logging;
 use crate::redact::Secrets;
+use crate::store::Store;
 use crate::write::counter::CollectionConfig;
 
 use bench::BenchArgs;
@@ -36,15 +56,9 @@ use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
 use setup::SetupArgs;
 
-/// Exit status: success.
-pub(crate) const EXIT_OK: u8 = 0;
-/// Exit status: the operation failed, or was refused; nothing more will
-/// happen on its own.
-pub(crate) const EXIT_FAILED: u8 = 1;
-/// Exit status: the outcome is pending or unknown; settle it later
-/// (`EX_TEMPFAIL`).
-pub(crate) const EXIT_TEMPFAIL: u8 = 75;
-pub(crate) use crate::config::EXIT_CONFIG;
+pub(crate) use exit::{
+    EXIT_CONFIG, EXIT_FAILED, EXIT_NOPERM, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, exit_code_for,
+};
 
 /// `tallyd`: exact counters in MongoDB.
 #[derive(Debug, Parser)]
@@ -54,6 +68,13 @@ pub struct Cli {
     /// absent when the environment (TALLYD__SECTION__KEY) sets everything.
     #[arg(long, short, global = true, value_name = "PATH")]
     pub config: Option<PathBuf>,
+
+    /// Read environment variables from this file first, in the syntax of
+    /// systemd's EnvironmentFile= (one KEY=VALUE a line, taken as it is:
+    /// `&` and spaces need no quoting), e.g. /etc/tally/tallyd.env. Its
+    /// values win over the environment's.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub env_file: Option<PathBuf>,
 
     /// A testing aid, hidden from help: pretend this host's clock is off by
     /// this much (`10m` ahead, `-10m` behind) when its skew against the
@@ -91,18 +112,20 @@ pub(crate) enum Command {
     /// serve /metrics. Stops at SIGTERM or SIGINT; SIGHUP reloads the
     /// configuration.
     Run,
-    /// Show, per collection, the pending and stuck tokens and the malformed
-    /// documents.
+    /// Show the server and database, then per collection the pending and
+    /// stuck tokens and the malformed documents. With --check, exit 1 when
+    /// something needs attention.
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
-    /// masked. Exits 78 naming every bad key: what `run` would refuse.
-    /// With --connect, also connects and says which indexes are missing
-    /// (exit 1 when a ledger lacks one: the daemon would refuse to fold it).
+    /// masked. Exits 78 naming every bad key: what every command would
+    /// refuse. With --connect, also connects (69: unreachable, 77:
+    /// authentication refused) and says which indexes are missing (exit 1
+    /// when a ledger lacks one: the daemon would refuse to fold it).
     CheckConfig(CheckConfigArgs),
     /// Connect with the configured URI and say, check by check, what is
-    /// safe and what is not: topology, write concern, clock skew, indexes,
-    /// privileges, change-stream history. Exits 1 when a check fails
-    /// (warnings allowed).
+    /// safe and what is not: topology, database, write concern, clock skew,
+    /// indexes, privileges, change-stream history. Exits 1 when a check
+    /// fails (warnings allowed); 69 or 77 when it cannot connect.
     Doctor(DoctorArgs),
     /// Add to a counter and say exactly what happened: the two-step
     /// increment, or with --lane one round trip through a fresh lane
@@ -115,7 +138,8 @@ pub(crate) enum Command {
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what
-    /// that would do). Exit 1 if any collection failed.
+    /// that would do). When a collection failed, exits by the failure's
+    /// class (1, 69 or 77).
     Reconcile(ReconcileArgs),
     /// Record an event once under its key (an idempotency key): a repeat
     /// is a duplicate, counted once. Exit 0 recorded or duplicate, 75
@@ -146,11 +170,15 @@ pub(crate) enum Command {
 /// Options shared by the commands that work on one collection.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct TargetArgs {
-    /// The counter collection. A collection not listed in the configuration
-    /// uses the default field names. May be omitted when exactly one
-    /// collection is configured.
+    /// The counter collection: one of the configured ones (exit 78
+    /// otherwise). May be omitted when exactly one is configured.
     #[arg(long, value_name = "NAME")]
     pub(crate) collection: Option<String>,
+
+    /// Let --collection name a collection that is not configured: it is
+    /// then used with the default field names and no ledger.
+    #[arg(long, requires = "collection")]
+    pub(crate) any_collection: bool,
 
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -158,37 +186,107 @@ pub(crate) struct TargetArgs {
 }
 
 impl TargetArgs {
-    /// The collection the command works on.
-    fn resolve(&self, config: &Config) -> Result<CollectionConfig, String> {
+    /// The collection the command works on, or the failure's message and
+    /// exit code.
+    fn resolve(&self, config: &Config) -> Result<CollectionConfig, (String, u8)> {
         match (&self.collection, config.collections.as_slice()) {
-            (Some(name), _) => Ok(config.collection(name)),
+            (Some(name), _) => {
+                configured(config, std::slice::from_ref(name), self.any_collection)?;
+                Ok(config.collection(name))
+            }
             (None, [only]) => Ok(only.clone()),
-            (None, listed) => Err(format!(
-                "name the collection with --collection ({} configured)",
-                listed.len()
-            )),
+            (None, listed) => {
+                let names: Vec<&str> = listed.iter().map(|c| c.name.as_str()).collect();
+                Err((
+                    format!(
+                        "name the collection with --collection: {} are configured",
+                        words(&names)
+                    ),
+                    EXIT_USAGE,
+                ))
+            }
         }
     }
 
     /// The collection the command works on and a connection: a command's
     /// first steps. A failure is printed (secrets masked); its exit code is
     /// the `Err`.
-    async fn open(
-        &self,
-        config: &Config,
-    ) -> Result<(CollectionConfig, crate::store::Store), ExitCode> {
+    async fn open(&self, config: &Config) -> Result<(CollectionConfig, Store), ExitCode> {
         let secrets = config.secrets();
         let spec = self
             .resolve(config)
-            .map_err(|message| fail(self.json, &message, &secrets))?;
-        let store = crate::store::Store::connect(&config.mongodb)
-            .await
-            .map_err(|err| fail(self.json, &err.to_string(), &secrets))?;
+            .map_err(|(message, code)| fail(self.json, &message, &secrets, code))?;
+        let store = connect(config, self.json).await?;
+        Ok((spec, store))
+    }
+
+    /// [`TargetArgs::open`] for a command of the events ledger: the
+    /// collection must have one (nothing would fold a recorded event).
+    async fn open_ledger(&self, config: &Config) -> Result<(CollectionConfig, Store), ExitCode> {
+        let secrets = config.secrets();
+        let spec = self
+            .resolve(config)
+            .map_err(|(message, code)| fail(self.json, &message, &secrets, code))?;
+        if spec.events_collection.is_none() {
+            let message = format!(
+                "{} has no events ledger (`ledger = true` in its [[collections]] entry): nothing \
+                 would fold a recorded event into it",
+                spec.name
+            );
+            return Err(fail(self.json, &message, &secrets, EXIT_CONFIG));
+        }
+        let store = connect(config, self.json).await?;
         Ok((spec, store))
     }
 }
 
+/// Checks that each of `names` is a configured collection, unless `any`
+/// (`--any-collection`) lets it be another: the message and exit code (78)
+/// of the first that is not.
+fn configured(config: &Config, names: &[String], any: bool) -> Result<(), (String, u8)> {
+    let listed: Vec<&str> = config.collections.iter().map(|c| c.name.as_str()).collect();
+    match names.iter().find(|name| !listed.contains(&name.as_str())) {
+        Some(name) if !any => Err((
+            format!(
+                "{name} is not a configured collection (configured: {}); correct the name, or \
+                 pass --any-collection to use a collection the configuration does not list (with \
+                 the default field names and no ledger)",
+                words(&listed)
+            ),
+            EXIT_CONFIG,
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A client for the configured server, or the exit code of a URI that
+/// cannot be used (printed; 78: the configuration must change).
+async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
+    let secrets = config.secrets();
+    Store::connect(&config.mongodb)
+        .await
+        .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))
+}
+
 impl Cli {
+    /// Parses the command line: `Err` with the exit code when it is wrong
+    /// (the message printed: 64) or when it asked for `--help` or
+    /// `--version` (printed: 0).
+    pub fn from_args() -> Result<Self, ExitCode> {
+        command()
+            .try_get_matches()
+            .and_then(|matches| <Self as clap::FromArgMatches>::from_arg_matches(&matches))
+            .map_err(|err| {
+                let _ = err.print();
+                // Help and version are written to standard output: not errors.
+                ExitCode::from(if err.use_stderr() {
+                    EXIT_USAGE
+                } else {
+                    EXIT_OK
+                })
+            })
+    }
+
     /// Runs the commands that need no configuration (the completions and
     /// man pages of packaging): `Some(exit)` when this was one.
     pub fn run_without_config(&self) -> Option<ExitCode> {
@@ -205,18 +303,35 @@ impl Cli {
     }
 
     /// Loads the configuration from `--config` (or the default file) and
-    /// `env`, with the checks the command needs: `run` and `check-config`
-    /// (which answers for `run`) refuse the same configurations.
+    /// `env`, with `--env-file`'s variables over `env`'s. Every command
+    /// checks the same way — `check-config` answers for all of them — so
+    /// one configuration gets one verdict (and exit code 78) everywhere.
     pub fn load_config(
         &self,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigErrors> {
-        let config = Config::load(self.config.as_deref(), env)?;
-        if matches!(self.command, Command::Run | Command::CheckConfig(_)) {
-            config.check_daemon()?;
+        let mut env: Vec<(String, String)> = env.into_iter().collect();
+        if let Some(path) = &self.env_file {
+            let file = envfile::read(path)
+                .map_err(|problem| ConfigErrors::single("--env-file", problem))?;
+            env.retain(|(key, _)| !file.iter().any(|(k, _)| k == key));
+            env.extend(file);
         }
+        let config = Config::load(self.config.as_deref(), env)?;
+        config.check_collections()?;
         Ok(config)
     }
+}
+
+/// The command line as `--help` (and so the man pages) shows it: the help
+/// of every command ends with the table of exit codes.
+pub(crate) fn command() -> clap::Command {
+    fn with_exit_codes(command: clap::Command) -> clap::Command {
+        command
+            .after_help(exit::EXIT_CODES_HELP)
+            .mut_subcommands(with_exit_codes)
+    }
+    with_exit_codes(<Cli as clap::CommandFactory>::command())
 }
 
 /// `println!` for what a command prints on standard output, through
@@ -273,6 +388,7 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
             // A reload reads the configuration again from where this did.
             let reload = Cli {
                 config: cli.config,
+                env_file: cli.env_file,
                 clock_offset: cli.clock_offset,
                 command: Command::Run,
             };
@@ -294,12 +410,27 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     }
 }
 
+/// `--collection NAME` (repeatable) and `--any-collection`: the
+/// collections a command over several works on.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct CollectionsArgs {
+    /// Only this collection (repeatable): a configured one (exit 78
+    /// otherwise). Default: every configured collection.
+    #[arg(long = "collection", value_name = "NAME")]
+    pub(crate) collections: Vec<String>,
+
+    /// Let --collection name collections the configuration does not list:
+    /// they are used with the default field names and no ledger.
+    #[arg(long, requires = "collections")]
+    pub(crate) any_collection: bool,
+}
+
 /// The collections a multi-collection command works on (the ones named,
 /// else every configured one), a reconciler, the server's time, and the
 /// store to shut down at the end — or the exit code of the failure, already
 /// reported.
 async fn survey_setup(
-    named: &[String],
+    which: &CollectionsArgs,
     json: bool,
     config: &Config,
 ) -> Result<
@@ -307,37 +438,35 @@ async fn survey_setup(
         Vec<String>,
         crate::reconcile::Reconciler,
         std::time::SystemTime,
-        crate::store::Store,
+        Store,
     ),
     ExitCode,
 > {
     let secrets = config.secrets();
-    let names: Vec<String> = if named.is_empty() {
+    configured(config, &which.collections, which.any_collection)
+        .map_err(|(message, code)| fail(json, &message, &secrets, code))?;
+    let names: Vec<String> = if which.collections.is_empty() {
         config.collections.iter().map(|c| c.name.clone()).collect()
     } else {
-        named.to_vec()
+        which.collections.clone()
     };
-    if names.is_empty() {
-        let message = "no collections: configure [[collections]] or name one with --collection";
-        return Err(fail(json, message, &secrets));
-    }
-    let store = crate::store::Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets))?;
+    let store = connect(config, json).await?;
     let reconciler = config.reconciler(&store);
     let now = match reconciler.server_time().await {
         Ok(now) => now,
         Err(err) => {
             drop(reconciler);
+            let code = fail_with(json, &err, &store, &secrets);
             store.shutdown().await;
-            return Err(fail(json, &err.to_string(), &secrets));
+            return Err(code);
         }
     };
     Ok((names, reconciler, now, store))
 }
 
-/// Prints a failure that happened before any outcome was known.
-fn fail(json: bool, message: &str, secrets: &Secrets) -> ExitCode {
+/// Prints a failure that happened before any outcome was known; `code` is
+/// its exit code.
+fn fail(json: bool, message: &str, secrets: &Secrets, code: u8) -> ExitCode {
     let message = secrets.scrub(message);
     if json {
         out!(
@@ -347,5 +476,11 @@ fn fail(json: bool, message: &str, secrets: &Secrets) -> ExitCode {
     } else {
         eprintln!("error: {message}");
     }
-    ExitCode::from(EXIT_FAILED)
+    ExitCode::from(code)
+}
+
+/// [`fail`] for an error of an operation on `store`: its message names
+/// where the operation went; its exit code is its class's.
+fn fail_with(json: bool, err: &Error, store: &Store, secrets: &Secrets) -> ExitCode {
+    fail(json, &store.explain(err), secrets, exit_code_for(err))
 }

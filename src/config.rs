@@ -120,7 +120,8 @@ impl fmt::Display for ConfigErrors {
 }
 
 impl ConfigErrors {
-    fn single(key: impl Into<String>, message: impl Into<String>) -> Self {
+    /// One problem, at `key`.
+    pub(crate) fn single(key: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             issues: vec![ConfigIssue {
                 key: key.into(),
@@ -234,15 +235,16 @@ impl Config {
         }
     }
 
-    /// What only the daemon needs besides a valid configuration: collections
-    /// to watch. `tallyd run` refuses to start without them, and `tallyd
-    /// check-config` answers for `run`, so both call this.
-    pub(crate) fn check_daemon(&self) -> Result<(), ConfigErrors> {
+    /// What every command needs besides a valid configuration: the
+    /// collections it works on. `tallyd` checks this for each command alike
+    /// (`check-config` answers for all), so a configuration without them
+    /// gets the same verdict from every command.
+    pub(crate) fn check_collections(&self) -> Result<(), ConfigErrors> {
         if self.collections.is_empty() {
             return Err(ConfigErrors::single(
                 "collections",
-                "none configured: `tallyd run` would have nothing to watch or fold; add a \
-                 [[collections]] table",
+                "none configured: the daemon would have nothing to watch or fold, and every \
+                 command works on configured collections; add a [[collections]] table",
             ));
         }
         Ok(())

@@ -54,6 +54,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::error::human_duration;
 use crate::reconcile::FoldTarget;
 use crate::store::Store;
 use alert::{AlertLedger, AlertOptions, Alerts};
@@ -73,10 +74,13 @@ pub(crate) use supervisor::{Command, supervise};
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum DaemonError {
     /// The configuration cannot drive a daemon, or the environment refuses
-    /// it in a way only the operator can fix (a taken port, credentials the
-    /// server rejects): exit 78, do not restart.
+    /// it in a way only the operator can fix (a taken port): exit 78, do
+    /// not restart.
     #[error("{0}")]
     Config(String),
+    /// The server refused the credentials: exit 77, do not restart.
+    #[error("{0}")]
+    Denied(String),
     /// Something the daemon needs could not be set up.
     #[error("{0}")]
     Start(String),
@@ -213,6 +217,7 @@ pub(crate) async fn run(
         &metrics,
         &tracker,
         &shutdown,
+        config.daemon.shutdown_timeout,
     );
 
     let reconciler = config.reconciler(&store);
@@ -325,21 +330,21 @@ async fn bind(config: &Config) -> Result<TcpListener, DaemonError> {
 /// Waits for the tasks to finish their work, up to the shutdown timeout.
 async fn drain(tracker: TaskTracker, config: &Config, when: &str) -> Drained {
     let deadline = config.daemon.shutdown_timeout;
-    tracing::info!(when, ?deadline, "shutting down");
+    tracing::info!(when, deadline = %human_duration(deadline), "shutting down");
     tracker.close();
     if tokio::time::timeout(deadline, tracker.wait())
         .await
         .is_err()
     {
         tracing::error!(
-            ?deadline,
+            deadline = %human_duration(deadline),
             "the shutdown deadline passed with work still running; exiting anyway (a fold \
              batch that was cut off is applied or not as a whole, and will be folded again)"
         );
         return Drained {
             not_done: vec![format!(
                 "the drain: the shutdown deadline passed ({}) with work still running",
-                humantime::format_duration(deadline)
+                human_duration(deadline)
             )],
         };
     }

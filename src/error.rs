@@ -19,12 +19,18 @@
 //! every retry with its class and attempt number.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
 use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 pub(crate) mod code;
+mod message;
+
+pub(crate) use message::{Reach, Readable, human_duration, words};
+#[cfg(feature = "daemon")]
+pub(crate) use message::{Trouble, server_code_and_name, trouble};
 
 /// The class of a failed attempt, which decides whether it is retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -244,8 +250,13 @@ pub(crate) fn duplicate_on_id(err: &MongoError) -> Option<bool> {
 }
 
 /// A failed attempt against the server, classified.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{operation} failed ({class} error): {source}")]
+///
+/// Its `Display` is for people: what failed in one sentence (the server's
+/// message with its code and code name, the host that refused the
+/// connection, the user whose authentication failed), then what to do
+/// where tally knows — never the driver's internal formatting. Programs
+/// read the fields.
+#[derive(Debug, Clone)]
 pub struct Failure {
     /// The operation that failed, e.g. `increment.add_token`.
     pub operation: &'static str,
@@ -257,6 +268,14 @@ pub struct Failure {
     pub attempts: u32,
     /// The driver's error for the last attempt.
     pub source: MongoError,
+    /// Where the operation was sent, for the message (the store adds it).
+    reach: Option<Arc<Reach>>,
+}
+
+impl std::error::Error for Failure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
 }
 
 impl Failure {
@@ -270,7 +289,20 @@ impl Failure {
             effect: facts.effect(),
             attempts: 1,
             source,
+            reach: None,
         })
+    }
+
+    /// The same failure, its message naming where the operation went.
+    pub(crate) fn with_reach(mut self: Box<Self>, reach: Arc<Reach>) -> Box<Self> {
+        self.reach = Some(reach);
+        self
+    }
+
+    /// What the failure means to the person who asked.
+    #[cfg(feature = "daemon")]
+    pub(crate) fn trouble(&self) -> Trouble {
+        trouble(&self.source)
     }
 }
 
@@ -286,8 +318,10 @@ pub enum Error {
     /// horizon. Re-adding it could count twice if the daemon has already
     /// folded it, so nothing was sent: the increment is counted at most once.
     #[error(
-        "token {token} is {age:?} old, past the retry horizon of {horizon:?}: nothing was sent; \
-         the increment is counted at most once"
+        "token {token} is {age} old, past the retry horizon of {horizon}: nothing was sent; \
+         the increment is counted at most once",
+        age = human_duration(*.age),
+        horizon = human_duration(*.horizon)
     )]
     RetryHorizonExceeded {
         /// The token, as 24 hex digits.
@@ -303,8 +337,10 @@ pub enum Error {
     /// (`lane_ttl`), after which re-sending its update could count twice.
     /// Nothing was sent: the increment is counted at most once.
     #[error(
-        "lane {lane} is {age:?} old, past the lane resume horizon of {horizon:?}: nothing was \
-         sent; the increment is counted at most once"
+        "lane {lane} is {age} old, past the lane resume horizon of {horizon}: nothing was \
+         sent; the increment is counted at most once",
+        age = human_duration(*.age),
+        horizon = human_duration(*.horizon)
     )]
     LaneResumeHorizonExceeded {
         /// The lane, as 24 hex digits.
@@ -381,8 +417,9 @@ pub enum Error {
     /// (`tallyd setup` creates them): the fold refused to run rather than
     /// scan the collection on every pass.
     #[error(
-        "the events collection {collection} lacks the indexes {missing:?}: run `tallyd setup` \
-         to create them"
+        "the events collection {collection} lacks the indexes {missing}: run `tallyd setup` \
+         to create them",
+        missing = words(.missing)
     )]
     IndexesMissing {
         /// The events collection.
@@ -426,6 +463,8 @@ pub(crate) struct RetryBudget {
     duplicate_left: u32,
     attempts: u32,
     maybe_applied: bool,
+    /// Where the operation goes, for the messages of its failures.
+    reach: Option<Arc<Reach>>,
 }
 
 /// What to do after a failed attempt.
@@ -449,6 +488,7 @@ impl RetryBudget {
             duplicate_left: 0,
             attempts: 0,
             maybe_applied: false,
+            reach: None,
         }
     }
 
@@ -466,6 +506,11 @@ impl RetryBudget {
     pub(crate) fn with_duplicate_key_retries(mut self, n: u32) -> Self {
         self.duplicate_left = n;
         self
+    }
+
+    /// Names where the operation goes in its failures' messages.
+    pub(crate) fn reaching(&mut self, reach: Arc<Reach>) {
+        self.reach = Some(reach);
     }
 
     /// Attempts made so far.
@@ -518,7 +563,7 @@ impl RetryBudget {
                 operation = self.operation,
                 class = %class,
                 attempt = self.attempts,
-                cause = %err,
+                cause = %Readable { err: &err, reach: self.reach.as_deref() },
                 "attempt failed, retrying"
             );
             Next::Retry
@@ -529,6 +574,7 @@ impl RetryBudget {
                 effect,
                 attempts: self.attempts,
                 source: err,
+                reach: self.reach.clone(),
             }))
         }
     }

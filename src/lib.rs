@@ -45,10 +45,12 @@
 //!
 //! The library, always built:
 //!
-//! - `error`: error classes, the retry-once rule, the library's [`Error`].
+//! - `error`: error classes, the retry-once rule, the library's [`Error`],
+//!   and what a failure says to people (`message`).
 //! - `redact`: keeping passwords and tokens out of logs, errors and output.
 //! - `store`: the connected [`Store`] and how to reach the server
-//!   ([`StoreConfig`]).
+//!   ([`StoreConfig`]); `reach`: where it connects, for its failures'
+//!   messages.
 //! - `document`: reading values out of documents tally does not own.
 //! - `token`: pending [`Token`]s and the two entry forms of a `pending`
 //!   array.
@@ -77,7 +79,9 @@
 //!   margin for it), `schedule`, `state`, `http`, `metrics`.
 //! - `cli`: the `tallyd` commands, thin layers over the modules above —
 //!   `doctor` (is the deployment safe?) among them, and `generate` (the
-//!   man pages and completions of the package).
+//!   man pages and completions of the package); `exit` (exit codes by
+//!   class), `envfile` (`--env-file`), `database` (which server and
+//!   database a command reads).
 //! - `logging`: tracing to standard error, as text or JSON.
 //!
 //! Imports go one way, down this list: a module names (as `crate::…`) only

@@ -3,12 +3,14 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use tally::cli::{self, Cli};
 use tally::config::EXIT_CONFIG;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::from_args() {
+        Ok(cli) => cli,
+        Err(exit) => return exit,
+    };
     if let Some(exit) = cli.run_without_config() {
         return exit;
     }
@@ -23,7 +25,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(err) => {
-            eprintln!("cannot start the async runtime: {err}");
+            eprintln!("error: cannot start the async runtime: {err}");
             return ExitCode::FAILURE;
         }
     };

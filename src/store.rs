@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
-use mongodb::error::Error as MongoError;
+use mongodb::error::{Error as MongoError, ErrorKind};
 use mongodb::options::{
     Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, ReadPreference,
     SelectionCriteria, UpdateModifications, WriteConcern,
@@ -46,8 +46,11 @@ use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
 use serde::Serialize;
 
-use crate::error::{Error, Failure, Next, RetryBudget};
+use crate::error::{Error, Failure, Next, Reach, Readable, RetryBudget};
+
+mod reach;
 use crate::redact::{SecretString, Secrets, redact_uri};
+use reach::Heartbeats;
 
 /// Default bound on one attempt of an operation: longer than the default
 /// server selection timeout, so an outage is told apart from a lost reply.
@@ -192,6 +195,10 @@ struct Inner {
     attempt_timeout: Duration,
     /// The connection's password, to scrub from the server's messages.
     secrets: Secrets,
+    /// Where the client connects and as whom, for failures' messages.
+    reach: Arc<Reach>,
+    /// Why each host the driver cannot reach failed its last heartbeat.
+    heartbeats: Heartbeats,
 }
 
 impl Store {
@@ -200,13 +207,17 @@ impl Store {
     pub async fn connect(config: &StoreConfig) -> Result<Self, ConnectError> {
         let mut options = ClientOptions::parse(config.uri.expose())
             .await
-            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
+            .map_err(|err| ConnectError::from_driver(&err, &config.secrets()))?;
         config.apply_to(&mut options);
         options.retry_writes = Some(false);
+        let heartbeats = Heartbeats::default();
+        heartbeats.record_from(&mut options);
         let client = Client::with_options(options.clone())
-            .map_err(|err| ConnectError(config.secrets().scrub(&err.to_string())))?;
-        Ok(Self::from_parts(client, &options, &config.database)
-            .with_attempt_timeout(config.attempt_timeout))
+            .map_err(|err| ConnectError::from_driver(&err, &config.secrets()))?;
+        Ok(
+            Self::with_heartbeats(client, &options, &config.database, heartbeats)
+                .with_attempt_timeout(config.attempt_timeout),
+        )
     }
 
     /// Wraps an existing client. `options` are the ones the client was built
@@ -221,15 +232,28 @@ impl Store {
     /// with `client`) and uses that one. Build `client` with
     /// `retry_writes: Some(false)` to share one pool.
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
+        let heartbeats = Heartbeats::default();
         let client = if options.retry_writes == Some(false) {
             client
         } else {
             let mut own = options.clone();
             own.retry_writes = Some(false);
+            heartbeats.record_from(&mut own);
             // Building a client does no I/O; it fails only for options the
             // driver refuses, which `client` was built from already.
             Client::with_options(own).unwrap_or(client)
         };
+        Self::with_heartbeats(client, options, database, heartbeats)
+    }
+
+    /// A store on `client`, built from `options`, whose monitoring events
+    /// `heartbeats` records (if the client was built with its recorder).
+    fn with_heartbeats(
+        client: Client,
+        options: &ClientOptions,
+        database: &str,
+        heartbeats: Heartbeats,
+    ) -> Self {
         let database = client.database_with_options(
             database,
             DatabaseOptions::builder()
@@ -240,12 +264,16 @@ impl Store {
         let server_selection_timeout = options
             .server_selection_timeout
             .unwrap_or(DEFAULT_SERVER_SELECTION_TIMEOUT);
+        let attempt_timeout = attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout);
+        let reach = reach::of(options, server_selection_timeout, attempt_timeout);
         Self {
             inner: Arc::new(Inner {
                 client,
                 database,
                 server_selection_timeout,
-                attempt_timeout: attempt_bound(DEFAULT_ATTEMPT_TIMEOUT, server_selection_timeout),
+                attempt_timeout,
+                reach: Arc::new(reach),
+                heartbeats,
                 secrets: Secrets::new(
                     "",
                     options
@@ -268,6 +296,8 @@ impl Store {
             server_selection_timeout: shared.server_selection_timeout,
             attempt_timeout: shared.attempt_timeout,
             secrets: shared.secrets.clone(),
+            reach: shared.reach.clone(),
+            heartbeats: shared.heartbeats.clone(),
         });
         let bound = attempt_bound(timeout, inner.server_selection_timeout);
         if bound != timeout {
@@ -279,9 +309,14 @@ impl Store {
                  lost reply; raised"
             );
         }
+        let reach = Reach {
+            attempt_timeout: bound,
+            ..Reach::clone(&inner.reach)
+        };
         Self {
             inner: Arc::new(Inner {
                 attempt_timeout: bound,
+                reach: Arc::new(reach),
                 ..inner
             }),
         }
@@ -334,13 +369,17 @@ impl Store {
         F: FnMut() -> Fut,
         Fut: IntoFuture<Output = Result<T, MongoError>>,
     {
+        budget.reaching(self.inner.reach.clone());
         loop {
             budget.start_attempt();
             match self.attempt(operation()).await {
                 Ok(value) => return Ok(value),
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(failure),
+                    Next::GiveUp(failure) => {
+                        let reach = self.reach_for(&failure.source);
+                        return Err(failure.with_reach(reach));
+                    }
                 },
             }
         }
@@ -483,8 +522,19 @@ fn primary_over(asked: Option<&SelectionCriteria>) -> SelectionCriteria {
 /// The URI could not be turned into a client. The message has every secret
 /// removed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("cannot create a MongoDB client: {0}")]
+#[error("the connection string cannot be used: {0}")]
 pub struct ConnectError(String);
+
+impl ConnectError {
+    /// The driver's refusal of the URI or its options, secrets removed.
+    fn from_driver(err: &MongoError, secrets: &Secrets) -> Self {
+        let reason = match err.kind.as_ref() {
+            ErrorKind::InvalidArgument { message, .. } => message.clone(),
+            _ => Readable { err, reach: None }.to_string(),
+        };
+        Self(secrets.scrub(&reason))
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -28,7 +28,7 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::{EXIT_FAILED, EXIT_OK, fail, out};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, connect, fail, fail_with, out};
 use crate::config::Config;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, Increment};
@@ -120,9 +120,9 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         .clone()
         .unwrap_or_else(|| format!("tally_bench_{}", ObjectId::new().to_hex()));
     let spec = CollectionConfig::new(&name);
-    let store = match Store::connect(&config.mongodb).await {
+    let store = match connect(config, args.json).await {
         Ok(store) => store,
-        Err(err) => return fail(args.json, &err.to_string(), &secrets),
+        Err(code) => return code,
     };
     let scratch = [name.clone(), spec.events_collection_name()];
     match existing(&store, &scratch).await {
@@ -134,11 +134,12 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
                  drops what it creates, and touches nothing else)",
                 found.join(" and ")
             );
-            return fail(args.json, &message, &secrets);
+            return fail(args.json, &message, &secrets, EXIT_USAGE);
         }
         Err(err) => {
+            let code = fail_with(args.json, &err, &store, &secrets);
             store.shutdown().await;
-            return fail(args.json, &err, &secrets);
+            return code;
         }
     }
     let handles = Arc::new(Handles {
@@ -162,19 +163,18 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     store.shutdown().await;
     match checked {
         Ok(sides) => report(&args, &name, &sides),
-        Err(err) => fail(args.json, &err, &secrets),
+        Err(err) => fail(args.json, &err, &secrets, EXIT_FAILED),
     }
 }
 
 /// Which of `names` exist in the database.
-async fn existing(store: &Store, names: &[String]) -> Result<Vec<String>, String> {
-    let found = store
+async fn existing(store: &Store, names: &[String]) -> Result<Vec<String>, crate::error::Error> {
+    store
         .database()
         .list_collection_names()
         .filter(doc! { "name": { "$in": names } })
         .await
-        .map_err(|err| format!("cannot list the database's collections: {err}"))?;
-    Ok(found)
+        .map_err(|err| crate::error::Failure::once("bench.list_collections", err).into())
 }
 
 /// Runs the sides in interleaved slices and settles what was left open.

@@ -7,10 +7,13 @@
 //! was found and what it costs. `ok` is safe; `warn` is safe but worth a
 //! look (or could not be told: "unknown"); `fail` is a deployment on which
 //! tally cannot keep a promise. The exit status is 0 without a `fail`
-//! (warnings allowed), 1 with one.
+//! (warnings allowed), 1 with one — and, when the server cannot be used at
+//! all, the class's: 69 unreachable, 77 authentication refused.
 //!
 //! Everything is read, except one probe document that the write-concern
-//! check writes to the state collection and removes at once.
+//! check writes to the state collection and removes at once — only in a
+//! database that holds a configured collection already: a probe must never
+//! create a database (a misspelt `[mongodb] database` is reported instead).
 
 mod access;
 mod deployment;
@@ -22,9 +25,10 @@ use clap::Args;
 use mongodb::bson::{Document, doc};
 use serde::Serialize;
 
-use super::{EXIT_FAILED, EXIT_OK};
+use super::{EXIT_FAILED, EXIT_OK, database, exit_code_for};
 use crate::config::Config;
 use crate::daemon::clock::{self, Clock, Skew, SkewLevel};
+use crate::error::{code, words};
 use crate::store::Store;
 use deployment::Topology;
 
@@ -88,24 +92,23 @@ impl Check {
 /// What `--json` prints.
 #[derive(Serialize)]
 struct Report<'a> {
+    /// Where doctor connected: hosts, user, database.
+    server: serde_json::Value,
     /// No check failed.
     ok: bool,
     /// Every check, in order.
     checks: &'a [Check],
 }
 
-/// Server error codes the checks tell apart.
-mod code {
-    /// The user may not run the command.
-    pub(super) const UNAUTHORIZED: i32 = 13;
-    /// The collection does not exist.
-    pub(super) const NAMESPACE_NOT_FOUND: i32 = 26;
-}
-
-/// Runs every check and prints them; exit 1 when any failed.
+/// Runs every check and prints them; exit 1 when any failed (69 or 77 when
+/// the server cannot be used at all).
 pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> ExitCode {
     let secrets = config.secrets();
-    let mut checks = examine(config, clock).await;
+    let store = match super::connect(config, args.json).await {
+        Ok(store) => store,
+        Err(code) => return code,
+    };
+    let (mut checks, exit) = examine(&store, config, clock).await;
     for check in &mut checks {
         check.message = secrets.scrub(&check.message);
     }
@@ -113,11 +116,13 @@ pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> Exit
     let warned = checks.iter().filter(|c| c.verdict == Verdict::Warn).count();
     if args.json {
         let report = Report {
+            server: database::described_json(&store),
             ok: failed == 0,
             checks: &checks,
         };
         out!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
+        out!("{}", database::described(&store));
         print_checks(&checks);
         out!(
             "{} checks: {} ok, {warned} warn, {failed} fail",
@@ -125,35 +130,103 @@ pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> Exit
             checks.len() - warned - failed
         );
     }
-    ExitCode::from(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+    store.shutdown().await;
+    ExitCode::from(match exit {
+        Some(code) => code,
+        None if failed == 0 => EXIT_OK,
+        None => EXIT_FAILED,
+    })
 }
 
 /// Every check, in order; only `connection` when the server cannot be
-/// reached.
-async fn examine(config: &Config, clock: Clock) -> Vec<Check> {
-    let store = match Store::connect(&config.mongodb).await {
-        Ok(store) => store,
-        Err(err) => return vec![Check::new("connection", Verdict::Fail, err.to_string())],
-    };
+/// used, with the exit code of its class.
+async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, Option<u8>) {
     let hello = match store.hello().await {
         Ok(hello) => hello,
         Err(err) => {
-            store.shutdown().await;
-            let message = format!("cannot reach MongoDB with [mongodb] uri: {err}");
-            return vec![Check::new("connection", Verdict::Fail, message)];
+            let message = format!("[mongodb] uri: {}", store.explain(&err));
+            let check = Check::new("connection", Verdict::Fail, message);
+            return (vec![check], Some(exit_code_for(&err)));
         }
     };
     let topology = Topology::read(&hello, config);
+    let (held, presence) = database_check(store, config).await;
     let mut checks = vec![
-        deployment::server(&store, &hello, &topology, config).await,
-        deployment::write_concern(&store, &topology, config).await,
-        clock_skew(&store, config, clock).await,
+        deployment::server(store, &hello, &topology, config).await,
+        presence,
+        deployment::write_concern(store, &topology, config, held).await,
+        clock_skew(store, config, clock).await,
     ];
-    checks.extend(index_checks(&store, config).await);
-    checks.push(access::privileges(&store, config).await);
-    checks.push(deployment::history(&store, &topology).await);
-    store.shutdown().await;
-    checks
+    checks.extend(index_checks(store, config).await);
+    checks.push(access::privileges(store, config).await);
+    checks.push(deployment::history(store, &topology).await);
+    (checks, None)
+}
+
+/// Whether the configured database holds the configured collections: the
+/// `database` check, and whether the database exists to be probed (`false`
+/// when it holds none of them: a probe write would create it).
+async fn database_check(store: &Store, config: &Config) -> (bool, Check) {
+    let names: Vec<String> = config.collections.iter().map(|c| c.name.clone()).collect();
+    let mut wanted = names.clone();
+    wanted.extend(
+        config
+            .collections
+            .iter()
+            .filter(|c| c.events_collection.is_some())
+            .map(|c| c.events_collection_name()),
+    );
+    wanted.push(config.daemon.state_collection.clone());
+    let name = store.database().name().to_owned();
+    let (held, verdict, message) = match database::existing(store, &wanted).await {
+        // Nothing unsafe, and a fresh deployment looks the same as a
+        // misspelt name: a warning that says both.
+        Ok(Some(existing)) if existing.is_empty() => {
+            (false, Verdict::Warn, database::holds_none(store, &names))
+        }
+        Ok(Some(existing)) => {
+            let (held, absent): (Vec<&String>, Vec<&String>) =
+                names.iter().partition(|n| existing.contains(n));
+            match (held.as_slice(), absent.as_slice()) {
+                (_, []) => (true, Verdict::Ok, format!("{name} holds {}", words(&held))),
+                // Only the ledgers' events or the daemon's state so far.
+                ([], _) => (
+                    true,
+                    Verdict::Ok,
+                    format!(
+                        "{name} holds {}; the counter collections come with the first writes",
+                        words(&existing)
+                    ),
+                ),
+                _ => (
+                    true,
+                    Verdict::Warn,
+                    format!(
+                        "{name} holds {} but not yet {} (the first write creates a collection)",
+                        words(&held),
+                        words(&absent)
+                    ),
+                ),
+            }
+        }
+        Ok(None) => (
+            true,
+            Verdict::Warn,
+            format!(
+                "unknown: this user may not list the collections of {name} (listCollections); \
+                 a misspelt [mongodb] database shows as missing privileges below"
+            ),
+        ),
+        Err(err) => (
+            true,
+            Verdict::Warn,
+            format!(
+                "unknown: cannot list the collections of {name}: {}",
+                store.explain(&err)
+            ),
+        ),
+    };
+    (held, Check::new("database", verdict, message))
 }
 
 /// The index checks (also `check-config --connect`'s): each collection's
@@ -164,17 +237,23 @@ pub(super) async fn index_checks(store: &Store, config: &Config) -> Vec<Check> {
     checks
 }
 
-/// `check-config --connect`: the index checks, printed; exit 1 when one
-/// failed or the server cannot be reached.
+/// `check-config --connect`: connects (exit 69 or 77 by the class of a
+/// failure, 78 for a URI that cannot be used), then the index checks,
+/// printed; exit 1 when one failed.
 pub(super) async fn check_indexes(config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let store = match Store::connect(&config.mongodb).await {
+    let store = match super::connect(config, false).await {
         Ok(store) => store,
-        Err(err) => {
-            eprintln!("cannot connect: {}", secrets.scrub(&err.to_string()));
-            return ExitCode::from(EXIT_FAILED);
-        }
+        Err(code) => return code,
     };
+    if let Err(err) = store.hello().await {
+        eprintln!(
+            "error: cannot connect: {}",
+            secrets.scrub(&store.explain(&err))
+        );
+        store.shutdown().await;
+        return ExitCode::from(exit_code_for(&err));
+    }
     let mut checks = index_checks(&store, config).await;
     store.shutdown().await;
     for check in &mut checks {

@@ -15,7 +15,9 @@ use std::time::SystemTime;
 use clap::Args;
 use serde_json::{Value, json};
 
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, fail, lane};
+use super::{
+    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail, lane,
+};
 use crate::config::Config;
 use crate::error::Error;
 use crate::redact::Secrets;
@@ -122,6 +124,19 @@ pub(super) struct Target {
 }
 
 impl Target {
+    /// `err` as people read it: where the operation went, secrets removed.
+    pub(super) fn explain(&self, err: &Error) -> String {
+        self.secrets.scrub(&self.store.explain(err))
+    }
+
+    /// `err` for `--json`: its class, the server's code and code name when
+    /// it answered with one, and the message [`Target::explain`] gives.
+    pub(super) fn error_json(&self, err: &Error) -> Value {
+        let mut shown = error_json(err, &self.secrets);
+        shown["message"] = json!(self.explain(err));
+        shown
+    }
+
     /// Shuts the client down in order, so that no driver clean-up is left
     /// running when the runtime stops at exit.
     pub(super) async fn close(self) {
@@ -138,9 +153,10 @@ async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> 
     let (spec, store) = target.open(config).await?;
     let counters = match Counters::try_new(&store, spec.clone(), config.writer) {
         Ok(counters) => counters,
+        // The configuration's `[writer]` settings do not fit together.
         Err(err) => {
             store.shutdown().await;
-            return Err(fail(target.json, &err.to_string(), &secrets));
+            return Err(fail(target.json, &err.to_string(), &secrets, EXIT_CONFIG));
         }
     };
     Ok(Target {
@@ -302,8 +318,8 @@ pub(super) fn print_failure(
     text: &str,
     code: u8,
 ) -> ExitCode {
-    let text = format!("{text}: {}", target.secrets.scrub(&err.to_string()));
-    let fields = json!({ "outcome": outcome, "error": error_json(err, &target.secrets) });
+    let text = format!("{text}: {}", target.explain(err));
+    let fields = json!({ "outcome": outcome, "error": target.error_json(err) });
     print(target, shown, fields, &text, code)
 }
 
@@ -314,7 +330,7 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
     let shown_token = token.map(|t| t.to_string()).unwrap_or_default();
     let cause = outcome
         .cause()
-        .map(|err| target.secrets.scrub(&err.to_string()))
+        .map(|err| target.explain(err))
         .unwrap_or_default();
     let (text, code) = match outcome {
         Increment::Counted(counted) => (
@@ -365,14 +381,17 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
             ),
             EXIT_TEMPFAIL,
         ),
-        Increment::NotCounted(_) => (format!("not counted ({amount:+}): {cause}"), EXIT_FAILED),
+        Increment::NotCounted(not) => (
+            format!("not counted ({amount:+}): {cause}"),
+            exit_code_for(not.cause()),
+        ),
     };
     let mut fields = json!({ "outcome": outcome.name() });
     if let Increment::Counted(counted) = outcome {
         fields["settled_earlier"] = json!(counted.settled_earlier());
     }
     if let Some(err) = outcome.cause() {
-        fields["error"] = error_json(err, &target.secrets);
+        fields["error"] = target.error_json(err);
     }
     let shown = Shown {
         key,
@@ -453,11 +472,20 @@ pub(super) fn print(
     ExitCode::from(code)
 }
 
+/// `err` for `--json`: its class, the server's code and code name when it
+/// answered with one, and its message for people (secrets removed).
 pub(super) fn error_json(err: &Error, secrets: &Secrets) -> Value {
-    json!({
+    let mut shown = json!({
         "class": err.class().map(|c| c.as_str()),
         "message": secrets.scrub(&err.to_string()),
-    })
+    });
+    if let Error::Server(failure) = err
+        && let Some((code, name)) = crate::error::server_code_and_name(&failure.source)
+    {
+        shown["code"] = json!(code);
+        shown["code_name"] = json!(name);
+    }
+    shown
 }
 
 #[cfg(test)]

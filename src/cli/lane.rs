@@ -15,10 +15,10 @@ use std::process::ExitCode;
 use serde_json::json;
 
 use super::increment::{
-    Shown, Target, by_option, counted_text, error_json, other_protocol, print, print_failure,
-    protocol_flag, shell_word,
+    Shown, Target, by_option, counted_text, other_protocol, print, print_failure, protocol_flag,
+    shell_word,
 };
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, exit_code_for};
 use crate::token::Token;
 use crate::write::counter::{Found, Protocol};
 use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
@@ -76,7 +76,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
     let shown_lane = lane.clone().unwrap_or_default();
     let cause = outcome
         .cause()
-        .map(|err| target.secrets.scrub(&err.to_string()))
+        .map(|err| target.explain(err))
         .unwrap_or_default();
     let (text, code) = match outcome {
         LaneIncrement::Counted(counted) => (
@@ -106,7 +106,10 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
             ),
             EXIT_TEMPFAIL,
         ),
-        LaneIncrement::NotCounted(_) => (format!("not counted ({amount:+}): {cause}"), EXIT_FAILED),
+        LaneIncrement::NotCounted(not) => (
+            format!("not counted ({amount:+}): {cause}"),
+            exit_code_for(not.cause()),
+        ),
         LaneIncrement::OutOfOrder(behind) => (
             format!(
                 "refused: lane {shown_lane} holds position {} in {collection}/{key}, above {}: \
@@ -132,7 +135,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         _ => {}
     }
     if let Some(err) = outcome.cause() {
-        fields["error"] = error_json(err, &target.secrets);
+        fields["error"] = target.error_json(err);
     }
     let shown = Shown {
         key,

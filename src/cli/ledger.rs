@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use clap::Args;
 use serde_json::{Value, json};
 
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, fail};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail};
 use crate::config::Config;
 use crate::document::display_id;
 use crate::error::Error;
@@ -48,7 +48,7 @@ pub(crate) struct GetArgs {
 }
 
 async fn open(target: &TargetArgs, config: &Config) -> Result<(Store, Ledger), ExitCode> {
-    let (spec, store) = target.open(config).await?;
+    let (spec, store) = target.open_ledger(config).await?;
     let ledger = Ledger::new(&store, spec);
     Ok((store, ledger))
 }
@@ -154,7 +154,12 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
             }
             ExitCode::from(EXIT_OK)
         }
-        Err(err) => fail(args.target.json, &err.to_string(), &config.secrets()),
+        Err(err) => fail(
+            args.target.json,
+            &store.explain(&err),
+            &config.secrets(),
+            exit_code_for(&err),
+        ),
     };
     store.shutdown().await;
     code

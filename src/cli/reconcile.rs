@@ -9,10 +9,11 @@ use clap::Args;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::{EXIT_FAILED, EXIT_OK};
+use super::{CollectionsArgs, EXIT_FAILED, EXIT_OK, exit_code_for};
 use crate::config::Config;
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Progress};
 use crate::redact::Secrets;
+use crate::store::Store;
 
 /// `tallyd reconcile`.
 #[derive(Debug, Args)]
@@ -20,10 +21,9 @@ pub(crate) struct ReconcileArgs {
     /// Change nothing; report exactly what a fold would do.
     #[arg(long)]
     pub(crate) dry_run: bool,
-    /// Reconcile only this collection (repeatable). Default: every
-    /// configured collection.
-    #[arg(long = "collection", value_name = "NAME")]
-    pub(crate) collections: Vec<String>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub(crate) which: CollectionsArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
@@ -32,7 +32,7 @@ pub(crate) struct ReconcileArgs {
 pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let (names, reconciler, now, store) =
-        match super::survey_setup(&args.collections, args.json, config).await {
+        match super::survey_setup(&args.which, args.json, config).await {
             Ok(setup) => setup,
             Err(code) => return code,
         };
@@ -74,14 +74,20 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
         runs.push((target, run));
     }
     drop(reconciler);
-    store.shutdown().await;
     let ok = runs.iter().all(|(_, run)| run.succeeded());
+    // A failed run exits by its error's class; an interrupted one, 1.
+    let code = match runs.iter().find_map(|(_, run)| run.error.as_ref()) {
+        Some(err) => exit_code_for(err),
+        None if ok => EXIT_OK,
+        None => EXIT_FAILED,
+    };
     if args.json {
         print_json(&runs, args.dry_run, ok, &secrets);
     } else {
-        print_table(&runs, args.dry_run, &secrets);
+        print_table(&runs, args.dry_run, &secrets, &store);
     }
-    ExitCode::from(if ok { EXIT_OK } else { EXIT_FAILED })
+    store.shutdown().await;
+    ExitCode::from(code)
 }
 
 fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, secrets: &Secrets) {
@@ -90,7 +96,12 @@ fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, sec
     out!("{}", secrets.scrub(&summary.to_string()));
 }
 
-fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Secrets) {
+fn print_table(
+    runs: &[(FoldTarget, CollectionRun)],
+    dry_run: bool,
+    secrets: &Secrets,
+    store: &Store,
+) {
     if dry_run {
         out!("dry run: nothing was changed; the numbers say what a fold would do");
     }
@@ -113,7 +124,7 @@ fn print_table(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, secrets: &Se
             .map(|s| humantime::format_duration(Duration::from_secs(s)).to_string())
             .unwrap_or_else(|| "-".into());
         let result = match (&run.error, run.interrupted) {
-            (Some(err), _) => format!("FAILED: {}", secrets.scrub(&err.to_string())),
+            (Some(err), _) => format!("FAILED: {}", secrets.scrub(&store.explain(err))),
             (None, true) => "interrupted".into(),
             (None, false) => {
                 let mut notes = Vec::new();

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, fail};
+use super::exit::exit_code_for_write;
+use super::{EXIT_OK, exit_code_for, fail};
 use crate::config::Config;
-use crate::error::{Error, ErrorClass};
-use crate::store::Store;
+use crate::error::{Effect, Error};
 use crate::write::sequence::Sequences;
 
 /// `tallyd seq ...`: sequences in the `[sequences]` collection.
@@ -27,7 +27,7 @@ pub(crate) struct NextArgs {
     /// The sequence's name (its `_id` in the counters collection).
     pub(crate) name: String,
     /// Reserve N consecutive numbers in one round trip.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", value_parser = block_size)]
     pub(crate) block: Option<u32>,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -44,16 +44,26 @@ pub(crate) struct CurrentArgs {
     pub(crate) json: bool,
 }
 
+/// `--block N`: a whole number from 1 to 4294967295 (said in words: clap's
+/// own range check would print a Rust range).
+fn block_size(text: &str) -> Result<u32, String> {
+    match text.parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("a block is a whole number from 1 to {}", u32::MAX)),
+    }
+}
+
 pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let json = match &command {
         SeqCommand::Next(args) => args.json,
         SeqCommand::Current(args) => args.json,
     };
-    let store = match Store::connect(&config.mongodb).await {
+    let store = match super::connect(config, json).await {
         Ok(store) => store,
-        Err(err) => return fail(json, &err.to_string(), &secrets),
+        Err(code) => return code,
     };
+    let writes = matches!(command, SeqCommand::Next(_));
     let sequences = Sequences::new(&store, &config.sequences);
     let result = match command {
         SeqCommand::Next(NextArgs {
@@ -64,7 +74,7 @@ pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
             if json {
                 json!({ "name": name, "first": block.first, "last": block.last }).to_string()
             } else {
-                format!("{}..={}", block.first, block.last)
+                format!("{} to {}", block.first, block.last)
             }
         }),
         SeqCommand::Next(NextArgs { name, json, .. }) => sequences.next(&name).await.map(|value| {
@@ -82,37 +92,37 @@ pub(super) async fn run(command: SeqCommand, config: &Config) -> ExitCode {
                     (true, value) => json!({ "name": name, "value": value }).to_string(),
                     (false, Some(value)) => value.to_string(),
                     (false, None) => {
-                        format!("sequence {name:?} does not exist yet (next would be 1)")
+                        format!("sequence {name} does not exist yet (next would be 1)")
                     }
                 })
         }
     };
     drop(sequences);
-    store.shutdown().await;
-    match result {
+    let code = match result {
         Ok(line) => {
             out!("{line}");
             ExitCode::from(EXIT_OK)
         }
-        Err(err) => {
-            // A transient failure may have consumed a number (a gap); trying
-            // again later is the right move, so say so with the exit code.
-            let code = if err.class() == Some(ErrorClass::Transient) {
-                EXIT_TEMPFAIL
-            } else {
-                EXIT_FAILED
-            };
-            let _ = fail(json, &describe(&err), &secrets);
-            ExitCode::from(code)
-        }
-    }
+        // A write that may have applied consumed a number (a gap): trying
+        // again later is the right move, and the exit code says so.
+        Err(err) if writes => fail(
+            json,
+            &describe(&err, store.explain(&err)),
+            &secrets,
+            exit_code_for_write(&err),
+        ),
+        Err(err) => fail(json, &store.explain(&err), &secrets, exit_code_for(&err)),
+    };
+    store.shutdown().await;
+    code
 }
 
-fn describe(err: &Error) -> String {
-    match err.class() {
-        Some(ErrorClass::Transient) => {
-            format!("{err} (a number may have been skipped; none was handed out twice)")
+/// A failed `next`: `explained`, and whether a number may be lost.
+fn describe(err: &Error, explained: String) -> String {
+    match err {
+        Error::Server(failure) if failure.effect != Effect::NotApplied => {
+            format!("{explained} (a number may have been skipped; none was handed out twice)")
         }
-        _ => err.to_string(),
+        _ => explained,
     }
 }

@@ -19,7 +19,7 @@ use mongodb::IndexModel;
 use mongodb::bson::doc;
 use mongodb::options::IndexOptions;
 
-use super::{EXIT_FAILED, EXIT_OK, fail};
+use super::{EXIT_OK, exit_code_for};
 use crate::config::Config;
 use crate::error::{Error, Failure, RetryBudget, server_code};
 use crate::store::Store;
@@ -36,21 +36,25 @@ pub(crate) struct SetupArgs {
 
 pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
-    let store = match Store::connect(&config.mongodb).await {
+    let store = match super::connect(config, args.json).await {
         Ok(store) => store,
-        Err(err) => return fail(args.json, &err.to_string(), &secrets),
+        Err(code) => return code,
     };
     let mut done = Vec::new();
     let mut failed = Vec::new();
+    // The exit code of the first failure: its class says what to do.
+    let mut code = EXIT_OK;
+    let mut failure = |name: &str, err: &Error| {
+        if code == EXIT_OK {
+            code = exit_code_for(err);
+        }
+        failed.push(format!("{name}: {}", secrets.scrub(&store.explain(err))));
+    };
     for spec in &config.collections {
         for field in [&spec.pending_field, &spec.settled_field] {
             match sparse_index(&store, spec, field).await {
                 Ok(line) => done.push(line),
-                Err(err) => failed.push(format!(
-                    "{}: {}",
-                    spec.name,
-                    secrets.scrub(&err.to_string())
-                )),
+                Err(err) => failure(&spec.name, &err),
             }
         }
         if spec.events_collection.is_some() {
@@ -60,11 +64,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
                 .await
             {
                 Ok(lines) => done.extend(lines),
-                Err(err) => failed.push(format!(
-                    "{}: {}",
-                    spec.events_collection_name(),
-                    secrets.scrub(&err.to_string())
-                )),
+                Err(err) => failure(&spec.events_collection_name(), &err),
             }
         }
     }
@@ -75,11 +75,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         done.iter().for_each(|line| out!("{line}"));
         failed.iter().for_each(|line| eprintln!("error: {line}"));
     }
-    ExitCode::from(if failed.is_empty() {
-        EXIT_OK
-    } else {
-        EXIT_FAILED
-    })
+    ExitCode::from(code)
 }
 
 /// Creates a sparse index on `field` unless an index starting with it

@@ -461,10 +461,10 @@ fn unknown_top_level_environment_keys_name_their_variable() {
 #[test]
 fn the_daemon_needs_at_least_one_collection() {
     let config = Config::from_toml(MINIMAL, []).unwrap();
-    let err = config.check_daemon().unwrap_err();
+    let err = config.check_collections().unwrap_err();
     assert_eq!(keys(&err), ["collections"], "{err}");
     let with = Config::from_toml(&format!("{MINIMAL}[[collections]]\nname = \"a\"\n"), []).unwrap();
-    with.check_daemon().unwrap();
+    with.check_collections().unwrap();
 }
 #[test]
 fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {

@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{AlertsConfig, redact_webhook_url};
 use crate::daemon::metrics::Metrics;
+use crate::error::words;
 use crate::redact::Secrets;
 use lanes::Backlog;
 use webhook::{Delivery, Scrubber};
@@ -501,7 +502,7 @@ fn log_notification(n: &Notification) {
             collection = %n.collection,
             count = n.count,
             oldest_age_seconds = n.oldest_age_seconds,
-            sample_ids = ?n.sample_ids,
+            sample_ids = %words(&n.sample_ids),
             detail = n.detail.as_deref(),
             "alert firing"
         ),

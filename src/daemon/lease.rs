@@ -25,7 +25,7 @@ use crate::daemon::metrics::Metrics;
 use crate::daemon::sleep_until;
 use crate::daemon::state::State;
 use crate::document::{Inserted, insert_if_absent};
-use crate::error::{Error, RetryBudget};
+use crate::error::{Error, RetryBudget, human_duration};
 use crate::store::Store;
 
 const LEASE_ID: &str = "lease";
@@ -166,7 +166,11 @@ impl Lease {
                             }
                             Err(err) => {
                                 let still_held = held_until.is_some();
-                                tracing::warn!(cause = %err, still_held, "cannot renew the lease");
+                                tracing::warn!(
+                                    cause = %self.store.explain(&err),
+                                    still_held,
+                                    "cannot renew the lease"
+                                );
                                 if still_held { Role::Active } else { Role::Standby }
                             }
                         };
@@ -184,11 +188,22 @@ impl Lease {
             }
             drop(renewal);
             if *tx.borrow() == Role::Active {
-                match self.release().await {
-                    Ok(()) => tracing::info!("lease released"),
-                    Err(err) => {
-                        tracing::warn!(cause = %err, "cannot release the lease; it expires by itself")
-                    }
+                // A server known to be gone is not waited for at a stop.
+                let bound = if self.store.seems_reachable() {
+                    self.store.attempt_timeout()
+                } else {
+                    RELEASE_UNREACHABLE
+                };
+                match tokio::time::timeout(bound, self.release()).await {
+                    Ok(Ok(())) => tracing::info!("lease released"),
+                    Ok(Err(err)) => tracing::warn!(
+                        cause = %self.store.explain(&err),
+                        "cannot release the lease; it expires by itself"
+                    ),
+                    Err(_) => tracing::warn!(
+                        within = %human_duration(bound),
+                        "the lease could not be released in time; it expires by itself"
+                    ),
                 }
             }
             tx.send_replace(Role::Standby);
@@ -206,6 +221,10 @@ impl Lease {
         tx.send_replace(role);
     }
 }
+
+/// How long a stop tries to release the lease when every host failed its
+/// last heartbeat.
+const RELEASE_UNREACHABLE: Duration = Duration::from_secs(1);
 
 /// The holder steps down this fraction of the TTL before its lease could
 /// expire: room for clocks that run at slightly different rates, and for the

@@ -16,7 +16,11 @@
 //!    saved in the state collection), so writes made while the daemon was
 //!    down are seen; then scans the collection (the fold's report) to
 //!    rebuild the view, and applies events from then on;
-//! 2. saves the resume token every `save_interval` and at shutdown;
+//! 2. saves the resume token every `save_interval` and at shutdown — a
+//!    stop abandons whatever is in flight (a save, a scan, a read of the
+//!    stream: the stream's position is that of the last event applied)
+//!    and makes one last save, bounded so that it ends within the drain's
+//!    deadline, and at once when the server is known to be unreachable;
 //! 3. rescans every `scan_interval`;
 //! 4. on a lost history (286, 280, 260: see [`history_lost`]) or an
 //!    invalidate event, logs at WARN, counts it, discards the saved
@@ -30,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::change_stream::ChangeStream;
 use mongodb::change_stream::event::{ChangeStreamEvent, OperationType, ResumeToken};
 use mongodb::options::FullDocumentType;
@@ -40,92 +44,24 @@ use tokio_util::task::TaskTracker;
 use crate::config::MonitorConfig;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::state::State;
-use crate::error::{Error, code, server_code};
-use crate::reconcile::model::{self, Cutoffs};
+use crate::error::{Error, code, human_duration, server_code};
 use crate::reconcile::{FoldTarget, Reconciler};
 use crate::store::Store;
 
 mod snapshot;
-use crate::token::Entry;
+mod view;
 pub(crate) use snapshot::{Limits, Snapshot};
+use view::{Held, View, read_document};
 
 /// How long one read of the stream waits for events on the server: also
 /// how quickly the watcher notices a shutdown or a timer.
 const AWAIT: Duration = Duration::from_millis(500);
 /// The longest wait between reconnection attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
-
-/// What the view keeps of one document.
-#[derive(Debug, Clone, PartialEq)]
-enum Held {
-    /// A well-formed document: its pending entries' tokens and the number
-    /// of entries in its lane map.
-    Entries {
-        /// The pending entries' tokens.
-        tokens: Vec<ObjectId>,
-        /// Entries in the lane map.
-        lanes: u64,
-    },
-    /// The document is malformed.
-    Malformed(String),
-}
-
-/// The pending entries and lane map sizes of one collection's documents.
-#[derive(Debug, Default)]
-struct View {
-    /// Keyed by the `_id`'s display form (ids equal to the server are equal
-    /// here: `1` and `NumberLong(1)` display alike), with the `_id` itself.
-    documents: HashMap<String, (Bson, Held)>,
-}
-
-impl View {
-    /// Records what document `id` holds now (`None`: nothing pending, no
-    /// lanes).
-    fn set(&mut self, id: &Bson, pending: Option<Held>) {
-        match pending {
-            Some(p) => {
-                self.documents.insert(id.to_string(), (id.clone(), p));
-            }
-            None => {
-                self.documents.remove(&id.to_string());
-            }
-        }
-    }
-}
-
-/// Judges a document's pending, lanes (and counter) fields: `None` when it
-/// holds no pending entry and no lane entry.
-fn read_document(target: &FoldTarget, document: &Document) -> Option<Held> {
-    let spec = &target.spec;
-    let pending = document.get(&spec.pending_field);
-    let lanes = document.get(&spec.lanes_field);
-    if pending.is_none() && lanes.is_none() {
-        return None;
-    }
-    let counter = document.get(&spec.counter_field);
-    let settled = document.get(&spec.settled_field);
-    // No cutoff: only the shape matters here (overflow is the fold's call).
-    let nothing = ObjectId::from_bytes([0; 12]);
-    let cutoffs = Cutoffs {
-        tokens: nothing,
-        lanes: nothing,
-    };
-    match model::plan_document(counter, pending, settled, lanes, cutoffs) {
-        Err(reason) => Some(Held::Malformed(reason.to_string())),
-        Ok(plan) => {
-            let tokens: Vec<ObjectId> = match pending {
-                Some(Bson::Array(entries)) => entries
-                    .iter()
-                    .filter_map(|e| Entry::parse(e).ok())
-                    .map(|e| e.token().object_id())
-                    .collect(),
-                _ => Vec::new(),
-            };
-            let lanes = plan.lanes.entries;
-            (!tokens.is_empty() || lanes > 0).then_some(Held::Entries { tokens, lanes })
-        }
-    }
-}
+/// How long the last save at a stop is given when every host of the
+/// connection failed its last heartbeat: the server is gone, and the stop
+/// does not wait for it.
+const LAST_SAVE_UNREACHABLE: Duration = Duration::from_secs(1);
 
 /// Whether a collection's stream is open.
 #[derive(Debug, Clone, Copy)]
@@ -170,11 +106,15 @@ struct Watcher {
     config: MonitorConfig,
     metrics: Metrics,
     shutdown: CancellationToken,
+    /// The drain's deadline: the last save ends before it.
+    stop_within: Duration,
 }
 
 impl Monitor {
     /// Starts watching `targets` (one task each, on `tracker`) until
-    /// `shutdown`.
+    /// `shutdown`; the last save of each stream's position ends within
+    /// `stop_within` of it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         store: &Store,
         state: &State,
@@ -183,6 +123,7 @@ impl Monitor {
         metrics: &Metrics,
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
+        stop_within: Duration,
     ) -> Self {
         let started = Instant::now();
         let collections: HashMap<String, Arc<Watched>> = targets
@@ -208,6 +149,7 @@ impl Monitor {
                 config,
                 metrics: metrics.clone(),
                 shutdown: shutdown.clone(),
+                stop_within,
             };
             tracker.spawn(watcher.run());
         }
@@ -351,8 +293,8 @@ impl Watcher {
                     }
                     tracing::warn!(
                         collection = %self.name(),
-                        cause = %err,
-                        retry_in = ?backoff,
+                        cause = %self.store.explain(&err),
+                        retry_in = %human_duration(backoff),
                         "change stream failed; reconnecting"
                     );
                     let wait = backoff.mul_f64(0.5 + fastrand::f64() / 2.0);
@@ -366,11 +308,24 @@ impl Watcher {
         }
     }
 
+    /// Runs `work` unless a stop comes first: `None` then, and `work` is
+    /// abandoned (a read changes nothing; a save abandoned in flight may
+    /// still land, after the last one — an older position, from which the
+    /// next start replays a few events more).
+    async fn or_stop<T>(&self, work: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            () = self.shutdown.cancelled() => None,
+            done = work => Some(done),
+        }
+    }
+
     /// Without change streams: a scan every `scan_interval`.
     async fn scan_only(&self) -> Ended {
         loop {
-            if let Err(err) = self.rescan().await {
-                return Ended::Failed(err);
+            match self.or_stop(self.rescan()).await {
+                None => return Ended::Shutdown,
+                Some(Err(err)) => return Ended::Failed(err),
+                Some(Ok(())) => {}
             }
             tokio::select! {
                 () = self.shutdown.cancelled() => return Ended::Shutdown,
@@ -383,20 +338,26 @@ impl Watcher {
     /// cleared), scans, and follows it until it ends.
     async fn stream(&self, fresh_start: &mut bool) -> Ended {
         let saved = if *fresh_start {
-            if let Err(err) = self.state.forget_resume_token(self.name()).await {
-                return Ended::Failed(err);
+            match self
+                .or_stop(self.state.forget_resume_token(self.name()))
+                .await
+            {
+                None => return Ended::Shutdown,
+                Some(Err(err)) => return Ended::Failed(err),
+                Some(Ok(())) => None,
             }
-            None
         } else {
-            match self.state.resume_token(self.name()).await {
-                Ok(token) => token,
-                Err(err) => return Ended::Failed(err),
+            match self.or_stop(self.state.resume_token(self.name())).await {
+                None => return Ended::Shutdown,
+                Some(Err(err)) => return Ended::Failed(err),
+                Some(Ok(token)) => token,
             }
         };
         let resumed = saved.is_some();
-        let mut stream = match self.open(saved).await {
-            Ok(stream) => stream,
-            Err(ended) => return ended,
+        let mut stream = match self.or_stop(self.open(saved)).await {
+            None => return Ended::Shutdown,
+            Some(Ok(stream)) => stream,
+            Some(Err(ended)) => return ended,
         };
         *fresh_start = false;
         if resumed {
@@ -404,8 +365,10 @@ impl Watcher {
         }
         // The stream is open first, so nothing that happens during the scan
         // is missed: it arrives as events afterwards.
-        if let Err(err) = self.rescan().await {
-            return Ended::Failed(err);
+        match self.or_stop(self.rescan()).await {
+            None => return Ended::Shutdown,
+            Some(Err(err)) => return Ended::Failed(err),
+            Some(Ok(())) => {}
         }
         self.set_up(true);
         tracing::info!(collection = %self.name(), "watching for changes");
@@ -414,32 +377,37 @@ impl Watcher {
         let mut next_rescan = Instant::now() + self.config.scan_interval;
         // The stream is read with `next_if_any`, which returns after each
         // getMore (at most `AWAIT` long), and never raced against timers: a
-        // getMore cancelled midway would leave the cursor unusable.
+        // getMore cancelled midway would leave the cursor unusable. Only a
+        // stop abandons one: the cursor is not read again, and its position
+        // is that of the last event applied.
         loop {
             if self.shutdown.is_cancelled() {
-                // The last save is tried a few times: a position lost at a
-                // stop costs the next start a rescan, and one blip of the
-                // network should not (the drain's deadline bounds this).
-                let token = stream.resume_token();
-                let mut pauses = [250, 500, 1000].into_iter();
-                while !self.save(token.clone(), &mut saved_token).await {
-                    let Some(pause) = pauses.next() else { break };
-                    tokio::time::sleep(Duration::from_millis(pause)).await;
-                }
+                self.last_save(stream.resume_token(), &mut saved_token)
+                    .await;
                 return Ended::Shutdown;
             }
             if Instant::now() >= next_save {
-                self.save(stream.resume_token(), &mut saved_token).await;
+                let save = self.save(stream.resume_token(), &mut saved_token);
+                if self.or_stop(save).await.is_none() {
+                    continue;
+                }
                 next_save = Instant::now() + self.config.save_interval;
             }
             if Instant::now() >= next_rescan {
-                if let Err(err) = self.rescan().await {
-                    self.save(stream.resume_token(), &mut saved_token).await;
-                    return Ended::Failed(err);
+                match self.or_stop(self.rescan()).await {
+                    None => continue,
+                    Some(Err(err)) => {
+                        self.save(stream.resume_token(), &mut saved_token).await;
+                        return Ended::Failed(err);
+                    }
+                    Some(Ok(())) => {}
                 }
                 next_rescan = Instant::now() + self.config.scan_interval;
             }
-            match stream.next_if_any().await {
+            let Some(next) = self.or_stop(stream.next_if_any()).await else {
+                continue;
+            };
+            match next {
                 Ok(Some(event)) => {
                     // An invalidate ends the stream: its position is
                     // discarded, never saved (nothing can resume after it).
@@ -549,6 +517,37 @@ impl Watcher {
         Ok(())
     }
 
+    /// The save at a stop: tried a few times (a position lost at a stop
+    /// costs the next start a rescan, and one blip of the network should
+    /// not), all within the drain's deadline less a second — or within
+    /// [`LAST_SAVE_UNREACHABLE`] when every host failed its last heartbeat.
+    /// A save cut off is reported as not saved.
+    async fn last_save(&self, token: Option<ResumeToken>, saved: &mut Option<ResumeToken>) {
+        let bound = if self.store.seems_reachable() {
+            self.stop_within
+                .saturating_sub(Duration::from_secs(1))
+                .max(self.stop_within / 2)
+        } else {
+            LAST_SAVE_UNREACHABLE
+        };
+        let tries = async {
+            let mut pauses = [250, 500, 1000].into_iter();
+            while !self.save(token.clone(), saved).await {
+                let Some(pause) = pauses.next() else { break };
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+        };
+        if tokio::time::timeout(bound, tries).await.is_err() {
+            self.watched.unsaved.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                collection = %self.name(),
+                within = %human_duration(bound),
+                "the change-stream position could not be saved before the stop; the next start \
+                 resumes from the last saved one"
+            );
+        }
+    }
+
     /// Saves the stream's position (`token`, taken from the stream) when it
     /// moved; false when the save failed.
     async fn save(&self, token: Option<ResumeToken>, saved: &mut Option<ResumeToken>) -> bool {
@@ -566,7 +565,11 @@ impl Watcher {
             }
             Err(err) => {
                 self.watched.unsaved.store(true, Ordering::Relaxed);
-                tracing::warn!(collection = %self.name(), cause = %err, "cannot save the resume token");
+                tracing::warn!(
+                    collection = %self.name(),
+                    cause = %self.store.explain(&err),
+                    "cannot save the change-stream position"
+                );
                 false
             }
         }

@@ -2,7 +2,9 @@
 //!
 //! The daemon first waits for MongoDB to answer (as long as it takes: a
 //! server that is down may come back), except when the server refuses its
-//! credentials, which no wait can fix. From then on a `hello` every
+//! credentials, which no wait can fix. While it waits it says so — after a
+//! second, then at growing intervals up to a minute — with why each host
+//! cannot be reached, and a stop ends the wait at once. From then on a `hello` every
 //! [`PROBE_EVERY`], each bounded by [`PROBE_TIMEOUT`], keeps the state
 //! current: the daemon is not ready once no probe has succeeded for
 //! [`NOT_READY_AFTER`] (a debounce: one lost probe is not an outage), and
@@ -23,7 +25,7 @@ use crate::daemon::DaemonError;
 use crate::daemon::clock::{Clock, LastSkew, Skew};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
-use crate::error::Error;
+use crate::error::{Error, Trouble, human_duration};
 use crate::redact::Secrets;
 use crate::store::Store;
 
@@ -36,6 +38,10 @@ pub(crate) const NOT_READY_AFTER: Duration = Duration::from_secs(15);
 
 /// The longest wait between two attempts to reach MongoDB at start.
 const MAX_WAIT: Duration = Duration::from_secs(30);
+/// When the daemon first says that MongoDB has not answered yet.
+const FIRST_SAID: Duration = Duration::from_secs(1);
+/// The longest interval between two such messages.
+const SAID_AT_MOST_EVERY: Duration = Duration::from_secs(60);
 
 /// What `/readyz` reports: whether MongoDB answers, and the role.
 #[derive(Clone, Debug)]
@@ -90,37 +96,56 @@ impl Readiness {
     }
 
     /// Waits until MongoDB answers, then marks the daemon ready: `Ok(true)`;
-    /// `Ok(false)` when shutdown came first. Credentials the server refuses
-    /// are a configuration to fix, not an outage to wait out.
+    /// `Ok(false)` when shutdown came first (at once, also in the middle of
+    /// an attempt). Credentials the server refuses are for the operator to
+    /// fix, not an outage to wait out.
     pub(crate) async fn first_contact(
         &self,
         store: &Store,
         secrets: &Secrets,
         shutdown: &CancellationToken,
     ) -> Result<bool, DaemonError> {
+        let mut waiting = Waiting::new(Instant::now());
         let mut backoff = Duration::from_secs(1);
         loop {
-            match store.hello().await {
+            let hello = store.hello();
+            tokio::pin!(hello);
+            let answer = loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(false),
+                    answer = &mut hello => break answer,
+                    () = tokio::time::sleep_until(waiting.next) => waiting.say(store, secrets),
+                }
+            };
+            match answer {
                 Ok(_) => {
+                    if waiting.said {
+                        tracing::info!("MongoDB answers");
+                    }
                     self.set(true);
                     return Ok(true);
                 }
                 Err(err) if refused_credentials(&err) => {
-                    return Err(DaemonError::Config(format!(
-                        "MongoDB refused the credentials ([mongodb] uri): authentication failed \
-                         ({}); fix the user name, password or authSource",
-                        secrets.scrub(&err.to_string())
+                    return Err(DaemonError::Denied(format!(
+                        "MongoDB refused the credentials of [mongodb] uri: {}",
+                        secrets.scrub(&store.explain(&err))
                     )));
                 }
+                // No server could be selected: the messages above say why.
+                Err(Error::Server(failure)) if failure.trouble() == Trouble::Unavailable => {}
                 Err(err) => tracing::warn!(
-                    cause = %secrets.scrub(&err.to_string()),
-                    retry_in = ?backoff,
-                    "waiting for MongoDB"
+                    cause = %secrets.scrub(&store.explain(&err)),
+                    retry_in = %human_duration(backoff),
+                    "MongoDB did not answer; trying again"
                 ),
             }
-            tokio::select! {
-                () = shutdown.cancelled() => return Ok(false),
-                () = tokio::time::sleep(backoff) => {}
+            let wake = Instant::now() + backoff;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(false),
+                    () = tokio::time::sleep_until(wake) => break,
+                    () = tokio::time::sleep_until(waiting.next) => waiting.say(store, secrets),
+                }
             }
             backoff = (backoff * 2).min(MAX_WAIT);
         }
@@ -146,8 +171,11 @@ impl Readiness {
                     self.measure(sent, &reply);
                     None
                 }
-                Ok(Err(err)) => Some(secrets.scrub(&err.to_string())),
-                Err(_) => Some(format!("no answer within {PROBE_TIMEOUT:?}")),
+                Ok(Err(err)) => Some(secrets.scrub(&store.describe(&err))),
+                Err(_) => Some(format!(
+                    "no answer within {}",
+                    human_duration(PROBE_TIMEOUT)
+                )),
             };
             let now = Instant::now();
             if failure.is_none() {
@@ -158,13 +186,47 @@ impl Readiness {
                 (false, true) => tracing::info!("MongoDB answers again: ready"),
                 (true, false) => tracing::warn!(
                     cause = failure.as_deref().unwrap_or(""),
-                    silent_for = ?now.duration_since(last_success),
-                    "MongoDB has not answered for {NOT_READY_AFTER:?}: not ready"
+                    silent_for = %human_duration(now.duration_since(last_success)),
+                    "MongoDB has not answered for {}: not ready",
+                    human_duration(NOT_READY_AFTER)
                 ),
                 _ => {}
             }
             self.set(ready);
         }
+    }
+}
+
+/// When to say, while waiting for MongoDB at start, that it has not
+/// answered yet: after [`FIRST_SAID`], then at doubling intervals from 5 s
+/// up to [`SAID_AT_MOST_EVERY`].
+struct Waiting {
+    started: Instant,
+    next: Instant,
+    every: Duration,
+    said: bool,
+}
+
+impl Waiting {
+    fn new(started: Instant) -> Self {
+        Self {
+            started,
+            next: started + FIRST_SAID,
+            every: Duration::from_secs(5),
+            said: false,
+        }
+    }
+
+    /// Says that MongoDB has not answered, why, and for how long.
+    fn say(&mut self, store: &Store, secrets: &Secrets) {
+        let now = Instant::now();
+        tracing::warn!(
+            "{}; waiting for it (a stop ends the wait)",
+            secrets.scrub(&store.unanswered(now - self.started))
+        );
+        self.said = true;
+        self.next = now + self.every;
+        self.every = (self.every * 2).min(SAID_AT_MOST_EVERY);
     }
 }
 

@@ -17,6 +17,7 @@ use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
 use crate::daemon::sleep_until;
 use crate::daemon::state::State;
+use crate::error::{Error, human_duration, words};
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -136,6 +137,11 @@ impl Runner {
         }
     }
 
+    /// `err` as people read it, secrets removed.
+    fn explain(&self, err: &Error) -> String {
+        self.secrets.scrub(&self.store.explain(err))
+    }
+
     async fn catch_up_missed(
         &mut self,
         failures: &mut BTreeMap<String, u32>,
@@ -144,7 +150,7 @@ impl Runner {
         let now = match self.store.server_time().await {
             Ok(now) => now,
             Err(err) => {
-                tracing::warn!(cause = %self.secrets.scrub(&err.to_string()), "cannot check for missed runs; the schedule goes on");
+                tracing::warn!(cause = %self.explain(&err), "cannot check for missed runs; the schedule goes on");
                 return;
             }
         };
@@ -156,12 +162,12 @@ impl Runner {
                 }
                 Ok(_) => {}
                 Err(err) => {
-                    tracing::warn!(collection = %target.spec.name, cause = %err, "cannot read the last run")
+                    tracing::warn!(collection = %target.spec.name, cause = %self.explain(&err), "cannot read the last run")
                 }
             }
         }
         if !missed.is_empty() {
-            tracing::info!(collections = ?missed, "catching up on a missed run");
+            tracing::info!(collections = %words(&missed), "catching up on a missed run");
             self.run_collections(&missed, failures, retry_at).await;
         }
     }
@@ -253,7 +259,7 @@ impl Runner {
                         .map_or(0.0, |d| d.as_secs_f64()),
                 );
                 if let Err(err) = self.state.record_success(name, now).await {
-                    tracing::warn!(collection = name, cause = %err, "cannot record the successful run");
+                    tracing::warn!(collection = name, cause = %self.explain(&err), "cannot record the successful run");
                 }
             }
             Some(err) => {
@@ -263,7 +269,12 @@ impl Runner {
                     .saturating_mul(1 << (*count - 1).min(10))
                     .min(RETRY_MAX);
                 retry_at.insert(name.to_owned(), Instant::now() + wait);
-                tracing::error!(collection = name, failures = *count, retry_in = ?wait, "reconcile run failed; it will be retried");
+                tracing::error!(
+                    collection = name,
+                    failures = *count,
+                    retry_in = %human_duration(wait),
+                    "reconcile run failed; it will be retried (the run_failed alert says why)"
+                );
                 self.alerts.set(
                     AlertKind::RunFailed,
                     name,
@@ -271,7 +282,7 @@ impl Runner {
                         count: u64::from(*count),
                         oldest_age: None,
                         sample_ids: Vec::new(),
-                        detail: Some(self.secrets.scrub(&err.to_string())),
+                        detail: Some(self.explain(err)),
                     }),
                 );
             }
@@ -285,7 +296,7 @@ impl Runner {
         let now = match self.store.server_time().await {
             Ok(now) => now,
             Err(err) => {
-                tracing::warn!(collection, cause = %err, "repair postponed: cannot read the server's clock");
+                tracing::warn!(collection, cause = %self.explain(&err), "repair postponed: cannot read the server's clock");
                 return;
             }
         };
@@ -298,7 +309,7 @@ impl Runner {
             {
                 Ok(n) => folded += n,
                 Err(err) => {
-                    tracing::warn!(collection, cause = %err, "repair failed; the schedule will fold them");
+                    tracing::warn!(collection, cause = %self.explain(&err), "repair failed; the schedule will fold them");
                     break;
                 }
             }

@@ -75,7 +75,7 @@ pub(crate) async fn supervise(
         shutdown.cancel();
         let drained = running.await?;
         if !drained.is_clean() {
-            tracing::warn!(not_done = ?drained.not_done, "the reload's drain was not complete");
+            tracing::warn!(not_done = %drained.not_done.join("; "), "the reload's drain was not complete");
         }
         if let Ok(Command::Stop) = commands.try_recv() {
             return Ok(drained);

@@ -77,3 +77,73 @@ pub(crate) const READ_TRANSIENT: [i32; 2] =
 /// Codes that mean "a document with this unique key already exists".
 pub(crate) const DUPLICATE_KEY_CODES: [i32; 3] =
     [DUPLICATE_KEY, DUPLICATE_KEY_ON_UPDATE, DUPLICATE_KEY_VALUE];
+
+/// `BadValue`: the server refused a value (an `$inc` past the int64
+/// limit among others).
+pub(crate) const BAD_VALUE: i32 = 2;
+/// `Unauthorized`: the connected user lacks the privilege.
+pub(crate) const UNAUTHORIZED: i32 = 13;
+/// `TypeMismatch`: a field holds another type than the update needs.
+pub(crate) const TYPE_MISMATCH: i32 = 14;
+/// `AuthenticationFailed`: the server refused the credentials.
+pub(crate) const AUTHENTICATION_FAILED: i32 = 18;
+/// `NamespaceNotFound`: the collection (or database) does not exist.
+pub(crate) const NAMESPACE_NOT_FOUND: i32 = 26;
+/// `DocumentValidationFailure`: the collection's validator refused the
+/// document.
+pub(crate) const DOCUMENT_VALIDATION_FAILURE: i32 = 121;
+/// `BSONObjectTooLarge`: the document would exceed the server's 16 MB.
+pub(crate) const BSON_OBJECT_TOO_LARGE: i32 = 10334;
+/// The update's result would exceed 16 MB (older servers' code).
+pub(crate) const UPDATE_RESULT_TOO_LARGE: i32 = 17419;
+/// The document to upsert would exceed 16 MB (older servers' code).
+pub(crate) const UPSERT_TOO_LARGE: i32 = 17420;
+
+/// The code name the server gives `code`, for the codes tally's messages
+/// meet: write errors arrive without one, and a message shows both.
+pub(crate) fn name(code: i32) -> Option<&'static str> {
+    Some(match code {
+        1 => "InternalError",
+        BAD_VALUE => "BadValue",
+        4 => "NoSuchKey",
+        HOST_UNREACHABLE => "HostUnreachable",
+        HOST_NOT_FOUND => "HostNotFound",
+        8 => "UnknownError",
+        9 => "FailedToParse",
+        11 => "UserNotFound",
+        UNAUTHORIZED => "Unauthorized",
+        TYPE_MISMATCH => "TypeMismatch",
+        AUTHENTICATION_FAILED => "AuthenticationFailed",
+        20 => "IllegalOperation",
+        NAMESPACE_NOT_FOUND => "NamespaceNotFound",
+        CURSOR_NOT_FOUND => "CursorNotFound",
+        50 => "MaxTimeMSExpired",
+        59 => "CommandNotFound",
+        64 => "WriteConcernFailed",
+        66 => "ImmutableField",
+        67 => "CannotCreateIndex",
+        68 => "IndexAlreadyExists",
+        85 => "IndexOptionsConflict",
+        86 => "IndexKeySpecsConflict",
+        NETWORK_TIMEOUT => "NetworkTimeout",
+        SHUTDOWN_IN_PROGRESS => "ShutdownInProgress",
+        100 => "UnsatisfiableWriteConcern",
+        DOCUMENT_VALIDATION_FAILURE => "DocumentValidationFailure",
+        READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET => "ReadConcernMajorityNotAvailableYet",
+        PRIMARY_STEPPED_DOWN => "PrimarySteppedDown",
+        260 => "InvalidResumeToken",
+        EXCEEDED_TIME_LIMIT => "ExceededTimeLimit",
+        280 => "ChangeStreamFatalError",
+        286 => "ChangeStreamHistoryLost",
+        SOCKET_EXCEPTION => "SocketException",
+        NOT_WRITABLE_PRIMARY => "NotWritablePrimary",
+        BSON_OBJECT_TOO_LARGE => "BSONObjectTooLarge",
+        DUPLICATE_KEY | DUPLICATE_KEY_ON_UPDATE => "DuplicateKey",
+        INTERRUPTED_AT_SHUTDOWN => "InterruptedAtShutdown",
+        INTERRUPTED_DUE_TO_REPL_STATE_CHANGE => "InterruptedDueToReplStateChange",
+        DUPLICATE_KEY_VALUE => "DuplicateKeyValue",
+        NOT_PRIMARY_NO_SECONDARY_OK => "NotPrimaryNoSecondaryOk",
+        NOT_PRIMARY_OR_SECONDARY => "NotPrimaryOrSecondary",
+        _ => return None,
+    })
+}

@@ -71,7 +71,9 @@ pub(crate) use settle::Found;
 pub(crate) use step::{exact_as_double, inc_operand, marker_path};
 
 use super::lane::LaneWriter;
-use crate::error::{Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id};
+use crate::error::{
+    Effect, Error, ErrorClass, Failure, Next, RetryBudget, duplicate_on_id, human_duration,
+};
 use crate::store::Store;
 use crate::token::{Entry, Token};
 use step::By;
@@ -160,9 +162,9 @@ impl Counters {
         if writer.retry_horizon < least {
             tracing::warn!(
                 collection = %spec.name,
-                retry_horizon = ?writer.retry_horizon,
-                attempt_timeout = ?store.attempt_timeout(),
-                raised_to = ?least,
+                retry_horizon = %human_duration(writer.retry_horizon),
+                attempt_timeout = %human_duration(store.attempt_timeout()),
+                raised_to = %human_duration(least),
                 "the retry horizon is below two attempts (or 2 s): a step 1 whose attempt \
                  timed out could be neither retried nor resumed; raised"
             );
@@ -306,6 +308,7 @@ impl Counters {
         update: &Document,
         allowed: impl Fn() -> Result<(), Error>,
     ) -> Result<(), Stopped> {
+        budget.reaching(self.store.reach());
         loop {
             allowed().map_err(Stopped::Refused)?;
             budget.start_attempt();

@@ -229,10 +229,17 @@ impl TestContext {
         )
     }
 
-    /// A config file for this test: `[mongodb]` plus `extra`.
+    /// A config file for this test: `[mongodb]` plus `extra`, and the
+    /// collection `views` unless `extra` configures collections (every
+    /// command needs one).
     pub fn config_toml(&self, retry_writes: bool, extra: &str) -> String {
+        let views = if extra.contains("[[collections]]") {
+            ""
+        } else {
+            "[[collections]]\nname = \"views\"\n"
+        };
         format!(
-            "[mongodb]\nuri = \"{}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"10s\"\n{extra}\n",
+            "[mongodb]\nuri = \"{}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"10s\"\n{extra}\n{views}",
             self.child_uri(retry_writes),
             self.db_name
         )

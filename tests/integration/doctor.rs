@@ -80,6 +80,7 @@ async fn doctor_names_each_check_with_a_verdict_and_its_cost() {
         [
             "change_stream_history",
             "clock_skew",
+            "database",
             "indexes:views",
             "privileges",
             "server",
@@ -131,7 +132,16 @@ async fn doctor_names_each_check_with_a_verdict_and_its_cost() {
         shown.contains("indexes (views): no index on pending"),
         "{shown}"
     );
-    assert!(shown.contains("6 checks:"), "{shown}");
+    assert!(shown.contains("7 checks:"), "{shown}");
+    // It names where it looked first (never the password).
+    let first = shown.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("MongoDB at ") && first.ends_with(&format!(", database {}", ctx.db_name)),
+        "{shown}"
+    );
+    let (database, message) = verdict(&checks, "database");
+    assert_eq!(database, "ok", "{message}");
+    assert_eq!(message, format!("{} holds views", ctx.db_name));
 }
 
 /// A URI asking for `w=1` is flagged: tally overrides it for its own
@@ -247,8 +257,9 @@ async fn a_standalone_server_fails_the_server_check() {
     assert_eq!(code, Some(1));
 }
 
-/// A server that cannot be reached: one failed `connection` check, exit 1,
-/// and the URI's password is not in what is printed.
+/// A server that cannot be reached: one failed `connection` check saying
+/// where and why, exit 69 (unavailable), and the URI's password is not in
+/// what is printed.
 #[tokio::test]
 async fn an_unreachable_server_fails_the_connection_check() {
     let port = free_address().port();
@@ -257,12 +268,19 @@ async fn an_unreachable_server_fails_the_connection_check() {
     );
     let text = format!(
         "[mongodb]\nuri = \"{uri}\"\ndatabase = \"app\"\nserver_selection_timeout = \"1s\"\n\
-         attempt_timeout = \"3s\"\n"
+         attempt_timeout = \"3s\"\n[[collections]]\nname = \"views\"\n"
     );
     let (code, checks, output) = doctor(&text, &[]).await;
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(69));
     let (connection, message) = verdict(&checks, "connection");
     assert_eq!(connection, "fail", "{message}");
+    assert_eq!(
+        message,
+        format!(
+            "[mongodb] uri: no server could be selected within 1s at 127.0.0.1:{port} \
+             (connection refused)"
+        )
+    );
     assert_eq!(checks.len(), 1, "{checks:?}");
     let printed = format!("{output:?}");
     assert!(!printed.contains("S3cret-pw"), "{printed}");

@@ -392,13 +392,14 @@ fn the_daemon_unit_is_a_hardened_notify_service() {
         "/bin/kill -HUP $MAINPID",
     );
     expect(&unit, name, "Service", "Restart", "on-failure");
-    // A bad configuration must not restart in a loop.
+    // A bad configuration or refused credentials must not restart in a
+    // loop: exit 78 and 77.
     expect(
         &unit,
         name,
         "Service",
         "RestartPreventExitStatus",
-        &EXIT_CONFIG.to_string(),
+        &format!("77 {EXIT_CONFIG}"),
     );
     let watchdog = span(&unit, name, "WatchdogSec");
     assert!(
@@ -545,4 +546,124 @@ fn the_bash_completion_loads() {
     assert!(loaded.status.success(), "{}", output_text(&loaded));
     let shown = String::from_utf8_lossy(&loaded.stdout);
     assert!(shown.contains("-F _tallyd tallyd"), "{shown}");
+}
+
+/// What `--help` hides — the `completions` and `man` commands of
+/// packaging, the `--clock-offset` testing aid — no completion script and
+/// no man page offers either.
+#[test]
+fn completions_and_man_pages_offer_nothing_help_hides() {
+    let hidden = [
+        "clock-offset",
+        "clock_offset",
+        "Print the shell completion script",
+        "Write the man pages",
+    ];
+    for shell in ["bash", "zsh", "fish"] {
+        let output = tallyd(&["completions".as_ref(), shell.as_ref()]);
+        assert!(output.status.success(), "{shell}: {}", output_text(&output));
+        let script = String::from_utf8_lossy(&output.stdout);
+        for word in hidden {
+            assert!(!script.contains(word), "{shell} offers {word}:\n{script}");
+        }
+        // The commands themselves, as each shell names a subcommand.
+        for command in ["man", "completions"] {
+            for form in [
+                format!("tallyd,{command})"),
+                format!("'{command}:"),
+                format!("-a \"{command}\""),
+            ] {
+                assert!(!script.contains(&form), "{shell} offers {form}:\n{script}");
+            }
+        }
+        assert!(script.contains("env-file"), "{shell}: {script}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), dir.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    for page in std::fs::read_dir(dir.path()).unwrap() {
+        let page = page.unwrap().path();
+        let text = std::fs::read_to_string(&page).unwrap();
+        assert!(!text.contains("clock\\-offset"), "{}", page.display());
+    }
+    assert!(!dir.path().join("tallyd-man.1").exists());
+    assert!(!dir.path().join("tallyd-completions.1").exists());
+}
+
+/// The exit codes by class: one table, the same in every command's
+/// `--help` (and so in the man pages) and in the README.
+#[test]
+fn every_help_and_the_readme_give_the_same_exit_codes() {
+    let codes_in = |text: &str| -> Vec<String> {
+        let table = text
+            .split("Exit codes")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no exit codes in {text}"));
+        table
+            .lines()
+            .filter_map(|line| {
+                let line = line.trim().trim_start_matches('|').trim();
+                let code = line.split([' ', '|']).next()?;
+                (!code.is_empty() && code.chars().all(|c| c.is_ascii_digit()))
+                    .then(|| code.to_owned())
+            })
+            .collect()
+    };
+    let expected = ["0", "1", "64", "69", "75", "77", "78"];
+    for args in [
+        vec!["--help"],
+        vec!["incr", "--help"],
+        vec!["seq", "next", "--help"],
+    ] {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+        let output = tallyd(&args);
+        assert_eq!(output.status.code(), Some(0), "{}", output_text(&output));
+        let help = String::from_utf8_lossy(&output.stdout);
+        assert_eq!(codes_in(&help), expected, "{help}");
+    }
+    let readme = read("README.md");
+    let section = readme
+        .split("### Exit codes")
+        .nth(1)
+        .expect("README: a section \"Exit codes\"");
+    let section = section.split("\n#").next().unwrap();
+    assert_eq!(
+        codes_in(&format!("Exit codes\n{section}")),
+        expected,
+        "{section}"
+    );
+    let man = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), man.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    let page = std::fs::read_to_string(man.path().join("tallyd-incr.1")).unwrap();
+    assert!(page.contains("Exit codes"), "{page}");
+}
+
+/// The on-call recipes read the environment file as systemd's unit does
+/// (`--env-file`), never by sourcing it in a shell, which cuts a URI at its
+/// `&` and runs a token's second word as a command.
+#[test]
+fn the_recipes_read_the_env_file_as_the_unit_does() {
+    let unit = parse_unit("systemd/tallyd.service");
+    expect(
+        &unit,
+        "systemd/tallyd.service",
+        "Service",
+        "EnvironmentFile",
+        "-/etc/tally/tallyd.env",
+    );
+    for file in ["README.md", "config/alerts.yml", "systemd/tallyd.service"] {
+        let text = read(file);
+        assert!(
+            !text.contains("set -a"),
+            "{file} sources the file in a shell"
+        );
+        assert!(!text.contains(". /etc/tally/tallyd.env"), "{file}");
+    }
+    for file in ["README.md", "config/alerts.yml"] {
+        assert!(
+            read(file).contains("tallyd --env-file /etc/tally/tallyd.env"),
+            "{file} gives no recipe with --env-file"
+        );
+    }
 }

@@ -33,7 +33,7 @@ pub(super) async fn indexes(store: &Store, config: &Config) -> Vec<Check> {
             ),
             Err(err) => (
                 Verdict::Warn,
-                format!("unknown: cannot list the indexes: {err}"),
+                format!("unknown: cannot list the indexes: {}", store.describe(&err)),
             ),
         };
         checks.push(Check {
@@ -73,7 +73,7 @@ pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check>
             ),
             Err(err) => (
                 Verdict::Warn,
-                format!("unknown: cannot list the indexes: {err}"),
+                format!("unknown: cannot list the indexes: {}", store.explain(&err)),
             ),
         };
         checks.push(Check {
@@ -252,7 +252,7 @@ pub(super) async fn privileges(store: &Store, config: &Config) -> Check {
     let status = match status {
         Ok(status) => status,
         Err(err) => {
-            let message = format!("unknown: connectionStatus failed: {err}");
+            let message = format!("unknown: connectionStatus failed: {}", store.describe(&err));
             return Check::new(name, Verdict::Warn, message);
         }
     };

@@ -144,9 +144,25 @@ pub(super) async fn server(
 /// What the URI asks for, and whether the deployment acknowledges a
 /// majority write: one probe document inserted into the state collection
 /// and removed, both with `w: majority`.
-pub(super) async fn write_concern(store: &Store, topology: &Topology, config: &Config) -> Check {
+/// `held`: the database exists (holds a configured collection); a probe
+/// into one that does not would create it, so none is sent then.
+pub(super) async fn write_concern(
+    store: &Store,
+    topology: &Topology,
+    config: &Config,
+    held: bool,
+) -> Check {
     let mut findings = vec![requested_concern(config, topology)];
-    findings.push(majority_probe(store, &config.daemon.state_collection).await);
+    if held {
+        findings.push(majority_probe(store, &config.daemon.state_collection).await);
+    } else {
+        findings.push((
+            Verdict::Warn,
+            "unknown whether majority writes are acknowledged: not probed, the database holds \
+             none of the configured collections and a probe would create it (see database)"
+                .to_owned(),
+        ));
+    }
     let verdict = findings
         .iter()
         .map(|(v, _)| *v)
@@ -255,7 +271,10 @@ async fn majority_probe(store: &Store, state: &str) -> (Verdict, String) {
         ),
         Err(err) => (
             Verdict::Fail,
-            format!("a majority write to {state} failed: {err}"),
+            format!(
+                "a majority write to {state} failed: {}",
+                store.describe(&err)
+            ),
         ),
     }
 }
@@ -304,7 +323,10 @@ pub(super) async fn history(store: &Store, topology: &Topology) -> Check {
             return Check::new(
                 name,
                 Verdict::Warn,
-                format!("unknown: cannot read the oplog (local.oplog.rs): {err}"),
+                format!(
+                    "unknown: cannot read the oplog (local.oplog.rs): {}",
+                    store.describe(&err)
+                ),
             );
         }
     };

@@ -57,7 +57,7 @@ pub(super) enum AttemptError {
     #[error("the webhook answered {0}")]
     Status(reqwest::StatusCode),
     /// No answer within the attempt's time.
-    #[error("no answer within {}", humantime::format_duration(*.0))]
+    #[error("no answer within {}", crate::error::human_duration(*.0))]
     Timeout(Duration),
     /// The connection could not be made (refused, unreachable, TLS).
     #[error("cannot connect: {0}")]

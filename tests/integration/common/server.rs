@@ -193,20 +193,41 @@ pub async fn create_tallyd_role(db: &mongodb::Database, role: &str, counter_acti
 /// Creates `role` in `db` with `actions` on each collection named, and
 /// the daemon's state collection's find, insert, update and remove.
 pub async fn create_role(db: &mongodb::Database, role: &str, grants: &[(&str, &[&str])]) {
+    let mut grants = grants.to_vec();
+    grants.push(("tally_state", &["find", "insert", "update", "remove"]));
+    create_role_on(db, role, &grants).await;
+}
+
+/// Creates `role` in `db` with `actions` on each collection named, and
+/// nothing else.
+async fn create_role_on(db: &mongodb::Database, role: &str, grants: &[(&str, &[&str])]) {
     let name = db.name().to_owned();
-    let mut privileges: Vec<mongodb::bson::Document> = grants
+    let privileges: Vec<mongodb::bson::Document> = grants
         .iter()
         .map(|(collection, actions)| {
             mongodb::bson::doc! { "resource": { "db": &name, "collection": *collection }, "actions": *actions }
         })
         .collect();
-    privileges.push(mongodb::bson::doc! {
-        "resource": { "db": &name, "collection": "tally_state" },
-        "actions": ["find", "insert", "update", "remove"],
-    });
     db.run_command(
         mongodb::bson::doc! { "createRole": role, "privileges": privileges, "roles": [] },
     )
     .await
     .expect("createRole");
+}
+
+/// Creates `user` (password `password`) in `db` holding one role of the
+/// same name: `actions` on the collection `views`, nothing else. (The test
+/// server grants an action on every collection of a database once a role
+/// holds it on one, so a user meant to lack an action gets no other
+/// grant carrying it.)
+pub async fn create_views_user(
+    db: &mongodb::Database,
+    user: &str,
+    password: &str,
+    actions: &[&str],
+) {
+    create_role_on(db, user, &[("views", actions)]).await;
+    db.run_command(mongodb::bson::doc! { "createUser": user, "pwd": password, "roles": [user] })
+        .await
+        .expect("createUser");
 }

@@ -38,6 +38,17 @@ impl Tallyd {
 
     /// The same, with the HTTP endpoints on `http`.
     pub fn start_on(config: &str, env: &[(&str, &str)], http: SocketAddr) -> Self {
+        Self::start_with(config, env, http, &[])
+    }
+
+    /// The same, with `options` (global ones, e.g. `--env-file PATH`)
+    /// before `run`.
+    pub fn start_with(
+        config: &str,
+        env: &[(&str, &str)],
+        http: SocketAddr,
+        options: &[&std::ffi::OsStr],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("tallyd.toml");
         write_config(&path, config, http);
@@ -45,6 +56,7 @@ impl Tallyd {
         let child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
             .arg("--config")
             .arg(&path)
+            .args(options)
             .arg("run")
             .env_clear()
             .envs(env.iter().copied())

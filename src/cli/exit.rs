@@ -1,0 +1,116 @@
+//! Exit codes by class: the same for every command.
+//!
+//! | exit | meaning |
+//! |---|---|
+//! | 0 | done |
+//! | 1 | definitely not done (refused; nothing was written), or `status --check` found something that needs attention |
+//! | 64 | usage: an unknown command or flag, a missing or malformed argument |
+//! | 69 | the server is unavailable: no server could be selected, the network failed (nothing was written) |
+//! | 75 | the outcome is unknown or pending: resuming (the printed command) is safe |
+//! | 77 | permission denied: authentication failed, or the user lacks a privilege |
+//! | 78 | configuration: a bad key, a collection not configured, a URI that cannot be used |
+//!
+//! The code is decided by the error's class, kind and server code
+//! ([`crate::error::Trouble`]), never by its text. An outcome that is
+//! unknown or pending exits 75 whatever its cause; a definite "not done"
+//! exits by its cause (69, 77, else 1).
+
+use crate::error::{Effect, Error, Trouble};
+
+/// Exit status: done.
+pub(crate) const EXIT_OK: u8 = 0;
+/// Exit status: definitely not done (refused, nothing written); nothing
+/// more will happen on its own.
+pub(crate) const EXIT_FAILED: u8 = 1;
+/// Exit status: the command line was wrong (`EX_USAGE`).
+pub(crate) const EXIT_USAGE: u8 = 64;
+/// Exit status: the server is unavailable (`EX_UNAVAILABLE`); nothing was
+/// written.
+pub(crate) const EXIT_UNAVAILABLE: u8 = 69;
+/// Exit status: the outcome is pending or unknown; settling it later is
+/// safe (`EX_TEMPFAIL`).
+pub(crate) const EXIT_TEMPFAIL: u8 = 75;
+/// Exit status: authentication failed or a privilege is missing
+/// (`EX_NOPERM`).
+pub(crate) const EXIT_NOPERM: u8 = 77;
+pub(crate) use crate::config::EXIT_CONFIG;
+
+/// The table above as `--help` and the man pages show it.
+pub(crate) const EXIT_CODES_HELP: &str = "\
+Exit codes (the same for every command):
+  0   done
+  1   definitely not done (refused, nothing written); `status --check`: something needs attention
+  64  usage: an unknown command or flag, a missing or malformed argument
+  69  the server is unavailable (nothing was written); try again later
+  75  the outcome is unknown or pending: run the printed command (resuming is safe)
+  77  permission denied: authentication failed, or the user lacks a privilege
+  78  configuration: a bad key, a collection not configured, a URI that cannot be used";
+
+/// The exit code of a command that did not get done because of `err`.
+pub(crate) fn exit_code_for(err: &Error) -> u8 {
+    match err {
+        Error::Server(failure) => match failure.trouble() {
+            Trouble::Unavailable => EXIT_UNAVAILABLE,
+            Trouble::PermissionDenied => EXIT_NOPERM,
+            Trouble::Refused => EXIT_FAILED,
+        },
+        _ => EXIT_FAILED,
+    }
+}
+
+/// The exit code of a write that failed with `err`: 75 when the write may
+/// have been applied (a lost reply: sending it again is the remedy), else
+/// as [`exit_code_for`].
+pub(crate) fn exit_code_for_write(err: &Error) -> u8 {
+    match err {
+        Error::Server(failure) if failure.effect != Effect::NotApplied => EXIT_TEMPFAIL,
+        _ => exit_code_for(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Failure;
+    use mongodb::bson::{deserialize_from_document as from_document, doc};
+    use mongodb::error::{CommandError, Error as MongoError, ErrorKind};
+
+    fn command(code: i32) -> Error {
+        let err: CommandError =
+            from_document(doc! { "code": code, "codeName": "X", "errmsg": "m" }).unwrap();
+        Error::Server(Failure::once("t", ErrorKind::Command(err).into()))
+    }
+
+    fn io(kind: std::io::ErrorKind) -> Error {
+        let err: MongoError = ErrorKind::Io(std::sync::Arc::new(kind.into())).into();
+        Error::Server(Failure::once("t", err))
+    }
+
+    #[test]
+    fn the_exit_code_follows_the_class_kind_and_code() {
+        // Permission: Unauthorized, AuthenticationFailed.
+        assert_eq!(exit_code_for(&command(13)), EXIT_NOPERM);
+        assert_eq!(exit_code_for(&command(18)), EXIT_NOPERM);
+        // Unavailable: the network, a node that is not (or no longer) primary.
+        assert_eq!(
+            exit_code_for(&io(std::io::ErrorKind::ConnectionRefused)),
+            EXIT_UNAVAILABLE
+        );
+        assert_eq!(exit_code_for(&command(10107)), EXIT_UNAVAILABLE);
+        // Refused: bad value, validation, too large, a duplicate key.
+        for code in [2, 14, 121, 10334, 11000] {
+            assert_eq!(exit_code_for(&command(code)), EXIT_FAILED, "code {code}");
+        }
+        assert_eq!(
+            exit_code_for(&Error::InvalidArgument("x".into())),
+            EXIT_FAILED
+        );
+        // A write that may have applied: try again (resuming is safe).
+        assert_eq!(
+            exit_code_for_write(&io(std::io::ErrorKind::ConnectionReset)),
+            EXIT_TEMPFAIL
+        );
+        assert_eq!(exit_code_for_write(&command(13)), EXIT_NOPERM);
+        assert_eq!(exit_code_for_write(&command(2)), EXIT_FAILED);
+    }
+}

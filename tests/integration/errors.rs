@@ -1,0 +1,450 @@
+//! Every mistake gets one clear answer: each class of failure provoked
+//! through the real `tallyd` binary — an unreachable server, a wrong
+//! password, a missing privilege, a bad value, a validator, a document too
+//! large, an overflow — says what failed in one sentence (the server's
+//! code, code name and message; where and why it could not connect) and
+//! exits by its class; never the driver's Debug text. Usage errors exit 64,
+//! a configuration one command refuses every command refuses (78), and
+//! `--collection` names a configured collection.
+
+use std::process::Output;
+
+use mongodb::bson::{Bson, doc};
+
+use crate::cli::{json, tallyd, text, write_config};
+use crate::common::server::{AuthServer, create_views_user};
+use crate::common::tallyd::free_address;
+use crate::common::{FailPoint, TestContext, counter, external};
+
+/// What the driver's own formatting looks like: never shown to people.
+const DEBUG_TEXT: [&str; 7] = [
+    "Kind:",
+    "Some(",
+    "None,",
+    "RawDocumentBuf",
+    "labels:",
+    "server response",
+    "CommandError {",
+];
+
+/// Stdout and stderr together, checked for the driver's Debug text.
+pub(crate) fn readable(output: &Output) -> String {
+    let shown = text(output);
+    for debug in DEBUG_TEXT {
+        assert!(
+            !shown.contains(debug),
+            "{debug:?} in what tallyd printed: {shown}"
+        );
+    }
+    shown
+}
+
+/// `tallyd --config <config> <args>`, with a clean environment.
+async fn run(config: &str, args: &[&str]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), config);
+    let mut all = vec!["--config", path.as_str()];
+    all.extend_from_slice(args);
+    tallyd(&all, &[]).await
+}
+
+/// A configuration for `uri` and `database` with the collection `views`,
+/// and short timeouts: server selection 1 s, attempts 3 s.
+fn quick(uri: &str, database: &str, extra: &str) -> String {
+    format!(
+        "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{database}\"\nserver_selection_timeout = \"1s\"\n\
+         attempt_timeout = \"3s\"\n[writer]\nretry_horizon = \"6s\"\n[reconcile]\ngrace = \"10s\"\n\
+         [alerts]\nstuck_after = \"10s\"\n[[collections]]\nname = \"views\"\n{extra}"
+    )
+}
+
+/// A closed port: every command that talks to the server exits 69 and says
+/// that no server could be selected within 1 s at 127.0.0.1:PORT because
+/// the connection was refused — the password never shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_exits_69_saying_where_and_why() {
+    let port = free_address().port();
+    let uri = format!("mongodb://tally:S3cret-pw@127.0.0.1:{port}/?directConnection=true");
+    let config = quick(&uri, "app", "");
+    let said =
+        format!("no server could be selected within 1s at 127.0.0.1:{port} (connection refused)");
+    let commands: [&[&str]; 6] = [
+        &["incr", "k"],
+        &["status"],
+        &["check-config", "--connect"],
+        &["reconcile"],
+        &["seq", "next", "orders"],
+        &["setup"],
+    ];
+    for args in commands {
+        let output = run(&config, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(69), "{args:?}: {shown}");
+        assert!(shown.contains(&said), "{args:?}: {shown}");
+        assert!(!shown.contains("S3cret-pw"), "{args:?}: {shown}");
+    }
+    let output = run(&config, &["incr", "k", "--json"]).await;
+    assert_eq!(output.status.code(), Some(69), "{}", readable(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "not_counted");
+    assert_eq!(out["error"]["message"], said.as_str());
+    assert_eq!(out["error"]["class"], "command");
+}
+
+/// A server with authentication: a wrong password exits 77 naming the user
+/// and where it is defined, from every command; a user without the update
+/// privilege gets the server's refusal with its code and name, and what to
+/// do — exit 77, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_and_a_missing_privilege_exit_77() {
+    if external() {
+        return; // needs a server with authentication
+    }
+    let server = AuthServer::start(|client| async move {
+        create_views_user(&client.database("app"), "reader", "Pw-of-reader", &["find"]).await;
+    })
+    .await;
+
+    let wrong = quick(&server.uri("reader", "Wr0ng-pw", "app"), "app", "");
+    for args in [
+        &["incr", "k"][..],
+        &["status"],
+        &["check-config", "--connect"],
+        &["doctor"],
+    ] {
+        let output = run(&wrong, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(77), "{args:?}: {shown}");
+        assert!(
+            shown.contains("authentication failed for reader on app"),
+            "{args:?}: {shown}"
+        );
+        assert!(shown.contains("password"), "what to check: {shown}");
+        assert!(!shown.contains("Wr0ng-pw"), "{args:?}: {shown}");
+    }
+
+    let reader = quick(&server.uri("reader", "Pw-of-reader", "app"), "app", "");
+    let output = run(&reader, &["incr", "k"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(77), "{shown}");
+    assert!(
+        shown.starts_with("not counted (+1): not authorized on app"),
+        "{shown}"
+    );
+    assert!(shown.contains("(13 Unauthorized)"), "{shown}");
+    assert!(shown.contains("smallest MongoDB role"), "{shown}");
+    let output = run(&reader, &["incr", "k", "--json"]).await;
+    assert_eq!(output.status.code(), Some(77), "{}", readable(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "not_counted");
+    assert_eq!(out["error"]["code"], 13);
+    assert_eq!(out["error"]["code_name"], "Unauthorized");
+}
+
+/// The server refuses the write: a bad value (a fail point), a validator,
+/// a document that would pass 16 MB, a lane increment past the int64
+/// limit. Each says the server's message with its code and name (and what
+/// to do where tally knows), exits 1, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_exit_1_with_the_servers_code_name_and_message() {
+    let ctx = TestContext::new("errors_refusals").await;
+    let client = ctx.client(false).await;
+    let database = client.client.database(&ctx.db_name);
+    database
+        .create_collection("validated")
+        .validator(doc! { "$jsonSchema": { "required": ["owner"] } })
+        .await
+        .unwrap();
+    let views = client.collection("views");
+    views
+        .insert_one(doc! { "_id": "big", "counter": i64::MAX })
+        .await
+        .unwrap();
+    // A document 4 bytes below the server's 16 MB: a pending token does
+    // not fit any more.
+    let huge = client.collection("huge");
+    let base = doc! { "_id": "h", "counter": 1i64, "blob": "" };
+    let room = 16 * 1024 * 1024 - mongodb::bson::serialize_to_vec(&base).unwrap().len() - 4;
+    huge.insert_one(doc! { "_id": "h", "counter": 1i64, "blob": "x".repeat(room) })
+        .await
+        .unwrap();
+    let config = ctx.config_toml(
+        false,
+        "[[collections]]\nname = \"views\"\n[[collections]]\nname = \"validated\"\n\
+         [[collections]]\nname = \"huge\"",
+    );
+
+    let shown_for = |args: &'static [&'static str]| {
+        let config = config.clone();
+        async move {
+            let output = run(&config, args).await;
+            let shown = readable(&output);
+            assert_eq!(output.status.code(), Some(1), "{args:?}: {shown}");
+            assert!(shown.starts_with("not counted (+1): "), "{args:?}: {shown}");
+            shown
+        }
+    };
+    let shown = {
+        let _fail = FailPoint::update_refused(&ctx).await;
+        shown_for(&["incr", "k", "--collection", "views"]).await
+    };
+    assert!(shown.contains("(2 BadValue)"), "{shown}");
+    assert_eq!(views.count_documents(doc! { "_id": "k" }).await.unwrap(), 0);
+
+    let shown = shown_for(&["incr", "a", "--collection", "validated"]).await;
+    assert!(shown.contains("(121 DocumentValidationFailure)"), "{shown}");
+    assert!(shown.contains("validator"), "what to do: {shown}");
+
+    let shown = shown_for(&["incr", "h", "--collection", "huge"]).await;
+    assert!(
+        shown.contains("16777216") || shown.contains("too large"),
+        "{shown}"
+    );
+    assert!(shown.contains("16 MB limit"), "what to do: {shown}");
+    assert_eq!(counter(&huge, "h").await, 1);
+
+    // The lanes protocol: one `$inc` past 2^63 − 1, refused by the server.
+    let shown = shown_for(&["incr", "big", "--collection", "views", "--lane"]).await;
+    assert!(shown.contains("(2 BadValue)"), "{shown}");
+    assert!(shown.contains("$inc"), "the server's message: {shown}");
+    assert_eq!(counter(&views, "big").await, i64::MAX);
+    let lanes = views
+        .find_one(doc! { "_id": "big" })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(lanes.get("lanes").is_none(), "nothing written: {lanes}");
+}
+
+/// Usage errors exit 64 — a missing argument, a value out of range (said
+/// in words), an unknown flag, flags that exclude each other, no command —
+/// and the help and version exit 0; the help ends with the exit codes.
+#[tokio::test]
+async fn usage_errors_exit_64_and_help_exits_0() {
+    let cases: [(&[&str], i32); 8] = [
+        (&["incr"], 64),
+        (&["seq", "next", "orders", "--block", "0"], 64),
+        (&["--bogus", "status"], 64),
+        (&["incr", "k", "--lane", "--two-step"], 64),
+        (&["status", "--any-collection"], 64),
+        (&[], 64),
+        (&["--help"], 0),
+        (&["--version"], 0),
+    ];
+    for (args, code) in cases {
+        let output = tallyd(args, &[]).await;
+        let shown = text(&output);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {shown}");
+        assert!(!shown.contains("..="), "a range as words: {shown}");
+    }
+    let help = tallyd(&["doctor", "--help"], &[]).await;
+    assert!(
+        text(&help).contains("77  permission denied"),
+        "{}",
+        text(&help)
+    );
+}
+
+/// A configuration without collections gets one verdict from every
+/// command: exit 78, the same message, before anything connects.
+#[tokio::test]
+async fn one_configuration_gets_one_verdict_from_every_command() {
+    let config = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/\"\ndatabase = \"app\"\n";
+    let commands: [&[&str]; 10] = [
+        &["check-config"],
+        &["run"],
+        &["doctor"],
+        &["setup"],
+        &["status"],
+        &["reconcile"],
+        &["incr", "k", "--collection", "views", "--any-collection"],
+        &["resume", "k", "0123456789abcdef01234567"],
+        &["get", "k"],
+        &["seq", "next", "orders"],
+    ];
+    let mut said = None;
+    for args in commands {
+        let output = run(config, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {shown}");
+        assert!(
+            shown.contains("collections: none configured"),
+            "{args:?}: {shown}"
+        );
+        match &said {
+            None => said = Some(shown),
+            Some(first) => assert_eq!(&shown, first, "{args:?}"),
+        }
+    }
+}
+
+/// `--collection` names a configured collection: a typo exits 78 naming
+/// the configured ones, and nothing is written (the misspelt collection is
+/// not created); `--any-collection` means it. The same for `status` and
+/// `reconcile`; `record` wants a collection with a ledger.
+#[tokio::test]
+async fn a_collection_must_be_configured_unless_any_collection_says_so() {
+    let ctx = TestContext::new("errors_collection").await;
+    let config = ctx.config_toml(
+        false,
+        "[[collections]]\nname = \"views\"\n[[collections]]\nname = \"clicks\"",
+    );
+    let output = run(&config, &["incr", "home", "--collection", "veiws"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(
+        shown.contains("veiws is not a configured collection (configured: views and clicks)"),
+        "{shown}"
+    );
+    assert!(shown.contains("--any-collection"), "{shown}");
+    for args in [
+        &["status", "--collection", "veiws"][..],
+        &[
+            "reconcile",
+            "--collection",
+            "views",
+            "--collection",
+            "veiws",
+        ],
+        &[
+            "resume",
+            "home",
+            "0123456789abcdef01234567",
+            "--collection",
+            "veiws",
+        ],
+    ] {
+        let output = run(&config, args).await;
+        assert_eq!(
+            output.status.code(),
+            Some(78),
+            "{args:?}: {}",
+            readable(&output)
+        );
+    }
+    let output = run(&config, &["incr", "home"]).await;
+    assert_eq!(output.status.code(), Some(64), "{}", readable(&output));
+    assert!(readable(&output).contains("views and clicks"));
+    let output = run(&config, &["record", "e1", "home", "--collection", "views"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(shown.contains("views has no events ledger"), "{shown}");
+    let client = ctx.client(false).await;
+    let names = client
+        .client
+        .database(&ctx.db_name)
+        .list_collection_names()
+        .await
+        .unwrap();
+    assert!(names.is_empty(), "nothing written: {names:?}");
+
+    let output = run(
+        &config,
+        &["incr", "home", "--collection", "other", "--any-collection"],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    assert_eq!(counter(&client.collection("other"), "home").await, 1);
+}
+
+/// `status` and `doctor` name the server and database they read (never
+/// the password). A database that holds none of the configured
+/// collections — a misspelt `[mongodb] database` — is said so: `status`
+/// exits 78 instead of showing clean zeros, `doctor` warns and does not
+/// probe it, and neither creates it.
+#[tokio::test]
+async fn a_database_that_holds_nothing_is_said_so_and_never_created() {
+    let ctx = TestContext::new("errors_database").await;
+    let client = ctx.client(false).await;
+    client
+        .collection("views")
+        .insert_one(doc! { "_id": "home", "counter": 1i64 })
+        .await
+        .unwrap();
+    let typo = format!("{}x", ctx.db_name);
+    let server = ctx.uri.split('/').nth(2).unwrap().to_owned();
+    let config = ctx.config_toml(false, "").replace(
+        &format!("database = \"{}\"", ctx.db_name),
+        &format!("database = \"{typo}\""),
+    );
+
+    let output = run(&config, &["status"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(
+        shown.starts_with(&format!("MongoDB at {server}, database {typo}\n")) || external(),
+        "{shown}"
+    );
+    assert!(
+        shown.contains(&format!(
+            "database {typo} at {server} holds none of the configured collections (views)"
+        )) || external(),
+        "{shown}"
+    );
+    let output = run(&config, &["status", "--json"]).await;
+    assert_eq!(output.status.code(), Some(78));
+    let out = json(&output);
+    assert_eq!(out["server"]["database"], typo.as_str());
+    assert!(
+        out["error"].as_str().unwrap().contains("holds none"),
+        "{out}"
+    );
+
+    let output = run(&config, &["doctor", "--json"]).await;
+    let out = json(&output);
+    let checks = out["checks"].as_array().unwrap();
+    let check = |name: &str| checks.iter().find(|c| c["name"] == name).unwrap().clone();
+    assert_eq!(check("database")["verdict"], "warn", "{out}");
+    let probe = check("write_concern")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(probe.contains("not probed"), "{probe}");
+    let databases = client.client.list_database_names().await.unwrap();
+    assert!(!databases.contains(&typo), "created: {databases:?}");
+
+    // The right database: named, no error.
+    let output = run(&ctx.config_toml(false, ""), &["status"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+}
+
+/// `status --check` exits 1 when something needs attention — a stuck token,
+/// a malformed document — and says what; 0 when nothing does. Without
+/// `--check` it exits 0 either way.
+#[tokio::test]
+async fn status_check_exits_1_when_something_needs_attention() {
+    let ctx = TestContext::new("errors_status_check").await;
+    let views = ctx.client(false).await.collection("views");
+    views
+        .insert_one(doc! { "_id": "fine", "counter": 1i64 })
+        .await
+        .unwrap();
+    let config = ctx.config_toml(false, "[alerts]\nstuck_after = \"30m\"");
+    let output = run(&config, &["status", "--check"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    assert!(!text(&output).contains("needs attention"));
+
+    let stale = tally::Token::created_at_time(
+        std::time::SystemTime::now() - std::time::Duration::from_secs(3600),
+    )
+    .object_id();
+    views
+        .insert_many([
+            doc! { "_id": "stuck", "counter": 0i64, "pending": [stale] },
+            doc! { "_id": "bad", "counter": "one", "pending": [Bson::Int32(3)] },
+        ])
+        .await
+        .unwrap();
+    let output = run(&config, &["status", "--check"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(1), "{shown}");
+    assert!(
+        shown.contains("needs attention: 1 stuck tokens in views; 1 malformed documents in views"),
+        "{shown}"
+    );
+    let output = run(&config, &["status"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    let output = run(&config, &["status", "--json", "--check"]).await;
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(json(&output)["attention"].as_array().unwrap().len(), 2);
+}
