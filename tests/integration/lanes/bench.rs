@@ -112,7 +112,7 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
     // Again: it exists now, and is left as it is.
     let before = scratch.count_documents(doc! {}).await.unwrap();
     let output = tallyd(&args, &[]).await;
-    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
     assert!(
         text(&output).contains("the collection scratch exists already"),
         "{}",
