@@ -1,0 +1,373 @@
+//! An adversarial review of the counting paths of group commit (issue 20):
+//! interleavings, repeated calls and faults a real caller meets, each
+//! judged against an oracle outside the library — the proxy's log of what
+//! reached the server, the document as the server holds it, and the sum of
+//! what the callers were told.
+//!
+//! Each test here failed on the code it reviewed (merge d614423) unless its
+//! comment says it is coverage of a path found sound.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use mongodb::bson::{Bson, Decimal128, doc};
+use tally::{
+    CollectionConfig, Counters, FoldTarget, Increment, LaneIncrement, Mode, Token, WriterConfig,
+};
+
+use crate::cli::{tallyd, text, write_config};
+use crate::common::proxy::{Action, Rule};
+use crate::common::{FailPoint, TestContext, run_reconcile, wait_until};
+use crate::faults::{DELAY, Rig};
+
+fn handle(store: &tally::Store, name: &str) -> Counters {
+    Counters::try_new(store, CollectionConfig::new(name), WriterConfig::default())
+        .expect("the default lane settings")
+}
+
+/// The double 0.5 and the decimal 0.5 name one document — the server finds
+/// `{_id: NumberDecimal("0.5")}` in the document created as `{_id: 0.5}` —
+/// but the handle queues them as two counters. So after an unknown outcome
+/// on the double form, the lane is retired for that form alone: the
+/// decimal form's increment goes out through the very lane whose update
+/// is unknown, with a later number, and lands on the same document. The
+/// unknown update can then never be settled: its resume finds the lane
+/// holding the later number and answers "out of order, nothing written" —
+/// the increment is lost, and the caller was promised that resuming the
+/// ticket counts it once.
+///
+/// Should be: one queue (and one retirement) per document as the server
+/// compares `_id`s, so the resume applies the update (counted).
+#[tokio::test]
+async fn a_double_and_a_decimal_key_naming_one_document_share_its_lanes_retirement() {
+    let ctx = TestContext::new("review_lanes_decimal_key").await;
+    let client = ctx.client(false).await;
+    let views = handle(&client.store(), "views");
+    let coll = client.collection("views");
+    let double = Bson::Double(0.5);
+    let decimal = Bson::Decimal128("0.5".parse::<Decimal128>().expect("a decimal"));
+    assert!(matches!(
+        views.add(double.clone(), 1).await,
+        LaneIncrement::Counted(_)
+    ));
+    // The premise: one document to the server.
+    let found = coll
+        .find_one(doc! { "_id": decimal.clone() })
+        .await
+        .expect("find by the decimal key");
+    assert!(
+        found.is_some(),
+        "the server does not find {{_id: 0.5}} by the decimal 0.5"
+    );
+    // Both attempts of the next update of the double form are cut before
+    // the server sees them: unknown (and in truth not applied).
+    let ticket = {
+        let _cut = FailPoint::updates_cut(&ctx, 2).await;
+        match views.add(double.clone(), 10).await {
+            LaneIncrement::Unknown(ticket) => ticket,
+            other => panic!("expected unknown, got {other:?}"),
+        }
+    };
+    // Another caller counts the same document through its decimal form.
+    let other = views.add(decimal.clone(), 100).await;
+    assert!(matches!(other, LaneIncrement::Counted(_)), "{other:?}");
+    // The promise of the ticket: resuming it counts it once.
+    let resumed = views.resume_lane(ticket.clone()).await.expect("resume");
+    let counter = coll
+        .find_one(doc! { "_id": double.clone() })
+        .await
+        .expect("read")
+        .expect("the document")
+        .get("counter")
+        .cloned();
+    assert!(
+        matches!(resumed, LaneIncrement::Counted(_)),
+        "the unknown update of {ticket} can no longer be settled: resuming it says {resumed:?} \
+         (the decimal form went out through lane {:?}, the ticket's is {}); counter {counter:?}, \
+         1 + 10 + 100 = 111 expected",
+        other.lane(),
+        ticket.lane(),
+    );
+    assert_eq!(counter, Some(Bson::Int32(111)));
+}
+
+/// Two-step increment near the int64 limit: step 1's first attempt applies
+/// (its reply comes after the attempt bound), and meanwhile another
+/// writer's increment takes the counter so close to the limit that the
+/// retry's guard refuses it. Step 1 gives up on the collision, reads the
+/// counter, and reports `NotCounted` (overflow) — but the first attempt
+/// left the token pending, and the fold counts it once the counter has
+/// room again: told not counted, counted.
+///
+/// Should be: unknown (or pending) whenever an attempt may have applied —
+/// the overflow refusal is definite only for a step 1 sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflow_refusal_after_an_attempt_that_may_have_applied_is_not_not_counted() {
+    let rig = Rig::new("review_lanes_overflow_maybe", false).await;
+    let name = "big";
+    let direct = rig.direct.collection(name);
+    let start = i64::MAX - 10;
+    direct
+        .insert_one(doc! { "_id": "k", "counter": start })
+        .await
+        .expect("seed the counter");
+    let mine = Counters::new(
+        &rig.store,
+        CollectionConfig::new(name),
+        WriterConfig::default(),
+    );
+    let rival = Counters::new(
+        &rig.direct.store(),
+        CollectionConfig::new(name),
+        WriterConfig::default(),
+    );
+    let late = rig.proxy.rule(
+        Rule::command("update")
+            .collection(name)
+            .nth(1)
+            .then(Action::DelayReply(DELAY)),
+    );
+    let told = tokio::spawn({
+        let mine = mine.clone();
+        async move { mine.increment("k", 5).await }
+    });
+    let proxy = &rig.proxy;
+    wait_until("step 1's first attempt applied", DELAY, || async {
+        proxy
+            .requests("update")
+            .iter()
+            .any(|e| e.collection.as_deref() == Some(name) && e.server_replied)
+    })
+    .await;
+    // Another writer counts +8 before the retry: the counter is now 2 below
+    // the limit.
+    assert!(matches!(
+        rival.increment("k", 8).await,
+        Increment::Counted(_)
+    ));
+    let told = told.await.expect("the increment");
+    drop(late);
+    let pending = direct
+        .find_one(doc! { "_id": "k" })
+        .await
+        .expect("read")
+        .expect("the document")
+        .get("pending")
+        .cloned();
+    // The counter comes down again, and the fold does its job.
+    assert!(matches!(
+        rival.increment("k", -100).await,
+        Increment::Counted(_)
+    ));
+    let target = FoldTarget {
+        spec: CollectionConfig::new(name),
+        grace: Duration::ZERO,
+        batch_size: 100,
+    };
+    let fold_store = rig.direct.store();
+    wait_until(
+        "the fold takes the pending token",
+        Duration::from_secs(10),
+        || {
+            let (store, target, direct) = (fold_store.clone(), target.clone(), direct.clone());
+            async move {
+                run_reconcile(&store, &target, Mode::Fold).await;
+                crate::common::pending_len(&direct, "k").await == 0
+            }
+        },
+    )
+    .await;
+    let counter = crate::common::counter(&direct, "k").await;
+    let counted_mine = counter - (start + 8 - 100);
+    assert!(
+        !matches!(told, Increment::NotCounted(_)),
+        "told {told:?} while step 1's first attempt left the token pending ({pending:?}); the \
+         fold then counted {counted_mine:+} of it"
+    );
+}
+
+/// `tallyd resume --lane --position P` of a library ticket, itself unknown
+/// again (both attempts cut): the hint says to resume "within the lane
+/// resume horizon of 23h from the lane's creation". But a library ticket's
+/// horizon counts from the time its number holds, not from its lane's
+/// creation: a handle made two days ago whose update went out a minute ago
+/// is resumable for 23 more hours. An operator who believes the hint gives
+/// up on a ticket that can still be settled — and a count is lost.
+///
+/// Should be: the hint names the horizon of the ticket's own number (a
+/// time: from that time; a count: from the lane's creation).
+#[tokio::test]
+async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number() {
+    let ctx = TestContext::new("review_lanes_cli_horizon").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let day = Duration::from_secs(24 * 3600);
+    // The lane of a handle made two days ago; its update went out a minute
+    // ago (a lane's number is the time it was sent, in microseconds).
+    let lane = Token::created_at_time(SystemTime::now() - 2 * day).to_string();
+    let sent = SystemTime::now() - Duration::from_secs(60);
+    let position = sent
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros()
+        .to_string();
+    let args = [
+        "--config",
+        path.as_str(),
+        "resume",
+        "k",
+        lane.as_str(),
+        "--by",
+        "3",
+        "--lane",
+        "--position",
+        position.as_str(),
+        "--collection",
+        "views",
+    ];
+    let output = {
+        let _cut = FailPoint::updates_cut(&ctx, 2).await;
+        tallyd(&args, &[]).await
+    };
+    assert_eq!(output.status.code(), Some(75), "{}", text(&output));
+    let shown = text(&output);
+    // The ticket is resumable indeed: the same command again counts it.
+    let again = tallyd(&args, &[]).await;
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again));
+    assert!(
+        !shown.contains("from the lane's creation"),
+        "the hint dates the horizon from the lane's creation (two days ago), though the ticket's \
+         number is a minute old and the same command counted it right after: {shown}"
+    );
+}
+
+/// A library ticket settled from the command line without `--position`
+/// (the position defaults to 1, `incr --lane`'s): when the ticket's lane
+/// holds nothing in the counter yet — the handle's first update of it, or
+/// a counter whose lane was retired — `s = 1` applies, counting the
+/// ticket's amount. The application resumes the ticket too (a ticket may be
+/// resumed from anywhere, any number of times), at its real number, which
+/// is above 1: it applies as well. One increment of 7, counted 14.
+///
+/// Should be: a resume that cannot know the ticket's number sends nothing
+/// (`--position` required for a lane whose numbers are not `incr
+/// --lane`'s), so the ticket is counted once.
+#[tokio::test]
+async fn a_library_ticket_resumed_from_the_cli_without_its_position_is_not_counted_twice() {
+    let ctx = TestContext::new("review_lanes_cli_position").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let client = ctx.client(false).await;
+    let views = handle(&client.store(), "views");
+    let ticket = {
+        let _cut = FailPoint::updates_cut(&ctx, 2).await;
+        match views.add("k", 7).await {
+            LaneIncrement::Unknown(ticket) => ticket,
+            other => panic!("expected unknown, got {other:?}"),
+        }
+    };
+    let lane = ticket.lane().to_string();
+    let output = tallyd(
+        &[
+            "--config",
+            path.as_str(),
+            "resume",
+            "k",
+            lane.as_str(),
+            "--by",
+            "7",
+            "--lane",
+            "--collection",
+            "views",
+        ],
+        &[],
+    )
+    .await;
+    let cli = text(&output);
+    let resumed = views.resume_lane(ticket.clone()).await;
+    let coll = client.collection("views");
+    let counter = crate::common::counter(&coll, "k").await;
+    let lanes = crate::common::field(&coll, "k", "lanes").await;
+    assert_eq!(
+        counter, 7,
+        "one increment of 7 ({ticket}): the command line said {cli:?}, the library's resume \
+         {resumed:?}; lanes {lanes:?}"
+    );
+}
+
+/// A handle cloned into a synchronous part of the application, which runs
+/// one `add` on a current-thread runtime of its own (`block_on`) and keeps
+/// that runtime for later. Its `add` finds the counter idle and starts the
+/// counter's sender — on that runtime, which runs only while something
+/// `block_on`s it. Meanwhile a caller on the application's main runtime
+/// queues behind the update in flight. The first caller hears its outcome
+/// and its `block_on` returns; the sender, mid-way into the next group, is
+/// never polled again, and the main-runtime caller waits forever.
+///
+/// Should be: a caller queued behind another's update is told its outcome
+/// whatever runtime started the counter's sender (the sender on a runtime
+/// that stays driven, or driven by the callers that wait for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_queued_behind_an_update_started_on_another_runtime_is_not_stranded() {
+    let rig = Rig::new("review_lanes_two_runtimes", false).await;
+    let name = "views";
+    let views = handle(&rig.store, name);
+    let _slow = rig.proxy.rule(
+        Rule::command("update")
+            .collection(name)
+            .nth(1)
+            .then(Action::DelayReply(Duration::from_millis(1500))),
+    );
+    let (told_tx, told_rx) = std::sync::mpsc::channel();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let side = views.clone();
+    let sync_part = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a current-thread runtime");
+        let told = runtime.block_on(side.add("k", 1));
+        told_tx.send(told).expect("the test listens");
+        // The runtime stays, idle, for the application's next call.
+        let _ = end_rx.recv();
+        drop(runtime);
+    });
+    let proxy = &rig.proxy;
+    wait_until("the first update was sent", DELAY, || async {
+        proxy
+            .requests("update")
+            .iter()
+            .any(|e| e.collection.as_deref() == Some(name))
+    })
+    .await;
+    let mut queued = tokio::spawn({
+        let views = views.clone();
+        async move { views.add("k", 10).await }
+    });
+    wait_until("the second caller waits behind the first", DELAY, || {
+        let waiting = views.lane_stats().waiting;
+        async move { waiting == 1 }
+    })
+    .await;
+    let first = tokio::task::spawn_blocking(move || told_rx.recv())
+        .await
+        .expect("the synchronous part")
+        .expect("its outcome");
+    assert!(matches!(first, LaneIncrement::Counted(_)), "{first:?}");
+    let second = tokio::time::timeout(Duration::from_secs(10), &mut queued).await;
+    // Let the synchronous part drop its runtime, then look at what the
+    // second caller is told then.
+    end_tx.send(()).expect("the synchronous part listens");
+    sync_part.join().expect("the synchronous part");
+    let after = if second.is_ok() {
+        None
+    } else {
+        Some(tokio::time::timeout(Duration::from_secs(10), queued).await)
+    };
+    let counter = crate::common::counter(&rig.direct.collection(name), "k").await;
+    assert!(
+        second.is_ok(),
+        "the caller queued on the main runtime was told nothing in 10 s (its group's sender \
+         sits on the other runtime, which nothing drives); once that runtime was dropped it was \
+         told {after:?}; the counter holds {counter}"
+    );
+}
