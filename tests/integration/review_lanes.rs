@@ -371,3 +371,138 @@ async fn a_caller_queued_behind_an_update_started_on_another_runtime_is_not_stra
          told {after:?}; the counter holds {counter}"
     );
 }
+
+/// The pilot's update of `name`/`k` (adding `pilot`) is held up for 1.5 s;
+/// the callers adding `amounts` queue behind it and leave together as the
+/// next update, to which `then` happens (in order, one per attempt).
+/// Returns the pilot's outcome and each caller's.
+async fn group_behind_a_pilot(
+    rig: &Rig,
+    views: &Counters,
+    name: &str,
+    pilot: i64,
+    amounts: &[i64],
+    then: &[Action],
+) -> (LaneIncrement, Vec<LaneIncrement>) {
+    let mut rules = vec![
+        rig.proxy.rule(
+            Rule::command("update")
+                .collection(name)
+                .nth(1)
+                .then(Action::DelayReply(Duration::from_millis(1500))),
+        ),
+    ];
+    for (i, action) in then.iter().enumerate() {
+        rules.push(
+            rig.proxy.rule(
+                Rule::command("update")
+                    .collection(name)
+                    .nth(2 + i as u64)
+                    .then(action.clone()),
+            ),
+        );
+    }
+    let first = tokio::spawn({
+        let views = views.clone();
+        async move { views.add("k", pilot).await }
+    });
+    let proxy = &rig.proxy;
+    wait_until("the pilot's update was sent", DELAY, || async {
+        proxy
+            .requests("update")
+            .iter()
+            .any(|e| e.collection.as_deref() == Some(name))
+    })
+    .await;
+    let group: Vec<_> = amounts
+        .iter()
+        .map(|&amount| {
+            let views = views.clone();
+            tokio::spawn(async move { views.add("k", amount).await })
+        })
+        .collect();
+    wait_until("the callers wait behind the pilot", DELAY, || {
+        let waiting = views.lane_stats().waiting;
+        async move { waiting == amounts.len() as u64 }
+    })
+    .await;
+    let first = first.await.expect("the pilot");
+    let mut told = Vec::new();
+    for caller in group {
+        told.push(caller.await.expect("a caller"));
+    }
+    drop(rules);
+    (first, told)
+}
+
+/// A counter 5 below the int64 limit; two callers' increments, +3 and +10,
+/// wait behind an update in flight and leave together as one update of
+/// +13, which the server refuses (the sum would pass the limit). Both are
+/// told `NotCounted` — also the caller whose +3 fits and that alone would
+/// have been counted: whether a valid increment is refused depends on
+/// which other increments happened to share its update.
+///
+/// Should be: a group refused for its sum (past int64, or inexact on a
+/// double counter) is not the verdict on each share: the +3 is counted,
+/// the +10 not (each caller told the refusal of its own amount).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_that_fits_is_not_refused_because_its_group_passes_the_int64_limit() {
+    let rig = Rig::new("review_lanes_group_overflow", false).await;
+    let name = "big";
+    let direct = rig.direct.collection(name);
+    direct
+        .insert_one(doc! { "_id": "k", "counter": i64::MAX - 105 })
+        .await
+        .expect("seed the counter");
+    let views = handle(&rig.store, name);
+    let (pilot, told) = group_behind_a_pilot(&rig, &views, name, 100, &[3, 10], &[]).await;
+    assert!(matches!(pilot, LaneIncrement::Counted(_)), "{pilot:?}");
+    let counter = crate::common::counter(&direct, "k").await;
+    assert!(
+        matches!(told[0], LaneIncrement::Counted(_)) && counter == i64::MAX - 2,
+        "+3 on a counter 5 below the limit: told {}, refused with its group's +13; the +10 \
+         beside it: {}; the counter is {} below the limit",
+        told[0].name(),
+        told[1].name(),
+        i64::MAX - counter
+    );
+    assert!(matches!(told[1], LaneIncrement::NotCounted(_)), "{told:?}");
+}
+
+/// Two callers' increments, +10 and −10, leave together as one update of
+/// 0, and both its attempts are cut: unknown, with a shared ticket of
+/// amount 0. The ticket cannot be rebuilt elsewhere —
+/// `LaneTicket::new` refuses an amount of 0, and so does `tallyd resume
+/// --by 0` — though "resuming it from any caller, any host" is the
+/// promise of a shared ticket. (The library's own clone resumes fine.)
+///
+/// Should be: a group's ticket can be rebuilt from its parts, whatever its
+/// total (or a group never sums to 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_groups_ticket_whose_shares_sum_to_zero_can_be_rebuilt_elsewhere() {
+    let rig = Rig::new("review_lanes_group_zero", false).await;
+    let name = "views";
+    let views = handle(&rig.store, name);
+    let (_, told) = group_behind_a_pilot(
+        &rig,
+        &views,
+        name,
+        1,
+        &[10, -10],
+        &[Action::CloseBeforeForwarding, Action::CloseBeforeForwarding],
+    )
+    .await;
+    let LaneIncrement::Unknown(ticket) = &told[0] else {
+        panic!("expected unknown, got {told:?}");
+    };
+    let rebuilt = tally::LaneTicket::new(
+        ticket.key().clone(),
+        ticket.lane().clone(),
+        ticket.position(),
+        ticket.amount(),
+    );
+    assert!(
+        rebuilt.is_ok(),
+        "the shared ticket {ticket} cannot be rebuilt on another host: {rebuilt:?}"
+    );
+}
