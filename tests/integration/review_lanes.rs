@@ -506,3 +506,55 @@ async fn a_groups_ticket_whose_shares_sum_to_zero_can_be_rebuilt_elsewhere() {
         "the shared ticket {ticket} cannot be rebuilt on another host: {rebuilt:?}"
     );
 }
+
+/// The clock check of `tallyd doctor` (and the daemon's `clock_skew`
+/// alert) judges a skew against the two-step margin only (`grace −
+/// retry_horizon − attempt_timeout`, 11 minutes by default). Lane entries
+/// are pruned by the writer's clock too, within `lane_ttl −
+/// lane_resume_horizon − attempt_timeout` — here 1 minute (a valid
+/// configuration). A host 2 minutes behind the server can have a lane
+/// entry pruned while it still resumes its update (counted twice), yet the
+/// doctor calls its clock fine.
+///
+/// Should be: the skew is judged against the tightest margin, the lanes'
+/// included.
+#[tokio::test]
+async fn the_clock_check_judges_a_skew_against_the_lanes_margin_too() {
+    let ctx = TestContext::new("review_lanes_lane_margin").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = ctx.config_toml(
+        false,
+        "[writer]\nlane_resume_horizon = \"1h58m\"\nlane_ttl = \"2h\"\n\n[[collections]]\nname = \
+         \"views\"\n",
+    );
+    let path = write_config(dir.path(), &config);
+    let check = tallyd(&["--config", path.as_str(), "check-config"], &[]).await;
+    assert_eq!(check.status.code(), Some(0), "{}", text(&check));
+    let output = tallyd(
+        &[
+            "--config",
+            path.as_str(),
+            "doctor",
+            "--json",
+            "--clock-offset",
+            "-2m",
+        ],
+        &[],
+    )
+    .await;
+    let report: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&output.stdout).trim())
+            .unwrap_or_else(|err| panic!("not one JSON object ({err}): {}", text(&output)));
+    let clock = report["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .find(|c| c["name"] == "clock_skew")
+        .cloned()
+        .expect("a clock_skew check");
+    assert_eq!(
+        clock["verdict"], "fail",
+        "a host 2 minutes behind the server, with 1 minute of lane margin \
+         (lane_ttl 2h − lane_resume_horizon 1h58m − attempt_timeout 1m): {clock}"
+    );
+}
