@@ -7,6 +7,7 @@
 //! Each test here failed on the code it reviewed (merge d614423) unless its
 //! comment says it is coverage of a path found sound.
 
+use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use mongodb::bson::{Bson, Decimal128, doc};
@@ -556,5 +557,71 @@ async fn the_clock_check_judges_a_skew_against_the_lanes_margin_too() {
         clock["verdict"], "fail",
         "a host 2 minutes behind the server, with 1 minute of lane margin \
          (lane_ttl 2h − lane_resume_horizon 1h58m − attempt_timeout 1m): {clock}"
+    );
+}
+
+/// An `add` polled outside a Tokio runtime (a synchronous corner of the
+/// application polling the future by hand, or another executor) panics
+/// when it starts its counter's sender (`tokio::spawn`) — after its
+/// increment was queued and the counter marked busy. The panic leaves both
+/// behind: no sender will ever take that queue, and every later `add` of
+/// the counter, from any caller on the real runtime, queues behind it and
+/// waits forever (and holds a place of `queue_limit`).
+///
+/// Should be: a caller that fails to start its sender takes its increment
+/// back (or never queues it), and the counter stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_that_panics_outside_a_runtime_does_not_strand_its_counter() {
+    let ctx = TestContext::new("review_lanes_no_runtime").await;
+    let client = ctx.client(false).await;
+    let views = handle(&client.store(), "views");
+    let outside = views.clone();
+    let panicked = std::thread::spawn(move || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut add = std::pin::pin!(outside.add("k", 1));
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            let _ = add.as_mut().poll(&mut context);
+        }))
+        .is_err()
+    })
+    .join()
+    .expect("the thread");
+    assert!(panicked, "polling add outside a runtime panicked");
+    let later = tokio::time::timeout(Duration::from_secs(10), views.add("k", 2)).await;
+    let stats = views.lane_stats();
+    assert!(
+        matches!(later, Ok(LaneIncrement::Counted(_))),
+        "a later add of the same counter on the runtime: {later:?} after 10 s ({stats:?})"
+    );
+}
+
+/// The same on a double counter (what the legacy shell writes) 5 below
+/// 2^53, where a double still holds every integer: +3 and +10 leave as one
+/// update of +13, which the filter refuses (the sum would pass 2^53 and be
+/// rounded). The +3 alone fits, and is refused all the same — with a cause
+/// that speaks of "+13".
+///
+/// Should be: the +3 counted, the +10 not counted (its own amount named).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_that_fits_is_not_refused_because_its_group_is_inexact_on_a_double_counter() {
+    let rig = Rig::new("review_lanes_group_double", false).await;
+    let name = "legacy";
+    let direct = rig.direct.collection(name);
+    let below = (1i64 << 53) - 105;
+    direct
+        .insert_one(doc! { "_id": "k", "counter": below as f64 })
+        .await
+        .expect("seed the counter");
+    let views = handle(&rig.store, name);
+    let (pilot, told) = group_behind_a_pilot(&rig, &views, name, 100, &[3, 10], &[]).await;
+    assert!(matches!(pilot, LaneIncrement::Counted(_)), "{pilot:?}");
+    let counter = crate::common::field(&direct, "k", "counter").await;
+    let cause = told[0].cause().map(ToString::to_string).unwrap_or_default();
+    assert!(
+        matches!(told[0], LaneIncrement::Counted(_)),
+        "+3 on a double counter 5 below 2^53: told {} ({cause}); the +10 beside it: {}; counter \
+         {counter:?}",
+        told[0].name(),
+        told[1].name(),
     );
 }
