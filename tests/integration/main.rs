@@ -28,6 +28,7 @@ mod packaging;
 mod proxy;
 mod pruning;
 mod reconcile;
+mod review_lanes;
 mod sequence;
 mod settle;
 mod shown_configs;
