@@ -173,18 +173,27 @@ pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
 /// `NumberLong(5)`, `5.0` and `NumberDecimal("5.00")` are one `_id`; the
 /// double 2^53 and the int64 2^53 + 1 are two), inside documents and arrays
 /// as well; strings by their bytes (no collation); anything else by its
-/// BSON. A fraction stored as a double and the same fraction as a decimal
-/// stay two keys (the server rarely finds them equal: a double's fraction
-/// is binary).
+/// BSON. A double that is no int64 is compared with decimals as the server
+/// compares them: by its value rounded to a decimal's 34 significant
+/// digits (the double 0.5 and `NumberDecimal("0.5")` are one `_id`, as are
+/// 1e19 and `NumberDecimal("1E+19")`; the double 0.1, whose binary value
+/// is not 0.1, and `NumberDecimal("0.1")` are two). Every NaN is one key,
+/// and each infinity is one, whichever type holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum CanonicalKey {
     /// An integral number in the int64 range, whatever its type.
     Integer(i64),
-    /// Any other double, by its bits (every NaN one, no -0).
-    Double(u64),
-    /// Any other decimal, as its sign, its significant digits (no leading
-    /// or trailing zero) and the exponent of the last one; `digits` holds
-    /// the decimal's text when it is not finite.
+    /// Not a number, double or decimal.
+    NotANumber,
+    /// An infinity, double or decimal.
+    Infinity {
+        /// Below zero.
+        negative: bool,
+    },
+    /// Any other finite number (a double by its value rounded to 34
+    /// significant digits), as its sign, its significant digits (no
+    /// leading or trailing zero) and the exponent of the last one; `digits`
+    /// holds a decimal's text when it does not read as a number.
     Decimal {
         /// Below zero.
         negative: bool,
@@ -211,8 +220,10 @@ impl CanonicalKey {
             Bson::Int64(n) => Self::Integer(*n),
             Bson::Double(d) => match exact_integer(*d) {
                 Some(n) => Self::Integer(n),
-                None if d.is_nan() => Self::Double(f64::NAN.to_bits()),
-                None => Self::Double(d.to_bits()),
+                None if d.is_nan() => Self::NotANumber,
+                None if d.is_infinite() => Self::Infinity { negative: *d < 0.0 },
+                // Its value to a decimal's 34 digits, correctly rounded.
+                None => decimal_key(&format!("{d:.33e}")),
             },
             Bson::Decimal128(d) => decimal_key(&d.to_string()),
             Bson::String(text) => Self::Text(text.clone()),
@@ -257,6 +268,11 @@ fn decimal_key(text: &str) -> CanonicalKey {
         Some(rest) => (true, rest),
         None => (false, text.strip_prefix('+').unwrap_or(text)),
     };
+    match unsigned.to_ascii_lowercase().as_str() {
+        "nan" => return CanonicalKey::NotANumber,
+        "inf" | "infinity" => return CanonicalKey::Infinity { negative },
+        _ => {}
+    }
     let (mantissa, exponent) = match unsigned.split_once(['E', 'e']) {
         Some((m, e)) => match e.parse::<i64>() {
             Ok(e) => (m, e),
@@ -430,6 +446,36 @@ mod tests {
             assert_eq!(CanonicalKey::of(&same), five, "{same}");
         }
         assert_ne!(CanonicalKey::of(&decimal("5.5")), five);
+        // Doubles and decimals that are no int64, by value as the server
+        // compares them (a double to a decimal's 34 digits).
+        for (double, text) in [
+            (0.5, "0.5"),
+            (-0.25, "-0.250"),
+            (1e19, "1E+19"),
+            (-1e19, "-10000000000000000000"),
+            (2f64.powi(100), "1267650600228229401496703205376"),
+            (f64::NAN, "NaN"),
+            (f64::INFINITY, "Infinity"),
+            (f64::NEG_INFINITY, "-Infinity"),
+        ] {
+            assert_eq!(
+                CanonicalKey::of(&Bson::Double(double)),
+                CanonicalKey::of(&decimal(text)),
+                "{double} and {text}"
+            );
+        }
+        assert_ne!(
+            CanonicalKey::of(&Bson::Double(0.1)),
+            CanonicalKey::of(&decimal("0.1"))
+        );
+        assert_eq!(
+            CanonicalKey::of(&Bson::Double(0.1)),
+            CanonicalKey::of(&decimal("0.1000000000000000055511151231257827"))
+        );
+        assert_ne!(
+            CanonicalKey::of(&Bson::Double(f64::INFINITY)),
+            CanonicalKey::of(&Bson::Double(f64::NEG_INFINITY))
+        );
         assert_eq!(
             CanonicalKey::of(&decimal("5.50")),
             CanonicalKey::of(&decimal("55E-1"))

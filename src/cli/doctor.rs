@@ -306,7 +306,7 @@ async fn clock_skew(store: &Store, config: &Config, clock: Clock) -> Check {
     let tightest = &margins[0];
     let margin = humantime::format_duration(tightest.margin);
     let found = format!(
-        "{}; the fold of {} leaves {margin} for writers' clocks behind the server's ({})",
+        "{}; the collection {} leaves {margin} for writers' clocks behind the server's ({})",
         skew.describe(),
         tightest.collection,
         tightest.made_of

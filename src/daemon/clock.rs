@@ -158,15 +158,18 @@ impl LastSkew {
     }
 }
 
-/// How far writers' clocks may lag the server's before the fold could take
-/// one of their tokens early, for one collection.
+/// How far writers' clocks may lag the server's before the daemon could
+/// take something early, for one collection: the fold a token (`grace −
+/// retry_horizon − attempt_timeout`) or the prune a lane entry a resume
+/// still needs (`lane_ttl − lane_resume_horizon − attempt_timeout`),
+/// whichever is tighter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Margin {
     /// The collection (or `[reconcile]` when none is configured).
     pub(crate) collection: String,
-    /// `grace − retry_horizon − attempt_timeout`.
+    /// The tighter of the two margins.
     pub(crate) margin: Duration,
-    /// How the margin is made: "grace 15m − retry_horizon 3m −
+    /// How the margin is made: "the fold: grace 15m − retry_horizon 3m −
     /// attempt_timeout 1m".
     pub(crate) made_of: String,
 }
@@ -176,6 +179,14 @@ pub(crate) struct Margin {
 pub(crate) fn margins(config: &Config) -> Vec<Margin> {
     let horizon = config.writer.retry_horizon;
     let attempt = config.mongodb.attempt_timeout;
+    let (ttl, resume) = (config.writer.lane_ttl, config.writer.lane_resume_horizon);
+    let lanes = ttl.saturating_sub(resume).saturating_sub(attempt);
+    let lanes_made_of = format!(
+        "the prune of lane entries: lane_ttl {} − lane_resume_horizon {} − attempt_timeout {}",
+        format_duration(ttl),
+        format_duration(resume),
+        format_duration(attempt)
+    );
     let mut graces: Vec<(String, Duration)> = config
         .collections
         .iter()
@@ -186,15 +197,24 @@ pub(crate) fn margins(config: &Config) -> Vec<Margin> {
     }
     let mut margins: Vec<Margin> = graces
         .into_iter()
-        .map(|(collection, grace)| Margin {
-            collection,
-            margin: grace.saturating_sub(horizon).saturating_sub(attempt),
-            made_of: format!(
-                "grace {} − retry_horizon {} − attempt_timeout {}",
-                format_duration(grace),
-                format_duration(horizon),
-                format_duration(attempt)
-            ),
+        .map(|(collection, grace)| {
+            let fold = grace.saturating_sub(horizon).saturating_sub(attempt);
+            let (margin, made_of) = if lanes < fold {
+                (lanes, lanes_made_of.clone())
+            } else {
+                let made_of = format!(
+                    "the fold: grace {} − retry_horizon {} − attempt_timeout {}",
+                    format_duration(grace),
+                    format_duration(horizon),
+                    format_duration(attempt)
+                );
+                (fold, made_of)
+            };
+            Margin {
+                collection,
+                margin,
+                made_of,
+            }
         })
         .collect();
     margins.sort_by_key(|m| m.margin);

@@ -165,9 +165,10 @@ impl Evaluator {
             oldest_age: None,
             sample_ids: Vec::new(),
             detail: Some(format!(
-                "{}: more than half of the {} the fold of {collection} leaves for clock skew \
-                 ({}); a writer whose clock is that far behind could have a token folded \
-                 before its last retry lands, counting it twice — fix the clocks (NTP)",
+                "{}: more than half of the {} the collection {collection} leaves for clock skew ({}); a \
+                 writer whose clock is that far behind could have a token folded, or a lane \
+                 entry pruned, before its last retry lands, counting it twice — fix the clocks \
+                 (NTP)",
                 skew.describe(),
                 humantime::format_duration(margin.margin),
                 margin.made_of,

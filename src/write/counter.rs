@@ -85,7 +85,12 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 /// Increments counters of one collection, with either protocol: the
 /// two-step increment ([`Counters::increment`]) or a writer lane
 /// ([`Counters::add`], DESIGN §3b). Clones share one lane and its queue:
-/// make one handle per process (per collection) and clone it.
+/// make one handle per process (per collection) and clone it. A handle
+/// belongs to one Tokio runtime, as the driver's `Client` does: the
+/// updates of [`Counters::add`] are sent by tasks spawned on the runtime
+/// of the call that found the counter idle, so a handle shared with a
+/// runtime that is not running (a `block_on` kept for later) can leave
+/// other callers waiting; make one handle per runtime.
 #[derive(Clone, Debug)]
 pub struct Counters {
     pub(super) store: Store,
@@ -290,7 +295,12 @@ impl Counters {
             Err(Stopped::Refused(cause)) if budget.maybe_applied() => Added::Unknown(cause),
             Err(Stopped::Refused(cause)) => Added::No(cause),
             Err(Stopped::GaveUp(failure)) => {
-                if let Some(refused) = self.overflow_refusal(key, entry, &failure).await {
+                // Definite only when no attempt may have applied: an earlier
+                // attempt whose reply was lost may hold the token already
+                // (the counter moved up since, under another writer).
+                if !budget.maybe_applied()
+                    && let Some(refused) = self.overflow_refusal(key, entry, &failure).await
+                {
                     return Added::No(refused);
                 }
                 self.step_1_failed(&budget, failure, by)

@@ -206,14 +206,15 @@ impl LaneTicket {
     /// position and amount must be the original increment's: the update
     /// is recognised by the lane and position alone, so resuming with
     /// another amount would count that amount instead. A minted lane's
-    /// positions start at 1, a named lane's at 0.
+    /// positions start at 1, a named lane's at 0. The amount may be zero:
+    /// a group's shares may add up to nothing, and its update must still
+    /// be settled.
     pub fn new(
         key: impl Into<Bson>,
         lane: LaneId,
         position: i64,
         amount: i64,
     ) -> Result<Self, Error> {
-        check_amount(amount)?;
         check_position(&lane, position)?;
         Ok(Self {
             key: key.into(),

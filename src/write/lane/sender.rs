@@ -267,6 +267,21 @@ impl Counters {
                 });
             }
         };
+        // The counter's sends are tasks of the runtime: outside one, nothing
+        // may be queued (it would wait for a sender that never starts).
+        if tokio::runtime::Handle::try_current().is_err() {
+            return LaneIncrement::NotCounted(NotCounted {
+                key,
+                token: None,
+                lane: None,
+                amount,
+                cause: Error::InvalidArgument(
+                    "Counters::add must run inside a Tokio runtime (a counter's updates are sent \
+                     by a task of the runtime): nothing was written"
+                        .into(),
+                ),
+            });
+        }
         let canonical = CanonicalKey::of(&key);
         for _ in 0..QUEUE_ROUNDS {
             let (reply, outcome) = oneshot::channel();
@@ -340,20 +355,39 @@ impl Counters {
         stopped.armed = false;
     }
 
-    /// Sends one group as one update and tells each caller its outcome.
+    /// Sends one group as one update and tells each caller its outcome. A
+    /// group the server definitely refused is sent again share by share,
+    /// in order, each under its own number: the refusal of the sum (an
+    /// int64 overflow, a double counter that cannot take it exactly) may
+    /// not be every share's, and each caller is told its own.
     async fn send_group(&self, writer: &LaneWriter, key: &CanonicalKey, batch: Vec<(u64, Share)>) {
-        let lane = writer.book().lane_for(key);
         let shares: Vec<Share> = batch.into_iter().map(|(_, share)| share).collect();
+        if let Some(refused) = self.send_update(writer, key, shares).await {
+            for share in refused {
+                // A group of one is always told.
+                let _ = self.send_update(writer, key, vec![share]).await;
+            }
+        }
+    }
+
+    /// Sends `shares` as one update and tells each caller its outcome —
+    /// unless they are more than one and the update was definitely
+    /// refused: then they come back, told nothing.
+    async fn send_update(
+        &self,
+        writer: &LaneWriter,
+        key: &CanonicalKey,
+        shares: Vec<Share>,
+    ) -> Option<Vec<Share>> {
+        let lane = writer.book().lane_for(key);
         let op = LaneOp {
             key: shares[0].key.clone(),
             lane: LaneId::Minted(lane),
             position: writer.numbers.next(SystemTime::now()),
+            // `fits` kept the sum within an int64.
             amount: shares.iter().map(|s| s.amount).sum(),
         };
         writer.updates.fetch_add(1, Ordering::Relaxed);
-        writer
-            .increments
-            .fetch_add(shares.len() as u64, Ordering::Relaxed);
         let mut flight = Flight {
             writer,
             key,
@@ -364,7 +398,15 @@ impl Counters {
         let sent = self
             .send(writer.resume_horizon, &flight.op, By::Increment)
             .await;
+        if matches!(sent, Sent::NotApplied(_)) && flight.shares.len() > 1 {
+            flight.over = true;
+            return Some(std::mem::take(&mut flight.shares));
+        }
+        writer
+            .increments
+            .fetch_add(flight.shares.len() as u64, Ordering::Relaxed);
         flight.land(&sent);
+        None
     }
 }
 
