@@ -356,10 +356,11 @@ impl Counters {
     }
 
     /// Sends one group as one update and tells each caller its outcome. A
-    /// group the server definitely refused is sent again share by share,
-    /// in order, each under its own number: the refusal of the sum (an
-    /// int64 overflow, a double counter that cannot take it exactly) may
-    /// not be every share's, and each caller is told its own.
+    /// group the server definitely refused because the counter cannot take
+    /// its sum (past the int64 limit, or inexact on a double counter: the
+    /// counter, read again, says so) is sent again share by share, in
+    /// order, each under its own number: the refusal of the sum need not be
+    /// each share's, and each caller is told its own.
     async fn send_group(&self, writer: &LaneWriter, key: &CanonicalKey, batch: Vec<(u64, Share)>) {
         let shares: Vec<Share> = batch.into_iter().map(|(_, share)| share).collect();
         if let Some(refused) = self.send_update(writer, key, shares).await {
@@ -398,7 +399,10 @@ impl Counters {
         let sent = self
             .send(writer.resume_horizon, &flight.op, By::Increment)
             .await;
-        if matches!(sent, Sent::NotApplied(_)) && flight.shares.len() > 1 {
+        if matches!(sent, Sent::NotApplied(_))
+            && flight.shares.len() > 1
+            && self.cannot_take(&flight.op).await
+        {
             flight.over = true;
             return Some(std::mem::take(&mut flight.shares));
         }
@@ -407,6 +411,19 @@ impl Counters {
             .fetch_add(flight.shares.len() as u64, Ordering::Relaxed);
         flight.land(&sent);
         None
+    }
+}
+
+impl Counters {
+    /// Whether the counter of `op`, read now, cannot take `op`'s amount:
+    /// past the int64 limit, or inexact on a double. A failed read says
+    /// no (the group's refusal stands).
+    async fn cannot_take(&self, op: &LaneOp) -> bool {
+        match self.value(op.key.clone()).await {
+            Ok(Some(Bson::Double(value))) => !crate::document::double_takes(value, op.amount),
+            Ok(Some(value)) => crate::document::int64_overflow(&value, op.amount),
+            _ => false,
+        }
     }
 }
 
