@@ -328,7 +328,7 @@ impl Cli {
 pub(crate) fn command() -> clap::Command {
     fn with_exit_codes(command: clap::Command) -> clap::Command {
         command
-            .after_help(exit::EXIT_CODES_HELP)
+            .after_help(exit::exit_codes_help())
             .mut_subcommands(with_exit_codes)
     }
     with_exit_codes(<Cli as clap::CommandFactory>::command())

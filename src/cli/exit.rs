@@ -1,14 +1,7 @@
-//! Exit codes by class: the same for every command.
-//!
-//! | exit | meaning |
-//! |---|---|
-//! | 0 | done |
-//! | 1 | definitely not done (refused; nothing was written), or `status --check` found something that needs attention |
-//! | 64 | usage: an unknown command or flag, a missing or malformed argument |
-//! | 69 | the server is unavailable: no server could be selected, the network failed (nothing was written) |
-//! | 75 | the outcome is unknown or pending: resuming (the printed command) is safe |
-//! | 77 | permission denied: authentication failed, or the user lacks a privilege |
-//! | 78 | configuration: a bad key, a collection not configured, a URI that cannot be used |
+//! Exit codes by class: the same for every command. [`EXIT_CODES`] is the
+//! one table of them, with what each means; every command's `--help` ends
+//! with it ([`exit_codes_help`]) and every man page's EXIT STATUS lists it,
+//! so the two cannot disagree.
 //!
 //! The code is decided by the error's class, kind and server code
 //! ([`crate::error::Trouble`]), never by its text. An outcome that is
@@ -35,16 +28,45 @@ pub(crate) const EXIT_TEMPFAIL: u8 = 75;
 pub(crate) const EXIT_NOPERM: u8 = 77;
 pub(crate) use crate::config::EXIT_CONFIG;
 
-/// The table above as `--help` and the man pages show it.
-pub(crate) const EXIT_CODES_HELP: &str = "\
-Exit codes (the same for every command):
-  0   done
-  1   definitely not done (refused, nothing written); `status --check`: something needs attention
-  64  usage: an unknown command or flag, a missing or malformed argument
-  69  the server is unavailable (nothing was written); try again later
-  75  the outcome is unknown or pending: run the printed command (resuming is safe)
-  77  permission denied: authentication failed, or the user lacks a privilege
-  78  configuration: a bad key, a collection not configured, a URI that cannot be used";
+/// Every exit status and what it means, in order: the table `--help`
+/// ([`exit_codes_help`]) and the man pages' EXIT STATUS render.
+pub(crate) const EXIT_CODES: &[(u8, &str)] = &[
+    (EXIT_OK, "done"),
+    (
+        EXIT_FAILED,
+        "definitely not done (refused, nothing written); `status --check`: something needs \
+         attention",
+    ),
+    (
+        EXIT_USAGE,
+        "usage: an unknown command or flag, a missing or malformed argument",
+    ),
+    (
+        EXIT_UNAVAILABLE,
+        "the server is unavailable (nothing was written); try again later",
+    ),
+    (
+        EXIT_TEMPFAIL,
+        "the outcome is unknown or pending: run the printed command (resuming is safe)",
+    ),
+    (
+        EXIT_NOPERM,
+        "permission denied: authentication failed, or the user lacks a privilege",
+    ),
+    (
+        EXIT_CONFIG,
+        "configuration: a bad key, a collection not configured, a URI that cannot be used",
+    ),
+];
+
+/// [`EXIT_CODES`] as the end of every command's `--help`.
+pub(crate) fn exit_codes_help() -> String {
+    let mut help = String::from("Exit codes (the same for every command):");
+    for (code, meaning) in EXIT_CODES {
+        help.push_str(&format!("\n  {code:<3} {meaning}"));
+    }
+    help
+}
 
 /// The exit code of a command that did not get done because of `err`.
 pub(crate) fn exit_code_for(err: &Error) -> u8 {

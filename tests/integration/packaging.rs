@@ -476,19 +476,43 @@ fn tallyd(args: &[&std::ffi::OsStr]) -> Output {
         .expect("run tallyd")
 }
 
-/// Every command `--help` shows, nested ones as `seq-next`.
-fn visible_commands() -> Vec<String> {
+/// Every man page `tallyd man` should write: its command's path (empty
+/// for `tallyd.1`, `["seq", "next"]` for `tallyd-seq-next.1`) and whether
+/// the command has subcommands `--help` shows.
+fn expected_pages() -> Vec<(Vec<String>, bool)> {
     use clap::CommandFactory;
-    fn walk(prefix: &str, command: &clap::Command, names: &mut Vec<String>) {
-        for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
-            let name = format!("{prefix}{}", sub.get_name());
-            names.push(name.clone());
-            walk(&format!("{name}-"), sub, names);
+    fn walk(path: Vec<String>, command: &clap::Command, pages: &mut Vec<(Vec<String>, bool)>) {
+        let shown: Vec<&clap::Command> = command
+            .get_subcommands()
+            .filter(|s| !s.is_hide_set())
+            .collect();
+        pages.push((path.clone(), !shown.is_empty()));
+        for sub in shown {
+            let mut path = path.clone();
+            path.push(sub.get_name().to_owned());
+            walk(path, sub, pages);
         }
     }
-    let mut names = Vec::new();
-    walk("", &tally::cli::Cli::command(), &mut names);
-    names
+    let mut pages = Vec::new();
+    walk(Vec::new(), &tally::cli::Cli::command(), &mut pages);
+    pages
+}
+
+/// The page of the command at `path`: `tallyd-seq-next` for `seq next`.
+fn page_name(path: &[String]) -> String {
+    std::iter::once("tallyd")
+        .chain(path.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// Every command `--help` shows, nested ones as `seq-next`.
+fn visible_commands() -> Vec<String> {
+    expected_pages()
+        .into_iter()
+        .filter(|(path, _)| !path.is_empty())
+        .map(|(path, _)| path.join("-"))
+        .collect()
 }
 
 /// `tallyd man DIR` (what the package ships) writes `tallyd.1`, which names
@@ -591,22 +615,13 @@ fn completions_and_man_pages_offer_nothing_help_hides() {
 }
 
 /// The exit codes by class: one table, the same in every command's
-/// `--help` (and so in the man pages) and in the README.
+/// `--help`, in the man pages' EXIT STATUS and in the README.
 #[test]
 fn every_help_and_the_readme_give_the_same_exit_codes() {
     let codes_in = |text: &str| -> Vec<String> {
-        let table = text
-            .split("Exit codes")
-            .nth(1)
-            .unwrap_or_else(|| panic!("no exit codes in {text}"));
-        table
-            .lines()
-            .filter_map(|line| {
-                let line = line.trim().trim_start_matches('|').trim();
-                let code = line.split([' ', '|']).next()?;
-                (!code.is_empty() && code.chars().all(|c| c.is_ascii_digit()))
-                    .then(|| code.to_owned())
-            })
+        exit_code_table(text)
+            .into_iter()
+            .map(|(code, _)| code)
             .collect()
     };
     let expected = ["0", "1", "64", "69", "75", "77", "78"];
@@ -632,11 +647,12 @@ fn every_help_and_the_readme_give_the_same_exit_codes() {
         expected,
         "{section}"
     );
-    let man = tempfile::tempdir().unwrap();
-    let output = tallyd(&["man".as_ref(), man.path().as_os_str()]);
-    assert!(output.status.success(), "{}", output_text(&output));
-    let page = std::fs::read_to_string(man.path().join("tallyd-incr.1")).unwrap();
-    assert!(page.contains("Exit codes"), "{page}");
+    let page = &man_pages()["tallyd-incr.1"];
+    let codes: Vec<String> = exit_status(page)
+        .into_iter()
+        .map(|(code, _)| code)
+        .collect();
+    assert_eq!(codes, expected, "{page}");
 }
 
 /// The on-call recipes read the environment file as systemd's unit does
@@ -665,5 +681,323 @@ fn the_recipes_read_the_env_file_as_the_unit_does() {
             read(file).contains("tallyd --env-file /etc/tally/tallyd.env"),
             "{file} gives no recipe with --env-file"
         );
+    }
+}
+
+// --- man pages: the sections --help has no room for ------------------------
+
+/// What `tallyd man DIR` writes: file name -> roff source.
+fn man_pages() -> BTreeMap<String, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), dir.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read_to_string(&path).unwrap())
+        })
+        .collect()
+}
+
+/// The `.SH` headings of a page, unquoted.
+fn headings(page: &str) -> Vec<String> {
+    page.lines()
+        .filter_map(|line| line.strip_prefix(".SH "))
+        .map(|heading| heading.trim().trim_matches('"').to_owned())
+        .collect()
+}
+
+/// The lines of the section `heading` of `page`, up to the next `.SH`.
+fn man_section<'p>(page: &'p str, heading: &str) -> Vec<&'p str> {
+    let quoted = format!("\"{heading}\"");
+    page.lines()
+        .skip_while(|line| {
+            let shown = line.strip_prefix(".SH ").map(str::trim);
+            shown != Some(heading) && shown != Some(quoted.as_str())
+        })
+        .skip(1)
+        .take_while(|line| !line.starts_with(".SH "))
+        .collect()
+}
+
+/// roff source as a reader sees it: font changes dropped, escaped dashes
+/// and apostrophes as themselves.
+fn unroff(text: &str) -> String {
+    text.replace("\\fB", "")
+        .replace("\\fI", "")
+        .replace("\\fR", "")
+        .replace("\\-", "-")
+        .replace("\\*(Aq", "'")
+}
+
+/// The `.TP` entries of a section: (term, what follows it), unroffed.
+fn entries(lines: &[&str]) -> Vec<(String, String)> {
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut lines = lines.iter().peekable();
+    while let Some(line) = lines.next() {
+        if *line != ".TP" {
+            continue;
+        }
+        let term = lines.next().map(|t| unroff(t)).unwrap_or_default();
+        let mut what = Vec::new();
+        while let Some(next) = lines.next_if(|l| !l.starts_with('.')) {
+            what.push(unroff(next));
+        }
+        entries.push((term, what.join(" ")));
+    }
+    entries
+}
+
+/// A page's EXIT STATUS: (code, meaning) in order.
+fn exit_status(page: &str) -> Vec<(String, String)> {
+    entries(&man_section(page, "EXIT STATUS"))
+}
+
+/// The exit-code table after "Exit codes" in `text` — the end of a
+/// `--help`, or the README's Markdown table: (code, meaning) in order,
+/// code spans as plain text (a man page shows them in bold).
+fn exit_code_table(text: &str) -> Vec<(String, String)> {
+    let table = text
+        .split("Exit codes")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no exit codes in {text}"));
+    table
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim().trim_start_matches('|').trim();
+            let (code, meaning) = line.split_once([' ', '|'])?;
+            let meaning = meaning.trim().trim_matches('|').trim().replace('`', "");
+            (!code.is_empty() && code.chars().all(|c| c.is_ascii_digit()))
+                .then(|| (code.to_owned(), meaning))
+        })
+        .collect()
+}
+
+/// Every page `tallyd man` writes — `tallyd.1` and one per command `--help`
+/// shows, no other — has the sections of a man page, in order.
+#[test]
+fn every_man_page_has_every_section_in_order() {
+    let pages = man_pages();
+    let expected = expected_pages();
+    let written: BTreeSet<&str> = pages.keys().map(String::as_str).collect();
+    let wanted: BTreeSet<String> = expected
+        .iter()
+        .map(|(path, _)| format!("{}.1", page_name(path)))
+        .collect();
+    let wanted: BTreeSet<&str> = wanted.iter().map(String::as_str).collect();
+    assert_eq!(written, wanted, "the pages written");
+    for (path, has_commands) in expected {
+        let name = page_name(&path);
+        let page = &pages[&format!("{name}.1")];
+        let mut sections = vec!["NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS"];
+        if has_commands {
+            sections.push("COMMANDS");
+        }
+        sections.extend(["EXIT STATUS", "ENVIRONMENT", "FILES", "SEE ALSO", "VERSION"]);
+        assert_eq!(headings(page), sections, "{name}.1:\n{page}");
+        let see_also = unroff(&man_section(page, "SEE ALSO").join("\n"));
+        if name != "tallyd" {
+            assert!(see_also.contains("tallyd(1)"), "{name}.1: {see_also}");
+        }
+        assert!(see_also.contains("systemd.exec(5)"), "{name}.1: {see_also}");
+    }
+}
+
+/// Each page's EXIT STATUS is the table its command's `--help` ends with,
+/// code for code and word for word: both are rendered from one table.
+#[test]
+fn every_man_page_gives_the_exit_codes_its_help_gives() {
+    let pages = man_pages();
+    for (path, _) in expected_pages() {
+        let name = page_name(&path);
+        let mut args: Vec<&std::ffi::OsStr> = path.iter().map(|arg| arg.as_ref()).collect();
+        args.push("--help".as_ref());
+        let output = tallyd(&args);
+        assert_eq!(output.status.code(), Some(0), "{}", output_text(&output));
+        let help = exit_code_table(&String::from_utf8_lossy(&output.stdout));
+        let page = exit_status(&pages[&format!("{name}.1")]);
+        assert_eq!(page, help, "{name}.1 against {args:?}");
+        let codes: Vec<&str> = page.iter().map(|(code, _)| code.as_str()).collect();
+        assert_eq!(codes, ["0", "1", "64", "69", "75", "77", "78"], "{name}.1");
+    }
+}
+
+/// Whatever `--help` hides — an argument's flag and variable, a command —
+/// no man page shows: found from the command line's own definitions.
+#[test]
+fn no_man_page_shows_what_help_hides() {
+    use clap::CommandFactory;
+    fn hidden(command: &clap::Command, words: &mut Vec<String>, commands: &mut Vec<String>) {
+        for arg in command.get_arguments().filter(|arg| arg.is_hide_set()) {
+            words.extend(arg.get_long().map(|long| format!("--{long}")));
+            words.extend(arg.get_env().map(|env| env.to_string_lossy().into_owned()));
+        }
+        for sub in command.get_subcommands() {
+            if sub.is_hide_set() {
+                commands.push(sub.get_name().to_owned());
+                words.push(format!("tallyd {}", sub.get_name()));
+                words.extend(sub.get_about().map(|about| about.to_string()));
+            } else {
+                hidden(sub, words, commands);
+            }
+        }
+    }
+    let (mut words, mut commands) = (Vec::new(), Vec::new());
+    hidden(&tally::cli::Cli::command(), &mut words, &mut commands);
+    for expected in ["--clock-offset", "TALLYD_CLOCK_OFFSET", "tallyd man"] {
+        assert!(words.iter().any(|w| w == expected), "{words:?}");
+    }
+    let pages = man_pages();
+    for command in &commands {
+        assert!(
+            !pages.contains_key(&format!("tallyd-{command}.1")),
+            "{command}"
+        );
+        words.push(format!("tallyd-{command}("));
+    }
+    for (name, page) in &pages {
+        let text = unroff(page);
+        for word in &words {
+            assert!(
+                !text.contains(word.as_str()),
+                "{name} shows {word}:\n{text}"
+            );
+        }
+    }
+}
+
+/// FILES names what the package installs beside the binary and the man
+/// pages — the configuration, the units, the alert rules, the dashboard —
+/// and the environment file the units read, and no path that is not one of
+/// them; SEE ALSO's README is where the package puts it; ENVIRONMENT names
+/// the webhook variable the example configuration does.
+#[test]
+fn the_man_pages_name_the_files_the_package_installs() {
+    let manifest: toml::Table = read("Cargo.toml").parse().unwrap();
+    let deb = &manifest["package"]["metadata"]["deb"];
+    let mut installed: BTreeSet<String> = BTreeSet::new();
+    for asset in deb["assets"].as_array().unwrap() {
+        let (source, dest) = (asset[0].as_str().unwrap(), asset[1].as_str().unwrap());
+        let mut dest = format!("/{dest}");
+        if dest.ends_with('/') {
+            dest.push_str(source.rsplit('/').next().unwrap());
+        }
+        installed.insert(dest);
+    }
+    for unit in std::fs::read_dir(root().join("systemd")).unwrap() {
+        let unit = unit.unwrap().file_name().to_string_lossy().into_owned();
+        installed.insert(format!("/usr/lib/systemd/system/{unit}"));
+    }
+    let daemon = parse_unit("systemd/tallyd.service");
+    let env_file = value(&daemon, "Service", "EnvironmentFile").unwrap();
+    let env_file = env_file.trim_start_matches('-').to_owned();
+
+    let pages = man_pages();
+    for (name, page) in &pages {
+        let files: BTreeSet<String> = entries(&man_section(page, "FILES"))
+            .into_iter()
+            .map(|(path, _)| path)
+            .collect();
+        let invented: Vec<&String> = files
+            .iter()
+            .filter(|path| **path != env_file && !installed.contains(*path))
+            .collect();
+        assert!(
+            invented.is_empty(),
+            "{name}: FILES names {invented:?}, which the package does not install"
+        );
+        let beside: BTreeSet<&String> = installed
+            .iter()
+            .filter(|path| {
+                path.starts_with("/etc/")
+                    || path.starts_with("/usr/share/tally/")
+                    || path.starts_with("/usr/lib/systemd/")
+            })
+            .collect();
+        for path in beside.into_iter().chain([&env_file]) {
+            assert!(
+                files.contains(path),
+                "{name}: FILES lacks {path}: {files:?}"
+            );
+        }
+        let see_also = unroff(&man_section(page, "SEE ALSO").join("\n"));
+        let readme = "/usr/share/doc/tallyd/README.md";
+        assert!(
+            installed.contains(readme) && see_also.contains(readme),
+            "{name}: {see_also}"
+        );
+    }
+
+    let example = read("config/tallyd.toml");
+    let webhook_variable = example
+        .lines()
+        .find_map(|line| {
+            line.trim_start_matches(['#', ' '])
+                .strip_prefix("auth_header_env = ")
+        })
+        .expect("config/tallyd.toml shows an auth_header_env")
+        .trim_matches('"');
+    let environment: Vec<String> = entries(&man_section(&pages["tallyd.1"], "ENVIRONMENT"))
+        .into_iter()
+        .map(|(variable, _)| variable)
+        .collect();
+    assert_eq!(
+        environment,
+        [
+            "TALLYD__SECTION__KEY",
+            webhook_variable,
+            "RUST_LOG",
+            "NO_COLOR"
+        ],
+        "tallyd.1: ENVIRONMENT"
+    );
+}
+
+/// `man` renders every page without a warning from groff (where `man` is
+/// installed; the suite installs nothing, so elsewhere this says so and
+/// checks nothing more).
+#[test]
+fn man_renders_every_page_without_a_warning() {
+    if Command::new("man").arg("--version").output().is_err() {
+        eprintln!(
+            "note: `man` is not installed: the man pages were not rendered (apt-get install man-db)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let output = tallyd(&["man".as_ref(), dir.path().as_os_str()]);
+    assert!(output.status.success(), "{}", output_text(&output));
+    for (path, _) in expected_pages() {
+        let page = dir.path().join(format!("{}.1", page_name(&path)));
+        let rendered = Command::new("man")
+            .args(["--warnings", "-l"])
+            .arg(&page)
+            .env("MANWIDTH", "80")
+            .env("MANPAGER", "cat")
+            .env("PAGER", "cat")
+            .output()
+            .expect("run man");
+        assert!(
+            rendered.status.success(),
+            "{}: {}",
+            page.display(),
+            output_text(&rendered)
+        );
+        assert!(
+            rendered.stderr.is_empty(),
+            "{}: {}",
+            page.display(),
+            output_text(&rendered)
+        );
+        let text = String::from_utf8_lossy(&rendered.stdout);
+        for heading in ["EXIT STATUS", "ENVIRONMENT", "FILES", "SEE ALSO"] {
+            assert!(
+                text.contains(&format!("\n{heading}\n")),
+                "{}: no {heading}:\n{text}",
+                page.display()
+            );
+        }
     }
 }
