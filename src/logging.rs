@@ -35,7 +35,12 @@ pub fn init(config: &Config) -> Logging {
             .with_current_span(false)
             .boxed(),
         LogFormat::Text => output
-            .with_ansi(std::io::stderr().is_terminal())
+            // Colour only on a terminal, and never when NO_COLOR is set
+            // (https://no-color.org: to anything but the empty string).
+            .with_ansi(
+                std::io::stderr().is_terminal()
+                    && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            )
             .with_target(false)
             .boxed(),
     };
