@@ -1,22 +1,30 @@
 //! `tallyd incr`, `tallyd complete`, `tallyd resume`: the two-step
-//! increment here, the lanes protocol in [`super::lane`]; `--lane` and
-//! `--two-step` choose, else `[writer] protocol`.
+//! increment here, the lanes protocol in [`super::lane`]; for `incr`,
+//! `--lane` and `--two-step` choose, else `[writer] protocol`.
 //!
-//! Every outcome, as text or `--json`, says the amount; every hint to run
-//! another command repeats it (`--by N`) and always names the protocol
-//! (`--lane`, `--two-step`) — never relying on `[writer] protocol`, which
-//! may change before the hint is followed — so following a hint settles the
+//! Every outcome, as text or `--json`, says the amount and shows the
+//! increment's ticket ([`crate::write::ticket`]): its token (or lane and
+//! number) with a check over the collection, key and amount. Every hint to
+//! run another command repeats the ticket, the amount (`--by N`) and the
+//! protocol (`--lane`, `--two-step`), so following a hint settles the
 //! increment that was made, not a `+1`, and with the protocol that made it.
+//! `resume` takes only a checked ticket, and says which protocol it is by
+//! its shape (never by `[writer] protocol`); `resume` and `complete` verify
+//! the check against `--collection`, the key and `--by` before anything is
+//! read or written, so a key pasted wrong is refused instead of counted.
 
 use crate::cli::out;
 use std::process::ExitCode;
 use std::time::SystemTime;
 
 use clap::Args;
+use mongodb::bson::Bson;
+use mongodb::bson::oid::ObjectId;
 use serde_json::{Value, json};
 
 use super::{
-    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail, lane,
+    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, exit_code_for, fail,
+    lane,
 };
 use crate::config::Config;
 use crate::error::Error;
@@ -27,9 +35,10 @@ use crate::write::counter::{
     CollectionConfig, Counters, Found, Increment, Protocol, UnknownToken, WriterConfig,
 };
 use crate::write::lane::LaneId;
+use crate::write::ticket::{Names, Settles, Ticket};
 
-/// `--lane` or `--two-step`: the protocol of `incr` and `resume`, else
-/// `[writer] protocol`.
+/// `--lane` or `--two-step`: the protocol of `incr`, else `[writer]
+/// protocol`.
 #[derive(Debug, Clone, Copy, Args)]
 pub(crate) struct ProtocolArgs {
     /// Use the lanes protocol: one round trip through a fresh lane; its
@@ -69,46 +78,72 @@ pub(crate) struct IncrArgs {
     pub(crate) target: TargetArgs,
 }
 
-/// `tallyd complete KEY TOKEN`.
+/// `tallyd complete KEY TICKET [--by N]`.
 #[derive(Debug, Args)]
 pub(crate) struct CompleteArgs {
     /// The counter's `_id` (a string).
     pub(crate) key: String,
-    /// The pending token: 24 hex digits.
-    pub(crate) token: Token,
+    /// The ticket the increment printed (TOKEN-CHECK), or the bare pending
+    /// token (24 hex digits). A ticket whose check does not match the key,
+    /// --by and --collection is refused, nothing written.
+    pub(crate) ticket: Ticket,
+    /// The increment's amount [default: 1]: checked against the ticket's
+    /// check, and against the amount the document holds for the token
+    /// (for a bare token, only when given).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) by: Option<i64>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
 }
 
-/// `tallyd resume KEY TOKEN [--by N] [--lane | --two-step]`.
+/// `tallyd resume KEY TICKET [--by N]`.
 #[derive(Debug, Args)]
 pub(crate) struct ResumeArgs {
     /// The counter's `_id` (a string).
     pub(crate) key: String,
-    /// The token an increment reported as unknown: 24 hex digits (with
-    /// `--lane`, the lane).
-    pub(crate) token: Token,
-    /// The amount of the original increment. A two-step resume whose amount
-    /// differs from what the document holds for the token is refused; a
-    /// lane resume adds what it is given, so give the increment's.
+    /// The ticket the increment printed: TOKEN-CHECK for a two-step token,
+    /// LANE.NUMBER-CHECK for a lane. Its check covers the key, --by and
+    /// --collection: a ticket given another one is refused, nothing
+    /// written. A bare token is refused (exit 64).
+    pub(crate) ticket: Ticket,
+    /// The amount of the original increment, as the printed command gives
+    /// it (for a lane, the whole update's).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub(crate) by: i64,
-    /// The protocol that made the token: a token does not say which, so
-    /// give the flag the increment's output shows, or rely on `[writer]
-    /// protocol`. A token the document shows under the other protocol is
-    /// refused.
     #[command(flatten)]
-    pub(crate) protocol: ProtocolArgs,
-    /// The lanes protocol only: the lane's position of the increment — 1
-    /// (the default) for `incr --lane`, a library ticket's own otherwise
-    /// (its display shows it). Refused, nothing written, when the lane
-    /// holds a later position.
-    #[arg(long)]
-    pub(crate) position: Option<i64>,
+    #[allow(missing_docs)]
+    pub(crate) protocol: ResumeProtocolArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
+}
+
+/// `resume`'s `--lane` and `--two-step`: the ticket's shape says the
+/// protocol; a flag may repeat it, never contradict it.
+#[derive(Debug, Clone, Copy, Args)]
+pub(crate) struct ResumeProtocolArgs {
+    /// The ticket is a lane's (LANE.NUMBER-CHECK), as the printed command
+    /// says. Optional: the ticket's shape says so; a two-step ticket is
+    /// refused (exit 64).
+    #[arg(long, conflicts_with = "two_step")]
+    pub(crate) lane: bool,
+    /// The ticket is a two-step token's (TOKEN-CHECK), as the printed
+    /// command says. Optional: the ticket's shape says so; a lane's ticket
+    /// is refused (exit 64).
+    #[arg(long)]
+    pub(crate) two_step: bool,
+}
+
+impl ResumeProtocolArgs {
+    /// The flag given that contradicts `ticket`'s shape, if any.
+    fn contradicting(self, ticket: &Ticket) -> Option<&'static str> {
+        match ticket.protocol() {
+            Protocol::TwoStep if self.lane => Some("--lane"),
+            Protocol::Lanes if self.two_step => Some("--two-step"),
+            _ => None,
+        }
+    }
 }
 
 /// Everything a command needs to talk to one collection.
@@ -124,6 +159,43 @@ pub(super) struct Target {
 }
 
 impl Target {
+    /// The ticket of an increment of `amount` to `key`: the token `id`,
+    /// settled as `settles` says, or the minted lane `id` at `position`.
+    pub(super) fn ticket(
+        &self,
+        key: &str,
+        id: ObjectId,
+        position: Option<i64>,
+        amount: i64,
+        settles: Settles,
+    ) -> String {
+        let key = Bson::from(key);
+        self.counters
+            .issue_ticket(&key, id, position, amount, settles)
+            .to_string()
+    }
+
+    /// Refuses `ticket` unless its check matches this collection, `key`
+    /// and `amount`, and `command` may settle it.
+    fn verify(
+        &self,
+        command: Settles,
+        ticket: &Ticket,
+        key: &str,
+        amount: i64,
+    ) -> Result<(), Error> {
+        let key = Bson::from(key);
+        let names = Names {
+            collection: &self.spec.name,
+            key: &key,
+            amount,
+        };
+        match command {
+            Settles::Resume => ticket.verify_resume(names),
+            Settles::Complete => ticket.verify_complete(names),
+        }
+    }
+
     /// `err` as people read it: where the operation went, secrets removed.
     pub(super) fn explain(&self, err: &Error) -> String {
         self.secrets.scrub(&self.store.explain(err))
@@ -177,7 +249,7 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
     let code = match args.protocol.chosen(target.writer.protocol) {
         Protocol::TwoStep => {
             let outcome = target.counters.increment(args.key.as_str(), args.by).await;
-            report_increment(&target, &args.key, &outcome)
+            report_increment(&target, &args.key, &outcome, None)
         }
         Protocol::Lanes => lane::incr(&target, &args.key, args.by).await,
     };
@@ -186,32 +258,73 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
 }
 
 pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
+    let ticket = &args.ticket;
+    if ticket.protocol() == Protocol::Lanes {
+        let message = format!(
+            "ticket {ticket} is a lane's (it carries the lane's number), and `tallyd complete` \
+             settles a two-step token: resume it with `tallyd resume {} {ticket}{}`",
+            shell_word(&args.key),
+            by_option(args.by.unwrap_or(1)),
+        );
+        return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
+    }
     let target = match open(&args.target, config).await {
         Ok(target) => target,
         Err(code) => return code,
     };
-    let code = match target.counters.lookup(args.key.as_str(), args.token).await {
-        Ok(Found::Pending(pending)) => {
-            let outcome = target.counters.complete(pending).await.into();
-            report_increment(&target, &args.key, &outcome)
-        }
-        // A settle (`complete` or `resume`, here or elsewhere) counted it.
-        Ok(Found::Settled(counted)) => {
-            report_increment(&target, &args.key, &Increment::Counted(counted))
-        }
-        Ok(Found::Absent) => {
-            let text = format!(
-                "token {} is not pending in {}/{}: nothing to do (already counted, or never added)",
-                args.token, target.spec.name, args.key
-            );
-            let fields = json!({ "outcome": "not_pending" });
-            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
-            print(&target, &shown, fields, &text, EXIT_OK)
-        }
-        Err(err) => {
-            let text = "pending: could not look the token up, it stays pending";
-            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
-            print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
+    let by = args.by.unwrap_or(1);
+    // The amount the document must hold for the token: the checked one, or
+    // the one given with a bare token.
+    let expected = if ticket.is_checked() {
+        Some(by)
+    } else {
+        args.by
+    };
+    let shown = Shown::given(&args.key, ticket, expected);
+    let refuse =
+        |err: &Error| print_failure(&target, &shown, "refused", err, "refused", EXIT_FAILED);
+    let token = ticket.token();
+    let mismatch = |stored: i64| {
+        let given = expected.filter(|given| *given != stored)?;
+        let token = token.to_string();
+        Some(Error::AmountMismatch {
+            token,
+            stored,
+            given,
+        })
+    };
+    let code = if let Err(err) = target.verify(Settles::Complete, ticket, &args.key, by) {
+        refuse(&err)
+    } else {
+        match target.counters.lookup(args.key.as_str(), token).await {
+            Ok(Found::Pending(pending)) => match mismatch(pending.amount()) {
+                Some(err) => refuse(&err),
+                None => {
+                    let outcome = target.counters.complete(pending).await.into();
+                    report_increment(&target, &args.key, &outcome, Some(ticket))
+                }
+            },
+            // A settle (`complete` or `resume`, here or elsewhere) counted it.
+            Ok(Found::Settled(counted)) => match mismatch(counted.amount()) {
+                Some(err) => refuse(&err),
+                None => {
+                    let outcome = Increment::Counted(counted);
+                    report_increment(&target, &args.key, &outcome, Some(ticket))
+                }
+            },
+            Ok(Found::Absent) => {
+                let text = format!(
+                    "token {token} is not pending in {}/{}: nothing to do (already counted, or \
+                     never added)",
+                    target.spec.name, args.key
+                );
+                let fields = json!({ "outcome": "not_pending" });
+                print(&target, &shown, fields, &text, EXIT_OK)
+            }
+            Err(err) => {
+                let text = "pending: could not look the token up, it stays pending";
+                print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
+            }
         }
     };
     target.close().await;
@@ -219,22 +332,41 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
 }
 
 pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
+    let ticket = &args.ticket;
+    let usage = |message: &str| fail(args.target.json, message, &config.secrets(), EXIT_USAGE);
+    if !ticket.is_checked() {
+        return usage(&format!(
+            "{ticket} is a bare token: `tallyd resume` takes the ticket as the increment printed \
+             it (TOKEN-CHECK, or LANE.NUMBER-CHECK for a lane), whose check makes sure the key, \
+             --by and --collection are the increment's; an application logs it with \
+             Counters::ticket or Counters::lane_ticket"
+        ));
+    }
+    if let Some(flag) = args.protocol.contradicting(ticket) {
+        let shape = match ticket.protocol() {
+            Protocol::Lanes => "a lane's (it carries the lane's number)",
+            Protocol::TwoStep => "a two-step token's (it carries no lane number)",
+        };
+        return usage(&format!(
+            "ticket {ticket} is {shape}, but {flag} was given: leave the flag out, the ticket \
+             says its protocol"
+        ));
+    }
     let target = match open(&args.target, config).await {
         Ok(target) => target,
         Err(code) => return code,
     };
-    let code = match (args.protocol.chosen(target.writer.protocol), args.position) {
-        (Protocol::TwoStep, Some(_)) => {
-            let err = Error::InvalidArgument(
-                "--position is a lane's: a two-step token has none; nothing was written".into(),
-            );
-            let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
+    let code = match (
+        target.verify(Settles::Resume, ticket, &args.key, args.by),
+        ticket.position(),
+    ) {
+        (Err(err), _) => {
+            let shown = Shown::given(&args.key, ticket, Some(args.by));
             print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED)
         }
-        (Protocol::TwoStep, None) => resume_two_step(&target, &args).await,
-        (Protocol::Lanes, position) => {
-            let position = position.unwrap_or(1);
-            lane::resume(&target, &args.key, args.token, args.by, position).await
+        (Ok(()), None) => resume_two_step(&target, &args).await,
+        (Ok(()), Some(position)) => {
+            lane::resume(&target, &args.key, ticket, args.by, position).await
         }
     };
     target.close().await;
@@ -242,28 +374,31 @@ pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
 }
 
 async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
-    let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
+    let shown = Shown::given(&args.key, &args.ticket, Some(args.by));
     let refuse =
         |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
-    let unknown = match UnknownToken::new(args.key.as_str(), args.token, args.by) {
+    let token = args.ticket.token();
+    let unknown = match UnknownToken::new(args.key.as_str(), token, args.by) {
         Ok(unknown) => unknown,
         Err(err) => return refuse(&err),
     };
-    // Resuming a lane's increment as a two-step token would add it again.
-    let key = mongodb::bson::Bson::from(args.key.as_str());
-    let lane = LaneId::Minted(args.token.object_id());
+    // Resuming a lane's increment as a two-step token would add it again
+    // (the check makes that a forged ticket; the document has the last
+    // word).
+    let key = Bson::from(args.key.as_str());
+    let lane = LaneId::Minted(token.object_id());
     match target.counters.lane_position(&key, &lane).await {
         Ok(None) => {}
-        Ok(Some(_)) => return refuse(&other_protocol(args.token, Protocol::Lanes)),
+        Ok(Some(_)) => return refuse(&other_protocol(token, Protocol::Lanes)),
         // Nothing was written: the ticket is as unknown as it was (past
         // the retry horizon, with no resume hint).
         Err(err) => {
             let outcome = Increment::Unknown(unknown.because(err));
-            return report_increment(target, &args.key, &outcome);
+            return report_increment(target, &args.key, &outcome, Some(&args.ticket));
         }
     }
     match target.counters.resume(unknown).await {
-        Ok(outcome) => report_increment(target, &args.key, &outcome),
+        Ok(outcome) => report_increment(target, &args.key, &outcome, Some(&args.ticket)),
         // Past the retry horizon, or another amount than the document
         // holds: the ticket is finished, nothing was written.
         Err(err) => refuse(&err),
@@ -271,40 +406,40 @@ async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
 }
 
 /// The refusal of a token the counter shows under `protocol`, the other
-/// one: resuming it with this one could count it twice.
+/// one than its ticket says: resuming it with this one could count it
+/// twice.
 pub(super) fn other_protocol(token: Token, protocol: Protocol) -> Error {
-    let (what, flag) = match protocol {
-        Protocol::Lanes => (
-            "a lane of this counter (it holds the lane's entry)",
-            "--lane",
-        ),
-        Protocol::TwoStep => (
-            "a two-step token of this counter (pending or settled)",
-            "--two-step",
-        ),
+    let what = match protocol {
+        Protocol::Lanes => "a lane of this counter (it holds the lane's entry)",
+        Protocol::TwoStep => "a two-step token of this counter (pending or settled)",
     };
     Error::InvalidArgument(format!(
-        "{token} is {what}: resume it with {flag}; nothing was written"
+        "{token} is {what}, not what its ticket says: resume it with the ticket its own \
+         increment printed; nothing was written"
     ))
 }
 
 /// What every outcome shows about the increment: its key, token (with
-/// `--lane`, the lane) and amount (`None` when `complete` could not learn
-/// it), and the protocol.
+/// `--lane`, the lane), ticket (`None` for a bare token typed), amount
+/// (`None` when `complete` could not learn it), and the protocol.
 pub(super) struct Shown<'a> {
     pub(super) key: &'a str,
     pub(super) token: Option<String>,
+    pub(super) ticket: Option<String>,
     pub(super) amount: Option<i64>,
     pub(super) protocol: Protocol,
 }
 
 impl<'a> Shown<'a> {
-    pub(super) fn new(key: &'a str, token: Token, amount: Option<i64>, protocol: Protocol) -> Self {
+    /// The increment a command was given: `key`, the `ticket` typed, the
+    /// amount.
+    pub(super) fn given(key: &'a str, ticket: &Ticket, amount: Option<i64>) -> Self {
         Self {
             key,
-            token: Some(token.to_string()),
+            token: Some(ticket.token().to_string()),
+            ticket: ticket.is_checked().then(|| ticket.to_string()),
             amount,
-            protocol,
+            protocol: ticket.protocol(),
         }
     }
 }
@@ -323,11 +458,30 @@ pub(super) fn print_failure(
     print(target, shown, fields, &text, code)
 }
 
-fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode {
+/// Prints `outcome` of an increment of `key`, or of a settle of the
+/// ticket `given`.
+fn report_increment(
+    target: &Target,
+    key: &str,
+    outcome: &Increment,
+    given: Option<&Ticket>,
+) -> ExitCode {
     let collection = &target.spec.name;
     let token = outcome.token();
     let amount = outcome.amount();
-    let shown_token = token.map(|t| t.to_string()).unwrap_or_default();
+    // Only an unknown increment's ticket is resumable: a resume could count
+    // a pending or counted token twice. A settle keeps the ticket it was
+    // given (checked): the settles' writes leave the token's marker, so it
+    // stays as resumable as it was.
+    let settles = match outcome {
+        Increment::Unknown(_) => Settles::Resume,
+        _ => Settles::Complete,
+    };
+    let ticket = match given {
+        Some(given) if given.is_checked() => Some(given.to_string()),
+        _ => token.map(|t| target.ticket(key, t.object_id(), None, amount, settles)),
+    };
+    let shown_ticket = ticket.clone().unwrap_or_default();
     let cause = outcome
         .cause()
         .map(|err| target.explain(err))
@@ -338,18 +492,19 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
                 collection,
                 key,
                 amount,
-                "token",
-                &shown_token,
+                "ticket",
+                &shown_ticket,
                 counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
         Increment::Pending(_) => (
             format!(
-                "pending: token {shown_token} ({amount:+}) is in {collection}/{key} but not yet \
-                 counted; run `tallyd complete {} {shown_token} --collection {}` or let the \
-                 daemon fold it. Cause: {cause}",
+                "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{key} but not \
+                 yet counted; run `tallyd complete {} {shown_ticket}{} --collection {}` or let \
+                 the daemon fold it. Cause: {cause}",
                 shell_word(key),
+                by_option(amount),
                 shell_word(collection),
             ),
             EXIT_TEMPFAIL,
@@ -359,7 +514,7 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         {
             (
                 format!(
-                    "unknown: token {shown_token} ({amount:+}) may or may not be in \
+                    "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
                      {collection}/{key}, and it is past the retry horizon of {}: it is counted at \
                      most once (a resume would be refused). Cause: {cause}",
                     humantime::format_duration(target.counters.retry_horizon()),
@@ -369,8 +524,8 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         }
         Increment::Unknown(_) => (
             format!(
-                "unknown: token {shown_token} ({amount:+}) may or may not be in \
-                 {collection}/{key}; run `tallyd resume {} {shown_token}{}{} --collection {}` \
+                "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
+                 {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} --collection {}` \
                  soon (within the retry horizon of {}), after that it is counted at most once. \
                  Cause: {cause}",
                 shell_word(key),
@@ -396,13 +551,14 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
     let shown = Shown {
         key,
         token: token.map(|t| t.to_string()),
+        ticket,
         amount: Some(amount),
         protocol: Protocol::TwoStep,
     };
     print(target, &shown, fields, &text, code)
 }
 
-/// The line of a counted outcome: `counted: views/k +5 (token …)`, said
+/// The line of a counted outcome: `counted: views/k +5 (ticket …)`, said
 /// to be counted earlier when a settle before this one had counted it.
 pub(super) fn counted_text(
     collection: &str,
@@ -461,6 +617,7 @@ pub(super) fn print(
         fields["collection"] = json!(target.spec.name);
         fields["key"] = json!(shown.key);
         fields["token"] = json!(shown.token);
+        fields["ticket"] = json!(shown.ticket);
         fields["amount"] = json!(shown.amount);
         fields["protocol"] = json!(shown.protocol.as_str());
         out!("{fields}");

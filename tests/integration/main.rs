@@ -35,3 +35,4 @@ mod soak;
 mod soak_group;
 mod soak_lanes;
 mod stop;
+mod tickets;
