@@ -379,8 +379,13 @@ pub(crate) async fn resume_elsewhere(
             let claim = match (code, out["outcome"].as_str()) {
                 (0, Some("counted")) => Claim::Counted,
                 (75, Some("unknown")) => return None,
-                // Past the resume horizon: counted at most once.
-                (1, Some("refused")) => Claim::AtMostOnce,
+                // Past the resume horizon: counted at most once. (Never a
+                // ticket refused by its check: that would hide a resume.)
+                (1, Some("refused")) => {
+                    let message = out["error"]["message"].as_str().unwrap_or_default();
+                    assert!(message.contains("past the lane resume horizon"), "{out}");
+                    Claim::AtMostOnce
+                }
                 (1, Some("not_counted")) => Claim::NotCounted,
                 other => panic!("resume answered {other:?}: {out}"),
             };

@@ -250,7 +250,15 @@ async fn child(shared: &Shared, command: &str, key: &str, token: Token, ticket: 
         Some("unknown") => Outcome::Unknown,
         Some("not_counted") => Outcome::NotCounted,
         Some("not_pending") => Outcome::NotPending,
-        Some("refused") => Outcome::Refused(json["error"]["message"].to_string()),
+        Some("refused") => {
+            let message = json["error"]["message"].to_string();
+            // The ticket is the unknown increment's own: its check holds.
+            assert!(
+                !message.contains("ticket"),
+                "{me} refused its ticket: {message}"
+            );
+            Outcome::Refused(message)
+        }
         _ => Outcome::Failed {
             error: format!(
                 "{:?}: {stdout}{}",
