@@ -31,6 +31,7 @@ mod lane;
 mod ledger;
 mod reconcile;
 mod sequence;
+mod settle;
 mod setup;
 
 use std::path::PathBuf;
@@ -50,10 +51,11 @@ use bench::BenchArgs;
 use daemon::StatusArgs;
 use doctor::DoctorArgs;
 use generate::{CompletionsArgs, ManArgs};
-use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+use increment::IncrArgs;
 use ledger::{GetArgs, RecordArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
+use settle::{CompleteArgs, ResumeArgs};
 use setup::SetupArgs;
 
 pub(crate) use exit::{
@@ -397,8 +399,8 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Status(args) => daemon::status(args, &config).await,
         Command::Doctor(args) => doctor::run(args, &config, clock).await,
         Command::Incr(args) => increment::incr(args, &config).await,
-        Command::Complete(args) => increment::complete(args, &config).await,
-        Command::Resume(args) => increment::resume(args, &config).await,
+        Command::Complete(args) => settle::complete(args, &config).await,
+        Command::Resume(args) => settle::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
         Command::Record(args) => ledger::record(args, &config).await,

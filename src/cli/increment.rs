@@ -1,6 +1,7 @@
-//! `tallyd incr`, `tallyd complete`, `tallyd resume`: the two-step
-//! increment here, the lanes protocol in [`super::lane`]; for `incr`,
-//! `--lane` and `--two-step` choose, else `[writer] protocol`.
+//! `tallyd incr`: the two-step increment here, the lanes protocol in
+//! [`super::lane`]; `--lane` and `--two-step` choose, else `[writer]
+//! protocol`. `complete` and `resume` are in [`super::settle`]; what every
+//! one of them prints is here.
 //!
 //! Every outcome, as text or `--json`, says the amount and shows the
 //! increment's ticket ([`crate::write::ticket`]): its token (or lane and
@@ -8,10 +9,6 @@
 //! run another command repeats the ticket, the amount (`--by N`) and the
 //! protocol (`--lane`, `--two-step`), so following a hint settles the
 //! increment that was made, not a `+1`, and with the protocol that made it.
-//! `resume` takes only a checked ticket, and says which protocol it is by
-//! its shape (never by `[writer] protocol`); `resume` and `complete` verify
-//! the check against `--collection`, the key and `--by` before anything is
-//! read or written, so a key pasted wrong is refused instead of counted.
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -23,19 +20,14 @@ use mongodb::bson::oid::ObjectId;
 use serde_json::{Value, json};
 
 use super::{
-    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, exit_code_for, fail,
-    lane,
+    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail, lane,
 };
 use crate::config::Config;
 use crate::error::Error;
 use crate::redact::Secrets;
 use crate::store::Store;
-use crate::token::Token;
-use crate::write::counter::{
-    CollectionConfig, Counters, Found, Increment, Protocol, UnknownToken, WriterConfig,
-};
-use crate::write::lane::LaneId;
-use crate::write::ticket::{Names, Settles, Ticket};
+use crate::write::counter::{CollectionConfig, Counters, Increment, Protocol, WriterConfig};
+use crate::write::ticket::{Settles, Ticket};
 
 /// `--lane` or `--two-step`: the protocol of `incr`, else `[writer]
 /// protocol`.
@@ -78,74 +70,6 @@ pub(crate) struct IncrArgs {
     pub(crate) target: TargetArgs,
 }
 
-/// `tallyd complete KEY TICKET [--by N]`.
-#[derive(Debug, Args)]
-pub(crate) struct CompleteArgs {
-    /// The counter's `_id` (a string).
-    pub(crate) key: String,
-    /// The ticket the increment printed (TOKEN-CHECK), or the bare pending
-    /// token (24 hex digits). A ticket whose check does not match the key,
-    /// --by and --collection is refused, nothing written.
-    pub(crate) ticket: Ticket,
-    /// The increment's amount [default: 1]: checked against the ticket's
-    /// check, and against the amount the document holds for the token
-    /// (for a bare token, only when given).
-    #[arg(long, allow_negative_numbers = true)]
-    pub(crate) by: Option<i64>,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub(crate) target: TargetArgs,
-}
-
-/// `tallyd resume KEY TICKET [--by N]`.
-#[derive(Debug, Args)]
-pub(crate) struct ResumeArgs {
-    /// The counter's `_id` (a string).
-    pub(crate) key: String,
-    /// The ticket the increment printed: TOKEN-CHECK for a two-step token,
-    /// LANE.NUMBER-CHECK for a lane. Its check covers the key, --by and
-    /// --collection: a ticket given another one is refused, nothing
-    /// written. A bare token is refused (exit 64).
-    pub(crate) ticket: Ticket,
-    /// The amount of the original increment, as the printed command gives
-    /// it (for a lane, the whole update's).
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    pub(crate) by: i64,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub(crate) protocol: ResumeProtocolArgs,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub(crate) target: TargetArgs,
-}
-
-/// `resume`'s `--lane` and `--two-step`: the ticket's shape says the
-/// protocol; a flag may repeat it, never contradict it.
-#[derive(Debug, Clone, Copy, Args)]
-pub(crate) struct ResumeProtocolArgs {
-    /// The ticket is a lane's (LANE.NUMBER-CHECK), as the printed command
-    /// says. Optional: the ticket's shape says so; a two-step ticket is
-    /// refused (exit 64).
-    #[arg(long, conflicts_with = "two_step")]
-    pub(crate) lane: bool,
-    /// The ticket is a two-step token's (TOKEN-CHECK), as the printed
-    /// command says. Optional: the ticket's shape says so; a lane's ticket
-    /// is refused (exit 64).
-    #[arg(long)]
-    pub(crate) two_step: bool,
-}
-
-impl ResumeProtocolArgs {
-    /// The flag given that contradicts `ticket`'s shape, if any.
-    fn contradicting(self, ticket: &Ticket) -> Option<&'static str> {
-        match ticket.protocol() {
-            Protocol::TwoStep if self.lane => Some("--lane"),
-            Protocol::Lanes if self.two_step => Some("--two-step"),
-            _ => None,
-        }
-    }
-}
-
 /// Everything a command needs to talk to one collection.
 pub(super) struct Target {
     store: Store,
@@ -175,27 +99,6 @@ impl Target {
             .to_string()
     }
 
-    /// Refuses `ticket` unless its check matches this collection, `key`
-    /// and `amount`, and `command` may settle it.
-    fn verify(
-        &self,
-        command: Settles,
-        ticket: &Ticket,
-        key: &str,
-        amount: i64,
-    ) -> Result<(), Error> {
-        let key = Bson::from(key);
-        let names = Names {
-            collection: &self.spec.name,
-            key: &key,
-            amount,
-        };
-        match command {
-            Settles::Resume => ticket.verify_resume(names),
-            Settles::Complete => ticket.verify_complete(names),
-        }
-    }
-
     /// `err` as people read it: where the operation went, secrets removed.
     pub(super) fn explain(&self, err: &Error) -> String {
         self.secrets.scrub(&self.store.explain(err))
@@ -220,7 +123,7 @@ impl Target {
     }
 }
 
-async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> {
+pub(super) async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> {
     let secrets = config.secrets();
     let (spec, store) = target.open(config).await?;
     let counters = match Counters::try_new(&store, spec.clone(), config.writer) {
@@ -255,168 +158,6 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
     };
     target.close().await;
     code
-}
-
-pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
-    let ticket = &args.ticket;
-    if ticket.protocol() == Protocol::Lanes {
-        let message = format!(
-            "ticket {ticket} is a lane's (it carries the lane's number), and `tallyd complete` \
-             settles a two-step token: resume it with `tallyd resume {} {ticket}{}`",
-            shell_word(&args.key),
-            by_option(args.by.unwrap_or(1)),
-        );
-        return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
-    }
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
-        Err(code) => return code,
-    };
-    let by = args.by.unwrap_or(1);
-    // The amount the document must hold for the token: the checked one, or
-    // the one given with a bare token.
-    let expected = if ticket.is_checked() {
-        Some(by)
-    } else {
-        args.by
-    };
-    let shown = Shown::given(&args.key, ticket, expected);
-    let refuse =
-        |err: &Error| print_failure(&target, &shown, "refused", err, "refused", EXIT_FAILED);
-    let token = ticket.token();
-    let mismatch = |stored: i64| {
-        let given = expected.filter(|given| *given != stored)?;
-        let token = token.to_string();
-        Some(Error::AmountMismatch {
-            token,
-            stored,
-            given,
-        })
-    };
-    let code = if let Err(err) = target.verify(Settles::Complete, ticket, &args.key, by) {
-        refuse(&err)
-    } else {
-        match target.counters.lookup(args.key.as_str(), token).await {
-            Ok(Found::Pending(pending)) => match mismatch(pending.amount()) {
-                Some(err) => refuse(&err),
-                None => {
-                    let outcome = target.counters.complete(pending).await.into();
-                    report_increment(&target, &args.key, &outcome, Some(ticket))
-                }
-            },
-            // A settle (`complete` or `resume`, here or elsewhere) counted it.
-            Ok(Found::Settled(counted)) => match mismatch(counted.amount()) {
-                Some(err) => refuse(&err),
-                None => {
-                    let outcome = Increment::Counted(counted);
-                    report_increment(&target, &args.key, &outcome, Some(ticket))
-                }
-            },
-            Ok(Found::Absent) => {
-                let text = format!(
-                    "token {token} is not pending in {}/{}: nothing to do (already counted, or \
-                     never added)",
-                    target.spec.name, args.key
-                );
-                let fields = json!({ "outcome": "not_pending" });
-                print(&target, &shown, fields, &text, EXIT_OK)
-            }
-            Err(err) => {
-                let text = "pending: could not look the token up, it stays pending";
-                print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
-            }
-        }
-    };
-    target.close().await;
-    code
-}
-
-pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
-    let ticket = &args.ticket;
-    let usage = |message: &str| fail(args.target.json, message, &config.secrets(), EXIT_USAGE);
-    if !ticket.is_checked() {
-        return usage(&format!(
-            "{ticket} is a bare token: `tallyd resume` takes the ticket as the increment printed \
-             it (TOKEN-CHECK, or LANE.NUMBER-CHECK for a lane), whose check makes sure the key, \
-             --by and --collection are the increment's; an application logs it with \
-             Counters::ticket or Counters::lane_ticket"
-        ));
-    }
-    if let Some(flag) = args.protocol.contradicting(ticket) {
-        let shape = match ticket.protocol() {
-            Protocol::Lanes => "a lane's (it carries the lane's number)",
-            Protocol::TwoStep => "a two-step token's (it carries no lane number)",
-        };
-        return usage(&format!(
-            "ticket {ticket} is {shape}, but {flag} was given: leave the flag out, the ticket \
-             says its protocol"
-        ));
-    }
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
-        Err(code) => return code,
-    };
-    let code = match (
-        target.verify(Settles::Resume, ticket, &args.key, args.by),
-        ticket.position(),
-    ) {
-        (Err(err), _) => {
-            let shown = Shown::given(&args.key, ticket, Some(args.by));
-            print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED)
-        }
-        (Ok(()), None) => resume_two_step(&target, &args).await,
-        (Ok(()), Some(position)) => {
-            lane::resume(&target, &args.key, ticket, args.by, position).await
-        }
-    };
-    target.close().await;
-    code
-}
-
-async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
-    let shown = Shown::given(&args.key, &args.ticket, Some(args.by));
-    let refuse =
-        |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
-    let token = args.ticket.token();
-    let unknown = match UnknownToken::new(args.key.as_str(), token, args.by) {
-        Ok(unknown) => unknown,
-        Err(err) => return refuse(&err),
-    };
-    // Resuming a lane's increment as a two-step token would add it again
-    // (the check makes that a forged ticket; the document has the last
-    // word).
-    let key = Bson::from(args.key.as_str());
-    let lane = LaneId::Minted(token.object_id());
-    match target.counters.lane_position(&key, &lane).await {
-        Ok(None) => {}
-        Ok(Some(_)) => return refuse(&other_protocol(token, Protocol::Lanes)),
-        // Nothing was written: the ticket is as unknown as it was (past
-        // the retry horizon, with no resume hint).
-        Err(err) => {
-            let outcome = Increment::Unknown(unknown.because(err));
-            return report_increment(target, &args.key, &outcome, Some(&args.ticket));
-        }
-    }
-    match target.counters.resume(unknown).await {
-        Ok(outcome) => report_increment(target, &args.key, &outcome, Some(&args.ticket)),
-        // Past the retry horizon, or another amount than the document
-        // holds: the ticket is finished, nothing was written.
-        Err(err) => refuse(&err),
-    }
-}
-
-/// The refusal of a token the counter shows under `protocol`, the other
-/// one than its ticket says: resuming it with this one could count it
-/// twice.
-pub(super) fn other_protocol(token: Token, protocol: Protocol) -> Error {
-    let what = match protocol {
-        Protocol::Lanes => "a lane of this counter (it holds the lane's entry)",
-        Protocol::TwoStep => "a two-step token of this counter (pending or settled)",
-    };
-    Error::InvalidArgument(format!(
-        "{token} is {what}, not what its ticket says: resume it with the ticket its own \
-         increment printed; nothing was written"
-    ))
 }
 
 /// What every outcome shows about the increment: its key, token (with
@@ -460,7 +201,7 @@ pub(super) fn print_failure(
 
 /// Prints `outcome` of an increment of `key`, or of a settle of the
 /// ticket `given`.
-fn report_increment(
+pub(super) fn report_increment(
     target: &Target,
     key: &str,
     outcome: &Increment,

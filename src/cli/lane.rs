@@ -17,9 +17,9 @@ use std::process::ExitCode;
 use serde_json::json;
 
 use super::increment::{
-    Shown, Target, by_option, counted_text, other_protocol, print, print_failure, protocol_flag,
-    shell_word,
+    Shown, Target, by_option, counted_text, print, print_failure, protocol_flag, shell_word,
 };
+use super::settle::other_protocol;
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, exit_code_for};
 use crate::write::counter::{Found, Protocol};
 use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};

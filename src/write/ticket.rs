@@ -29,16 +29,15 @@
 //!
 //! The check is 30 bits in Crockford's base32 (case-insensitive): not a
 //! secret, a guard against a slip, which it misses about once in a billion.
+//! The library prints tickets; reading and checking them is the command
+//! line's (the `daemon` feature).
 
 use std::fmt;
-use std::str::FromStr;
 
 use mongodb::bson::{Bson, doc, oid::ObjectId};
 
-use super::counter::{Counters, Protocol, UnknownToken};
+use super::counter::{Counters, UnknownToken};
 use super::lane::{LaneId, LaneTicket};
-use crate::error::Error;
-use crate::token::Token;
 
 /// Characters of the check: Crockford's base32 (no i, l, o, u), lower case.
 const ALPHABET: &[u8; 32] = b"0123456789abcdefghjkmnpqrstvwxyz";
@@ -64,6 +63,7 @@ pub(crate) enum Settles {
     /// An unknown increment's: `resume`, or `complete`.
     Resume,
     /// A pending, counted or not-counted increment's: `complete` only.
+    #[cfg(feature = "daemon")]
     Complete,
 }
 
@@ -72,6 +72,7 @@ impl Settles {
     fn tag(self) -> &'static [u8] {
         match self {
             Self::Resume => b"resume",
+            #[cfg(feature = "daemon")]
             Self::Complete => b"complete",
         }
     }
@@ -105,76 +106,11 @@ impl Ticket {
             check: Some(check(id, position, names, settles)),
         }
     }
-
-    /// The token (two-step), or the minted lane's id (lanes).
-    pub(crate) fn token(&self) -> Token {
-        Token::from_object_id(self.id)
-    }
-
-    /// The lane's number; `None` for a two-step token.
-    pub(crate) fn position(&self) -> Option<i64> {
-        self.position
-    }
-
-    /// The protocol the ticket's shape says: a number means a lane.
-    pub(crate) fn protocol(&self) -> Protocol {
-        match self.position {
-            Some(_) => Protocol::Lanes,
-            None => Protocol::TwoStep,
-        }
-    }
-
-    /// Whether the ticket carries a check.
-    pub(crate) fn is_checked(&self) -> bool {
-        self.check.is_some()
-    }
-
-    /// For `resume`: refuses a ticket whose check does not match `names`
-    /// — it was printed for another collection, key or amount (or
-    /// mistyped) — or that is a pending or counted increment's. A bare id
-    /// has nothing to compare and passes.
-    pub(crate) fn verify_resume(&self, names: Names<'_>) -> Result<(), Error> {
-        if self.matches(names, Settles::Resume) {
-            Ok(())
-        } else if self.matches(names, Settles::Complete) {
-            Err(Error::InvalidArgument(format!(
-                "ticket {self} is the ticket of a pending or counted increment, which a resume \
-                 could count twice (it re-sends step 1 for a token the document does not show): \
-                 settle it with `tallyd complete`, which counts the token only while it is \
-                 pending; nothing was written"
-            )))
-        } else {
-            Err(self.not_printed_for(names))
-        }
-    }
-
-    /// For `complete`: refuses a ticket whose check does not match `names`
-    /// (every two-step ticket may be completed). A bare id passes.
-    pub(crate) fn verify_complete(&self, names: Names<'_>) -> Result<(), Error> {
-        if self.matches(names, Settles::Complete) || self.matches(names, Settles::Resume) {
-            Ok(())
-        } else {
-            Err(self.not_printed_for(names))
-        }
-    }
-
-    /// Whether the ticket is bare, or its check is the one of `names` and
-    /// `settles`.
-    fn matches(&self, names: Names<'_>, settles: Settles) -> bool {
-        self.check
-            .is_none_or(|typed| typed == check(self.id, self.position, names, settles))
-    }
-
-    fn not_printed_for(&self, names: Names<'_>) -> Error {
-        Error::InvalidArgument(format!(
-            "ticket {self} was not printed for {}/{} {:+}: give the key, --by and --collection \
-             of the command the increment printed; nothing was written",
-            names.collection,
-            shown_key(names.key),
-            names.amount
-        ))
-    }
 }
+
+/// Reading a ticket back, and checking it: `tallyd resume` and `complete`.
+#[cfg(feature = "daemon")]
+mod read;
 
 impl fmt::Display for Ticket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -189,55 +125,6 @@ impl fmt::Display for Ticket {
             }
         }
         Ok(())
-    }
-}
-
-/// Why a typed ticket does not parse.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "`{0}` is not a ticket: give it as tallyd printed it — 24 hex digits (the token, or the \
-     lane), for a lane `.` and its number, then `-` and the 6-character check"
-)]
-pub(crate) struct BadTicket(String);
-
-impl FromStr for Ticket {
-    type Err = BadTicket;
-
-    fn from_str(typed: &str) -> Result<Self, Self::Err> {
-        let bad = || BadTicket(typed.to_owned());
-        // A paste may carry the line's spaces along.
-        let text = typed.trim();
-        let (head, check) = match text.rsplit_once('-') {
-            Some((head, check)) => {
-                let check: [u8; CHECK_LEN] = check
-                    .to_ascii_lowercase()
-                    .into_bytes()
-                    .try_into()
-                    .map_err(|_| bad())?;
-                if !check.iter().all(|c| ALPHABET.contains(c)) {
-                    return Err(bad());
-                }
-                (head, Some(check))
-            }
-            None => (text, None),
-        };
-        let (id, position) = match head.split_once('.') {
-            Some((id, position)) => {
-                let digits = !position.is_empty() && position.bytes().all(|b| b.is_ascii_digit());
-                let position = position.parse::<i64>().ok().filter(|_| digits);
-                (id, Some(position.ok_or_else(bad)?))
-            }
-            None => (head, None),
-        };
-        if id.len() != 24 {
-            return Err(bad());
-        }
-        let id = ObjectId::parse_str(id).map_err(|_| bad())?;
-        Ok(Self {
-            id,
-            position,
-            check,
-        })
     }
 }
 
@@ -328,15 +215,6 @@ impl Counters {
     }
 }
 
-/// A key as a refusal shows it: a string as it is, another value as
-/// extended JSON.
-fn shown_key(key: &Bson) -> String {
-    match key {
-        Bson::String(key) => key.clone(),
-        other => other.clone().into_relaxed_extjson().to_string(),
-    }
-}
-
 /// FNV-1a, 64 bits, fed field by field.
 struct Fnv(u64);
 
@@ -412,7 +290,8 @@ fn mix(mut h: u64) -> u64 {
 mod tests {
     use super::*;
 
-    fn names(key: &Bson, amount: i64) -> Names<'_> {
+    /// What a command is told, in collection `views`.
+    pub(super) fn names(key: &Bson, amount: i64) -> Names<'_> {
         Names {
             collection: "views",
             key,
@@ -420,100 +299,9 @@ mod tests {
         }
     }
 
-    fn fixed_id() -> ObjectId {
+    /// The same id in every run.
+    pub(super) fn fixed_id() -> ObjectId {
         ObjectId::from_bytes(*b"tally ticket")
-    }
-
-    #[test]
-    fn a_printed_ticket_reads_back_and_verifies() {
-        let id = ObjectId::new();
-        let home = Bson::from("home");
-        for position in [None, Some(1), Some(1_732_650_000_123_456)] {
-            let ticket = Ticket::issue(id, position, names(&home, 5), Settles::Resume);
-            let shown = ticket.to_string();
-            let read: Ticket = shown.parse().unwrap();
-            assert_eq!(read, ticket, "{shown}");
-            assert!(read.is_checked());
-            assert_eq!(read.token().object_id(), id);
-            assert_eq!(read.position(), position);
-            read.verify_resume(names(&home, 5)).unwrap();
-            read.verify_complete(names(&home, 5)).unwrap();
-            let protocol = if position.is_some() {
-                Protocol::Lanes
-            } else {
-                Protocol::TwoStep
-            };
-            assert_eq!(read.protocol(), protocol);
-            // Upper case, as a terminal font may suggest, and the spaces
-            // of a paste read the same.
-            assert_eq!(shown.to_uppercase().parse::<Ticket>().unwrap(), ticket);
-            assert_eq!(format!(" {shown}\n").parse::<Ticket>().unwrap(), ticket);
-        }
-    }
-
-    #[test]
-    fn a_ticket_pasted_with_another_key_amount_or_collection_is_refused() {
-        let (home, k1) = (Bson::from("home"), Bson::from("k1"));
-        for settles in [Settles::Resume, Settles::Complete] {
-            let ticket = Ticket::issue(ObjectId::new(), None, names(&home, 5), settles);
-            for wrong in [names(&k1, 5), names(&home, 1), names(&home, -5)] {
-                assert!(ticket.verify_resume(wrong).is_err(), "{settles:?}");
-                let refused = ticket.verify_complete(wrong).unwrap_err().to_string();
-                assert!(refused.contains("was not printed for"), "{refused}");
-            }
-        }
-        let ticket = Ticket::issue(ObjectId::new(), None, names(&home, 5), Settles::Resume);
-        let other = Names {
-            collection: "page_veiws",
-            ..names(&home, 5)
-        };
-        let refused = ticket.verify_resume(other).unwrap_err().to_string();
-        assert!(refused.contains("page_veiws/home +5"), "{refused}");
-        assert!(refused.contains("nothing was written"), "{refused}");
-        // A lane's number, and whether there is one, are covered too.
-        let lane = Ticket::issue(ObjectId::new(), Some(7), names(&home, 5), Settles::Resume);
-        let moved = Ticket {
-            position: Some(8),
-            ..lane
-        };
-        assert!(moved.verify_resume(names(&home, 5)).is_err());
-        let unnumbered = Ticket {
-            position: None,
-            ..lane
-        };
-        assert!(unnumbered.verify_resume(names(&home, 5)).is_err());
-    }
-
-    /// A pending or counted increment's ticket completes, and is refused by
-    /// a resume — which could count it twice — with the command to use.
-    #[test]
-    fn only_an_unknown_increments_ticket_resumes() {
-        let home = Bson::from("home");
-        let ticket = Ticket::issue(ObjectId::new(), None, names(&home, 5), Settles::Complete);
-        ticket.verify_complete(names(&home, 5)).unwrap();
-        let refused = ticket
-            .verify_resume(names(&home, 5))
-            .unwrap_err()
-            .to_string();
-        assert!(refused.contains("pending or counted"), "{refused}");
-        assert!(refused.contains("tallyd complete"), "{refused}");
-        assert!(refused.contains("nothing was written"), "{refused}");
-        // A lane's ticket resumes whatever its outcome was.
-        let lane = Ticket::issue(ObjectId::new(), Some(1), names(&home, 5), Settles::Complete);
-        lane.verify_resume(names(&home, 5)).unwrap();
-    }
-
-    #[test]
-    fn a_string_key_and_another_value_of_the_same_text_differ() {
-        let (text, number) = (Bson::from("42"), Bson::Int64(42));
-        let ticket = Ticket::issue(fixed_id(), None, names(&number, 1), Settles::Resume);
-        assert!(ticket.verify_resume(names(&text, 1)).is_err());
-        ticket.verify_resume(names(&number, 1)).unwrap();
-        let refused = Ticket::issue(fixed_id(), None, names(&text, 1), Settles::Resume)
-            .verify_resume(names(&number, 1))
-            .unwrap_err()
-            .to_string();
-        assert!(refused.contains("views/42 +1"), "{refused}");
     }
 
     /// Every bit of the check flips for about half of the one-bit changes
@@ -557,41 +345,6 @@ mod tests {
         for (i, flipped) in flips.iter().enumerate() {
             let share = f64::from(*flipped) / f64::from(changes);
             assert!((0.45..0.55).contains(&share), "bit {i}: {share:.3}");
-        }
-    }
-
-    #[test]
-    fn a_bare_token_parses_without_a_check() {
-        let id = ObjectId::new();
-        let read: Ticket = id.to_hex().parse().unwrap();
-        assert!(!read.is_checked());
-        read.verify_resume(names(&Bson::from("anything"), 9))
-            .unwrap();
-        read.verify_complete(names(&Bson::from("anything"), 9))
-            .unwrap();
-        assert_eq!(read.to_string(), id.to_hex());
-    }
-
-    #[test]
-    fn what_is_not_a_ticket_is_refused() {
-        let id = ObjectId::new().to_hex();
-        for text in [
-            String::new(),
-            "home".into(),
-            id[..23].to_string(),
-            format!("{id}-"),
-            format!("{id}-abc"),
-            format!("{id}-abcdefg"),
-            format!("{id}-abcdei"),
-            format!("{id}.-abcdef"),
-            format!("{id}.x1-abcdef"),
-            format!("{id}.-5-abcdef"),
-            format!("{id}.+5-abcdef"),
-            format!("{id}.99999999999999999999-abcdef"),
-            format!("{}g-abcdef", &id[..23]),
-        ] {
-            let refused = text.parse::<Ticket>().unwrap_err().to_string();
-            assert!(refused.contains("as tallyd printed it"), "{refused}");
         }
     }
 }
