@@ -133,10 +133,11 @@ pub(crate) enum Command {
     /// increment, or with --lane one round trip through a fresh lane
     /// (default: `[writer] protocol`).
     Incr(IncrArgs),
-    /// Count a pending token (step 2 only): safe at any age.
+    /// Count a pending token (step 2 only), by the ticket its increment
+    /// printed or the bare token: safe at any age.
     Complete(CompleteArgs),
-    /// Settle a token an increment reported as unknown (with --lane: a
-    /// lane; default: `[writer] protocol`).
+    /// Settle an increment reported as unknown, by the ticket it printed
+    /// (whose shape says the protocol: a number is a lane's).
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what
