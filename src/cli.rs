@@ -31,6 +31,7 @@ mod lane;
 mod ledger;
 mod reconcile;
 mod sequence;
+mod settle;
 mod setup;
 
 use std::path::PathBuf;
@@ -50,10 +51,11 @@ use bench::BenchArgs;
 use daemon::StatusArgs;
 use doctor::DoctorArgs;
 use generate::{CompletionsArgs, ManArgs};
-use increment::{CompleteArgs, IncrArgs, ResumeArgs};
+use increment::IncrArgs;
 use ledger::{GetArgs, RecordArgs};
 use reconcile::ReconcileArgs;
 use sequence::SeqCommand;
+use settle::{CompleteArgs, ResumeArgs};
 use setup::SetupArgs;
 
 pub(crate) use exit::{
@@ -131,10 +133,11 @@ pub(crate) enum Command {
     /// increment, or with --lane one round trip through a fresh lane
     /// (default: `[writer] protocol`).
     Incr(IncrArgs),
-    /// Count a pending token (step 2 only): safe at any age.
+    /// Count a pending token (step 2 only), by the ticket its increment
+    /// printed or the bare token: safe at any age.
     Complete(CompleteArgs),
-    /// Settle a token an increment reported as unknown (with --lane: a
-    /// lane; default: `[writer] protocol`).
+    /// Settle an increment reported as unknown, by the ticket it printed
+    /// (whose shape says the protocol: a number is a lane's).
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what
@@ -397,8 +400,8 @@ pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
         Command::Status(args) => daemon::status(args, &config).await,
         Command::Doctor(args) => doctor::run(args, &config, clock).await,
         Command::Incr(args) => increment::incr(args, &config).await,
-        Command::Complete(args) => increment::complete(args, &config).await,
-        Command::Resume(args) => increment::resume(args, &config).await,
+        Command::Complete(args) => settle::complete(args, &config).await,
+        Command::Resume(args) => settle::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
         Command::Record(args) => ledger::record(args, &config).await,

@@ -15,7 +15,10 @@
 //! - [`sequence`]: numbers from a counters collection, never handed out
 //!   twice (DESIGN §5);
 //! - [`insert_loop`]: the optimistic insert loop, dense numeric `_id`s;
-//! - [`bounded`]: bounded counters, a unit taken only while some are left.
+//! - [`bounded`]: bounded counters, a unit taken only while some are left;
+//! - [`ticket`]: the tickets an operator pastes into `tallyd resume` and
+//!   `tallyd complete`, with a check over the collection, key and amount
+//!   they settle.
 
 pub(crate) mod bounded;
 pub(crate) mod counter;
@@ -24,3 +27,4 @@ pub(crate) mod insert_loop;
 pub(crate) mod lane;
 pub(crate) mod ledger;
 pub(crate) mod sequence;
+pub(crate) mod ticket;

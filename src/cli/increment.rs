@@ -1,11 +1,13 @@
-//! `tallyd incr`, `tallyd complete`, `tallyd resume`: the two-step
-//! increment here, the lanes protocol in [`super::lane`]; `--lane` and
-//! `--two-step` choose, else `[writer] protocol`.
+//! `tallyd incr`: the two-step increment here, the lanes protocol in
+//! [`super::lane`]; `--lane` and `--two-step` choose, else `[writer]
+//! protocol`. `complete` and `resume` are in [`super::settle`]; what every
+//! one of them prints is here.
 //!
-//! Every outcome, as text or `--json`, says the amount; every hint to run
-//! another command repeats it (`--by N`) and always names the protocol
-//! (`--lane`, `--two-step`) — never relying on `[writer] protocol`, which
-//! may change before the hint is followed — so following a hint settles the
+//! Every outcome, as text or `--json`, says the amount and shows the
+//! increment's ticket ([`crate::write::ticket`]): its token (or lane and
+//! number) with a check over the collection, key and amount. Every hint to
+//! run another command repeats the ticket, the amount (`--by N`) and the
+//! protocol (`--lane`, `--two-step`), so following a hint settles the
 //! increment that was made, not a `+1`, and with the protocol that made it.
 
 use crate::cli::out;
@@ -13,6 +15,8 @@ use std::process::ExitCode;
 use std::time::SystemTime;
 
 use clap::Args;
+use mongodb::bson::Bson;
+use mongodb::bson::oid::ObjectId;
 use serde_json::{Value, json};
 
 use super::{
@@ -22,14 +26,11 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::redact::Secrets;
 use crate::store::Store;
-use crate::token::Token;
-use crate::write::counter::{
-    CollectionConfig, Counters, Found, Increment, Protocol, UnknownToken, WriterConfig,
-};
-use crate::write::lane::LaneId;
+use crate::write::counter::{CollectionConfig, Counters, Increment, Protocol, WriterConfig};
+use crate::write::ticket::{Settles, Ticket};
 
-/// `--lane` or `--two-step`: the protocol of `incr` and `resume`, else
-/// `[writer] protocol`.
+/// `--lane` or `--two-step`: the protocol of `incr`, else `[writer]
+/// protocol`.
 #[derive(Debug, Clone, Copy, Args)]
 pub(crate) struct ProtocolArgs {
     /// Use the lanes protocol: one round trip through a fresh lane; its
@@ -69,48 +70,6 @@ pub(crate) struct IncrArgs {
     pub(crate) target: TargetArgs,
 }
 
-/// `tallyd complete KEY TOKEN`.
-#[derive(Debug, Args)]
-pub(crate) struct CompleteArgs {
-    /// The counter's `_id` (a string).
-    pub(crate) key: String,
-    /// The pending token: 24 hex digits.
-    pub(crate) token: Token,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub(crate) target: TargetArgs,
-}
-
-/// `tallyd resume KEY TOKEN [--by N] [--lane | --two-step]`.
-#[derive(Debug, Args)]
-pub(crate) struct ResumeArgs {
-    /// The counter's `_id` (a string).
-    pub(crate) key: String,
-    /// The token an increment reported as unknown: 24 hex digits (with
-    /// `--lane`, the lane).
-    pub(crate) token: Token,
-    /// The amount of the original increment. A two-step resume whose amount
-    /// differs from what the document holds for the token is refused; a
-    /// lane resume adds what it is given, so give the increment's.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    pub(crate) by: i64,
-    /// The protocol that made the token: a token does not say which, so
-    /// give the flag the increment's output shows, or rely on `[writer]
-    /// protocol`. A token the document shows under the other protocol is
-    /// refused.
-    #[command(flatten)]
-    pub(crate) protocol: ProtocolArgs,
-    /// The lanes protocol only: the lane's position of the increment — 1
-    /// (the default) for `incr --lane`, a library ticket's own otherwise
-    /// (its display shows it). Refused, nothing written, when the lane
-    /// holds a later position.
-    #[arg(long)]
-    pub(crate) position: Option<i64>,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub(crate) target: TargetArgs,
-}
-
 /// Everything a command needs to talk to one collection.
 pub(super) struct Target {
     store: Store,
@@ -124,6 +83,22 @@ pub(super) struct Target {
 }
 
 impl Target {
+    /// The ticket of an increment of `amount` to `key`: the token `id`,
+    /// settled as `settles` says, or the minted lane `id` at `position`.
+    pub(super) fn ticket(
+        &self,
+        key: &str,
+        id: ObjectId,
+        position: Option<i64>,
+        amount: i64,
+        settles: Settles,
+    ) -> String {
+        let key = Bson::from(key);
+        self.counters
+            .issue_ticket(&key, id, position, amount, settles)
+            .to_string()
+    }
+
     /// `err` as people read it: where the operation went, secrets removed.
     pub(super) fn explain(&self, err: &Error) -> String {
         self.secrets.scrub(&self.store.explain(err))
@@ -148,7 +123,7 @@ impl Target {
     }
 }
 
-async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> {
+pub(super) async fn open(target: &TargetArgs, config: &Config) -> Result<Target, ExitCode> {
     let secrets = config.secrets();
     let (spec, store) = target.open(config).await?;
     let counters = match Counters::try_new(&store, spec.clone(), config.writer) {
@@ -177,7 +152,7 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
     let code = match args.protocol.chosen(target.writer.protocol) {
         Protocol::TwoStep => {
             let outcome = target.counters.increment(args.key.as_str(), args.by).await;
-            report_increment(&target, &args.key, &outcome)
+            report_increment(&target, &args.key, &outcome, None)
         }
         Protocol::Lanes => lane::incr(&target, &args.key, args.by).await,
     };
@@ -185,126 +160,27 @@ pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
     code
 }
 
-pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
-        Err(code) => return code,
-    };
-    let code = match target.counters.lookup(args.key.as_str(), args.token).await {
-        Ok(Found::Pending(pending)) => {
-            let outcome = target.counters.complete(pending).await.into();
-            report_increment(&target, &args.key, &outcome)
-        }
-        // A settle (`complete` or `resume`, here or elsewhere) counted it.
-        Ok(Found::Settled(counted)) => {
-            report_increment(&target, &args.key, &Increment::Counted(counted))
-        }
-        Ok(Found::Absent) => {
-            let text = format!(
-                "token {} is not pending in {}/{}: nothing to do (already counted, or never added)",
-                args.token, target.spec.name, args.key
-            );
-            let fields = json!({ "outcome": "not_pending" });
-            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
-            print(&target, &shown, fields, &text, EXIT_OK)
-        }
-        Err(err) => {
-            let text = "pending: could not look the token up, it stays pending";
-            let shown = Shown::new(&args.key, args.token, None, Protocol::TwoStep);
-            print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
-        }
-    };
-    target.close().await;
-    code
-}
-
-pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
-        Err(code) => return code,
-    };
-    let code = match (args.protocol.chosen(target.writer.protocol), args.position) {
-        (Protocol::TwoStep, Some(_)) => {
-            let err = Error::InvalidArgument(
-                "--position is a lane's: a two-step token has none; nothing was written".into(),
-            );
-            let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
-            print_failure(&target, &shown, "refused", &err, "refused", EXIT_FAILED)
-        }
-        (Protocol::TwoStep, None) => resume_two_step(&target, &args).await,
-        (Protocol::Lanes, position) => {
-            let position = position.unwrap_or(1);
-            lane::resume(&target, &args.key, args.token, args.by, position).await
-        }
-    };
-    target.close().await;
-    code
-}
-
-async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
-    let shown = Shown::new(&args.key, args.token, Some(args.by), Protocol::TwoStep);
-    let refuse =
-        |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
-    let unknown = match UnknownToken::new(args.key.as_str(), args.token, args.by) {
-        Ok(unknown) => unknown,
-        Err(err) => return refuse(&err),
-    };
-    // Resuming a lane's increment as a two-step token would add it again.
-    let key = mongodb::bson::Bson::from(args.key.as_str());
-    let lane = LaneId::Minted(args.token.object_id());
-    match target.counters.lane_position(&key, &lane).await {
-        Ok(None) => {}
-        Ok(Some(_)) => return refuse(&other_protocol(args.token, Protocol::Lanes)),
-        // Nothing was written: the ticket is as unknown as it was (past
-        // the retry horizon, with no resume hint).
-        Err(err) => {
-            let outcome = Increment::Unknown(unknown.because(err));
-            return report_increment(target, &args.key, &outcome);
-        }
-    }
-    match target.counters.resume(unknown).await {
-        Ok(outcome) => report_increment(target, &args.key, &outcome),
-        // Past the retry horizon, or another amount than the document
-        // holds: the ticket is finished, nothing was written.
-        Err(err) => refuse(&err),
-    }
-}
-
-/// The refusal of a token the counter shows under `protocol`, the other
-/// one: resuming it with this one could count it twice.
-pub(super) fn other_protocol(token: Token, protocol: Protocol) -> Error {
-    let (what, flag) = match protocol {
-        Protocol::Lanes => (
-            "a lane of this counter (it holds the lane's entry)",
-            "--lane",
-        ),
-        Protocol::TwoStep => (
-            "a two-step token of this counter (pending or settled)",
-            "--two-step",
-        ),
-    };
-    Error::InvalidArgument(format!(
-        "{token} is {what}: resume it with {flag}; nothing was written"
-    ))
-}
-
 /// What every outcome shows about the increment: its key, token (with
-/// `--lane`, the lane) and amount (`None` when `complete` could not learn
-/// it), and the protocol.
+/// `--lane`, the lane), ticket (`None` for a bare token typed), amount
+/// (`None` when `complete` could not learn it), and the protocol.
 pub(super) struct Shown<'a> {
     pub(super) key: &'a str,
     pub(super) token: Option<String>,
+    pub(super) ticket: Option<String>,
     pub(super) amount: Option<i64>,
     pub(super) protocol: Protocol,
 }
 
 impl<'a> Shown<'a> {
-    pub(super) fn new(key: &'a str, token: Token, amount: Option<i64>, protocol: Protocol) -> Self {
+    /// The increment a command was given: `key`, the `ticket` typed, the
+    /// amount.
+    pub(super) fn given(key: &'a str, ticket: &Ticket, amount: Option<i64>) -> Self {
         Self {
             key,
-            token: Some(token.to_string()),
+            token: Some(ticket.token().to_string()),
+            ticket: ticket.is_checked().then(|| ticket.to_string()),
             amount,
-            protocol,
+            protocol: ticket.protocol(),
         }
     }
 }
@@ -323,11 +199,30 @@ pub(super) fn print_failure(
     print(target, shown, fields, &text, code)
 }
 
-fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode {
+/// Prints `outcome` of an increment of `key`, or of a settle of the
+/// ticket `given`.
+pub(super) fn report_increment(
+    target: &Target,
+    key: &str,
+    outcome: &Increment,
+    given: Option<&Ticket>,
+) -> ExitCode {
     let collection = &target.spec.name;
     let token = outcome.token();
     let amount = outcome.amount();
-    let shown_token = token.map(|t| t.to_string()).unwrap_or_default();
+    // Only an unknown increment's ticket is resumable: a resume could count
+    // a pending or counted token twice. A settle keeps the ticket it was
+    // given (checked): the settles' writes leave the token's marker, so it
+    // stays as resumable as it was.
+    let settles = match outcome {
+        Increment::Unknown(_) => Settles::Resume,
+        _ => Settles::Complete,
+    };
+    let ticket = match given {
+        Some(given) if given.is_checked() => Some(given.to_string()),
+        _ => token.map(|t| target.ticket(key, t.object_id(), None, amount, settles)),
+    };
+    let shown_ticket = ticket.clone().unwrap_or_default();
     let cause = outcome
         .cause()
         .map(|err| target.explain(err))
@@ -338,18 +233,19 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
                 collection,
                 key,
                 amount,
-                "token",
-                &shown_token,
+                "ticket",
+                &shown_ticket,
                 counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
         Increment::Pending(_) => (
             format!(
-                "pending: token {shown_token} ({amount:+}) is in {collection}/{key} but not yet \
-                 counted; run `tallyd complete {} {shown_token} --collection {}` or let the \
-                 daemon fold it. Cause: {cause}",
+                "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{key} but not \
+                 yet counted; run `tallyd complete {} {shown_ticket}{} --collection {}` or let \
+                 the daemon fold it. Cause: {cause}",
                 shell_word(key),
+                by_option(amount),
                 shell_word(collection),
             ),
             EXIT_TEMPFAIL,
@@ -359,7 +255,7 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         {
             (
                 format!(
-                    "unknown: token {shown_token} ({amount:+}) may or may not be in \
+                    "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
                      {collection}/{key}, and it is past the retry horizon of {}: it is counted at \
                      most once (a resume would be refused). Cause: {cause}",
                     humantime::format_duration(target.counters.retry_horizon()),
@@ -369,8 +265,8 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
         }
         Increment::Unknown(_) => (
             format!(
-                "unknown: token {shown_token} ({amount:+}) may or may not be in \
-                 {collection}/{key}; run `tallyd resume {} {shown_token}{}{} --collection {}` \
+                "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
+                 {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} --collection {}` \
                  soon (within the retry horizon of {}), after that it is counted at most once. \
                  Cause: {cause}",
                 shell_word(key),
@@ -396,13 +292,14 @@ fn report_increment(target: &Target, key: &str, outcome: &Increment) -> ExitCode
     let shown = Shown {
         key,
         token: token.map(|t| t.to_string()),
+        ticket,
         amount: Some(amount),
         protocol: Protocol::TwoStep,
     };
     print(target, &shown, fields, &text, code)
 }
 
-/// The line of a counted outcome: `counted: views/k +5 (token …)`, said
+/// The line of a counted outcome: `counted: views/k +5 (ticket …)`, said
 /// to be counted earlier when a settle before this one had counted it.
 pub(super) fn counted_text(
     collection: &str,
@@ -461,6 +358,7 @@ pub(super) fn print(
         fields["collection"] = json!(target.spec.name);
         fields["key"] = json!(shown.key);
         fields["token"] = json!(shown.token);
+        fields["ticket"] = json!(shown.ticket);
         fields["amount"] = json!(shown.amount);
         fields["protocol"] = json!(shown.protocol.as_str());
         out!("{fields}");

@@ -3,25 +3,27 @@
 //!
 //! A command is one process, so `incr` takes one fresh lane of its own
 //! and sends its first number, s = 1, in one round trip (a count, whose age
-//! is the lane's, minted now);
-//! the token it prints is the lane. `resume` re-sends that lane's update
-//! with s = 1, or the position `--position` gives (a library ticket's) —
-//! harmless however often it runs, from wherever, until the lane resume
-//! horizon; refused, nothing written, when the lane holds a later
-//! position.
+//! is the lane's, minted now); the token it prints is the lane, and its
+//! ticket the lane and its number (`LANE.1-CHECK`). `resume` re-sends the
+//! update a ticket names — `incr`'s, or one an application printed with
+//! [`Counters::lane_ticket`](crate::Counters::lane_ticket) at a later
+//! number — harmless however often it runs, from wherever, until the lane
+//! resume horizon; refused, nothing written, when the lane holds a later
+//! number. A named lane (an ordered source's) has no ticket: its source
+//! delivers the message again.
 
 use std::process::ExitCode;
 
 use serde_json::json;
 
 use super::increment::{
-    Shown, Target, by_option, counted_text, other_protocol, print, print_failure, protocol_flag,
-    shell_word,
+    Shown, Target, by_option, counted_text, print, print_failure, protocol_flag, shell_word,
 };
+use super::settle::other_protocol;
 use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, exit_code_for};
-use crate::token::Token;
 use crate::write::counter::{Found, Protocol};
 use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
+use crate::write::ticket::{Settles, Ticket};
 
 /// `tallyd incr KEY [--by N] --lane`.
 pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
@@ -29,15 +31,16 @@ pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
     report(target, key, &outcome)
 }
 
-/// `tallyd resume KEY LANE [--by N] --lane [--position S]`.
+/// `tallyd resume KEY LANE.S-CHECK [--by N]`, the ticket checked.
 pub(super) async fn resume(
     target: &Target,
     key: &str,
-    token: Token,
+    ticket: &Ticket,
     by: i64,
     position: i64,
 ) -> ExitCode {
-    let shown = Shown::new(key, token, Some(by), Protocol::Lanes);
+    let shown = Shown::given(key, ticket, Some(by));
+    let token = ticket.token();
     let refuse = |err| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
     // A two-step token resumed as a lane would be counted again.
     match target.counters.lookup(key, token).await {
@@ -61,19 +64,17 @@ pub(super) async fn resume(
     }
 }
 
-/// ` --position S` for a hint, or nothing for a one-shot lane's s = 1.
-fn position_option(position: Option<i64>) -> String {
-    match position {
-        Some(s) if s != 1 => format!(" --position {s}"),
-        _ => String::new(),
-    }
-}
-
 fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
     let collection = &target.spec.name;
     let amount = outcome.amount();
     let lane = outcome.lane().map(LaneId::to_string);
-    let shown_lane = lane.clone().unwrap_or_default();
+    let ticket = match (outcome.lane(), outcome.position()) {
+        (Some(LaneId::Minted(lane)), position @ Some(_)) => {
+            Some(target.ticket(key, *lane, position, amount, Settles::Resume))
+        }
+        _ => None,
+    };
+    let shown_ticket = ticket.clone().unwrap_or_default();
     let cause = outcome
         .cause()
         .map(|err| target.explain(err))
@@ -84,23 +85,22 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
                 collection,
                 key,
                 amount,
-                "lane",
-                &shown_lane,
+                "lane ticket",
+                &shown_ticket,
                 counted.settled_earlier(),
             ),
             EXIT_OK,
         ),
         LaneIncrement::Unknown(_) => (
             format!(
-                "unknown: the update of lane {shown_lane} ({amount:+}) may or may not have \
-                 applied to {collection}/{key}; run `tallyd resume {} {shown_lane}{}{}{} \
+                "unknown: the update of lane ticket {shown_ticket} ({amount:+}) may or may not \
+                 have applied to {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} \
                  --collection {}` — harmless to repeat, as often as needed — within the lane \
                  resume horizon of {} from the lane's creation; after that it is counted at most \
                  once. Cause: {cause}",
                 shell_word(key),
                 by_option(amount),
                 protocol_flag(Protocol::Lanes),
-                position_option(outcome.position()),
                 shell_word(collection),
                 humantime::format_duration(target.writer.lane_resume_horizon),
             ),
@@ -112,9 +112,10 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         ),
         LaneIncrement::OutOfOrder(behind) => (
             format!(
-                "refused: lane {shown_lane} holds position {} in {collection}/{key}, above {}: \
+                "refused: lane {} holds position {} in {collection}/{key}, above {}: \
                  nothing was written; position {} ({amount:+}) is counted only if it applied \
                  before position {} did",
+                lane.as_deref().unwrap_or_default(),
                 behind.held(),
                 behind.position(),
                 behind.position(),
@@ -140,6 +141,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
     let shown = Shown {
         key,
         token: lane,
+        ticket,
         amount: Some(amount),
         protocol: Protocol::Lanes,
     };

@@ -41,6 +41,25 @@ pub fn text(output: &Output) -> String {
     )
 }
 
+/// The ticket an application prints ([`tally::Counters::ticket`]) for an
+/// unknown increment of `by` to `key` in `collection` whose token is
+/// `token`: what `tallyd resume` takes.
+pub fn resume_ticket(
+    store: &tally::Store,
+    collection: &str,
+    key: &str,
+    token: tally::Token,
+    by: i64,
+) -> String {
+    let counters = tally::Counters::new(
+        store,
+        tally::CollectionConfig::new(collection),
+        tally::WriterConfig::default(),
+    );
+    let unknown = tally::UnknownToken::new(key, token, by).expect("an amount");
+    counters.ticket(&unknown)
+}
+
 /// The command a printed outcome asks to run: the text between its first
 /// pair of backquotes.
 pub fn hint(output: &Output) -> String {
@@ -268,6 +287,10 @@ async fn incr_prints_the_outcome_and_counts() {
     let token = out["token"].as_str().unwrap();
     assert_eq!(token.len(), 24);
     assert!(token.chars().all(|c| c.is_ascii_hexdigit()));
+    // The ticket: the token, then its check.
+    let ticket = out["ticket"].as_str().unwrap();
+    assert!(ticket.starts_with(&format!("{token}-")), "{ticket}");
+    assert_eq!(ticket.len(), 24 + 1 + 6, "{ticket}");
 
     // Text output, the environment naming the database, --by.
     let output = tallyd(
@@ -351,12 +374,13 @@ fn resume_k<'a>(path: &'a str, token: &'a str) -> Vec<&'a str> {
     ]
 }
 
-/// A token made `seconds` ago, as the CLI takes it.
-fn token_aged(seconds: u64) -> String {
-    tally::Token::created_at_time(
+/// The ticket of an unknown `+1` to `views/k` whose token was made
+/// `seconds` ago, as an application prints it.
+async fn ticket_aged(ctx: &TestContext, seconds: u64) -> String {
+    let token = tally::Token::created_at_time(
         std::time::SystemTime::now() - std::time::Duration::from_secs(seconds),
-    )
-    .to_string()
+    );
+    resume_ticket(&ctx.client(false).await.store(), "views", "k", token, 1)
 }
 
 /// `tallyd incr` shuts its MongoDB client down in order before it exits.
@@ -427,7 +451,7 @@ async fn an_unknown_token_past_the_horizon_gets_no_resume_hint() {
     let ctx = TestContext::new("cli_unknown_past_horizon").await;
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-    let old = token_aged(3600);
+    let old = ticket_aged(&ctx, 3600).await;
     let args = resume_k(&path, &old);
     let output = {
         let _fail = FailPoint::set(
@@ -473,7 +497,7 @@ async fn pending_exits_75_and_complete_settles_it() {
         assert_eq!(output.status.code(), Some(75), "{}", text(&output));
         let out = json(&output);
         assert_eq!(out["outcome"], "pending");
-        out["token"].as_str().unwrap().to_owned()
+        out["ticket"].as_str().unwrap().to_owned()
     };
     let client = ctx.client(false).await;
     let views = client.collection("views");
@@ -507,6 +531,7 @@ async fn pending_exits_75_and_complete_settles_it() {
     // A token that was never added: nothing to do, said so, still exit 0.
     let never = tally::Token::new().to_string();
     let mut complete = complete;
+    // A bare token is taken too: `complete` only counts a pending token.
     complete[4] = &never;
     let output = tallyd(&complete, &[]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
@@ -524,14 +549,15 @@ async fn resume_refuses_past_the_horizon_and_settles_within_it() {
     let ctx = TestContext::new("cli_resume").await;
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-    let old = token_aged(600);
+    let old = ticket_aged(&ctx, 600).await;
     let mut args = resume_k(&path, &old);
     args.push("--json");
     let output = tallyd(&args, &[]).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     assert_eq!(json(&output)["outcome"], "refused");
 
-    let fresh = tally::Token::new().to_string();
+    let store = ctx.client(false).await.store();
+    let fresh = resume_ticket(&store, "views", "k", tally::Token::new(), 4);
     let output = tallyd(
         &[
             "--config",
@@ -564,6 +590,10 @@ async fn the_uri_password_never_appears() {
         ("RUST_LOG", "trace"),
     ];
     // No --config: the default file is absent, the environment says it all.
+    let store = tally::Store::connect(&tally::StoreConfig::new(uri, "d"))
+        .await
+        .expect("a URI the driver takes");
+    let ticket = resume_ticket(&store, "c", "k", tally::Token::new(), 1);
     for args in [
         vec!["check-config"],
         vec!["incr", "k", "--collection", "c"],
@@ -575,14 +605,7 @@ async fn the_uri_password_never_appears() {
             "--collection",
             "c",
         ],
-        vec![
-            "resume",
-            "k",
-            "0123456789abcdef01234567",
-            "--collection",
-            "c",
-            "--json",
-        ],
+        vec!["resume", "k", &ticket, "--collection", "c", "--json"],
     ] {
         let output = tallyd(&args, &env).await;
         let shown = text(&output);

@@ -11,7 +11,7 @@ use std::process::Output;
 
 use mongodb::bson::{Bson, doc};
 
-use crate::cli::{json, tallyd, text, write_config};
+use crate::cli::{json, resume_ticket, tallyd, text, write_config};
 use crate::common::server::{AuthServer, create_views_user};
 use crate::common::tallyd::free_address;
 use crate::common::{FailPoint, TestContext, counter, external};
@@ -258,7 +258,7 @@ async fn one_configuration_gets_one_verdict_from_every_command() {
         &["status"],
         &["reconcile"],
         &["incr", "k", "--collection", "views", "--any-collection"],
-        &["resume", "k", "0123456789abcdef01234567"],
+        &["resume", "k", "0123456789abcdef01234567-abcdef"],
         &["get", "k"],
         &["seq", "next", "orders"],
     ];
@@ -290,6 +290,8 @@ async fn a_collection_must_be_configured_unless_any_collection_says_so() {
         "[[collections]]\nname = \"views\"\n[[collections]]\nname = \"clicks\"",
     );
     let output = run(&config, &["incr", "home", "--collection", "veiws"]).await;
+    let store = ctx.client(false).await.store();
+    let ticket = resume_ticket(&store, "veiws", "home", tally::Token::new(), 1);
     let shown = readable(&output);
     assert_eq!(output.status.code(), Some(78), "{shown}");
     assert!(
@@ -306,13 +308,7 @@ async fn a_collection_must_be_configured_unless_any_collection_says_so() {
             "--collection",
             "veiws",
         ],
-        &[
-            "resume",
-            "home",
-            "0123456789abcdef01234567",
-            "--collection",
-            "veiws",
-        ],
+        &["resume", "home", &ticket, "--collection", "veiws"],
     ] {
         let output = run(&config, args).await;
         assert_eq!(

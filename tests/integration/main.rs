@@ -36,3 +36,4 @@ mod soak;
 mod soak_group;
 mod soak_lanes;
 mod stop;
+mod tickets;

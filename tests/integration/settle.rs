@@ -1,8 +1,9 @@
 //! Settling one increment again and again — `tallyd resume` and `tallyd
 //! complete` run by separate processes, repeated, concurrent, in any order —
-//! counts it exactly once: the settle marker (DESIGN §3) makes every settle
-//! after the first a no-op, and a settle given the wrong amount is refused
-//! without writing.
+//! counts it exactly once: the settle marker makes every settle after the
+//! first a no-op, and a settle given the wrong amount is refused without
+//! writing. The tickets resumed are an unknown increment's, as an
+//! application prints them (`Counters::ticket`).
 //!
 //! The oracle is the number of increments made: each test makes one (or
 //! writes its step 1 directly) and expects the counter to move by exactly its
@@ -16,27 +17,38 @@ use mongodb::bson::{Bson, Document, doc};
 use serde_json::Value;
 use tally::{CollectionConfig, Counters, Increment, Token, UnknownToken, WriterConfig};
 
-use crate::cli::{json, tallyd, text, write_config};
+use crate::cli::{json, resume_ticket, tallyd, text, write_config};
 use crate::common::{FailPoint, TestContext, counter, field};
 
 /// A test's config file and the arguments every command shares.
 struct Cli {
     _dir: tempfile::TempDir,
     path: String,
+    store: tally::Store,
 }
 
 impl Cli {
-    fn new(ctx: &TestContext) -> Self {
+    async fn new(ctx: &TestContext) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-        Self { _dir: dir, path }
+        let store = ctx.client(false).await.store();
+        Self {
+            _dir: dir,
+            path,
+            store,
+        }
     }
 
-    /// `tallyd <command> <key> <token> [--by N] --collection views --json`.
-    async fn run(&self, command: &str, key: &str, token: Token, by: Option<i64>) -> Output {
-        let token = token.to_string();
+    /// The ticket of an unknown increment of `by` to `views/key` whose
+    /// token is `token`.
+    fn ticket(&self, key: &str, token: Token, by: i64) -> String {
+        resume_ticket(&self.store, "views", key, token, by)
+    }
+
+    /// `tallyd <command> <key> <ticket> [--by N] --collection views --json`.
+    async fn run(&self, command: &str, key: &str, ticket: &str, by: Option<i64>) -> Output {
         let by = by.map(|n| n.to_string());
-        let mut args = vec!["--config", &self.path, command, key, &token];
+        let mut args = vec!["--config", &self.path, command, key, ticket];
         if let Some(by) = &by {
             args.extend(["--by", by]);
         }
@@ -49,7 +61,7 @@ impl Cli {
 /// read directly.
 async fn setup(name: &str) -> (TestContext, Cli, Collection<Document>) {
     let ctx = TestContext::new(name).await;
-    let cli = Cli::new(&ctx);
+    let cli = Cli::new(&ctx).await;
     let views = ctx.client(false).await.collection("views");
     (ctx, cli, views)
 }
@@ -88,13 +100,14 @@ fn assert_refused(output: &Output, amount: i64) {
 /// once, and checks the counter moved by the amount exactly once.
 async fn resume_repeatedly(name: &str, step_1_landed: bool, runs: usize, concurrent: bool) {
     let ctx = TestContext::new(name).await;
-    let cli = Cli::new(&ctx);
+    let cli = Cli::new(&ctx).await;
     let views = ctx.client(false).await.collection("views");
     views
         .insert_one(doc! { "_id": "k", "counter": 10i64 })
         .await
         .unwrap();
     let token = Token::new();
+    let ticket = cli.ticket("k", token, 3);
     if step_1_landed {
         views
             .update_one(
@@ -105,11 +118,11 @@ async fn resume_repeatedly(name: &str, step_1_landed: bool, runs: usize, concurr
             .unwrap();
     }
     let outputs: Vec<Output> = if concurrent {
-        join_all((0..runs).map(|_| cli.run("resume", "k", token, Some(3)))).await
+        join_all((0..runs).map(|_| cli.run("resume", "k", &ticket, Some(3)))).await
     } else {
         let mut outputs = Vec::new();
         for _ in 0..runs {
-            outputs.push(cli.run("resume", "k", token, Some(3)).await);
+            outputs.push(cli.run("resume", "k", &ticket, Some(3)).await);
         }
         outputs
     };
@@ -138,8 +151,9 @@ async fn resuming_a_token_whose_step_1_landed_1_2_5_times_counts_it_once() {
     }
 }
 
-/// `incr` whose step 2 is refused: pending, with its token in the document.
-async fn pending_increment(ctx: &TestContext, cli: &Cli) -> Token {
+/// `incr` whose step 2 is refused: pending, with its token in the
+/// document; its token and the ticket it printed.
+async fn pending_increment(ctx: &TestContext, cli: &Cli) -> (Token, String) {
     let _fail = FailPoint::set(
         ctx,
         Bson::Document(doc! { "skip": 1, "times": 1 }),
@@ -164,17 +178,28 @@ async fn pending_increment(ctx: &TestContext, cli: &Cli) -> Token {
     let (code, out) = outcome(&output);
     assert_eq!((code, out["outcome"].as_str()), (Some(75), Some("pending")));
     assert_eq!(out["amount"], 2);
-    out["token"].as_str().unwrap().parse().unwrap()
+    let token = out["token"].as_str().unwrap().parse().unwrap();
+    (token, out["ticket"].as_str().unwrap().to_owned())
 }
 
+/// An unknown increment whose step 1 landed, completed and then resumed
+/// (an operator unsure whether it worked, with its ticket): counted once.
 #[tokio::test]
 async fn complete_then_resume_counts_once() {
-    let (ctx, cli, views) = setup("settle_complete_then_resume").await;
-    let token = pending_increment(&ctx, &cli).await;
-    let completed = cli.run("complete", "k", token, None).await;
+    let (_ctx, cli, views) = setup("settle_complete_then_resume").await;
+    let token = Token::new();
+    let ticket = cli.ticket("k", token, 2);
+    views
+        .update_one(
+            doc! { "_id": "k" },
+            doc! { "$addToSet": { "pending": { "t": token.object_id(), "n": 2i64 } } },
+        )
+        .upsert(true)
+        .await
+        .unwrap();
+    let completed = cli.run("complete", "k", &ticket, Some(2)).await;
     assert_eq!(outcome(&completed).1["settled_earlier"], false);
-    // An operator unsure whether it worked resumes it (with its amount).
-    let resumed = cli.run("resume", "k", token, Some(2)).await;
+    let resumed = cli.run("resume", "k", &ticket, Some(2)).await;
     assert_counted_once(&[completed, resumed], 2);
     assert_eq!(counter(&views, "k").await, 2);
 }
@@ -182,29 +207,34 @@ async fn complete_then_resume_counts_once() {
 #[tokio::test]
 async fn resume_then_complete_counts_once() {
     let (_ctx, cli, views) = setup("settle_resume_then_complete").await;
-    let token = Token::new();
-    let resumed = cli.run("resume", "k", token, Some(4)).await;
+    let ticket = cli.ticket("k", Token::new(), 4);
+    let resumed = cli.run("resume", "k", &ticket, Some(4)).await;
     assert_eq!(outcome(&resumed).1["settled_earlier"], false);
-    let completed = cli.run("complete", "k", token, None).await;
+    let completed = cli.run("complete", "k", &ticket, Some(4)).await;
     assert_eq!(outcome(&completed).1["settled_earlier"], true);
     assert_counted_once(&[resumed, completed], 4);
     assert_eq!(counter(&views, "k").await, 4);
 }
 
+/// A resume whose ticket says +5 for a token the document holds with +2
+/// (pending, or its marker): refused, nothing written. (A printed ticket
+/// given `--by 5` is refused by its check before anything is read.)
 #[tokio::test]
 async fn resume_with_another_amount_is_refused_and_writes_nothing() {
     let (ctx, cli, views) = setup("settle_wrong_amount").await;
     let snapshot = || async { views.find_one(doc! { "_id": "k" }).await.unwrap() };
     // The document holds the token (its step 1 landed, +2).
-    let token = pending_increment(&ctx, &cli).await;
+    let (token, printed) = pending_increment(&ctx, &cli).await;
+    let five = cli.ticket("k", token, 5);
     let before: Option<Document> = snapshot().await;
-    assert_refused(&cli.run("resume", "k", token, Some(5)).await, 5);
+    assert_refused(&cli.run("resume", "k", &five, Some(5)).await, 5);
+    assert_refused(&cli.run("resume", "k", &printed, Some(5)).await, 5);
     assert_eq!(snapshot().await, before, "nothing written");
     // The document holds its marker (a settle counted it).
-    let completed = cli.run("complete", "k", token, None).await;
+    let completed = cli.run("complete", "k", &printed, Some(2)).await;
     assert_counted_once(&[completed], 2);
     let before = snapshot().await;
-    assert_refused(&cli.run("resume", "k", token, Some(5)).await, 5);
+    assert_refused(&cli.run("resume", "k", &five, Some(5)).await, 5);
     assert_eq!(snapshot().await, before, "nothing written");
     assert_eq!(counter(&views, "k").await, 2);
 }
@@ -216,7 +246,8 @@ async fn resume_with_another_amount_is_refused_and_writes_nothing() {
 async fn a_delayed_original_step_1_never_makes_a_settle_count_again() {
     let (_ctx, cli, views) = setup("settle_delayed_step1").await;
     let token = Token::new();
-    let resumed = cli.run("resume", "k", token, Some(3)).await;
+    let ticket = cli.ticket("k", token, 3);
+    let resumed = cli.run("resume", "k", &ticket, Some(3)).await;
     assert_eq!(outcome(&resumed).1["settled_earlier"], false);
     views
         .update_one(
@@ -225,8 +256,8 @@ async fn a_delayed_original_step_1_never_makes_a_settle_count_again() {
         )
         .await
         .unwrap();
-    let again = cli.run("resume", "k", token, Some(3)).await;
-    let completed = cli.run("complete", "k", token, None).await;
+    let again = cli.run("resume", "k", &ticket, Some(3)).await;
+    let completed = cli.run("complete", "k", &ticket, Some(3)).await;
     assert_counted_once(&[resumed, again, completed], 3);
     assert_eq!(counter(&views, "k").await, 3);
 }

@@ -125,17 +125,24 @@ async fn writer_processes_in_groups_killed_and_resumed_elsewhere_count_exactly_o
                         }),
                         None => {
                             let total = line["total"].as_i64().expect("a ticket's total");
-                            tickets.insert((key, lane, position), total);
+                            let ticket = line["ticket"].as_str().expect("a ticket").to_owned();
+                            tickets.insert((key, lane, position), (total, ticket));
                         }
                     }
                 }
                 // Another process resumes each shared ticket, once for the
                 // whole group.
-                for ((key, lane, position), total) in &tickets {
-                    claims.extend(
-                        resume_elsewhere(&config_path, key, lane, *position, *total, &mut rng)
-                            .await,
+                for ((key, lane, position), (total, ticket)) in &tickets {
+                    let resumed = resume_elsewhere(
+                        &config_path,
+                        key,
+                        lane,
+                        *position,
+                        ticket,
+                        *total,
+                        &mut rng,
                     );
+                    claims.extend(resumed.await);
                 }
                 (claims, tickets.into_keys().collect::<Vec<_>>(), was_killed)
             });
@@ -331,7 +338,7 @@ async fn group_soak_writer_process() {
                 while Instant::now() < until {
                     let key = &keys[i % keys.len()];
                     let amount = (i % 5) as i64 + 1;
-                    print_outcome(key, &counters.add(key.as_str(), amount).await);
+                    print_outcome(&counters, key, &counters.add(key.as_str(), amount).await);
                     i += 1;
                 }
             })
@@ -342,11 +349,17 @@ async fn group_soak_writer_process() {
     }
 }
 
-fn print_outcome(key: &str, outcome: &LaneIncrement) {
-    let (name, total) = match outcome {
-        LaneIncrement::Counted(_) => ("counted", None),
-        LaneIncrement::NotCounted(_) => ("not_counted", None),
-        LaneIncrement::Unknown(ticket) => ("unknown", Some(ticket.amount())),
+/// One JSON line of an outcome: an unknown one's with the update's total
+/// and the ticket `tallyd resume` takes.
+fn print_outcome(counters: &Counters, key: &str, outcome: &LaneIncrement) {
+    let (name, total, ticket) = match outcome {
+        LaneIncrement::Counted(_) => ("counted", None, None),
+        LaneIncrement::NotCounted(_) => ("not_counted", None, None),
+        LaneIncrement::Unknown(ticket) => (
+            "unknown",
+            Some(ticket.amount()),
+            counters.lane_ticket(ticket),
+        ),
         LaneIncrement::OutOfOrder(o) => panic!("a minted lane out of order: {o:?}"),
     };
     let (Some(lane), Some(position)) = (outcome.lane(), outcome.position()) else {
@@ -355,6 +368,6 @@ fn print_outcome(key: &str, outcome: &LaneIncrement) {
     println!(
         "{}",
         json!({ "key": key, "lane": lane.key(), "position": position, "outcome": name,
-                "total": total })
+                "total": total, "ticket": ticket })
     );
 }

@@ -123,12 +123,14 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
                     }
                     LaneIncrement::Unknown(ticket) => {
                         let lane = ticket.lane().key();
+                        let printed = counters.lane_ticket(&ticket).expect("a minted lane");
                         let resumed = resume_elsewhere(
                             &config_path,
                             key,
                             &lane,
                             ticket.position(),
-                            amount,
+                            &printed,
+                            ticket.amount(),
                             &mut rng,
                         )
                         .await;
@@ -315,8 +317,9 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
                 continue;
             };
             let lane = out["token"].as_str().map(str::to_owned);
+            let ticket = out["ticket"].as_str().map(str::to_owned);
             let position = out["position"].as_i64();
-            let (Some(lane), Some(position)) = (lane, position) else {
+            let (Some(lane), Some(ticket), Some(position)) = (lane, ticket, position) else {
                 assert_eq!(code, 1, "an incr without a lane that did not fail: {out}");
                 continue;
             };
@@ -326,7 +329,8 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
                 (75, Some("unknown")) => {
                     let mut rng = fastrand::Rng::with_seed(seed);
                     let resumed =
-                        resume_elsewhere(config, &key, &lane, position, by, &mut rng).await;
+                        resume_elsewhere(config, &key, &lane, position, &ticket, by, &mut rng)
+                            .await;
                     claims.extend(resumed);
                     continue;
                 }
@@ -344,29 +348,21 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
     (claims, killed)
 }
 
-/// Resumes an unknown lane increment 1–3 times from `tallyd resume
-/// --lane` processes, at once or one after another.
+/// Resumes an unknown lane increment — the update of `by` through `lane`
+/// at `position`, whose ticket is `ticket` — 1–3 times from `tallyd resume`
+/// processes, at once or one after another.
 pub(crate) async fn resume_elsewhere(
     config: &Path,
     key: &str,
     lane: &str,
     position: i64,
+    ticket: &str,
     by: i64,
     rng: &mut fastrand::Rng,
 ) -> Vec<LaneClaim> {
     let times = rng.usize(1..=3);
-    let (by_text, position_text) = (by.to_string(), position.to_string());
-    let args = [
-        "resume",
-        key,
-        lane,
-        "--lane",
-        "--position",
-        &position_text,
-        "--by",
-        &by_text,
-        "--json",
-    ];
+    let by_text = by.to_string();
+    let args = ["resume", key, ticket, "--lane", "--by", &by_text, "--json"];
     let outputs = if rng.bool() {
         futures::future::join_all((0..times).map(|_| run(config, &args, None))).await
     } else {
@@ -383,8 +379,13 @@ pub(crate) async fn resume_elsewhere(
             let claim = match (code, out["outcome"].as_str()) {
                 (0, Some("counted")) => Claim::Counted,
                 (75, Some("unknown")) => return None,
-                // Past the resume horizon: counted at most once.
-                (1, Some("refused")) => Claim::AtMostOnce,
+                // Past the resume horizon: counted at most once. (Never a
+                // ticket refused by its check: that would hide a resume.)
+                (1, Some("refused")) => {
+                    let message = out["error"]["message"].as_str().unwrap_or_default();
+                    assert!(message.contains("past the lane resume horizon"), "{out}");
+                    Claim::AtMostOnce
+                }
                 (1, Some("not_counted")) => Claim::NotCounted,
                 other => panic!("resume answered {other:?}: {out}"),
             };

@@ -61,6 +61,12 @@ async fn main() -> ExitCode {
         Increment::Pending(pending) => views.complete(pending).await.into(),
         other => other,
     };
+    // What an operator pastes into `tallyd resume`, whose check makes sure
+    // the key, amount and collection are this increment's.
+    let ticket = match &outcome {
+        Increment::Unknown(unknown) => views.ticket(unknown),
+        _ => String::new(),
+    };
     // End the driver's work in order before the runtime stops.
     drop(views);
     store.shutdown().await;
@@ -76,10 +82,10 @@ async fn main() -> ExitCode {
             );
             ExitCode::from(EXIT_TEMPFAIL)
         }
-        Increment::Unknown(unknown) => {
+        Increment::Unknown(_) => {
             println!(
-                "unknown: page_views/{key} +1 (token {}); resume it within the retry horizon",
-                unknown.token()
+                "unknown: page_views/{key} +1 (ticket {ticket}); run `tallyd resume {key} \
+                 {ticket} --collection page_views` within the retry horizon"
             );
             ExitCode::from(EXIT_TEMPFAIL)
         }

@@ -146,8 +146,8 @@ pub(crate) const DEFAULT_LANE_RESUME_HORIZON: Duration = Duration::from_secs(23 
 pub(crate) const DEFAULT_LANE_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// Which increment protocol a caller that does not choose one gets: the
-/// `tallyd incr` and `tallyd resume` commands (the daemon's `[writer]
-/// protocol`). The library's own calls name theirs:
+/// `tallyd incr` command (the daemon's `[writer] protocol`; `tallyd resume`
+/// goes by its ticket's shape). The library's own calls name theirs:
 /// [`Counters::increment`](super::Counters::increment) is the two-step
 /// increment, [`Counters::add`](super::Counters::add) the lanes protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -223,8 +223,8 @@ pub struct WriterConfig {
     #[serde(serialize_with = "serialize_duration")]
     pub lane_ttl: Duration,
     /// The protocol a caller that does not choose one uses: `tallyd incr`
-    /// and `tallyd resume` without `--lane` or `--two-step`. Default:
-    /// two-step.
+    /// without `--lane` or `--two-step` (`tallyd resume` goes by its
+    /// ticket's shape). Default: two-step.
     pub protocol: Protocol,
 }
 

@@ -239,9 +239,10 @@ impl LaneTicket {
     }
 }
 
-/// `+7 to "k" through lane 65f0…, position 2`: everything a resume needs
-/// (the CLI's `tallyd resume k 65f0… --by 7 --lane --position 2`), and the
-/// caller's share when the update carries others' increments too.
+/// `+7 to "k" through lane 65f0…, position 2`: everything a resume needs,
+/// and the caller's share when the update carries others' increments too.
+/// The CLI's `tallyd resume` takes the ticket
+/// [`Counters::lane_ticket`](crate::Counters::lane_ticket) prints.
 impl fmt::Display for LaneTicket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

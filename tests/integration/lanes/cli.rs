@@ -1,8 +1,9 @@
-//! `tallyd incr --lane` and `tallyd resume --lane` as a user runs them:
-//! the token is the lane, every outcome says its amount and protocol, the
-//! hints repeat `--by` and `--lane`, a resume counts once however often and
-//! from however many processes it runs, and `[writer] protocol` picks the
-//! default that the flags override.
+//! `tallyd incr --lane` and `tallyd resume` of a lane's ticket as a user
+//! runs them: the token is the lane, the ticket the lane and its number,
+//! every outcome says its amount and protocol, the hints repeat the ticket,
+//! `--by` and `--lane`, a resume counts once however often and from however
+//! many processes it runs, and `[writer] protocol` picks `incr`'s default
+//! that the flags override (a ticket says its own protocol).
 //!
 //! The oracle is the number of increments made; the lane map shows which
 //! lane carried them.
@@ -10,6 +11,7 @@
 use std::time::{Duration, SystemTime};
 
 use futures::future::join_all;
+use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Bson, doc};
 
 use super::lane_map;
@@ -33,6 +35,20 @@ async fn run(path: &str, args: &[&str]) -> std::process::Output {
     tallyd(&all, &[]).await
 }
 
+/// The ticket an application prints ([`tally::Counters::lane_ticket`]) for
+/// the update of `by` to `views/key` through the minted `lane` at
+/// `position`.
+fn lane_ticket(store: &tally::Store, key: &str, lane: ObjectId, position: i64, by: i64) -> String {
+    let views = tally::Counters::new(
+        store,
+        tally::CollectionConfig::new("views"),
+        tally::WriterConfig::default(),
+    );
+    let ticket = tally::LaneTicket::new(key, tally::LaneId::Minted(lane), position, by)
+        .expect("a valid ticket");
+    views.lane_ticket(&ticket).expect("a minted lane's ticket")
+}
+
 /// `incr --lane`: counted in one update whose lane is the printed token,
 /// holding s = 1; the JSON says the amount and the protocol; text and
 /// `--by` work as for the two-step increment.
@@ -49,6 +65,10 @@ async fn incr_lane_counts_and_its_token_is_the_lane() {
     let token = out["token"].as_str().unwrap().to_owned();
     assert_eq!(token.len(), 24);
     assert!(token.chars().all(|c| matches!(c, '0'..='9' | 'a'..='f')));
+    // Its ticket: the lane, its number (1), the check.
+    let ticket = out["ticket"].as_str().unwrap();
+    assert!(ticket.starts_with(&format!("{token}.1-")), "{ticket}");
+    assert_eq!(ticket.len(), 24 + 2 + 1 + 6, "{ticket}");
 
     let output = run(&path, &["incr", "home", "--lane", "--by", "-3"]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
@@ -145,17 +165,27 @@ async fn resuming_a_lane_token_1_2_5_times_from_one_or_many_processes_counts_onc
     for (runs, concurrent) in [(1, false), (2, false), (5, false), (2, true), (5, true)] {
         let name = format!("{runs} runs, concurrent: {concurrent}");
         let key = format!("k{runs}{concurrent}");
-        let token = {
+        // The lane (the token) and its ticket.
+        let lane_and_ticket = |output: &std::process::Output| {
+            let out = json(output);
+            let field = |name: &str| out[name].as_str().unwrap().to_owned();
+            (field("token"), field("ticket"))
+        };
+        let (token, ticket) = {
             let _fail = FailPoint::updates_cut(&ctx, 2).await;
             let output = run(&path, &["incr", &key, "--by", "7", "--lane", "--json"]).await;
             assert_eq!(output.status.code(), Some(75), "{name}: {}", text(&output));
-            json(&output)["token"].as_str().unwrap().to_owned()
+            lane_and_ticket(&output)
         };
         let applied = run(&path, &["incr", &key, "--by", "2", "--lane", "--json"]).await;
         assert_eq!(applied.status.code(), Some(0), "{name}: {}", text(&applied));
-        let applied = json(&applied)["token"].as_str().unwrap().to_owned();
-        for (token, by, fresh_runs) in [(&token, "7", 1), (&applied, "2", 0)] {
-            let args = ["resume", &key, token, "--by", by, "--lane", "--json"];
+        let (applied, applied_ticket) = lane_and_ticket(&applied);
+        let resumed = [
+            (&token, &ticket, "7", 1),
+            (&applied, &applied_ticket, "2", 0),
+        ];
+        for (token, ticket, by, fresh_runs) in resumed {
+            let args = ["resume", &key, ticket, "--by", by, "--lane", "--json"];
             let outputs = if concurrent {
                 join_all((0..runs).map(|_| run(&path, &args))).await
             } else {
@@ -172,6 +202,7 @@ async fn resuming_a_lane_token_1_2_5_times_from_one_or_many_processes_counts_onc
                 assert_eq!(out["outcome"], "counted", "{name}: {out}");
                 assert_eq!(out["amount"], by.parse::<i64>().unwrap(), "{name}: {out}");
                 assert_eq!(out["token"], token.as_str(), "{name}: {out}");
+                assert_eq!(out["ticket"], ticket.as_str(), "{name}: {out}");
                 if out["settled_earlier"] == false {
                     fresh += 1;
                 }
@@ -192,8 +223,9 @@ async fn resuming_a_lane_token_1_2_5_times_from_one_or_many_processes_counts_onc
 #[tokio::test]
 async fn resume_lane_refuses_past_the_lane_resume_horizon_and_writes_nothing() {
     let (ctx, _dir, path) = setup("cli_lane_resume_horizon", "").await;
-    let old = tally::Token::created_at_time(SystemTime::now() - Duration::from_secs(24 * 3600))
-        .to_string();
+    let old = tally::Token::created_at_time(SystemTime::now() - Duration::from_secs(24 * 3600));
+    let store = ctx.client(false).await.store();
+    let old = lane_ticket(&store, "k", old.object_id(), 1, 1);
     let output = run(&path, &["resume", "k", &old, "--lane", "--json"]).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     let out = json(&output);
@@ -205,9 +237,10 @@ async fn resume_lane_refuses_past_the_lane_resume_horizon_and_writes_nothing() {
     assert_eq!(views.count_documents(doc! {}).await.unwrap(), 0);
 }
 
-/// `[writer] protocol = "lanes"` makes `incr` and `resume` use lanes, and
-/// `--two-step` overrides it; a token resumed with the protocol that did
-/// not make it is refused without writing, and the refusal names the flag.
+/// `[writer] protocol = "lanes"` makes `incr` use lanes, and `--two-step`
+/// overrides it; `resume` goes by the ticket's shape, whatever the
+/// configuration says: a flag that contradicts it is a usage error naming
+/// the flag, and nothing is written.
 #[tokio::test]
 async fn writer_protocol_picks_the_default_and_the_flags_override_it() {
     let (ctx, _dir, path) = setup("cli_lane_protocol", "[writer]\nprotocol = \"lanes\"").await;
@@ -216,9 +249,10 @@ async fn writer_protocol_picks_the_default_and_the_flags_override_it() {
 
     let output = run(&path, &["incr", "k", "--json"]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
-    let lane = json(&output);
-    assert_eq!(lane["protocol"], "lanes");
-    let lane = lane["token"].as_str().unwrap().to_owned();
+    let out = json(&output);
+    assert_eq!(out["protocol"], "lanes");
+    let lane = out["token"].as_str().unwrap().to_owned();
+    let lane_ticket = out["ticket"].as_str().unwrap().to_owned();
     // A two-step increment whose step 2 failed: its token stays pending.
     let two_step = {
         let _fail = FailPoint::set(
@@ -232,37 +266,34 @@ async fn writer_protocol_picks_the_default_and_the_flags_override_it() {
         let out = json(&output);
         assert_eq!(out["outcome"], "pending");
         assert_eq!(out["protocol"], "two-step");
-        out["token"].as_str().unwrap().to_owned()
+        out["ticket"].as_str().unwrap().to_owned()
     };
     assert_eq!(counter(&views, "k").await, 1);
     assert_eq!(pending_len(&views, "k").await, 1);
     assert_eq!(lane_map(&views, "k").await, vec![(lane.clone(), 1)]);
 
-    // The lane's token resumed as a two-step one, and the pending token
-    // resumed as a lane (the configured default): refused, nothing written,
-    // the refusal names the flag that would do.
-    let output = run(&path, &["resume", "k", &lane, "--two-step"]).await;
-    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    // The lane's ticket resumed as a two-step one, the pending token's as a
+    // lane: usage errors naming the flag. The pending token's, no flag,
+    // under the lanes default: taken as the two-step ticket it is — and
+    // refused, a pending increment's ticket is completed, not resumed.
+    let output = run(&path, &["resume", "k", &lane_ticket, "--two-step"]).await;
+    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
+    assert!(text(&output).contains("--two-step"), "{}", text(&output));
+    let output = run(&path, &["resume", "k", &two_step, "--lane"]).await;
+    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
     assert!(text(&output).contains("--lane"), "{}", text(&output));
     let output = run(&path, &["resume", "k", &two_step, "--json"]).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     assert_eq!(json(&output)["outcome"], "refused");
-    assert!(
-        json(&output)["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("--two-step"),
-        "{}",
-        text(&output)
-    );
+    assert_eq!(json(&output)["protocol"], "two-step");
     assert_eq!(counter(&views, "k").await, 1);
     assert_eq!(pending_len(&views, "k").await, 1);
     assert_eq!(lane_map(&views, "k").await, vec![(lane.clone(), 1)]);
-    let output = run(&path, &["resume", "k", &two_step, "--two-step", "--json"]).await;
+    let output = run(&path, &["complete", "k", &two_step, "--json"]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     assert_eq!(counter(&views, "k").await, 2);
-    // The configured protocol needs no flag: the lane resumes as counted.
-    let output = run(&path, &["resume", "k", &lane, "--json"]).await;
+    // No flag: the lane's ticket resumes as the lane it is, counted.
+    let output = run(&path, &["resume", "k", &lane_ticket, "--json"]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     assert_eq!(json(&output)["settled_earlier"], true);
     assert_eq!(counter(&views, "k").await, 2);
@@ -270,14 +301,14 @@ async fn writer_protocol_picks_the_default_and_the_flags_override_it() {
     assert_eq!(output.status.code(), Some(64), "{}", text(&output));
 }
 
-/// A lane ticket from the library (`Counters::add`) carries its position:
-/// its Display shows it, and `resume --lane --position S` re-sends that
-/// position — counted once however often it runs. A position below the
-/// one the lane holds is refused (exit 1, nothing written): re-sending
-/// s = 1 for a ticket at a later number would report a +7 that was never
-/// added as counted earlier.
+/// A lane ticket from the library (`Counters::add`, at a later number than
+/// 1) printed with `Counters::lane_ticket` carries its number: `tallyd
+/// resume` re-sends that number — counted once however often it runs. A
+/// ticket at a number below the one the lane holds is refused (exit 1,
+/// nothing written): re-sending s = 1 for an update at a later number
+/// would report a +7 that was never added as counted earlier.
 #[tokio::test]
-async fn resume_lane_position_resends_a_library_tickets_position_and_refuses_a_lower_one() {
+async fn resume_of_a_library_lane_ticket_resends_its_number_and_refuses_a_lower_one() {
     let (ctx, _dir, path) = setup("cli_lane_resume_position", "").await;
     let client = ctx.client(false).await;
     let views = tally::Counters::try_new(
@@ -297,49 +328,40 @@ async fn resume_lane_position_resends_a_library_tickets_position_and_refuses_a_l
     };
     let position = ticket.position();
     assert!(position > first.position().unwrap(), "numbers grow");
-    let shown_position = position.to_string();
-    let lane = ticket.lane().to_string();
+    let tally::LaneId::Minted(lane) = ticket.lane().clone() else {
+        panic!("a minted lane: {ticket}");
+    };
+    let printed = views.lane_ticket(&ticket).expect("a minted lane's ticket");
     assert!(
-        ticket.to_string().contains(&format!("position {position}")),
-        "the ticket's display names its position: {ticket}"
+        printed.starts_with(&format!("{}.{position}-", lane.to_hex())),
+        "the ticket carries the lane and its number: {printed}"
     );
     let coll = client.collection("views");
-    let resume = |position: Option<&str>| {
-        let position = position.map(str::to_owned);
-        let (path, lane) = (path.clone(), lane.clone());
+    let resume = |ticket: String| {
+        let path = path.clone();
         async move {
-            let mut args = vec![
-                "resume",
-                "k",
-                lane.as_str(),
-                "--by",
-                "7",
-                "--lane",
-                "--json",
-            ];
-            if let Some(position) = &position {
-                args.extend(["--position", position.as_str()]);
-            }
+            let args = ["resume", "k", &ticket, "--by", "7", "--json"];
             run(&path, &args).await
         }
     };
     for earlier in [false, true] {
-        let output = resume(Some(&shown_position)).await;
+        let output = resume(printed.clone()).await;
         assert_eq!(output.status.code(), Some(0), "{}", text(&output));
         let out = json(&output);
         assert_eq!(out["outcome"], "counted", "{out}");
         assert_eq!(out["settled_earlier"], earlier, "{out}");
         assert_eq!(out["position"], position, "{out}");
+        assert_eq!(out["ticket"], printed.as_str(), "{out}");
         assert_eq!(counter(&coll, "k").await, 8);
     }
-    // s = 1 (the default) is below what the lane holds: refused.
-    let output = resume(None).await;
+    // The same lane at s = 1, below what the lane holds: refused.
+    let output = resume(lane_ticket(&client.store(), "k", lane, 1, 7)).await;
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     let out = json(&output);
     assert_eq!(out["outcome"], "refused", "{out}");
     assert_eq!(out["position"], 1, "{out}");
     assert_eq!(counter(&coll, "k").await, 8);
-    assert_eq!(lane_map(&coll, "k").await, vec![(lane.clone(), position)]);
+    assert_eq!(lane_map(&coll, "k").await, vec![(lane.to_hex(), position)]);
 }
 
 /// Every resume hint names the protocol that made the token, whatever

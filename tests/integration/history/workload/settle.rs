@@ -41,6 +41,8 @@ pub(super) async fn settle_unknown(
 ) {
     let key = unknown.key().as_str().expect("string keys").to_owned();
     let (token, amount) = (unknown.token(), unknown.amount());
+    // What an operator pastes into `tallyd resume` or `tallyd complete`.
+    let ticket = host.counters.ticket(&unknown);
     let hosts = shared.hosts.len();
     let other = shared.hosts[(w + 1 + rng.usize(0..hosts - 1)) % hosts].clone();
     let mode = match rng.u32(0..100) {
@@ -62,17 +64,18 @@ pub(super) async fn settle_unknown(
             }))
         }
         Settle::WithChild => {
-            let (shared, key) = (shared.clone(), key.clone());
+            let (shared, key, ticket) = (shared.clone(), key.clone(), ticket.clone());
             Some(tokio::spawn(async move {
-                child(&shared, "resume", &key, token, amount).await;
+                child(&shared, "resume", &key, token, &ticket, amount).await;
             }))
         }
         Settle::WithOperator => {
             let (shared, me, key) = (shared.clone(), format!("{me}/operator"), key.clone());
+            let ticket = ticket.clone();
             let by_child = rng.u32(0..3) == 0;
             Some(tokio::spawn(async move {
                 if by_child {
-                    child(&shared, "complete", &key, token, amount).await;
+                    child(&shared, "complete", &key, token, &ticket, amount).await;
                 } else {
                     operator_complete(&shared, &me, &other, &key, token).await;
                 }
@@ -92,7 +95,7 @@ pub(super) async fn settle_unknown(
     if counted && rng.u32(0..100) < 30 {
         shared.count("resumed again after counted");
         if rng.u32(0..4) == 0 {
-            child(shared, "resume", &key, token, amount).await;
+            child(shared, "resume", &key, token, &ticket, amount).await;
         } else {
             let again = UnknownToken::new(key.as_str(), token, amount).expect("an amount");
             let _ = resume_until_known(shared, &format!("{me}/again"), host, again).await;
@@ -191,10 +194,10 @@ async fn operator_complete(shared: &Shared, me: &str, host: &Host, key: &str, to
     }
 }
 
-/// `tallyd <command> KEY TOKEN [--by N]` as a child process through the
+/// `tallyd <command> KEY TICKET --by N` as a child process through the
 /// proxy, recorded from spawn to exit; nothing when the run has started
 /// all the children it may.
-async fn child(shared: &Shared, command: &str, key: &str, token: Token, amount: i64) {
+async fn child(shared: &Shared, command: &str, key: &str, token: Token, ticket: &str, amount: i64) {
     let n = shared.children.fetch_add(1, Ordering::Relaxed);
     if n >= shared.max_children {
         return;
@@ -212,16 +215,17 @@ async fn child(shared: &Shared, command: &str, key: &str, token: Token, amount: 
     }
     let me = format!("tallyd#{n}");
     let config = shared.child_config.display().to_string();
-    let (token_hex, by) = (token.to_string(), amount.to_string());
+    let by = amount.to_string();
     let mut args = vec![
         "--config",
         config.as_str(),
         command,
         key,
-        token_hex.as_str(),
+        ticket,
+        "--by",
+        by.as_str(),
     ];
     let call = if command == "resume" {
-        args.extend(["--by", by.as_str()]);
         Call::Resume {
             key: key.to_owned(),
             token: token.object_id(),
@@ -246,7 +250,15 @@ async fn child(shared: &Shared, command: &str, key: &str, token: Token, amount: 
         Some("unknown") => Outcome::Unknown,
         Some("not_counted") => Outcome::NotCounted,
         Some("not_pending") => Outcome::NotPending,
-        Some("refused") => Outcome::Refused(json["error"]["message"].to_string()),
+        Some("refused") => {
+            let message = json["error"]["message"].to_string();
+            // The ticket is the unknown increment's own: its check holds.
+            assert!(
+                !message.contains("ticket"),
+                "{me} refused its ticket: {message}"
+            );
+            Outcome::Refused(message)
+        }
         _ => Outcome::Failed {
             error: format!(
                 "{:?}: {stdout}{}",
