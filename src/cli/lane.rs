@@ -96,13 +96,14 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
                 "unknown: the update of lane ticket {shown_ticket} ({amount:+}) may or may not \
                  have applied to {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} \
                  --collection {}` — harmless to repeat, as often as needed — within the lane \
-                 resume horizon of {} from the lane's creation; after that it is counted at most \
-                 once. Cause: {cause}",
+                 resume horizon of {} from when the update was sent ({}); after that it is \
+                 counted at most once. Cause: {cause}",
                 shell_word(key),
                 by_option(amount),
                 protocol_flag(Protocol::Lanes),
                 shell_word(collection),
                 humantime::format_duration(target.writer.lane_resume_horizon),
+                resume_deadline(outcome, target.writer.lane_resume_horizon),
             ),
             EXIT_TEMPFAIL,
         ),
@@ -146,4 +147,23 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         protocol: Protocol::Lanes,
     };
     print(target, &shown, fields, &text, code)
+}
+
+/// Until when an unknown lane update may be resumed, in words: `until
+/// 2026-11-27T21:07:53Z`, counted from the time its number holds (or, for
+/// a number that is a count, from its lane's creation).
+fn resume_deadline(outcome: &LaneIncrement, horizon: std::time::Duration) -> String {
+    let now = std::time::SystemTime::now();
+    let age = match (outcome.lane(), outcome.position()) {
+        (Some(lane), Some(position)) => crate::write::lane::update_age(lane, position, now),
+        _ => None,
+    };
+    match age {
+        Some(age) if age < horizon => format!(
+            "until {}",
+            humantime::format_rfc3339_seconds(now + (horizon - age))
+        ),
+        Some(_) => "already past".to_owned(),
+        None => "a named lane has none".to_owned(),
+    }
 }

@@ -3,20 +3,26 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tally::{LaneIncrement, Token};
+use tally::{LaneId, LaneIncrement, LaneTicket, Token};
 
 use super::handle;
 use crate::cli::{tallyd, text, write_config};
 use crate::common::{FailPoint, TestContext};
 
-/// `tallyd --config PATH resume k LANE --by BY --lane [--position S]
-/// --collection views`.
-fn resume_lane(path: &str, lane: &str, by: &str, position: Option<&str>) -> Vec<String> {
-    let mut args = vec!["--config", path, "resume", "k", lane, "--by", by, "--lane"];
-    if let Some(position) = position {
-        args.extend(["--position", position]);
-    }
-    args.extend(["--collection", "views"]);
+/// `tallyd --config PATH resume k TICKET --by BY --lane --collection views`.
+fn resume_lane(path: &str, ticket: &str, by: &str) -> Vec<String> {
+    let args = [
+        "--config",
+        path,
+        "resume",
+        "k",
+        ticket,
+        "--by",
+        by,
+        "--lane",
+        "--collection",
+        "views",
+    ];
     args.into_iter().map(str::to_owned).collect()
 }
 
@@ -31,7 +37,6 @@ fn resume_lane(path: &str, lane: &str, by: &str, position: Option<&str>) -> Vec<
 /// Should be: the hint names the horizon of the ticket's own number (a
 /// time: from that time; a count: from the lane's creation).
 #[tokio::test]
-#[ignore = "fixed by the checked tickets (branch gticket), merged next"]
 async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number() {
     let ctx = TestContext::new("review_lanes_cli_horizon").await;
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -39,14 +44,19 @@ async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number()
     let day = Duration::from_secs(24 * 3600);
     // The lane of a handle made two days ago; its update went out a minute
     // ago (a lane's number is the time it was sent, in microseconds).
-    let lane = Token::created_at_time(SystemTime::now() - 2 * day).to_string();
+    let lane = Token::created_at_time(SystemTime::now() - 2 * day).object_id();
     let sent = SystemTime::now() - Duration::from_secs(60);
     let position = sent
         .duration_since(UNIX_EPOCH)
         .expect("after 1970")
-        .as_micros()
-        .to_string();
-    let args = resume_lane(&path, &lane, "3", Some(&position));
+        .as_micros();
+    let client = ctx.client(false).await;
+    let views = handle(&client.store(), "views");
+    let rebuilt = LaneTicket::new("k", LaneId::Minted(lane), position as i64, 3).expect("a ticket");
+    let ticket = views
+        .lane_ticket(&rebuilt)
+        .expect("a minted lane's ticket prints");
+    let args = resume_lane(&path, &ticket, "3");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let output = {
         let _cut = FailPoint::updates_cut(&ctx, 2).await;
@@ -76,7 +86,6 @@ async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number()
 /// (`--position` required for a lane whose numbers are not `incr
 /// --lane`'s), so the ticket is counted once.
 #[tokio::test]
-#[ignore = "fixed by the checked tickets (branch gticket), merged next"]
 async fn a_library_ticket_resumed_from_the_cli_without_its_position_is_not_counted_twice() {
     let ctx = TestContext::new("review_lanes_cli_position").await;
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -90,11 +99,14 @@ async fn a_library_ticket_resumed_from_the_cli_without_its_position_is_not_count
             other => panic!("expected unknown, got {other:?}"),
         }
     };
+    // The lane alone, as an operator might paste it: refused (a ticket
+    // names its number), nothing sent.
     let lane = ticket.lane().to_string();
-    let args = resume_lane(&path, &lane, "7", None);
+    let args = resume_lane(&path, &lane, "7");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let output = tallyd(&args, &[]).await;
     let cli = text(&output);
+    assert_eq!(output.status.code(), Some(64), "{cli}");
     let resumed = views.resume_lane(ticket.clone()).await;
     let coll = client.collection("views");
     let counter = crate::common::counter(&coll, "k").await;
