@@ -22,9 +22,7 @@ use std::fmt;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, Document};
-use mongodb::error::{
-    Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure,
-};
+use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, WriteFailure};
 
 pub(crate) mod code;
 

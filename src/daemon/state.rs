@@ -112,8 +112,8 @@ impl State {
     async fn write(&self, id: &str, fields: Document) -> Result<(), Error> {
         // Two daemons upserting the same new document race on `_id`: the
         // loser's duplicate key applied nothing and is sent again.
-        let mut budget = crate::error::RetryBudget::retry_once("state.write")
-            .with_duplicate_key_retries(3);
+        let mut budget =
+            crate::error::RetryBudget::retry_once("state.write").with_duplicate_key_retries(3);
         self.store
             .with_retry(&mut budget, || {
                 self.collection

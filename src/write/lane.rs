@@ -335,8 +335,7 @@ impl Counters {
         let mut maybe_applied = false;
         let mut collided = None;
         for _ in 0..READ_ROUNDS {
-            let mut budget =
-                RetryBudget::retry_once(operation).with_duplicate_key_retries(1);
+            let mut budget = RetryBudget::retry_once(operation).with_duplicate_key_retries(1);
             // Never (re)send a minted lane's update once the daemon may
             // prune its entry: it would apply again.
             let allowed = || within_horizon(lanes, &op.lane, SystemTime::now());

@@ -461,6 +461,7 @@ fn duplicate_key_reply(request: &WireMessage, reply_id: i32) -> Vec<u8> {
 pub struct Matcher {
     command: Option<String>,
     collection: Option<String>,
+    mentions: Option<String>,
     nth: Option<u64>,
     probability: Option<(f64, u64)>,
 }
@@ -470,6 +471,13 @@ impl Matcher {
     /// key).
     pub fn collection(mut self, name: &str) -> Self {
         self.collection = Some(name.to_owned());
+        self
+    }
+
+    /// Only requests whose body names `key` as a field anywhere (e.g.
+    /// `$changeStream` in an `aggregate`'s pipeline).
+    pub fn mentions(mut self, key: &str) -> Self {
+        self.mentions = Some(key.to_owned());
         self
     }
 
@@ -545,6 +553,10 @@ impl ActiveRule {
                 .collection
                 .as_ref()
                 .is_some_and(|c| message.collection.as_ref() != Some(c))
+            || matcher
+                .mentions
+                .as_ref()
+                .is_some_and(|key| !document_mentions(&message.body, key))
         {
             return false;
         }
