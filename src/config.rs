@@ -16,6 +16,7 @@
 mod alerts;
 mod daemon;
 mod field;
+mod ledger;
 mod library;
 mod margins;
 mod raw;
@@ -129,13 +130,14 @@ impl ConfigErrors {
 impl Config {
     /// The reconciler this configuration asks for on `store` (the daemon's
     /// and `tallyd reconcile`'s alike): its `lane_ttl`, and the ledgers'
-    /// dedupe window and fold lane rotation.
+    /// dedupe window, the writers' retry horizon and the fold's lease.
     pub(crate) fn reconciler(&self, store: &Store) -> Reconciler {
         Reconciler::new(store)
             .with_lane_ttl(self.writer.lane_ttl)
             .with_event_settings(EventFoldSettings {
                 event_retention: self.reconcile.event_retention,
-                lane_rotate: self.writer.lane_rotate,
+                retry_horizon: self.writer.retry_horizon,
+                lease: self.reconcile.fold_lease,
                 ..EventFoldSettings::default()
             })
     }
@@ -308,6 +310,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         log,
     };
     margins::check(&config, issues);
+    ledger::check(&config, issues);
     config
 }
 

@@ -145,33 +145,49 @@ pub(crate) fn check_key(key: &Bson) -> Result<(), Error> {
     )))
 }
 
-/// Whether two keys name the same document as the server compares them:
-/// numbers by exact value across int32, int64 and double (`5` and
-/// `NumberLong(5)` are one `_id`; the double 2^53 and the int64 2^53 + 1
-/// are two), anything else by its BSON.
-pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
+/// A key in the form the server compares `_id`s by: every number that is
+/// an integer (int32, int64, or an integral double in the int64 range) as
+/// that int64 — `5`, `NumberLong(5)` and `5.0` are one `_id` — other
+/// doubles as themselves (every NaN as one), and documents and arrays with
+/// their values made canonical, recursively, field names and order kept.
+/// Other values (decimals included) stay as they are.
+pub(crate) fn canonical_key(key: &Bson) -> Bson {
     /// An integral double in the int64 range, as that integer.
     fn exact_integer(d: f64) -> Option<i64> {
         // -2^63 ≤ d < 2^63: `d as i64` is then exact, never saturated.
         const TWO_63: f64 = 9_223_372_036_854_775_808.0;
         (d.fract() == 0.0 && (-TWO_63..TWO_63).contains(&d)).then_some(d as i64)
     }
-    let integer = |value: &Bson| match value {
-        Bson::Int32(n) => Some(i64::from(*n)),
-        Bson::Int64(n) => Some(*n),
-        _ => None,
-    };
-    match (a, b) {
-        (Bson::Double(x), Bson::Double(y)) => x == y || (x.is_nan() && y.is_nan()),
-        (Bson::Double(d), other) | (other, Bson::Double(d)) => match integer(other) {
-            Some(n) => exact_integer(*d) == Some(n),
-            None => a == b,
-        },
-        _ => match (integer(a), integer(b)) {
-            (Some(x), Some(y)) => x == y,
-            _ => a == b,
-        },
+    match key {
+        Bson::Int32(n) => Bson::Int64(i64::from(*n)),
+        Bson::Double(d) if d.is_nan() => Bson::Double(f64::NAN),
+        Bson::Double(d) => exact_integer(*d).map_or(Bson::Double(*d), Bson::Int64),
+        Bson::Document(fields) => Bson::Document(
+            fields
+                .iter()
+                .map(|(name, value)| (name.clone(), canonical_key(value)))
+                .collect(),
+        ),
+        Bson::Array(values) => Bson::Array(values.iter().map(canonical_key).collect()),
+        other => other.clone(),
     }
+}
+
+/// The bytes of a key's canonical form ([`canonical_key`]): equal exactly
+/// when the server takes the two keys for one `_id`, and usable as a map
+/// key.
+pub(crate) fn key_bytes(key: &Bson) -> Vec<u8> {
+    let wrapped = doc! { "k": canonical_key(key) };
+    wrapped.to_vec().unwrap_or_default()
+}
+
+/// Whether two keys name the same document as the server compares them:
+/// numbers by exact value across int32, int64 and double (`5` and
+/// `NumberLong(5)` are one `_id`; the double 2^53 and the int64 2^53 + 1
+/// are two), at any depth of a document or array key, anything else by
+/// its BSON.
+pub(crate) fn same_key(a: &Bson, b: &Bson) -> bool {
+    key_bytes(a) == key_bytes(b)
 }
 
 /// A document id as reports, logs and alerts show it: a string id as
@@ -286,6 +302,21 @@ mod tests {
         ));
         assert!(same_key(&Bson::Double(f64::NAN), &Bson::Double(f64::NAN)));
         assert!(!same_key(&Bson::Double(0.5), &Bson::Int32(0)));
+    }
+
+    #[test]
+    fn nested_numbers_compare_by_value_and_field_order_counts() {
+        let a = Bson::Document(doc! { "u": 5i32, "at": { "day": 2.0f64, "h": [1i32, 0.5] } });
+        let b = Bson::Document(doc! { "u": 5i64, "at": { "day": 2i32, "h": [1.0f64, 0.5] } });
+        assert!(same_key(&a, &b));
+        let other = Bson::Document(doc! { "u": 5i64, "at": { "day": 3i32, "h": [1i64, 0.5] } });
+        assert!(!same_key(&a, &other));
+        let reordered = Bson::Document(doc! { "at": { "day": 2i32, "h": [1i64, 0.5] }, "u": 5 });
+        assert!(
+            !same_key(&a, &reordered),
+            "the server compares fields in order"
+        );
+        assert!(same_key(&Bson::Double(-0.0), &Bson::Int32(0)));
     }
 
     #[test]

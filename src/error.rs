@@ -315,6 +315,26 @@ pub enum Error {
         horizon: Duration,
     },
 
+    /// [`Ledger::record_again`](crate::Ledger::record_again) was given a
+    /// ticket whose first attempt is older than the writers' retry horizon:
+    /// the event may have been folded and its key forgotten after the dedupe
+    /// window, so sending it again could count it twice. Nothing was sent:
+    /// the event is recorded at most once.
+    #[error(
+        "event {event} was first sent {} ago, past the retry horizon of {}: nothing was sent; \
+         the event is recorded at most once",
+        humantime::format_duration(std::time::Duration::from_secs(age.as_secs())),
+        humantime::format_duration(*horizon)
+    )]
+    EventRetryHorizonExceeded {
+        /// The event's key.
+        event: String,
+        /// How long ago its first attempt was sent.
+        age: Duration,
+        /// The configured retry horizon.
+        horizon: Duration,
+    },
+
     /// `resume` was given another amount than the document holds for the
     /// token (pending, or in the marker of the settle that counted it):
     /// refused, nothing was written. The ticket and the document disagree

@@ -85,7 +85,7 @@ async fn a_counter_the_server_refuses_never_stops_the_other_counters_of_its_ledg
         .await
         .unwrap();
     let ledger = ledger_on(&store, "views").await;
-    let fold = fold_of(&store, "views", 100);
+    let fold = fold_of(&store, "views");
     let stop = CancellationToken::new();
     assert_outcome(&ledger.record("e1", "bad", 1).await, "recorded");
     assert_outcome(&ledger.record("e2", "good", 1).await, "recorded");

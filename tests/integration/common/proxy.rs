@@ -463,6 +463,7 @@ pub struct Matcher {
     collection: Option<String>,
     mentions: Option<String>,
     nth: Option<u64>,
+    after: Option<u64>,
     probability: Option<(f64, u64)>,
 }
 
@@ -486,6 +487,13 @@ impl Matcher {
     pub fn nth(mut self, n: u64) -> Self {
         assert!(n >= 1, "nth is 1-based");
         self.nth = Some(n);
+        self
+    }
+
+    /// Every request after the first `n` that meet every other criterion
+    /// (a fault that starts part-way and persists: a crash).
+    pub fn after(mut self, n: u64) -> Self {
+        self.after = Some(n);
         self
     }
 
@@ -567,6 +575,7 @@ impl ActiveRule {
         }
         self.selected += 1;
         matcher.nth.is_none_or(|n| n == self.selected)
+            && matcher.after.is_none_or(|n| self.selected > n)
     }
 }
 
