@@ -295,3 +295,40 @@ async fn record_from_a_file_gives_every_line_its_outcome() {
         text(&output)
     );
 }
+
+/// Events recorded into a collection whose ledger the configuration does
+/// not turn on are in no counter: `doctor` fails its `unfolded_events`
+/// check, naming the events collection and what to do; with the ledger on,
+/// the check is gone (the ledger's own checks cover it).
+#[tokio::test]
+async fn doctor_flags_events_no_configured_ledger_folds() {
+    let ctx = TestContext::new("ledger_doctor_unfolded").await;
+    let client = ctx.client(false).await;
+    let ledger = Ledger::new(&client.store(), CollectionConfig::new("views"));
+    ledger.create_indexes().await.unwrap();
+    assert!(ledger.record("e1", "home", 1).await.is_counted());
+    let dir = tempfile::tempdir().unwrap();
+    let without = ctx.config_toml(false, "[[collections]]\nname = \"views\"\n");
+    let path = write_config(dir.path(), &without);
+    let doctor = tallyd(&["--config", &path, "doctor", "--json"], &[]).await;
+    assert_eq!(doctor.status.code(), Some(1), "{}", text(&doctor));
+    let checks = json(&doctor)["checks"].as_array().unwrap().clone();
+    let unfolded = checks
+        .iter()
+        .find(|c| c["name"] == "unfolded_events")
+        .unwrap_or_else(|| panic!("no unfolded_events check: {checks:?}"));
+    assert_eq!(unfolded["verdict"], "fail", "{unfolded}");
+    assert_eq!(unfolded["collection"], "views_events");
+    let message = unfolded["message"].as_str().unwrap();
+    assert!(
+        message.contains("1 recorded events") && message.contains("ledger = true"),
+        "{message}"
+    );
+    let path = write_config(dir.path(), &config(&ctx, ""));
+    let doctor = tallyd(&["--config", &path, "doctor", "--json"], &[]).await;
+    let checks = json(&doctor)["checks"].as_array().unwrap().clone();
+    assert!(
+        !checks.iter().any(|c| c["name"] == "unfolded_events"),
+        "{checks:?}"
+    );
+}

@@ -460,7 +460,7 @@ impl Start {
 /// which lies between the acknowledged and the attempted, equals the plan,
 /// and holds every acknowledged key: 0 lost, 0 doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_times() {
+async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_and_again() {
     let seed = seed("ledger soak", DEFAULT_SEED);
     let mut rng = fastrand::Rng::with_seed(seed);
     let began = Instant::now();
