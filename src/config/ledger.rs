@@ -126,3 +126,115 @@ fn check_retention(config: &Config, issues: &mut Issues) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+
+    const HEAD: &str = "[mongodb]\nuri = \"mongodb://h/\"\ndatabase = \"app\"\n";
+
+    /// The keys `text`'s configuration is refused under, with their
+    /// messages.
+    fn refused(text: &str) -> Vec<(String, String)> {
+        match Config::from_toml(&format!("{HEAD}{text}"), []) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors
+                .issues
+                .into_iter()
+                .map(|i| (i.key, i.message))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_events_collection_is_one_ledgers_alone() {
+        let cases = [
+            // Two ledgers, one events collection.
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n\
+                 [[collections]]\nname = \"b\"\nevents_collection = \"log\"\n",
+                "collections[1].events_collection",
+                "the events collection of \"a\"",
+            ),
+            // A counter collection, its own or another's.
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"a\"\n",
+                "collections[0].events_collection",
+                "a counter collection",
+            ),
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"b\"\n\
+                 [[collections]]\nname = \"b\"\n",
+                "collections[0].events_collection",
+                "a counter collection",
+            ),
+            // tally's own collections.
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"tally_state\"\n",
+                "collections[0].events_collection",
+                "the daemon's state collection",
+            ),
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"counters\"\n",
+                "collections[0].events_collection",
+                "the sequences' collection",
+            ),
+            // Another ledger's fold state, and a fold state that is a
+            // counter collection.
+            (
+                "[[collections]]\nname = \"a\"\nledger = true\n\
+                 [[collections]]\nname = \"b\"\nevents_collection = \"a_events_fold\"\n",
+                "collections[1].events_collection",
+                "the fold state of \"a\"'s ledger",
+            ),
+            (
+                "[[collections]]\nname = \"a\"\nevents_collection = \"x\"\n\
+                 [[collections]]\nname = \"x_fold\"\n",
+                "collections[0].events_collection",
+                "a counter collection",
+            ),
+        ];
+        for (text, key, what) in cases {
+            let issues = refused(text);
+            assert!(
+                issues.iter().any(|(k, m)| k == key && m.contains(what)),
+                "{text}: {issues:?}"
+            );
+        }
+        // One ledger each, under default and chosen names: fine.
+        assert!(
+            refused(
+                "[[collections]]\nname = \"a\"\nledger = true\n[[collections]]\nname = \"b\"\n\
+                 events_collection = \"b_log\"\n[[collections]]\nname = \"c\"\n"
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn an_events_collection_must_name_its_fold_lane() {
+        let long = "e".repeat(130);
+        let issues = refused(&format!(
+            "[[collections]]\nname = \"a\"\nevents_collection = \"{long}\"\n"
+        ));
+        assert!(
+            issues
+                .iter()
+                .any(|(k, m)| k == "collections[0].events_collection" && m.contains("fold lane")),
+            "{issues:?}"
+        );
+    }
+
+    #[test]
+    fn the_dedupe_window_has_a_floor_naming_the_keys_it_comes_from() {
+        let issues = refused("[reconcile]\nevent_retention = \"1h\"\n");
+        let (key, message) = &issues[0];
+        assert_eq!(key, "reconcile.event_retention");
+        assert!(
+            message.contains("writer.retry_horizon + mongodb.attempt_timeout + 1h")
+                && message.contains("3m + 1m + 1h = 1h 4m"),
+            "{message}"
+        );
+        assert!(refused("[reconcile]\nevent_retention = \"1h 4m\"\n").is_empty());
+    }
+}
