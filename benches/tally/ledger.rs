@@ -51,10 +51,7 @@ pub async fn run(settings: &Settings) {
     bare_ledger.create_indexes().await.expect("indexes");
     let bare: Collection<Document> = db.collection("bare_events");
     let mut plain_one = 0.0;
-    for (label, writers, goal) in [
-        ("record", 1usize, 0.9),
-        ("record, one handle", 16, 2.0),
-    ] {
+    for (label, writers, goal) in [("record", 1usize, 0.9), ("record, one handle", 16, 2.0)] {
         let mut runs: [Vec<Run>; 3] = Default::default();
         for round in 0..settings.rounds {
             for k in 0..3 {
@@ -218,7 +215,10 @@ async fn drain(store: &Store, db: &mongodb::Database, uri: &str) {
         tokio::spawn(async move {
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
-                match ledger.record(format!("w{i}"), format!("k{}", i % KEYS), 1).await {
+                match ledger
+                    .record(format!("w{i}"), format!("k{}", i % KEYS), 1)
+                    .await
+                {
                     Recording::Recorded(_) => written.fetch_add(1, Ordering::Relaxed),
                     other => panic!("drain writer: {other:?}"),
                 };
