@@ -51,7 +51,7 @@ impl EventFold {
             }
             None => {
                 let surveyed = clock();
-                let ranges = self.survey(&state).await?;
+                let ranges = self.survey(&state, surveyed).await?;
                 if ranges.is_empty() && state.held.is_empty() {
                     run.lanes_sealed = self.seal(&state, surveyed).await?;
                     return Ok(run);
@@ -83,17 +83,22 @@ impl EventFold {
     }
 
     /// Step 1: each registered lane's events above its folded number, as
-    /// the ranges a pass folds.
-    async fn survey(&self, state: &FoldState) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
+    /// the ranges a pass folds (up to a visible number; `now` is the
+    /// server's clock).
+    async fn survey(
+        &self,
+        state: &FoldState,
+        now: SystemTime,
+    ) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
         let mut ranges = BTreeMap::new();
         for registered in &state.registered {
             let lane = registered.lane;
             let folded = state.folded.get(&lane).copied();
-            if let Some(survey) =
-                query::survey_lane(&self.store, &self.events, lane, folded).await?
+            if let Some(highest) =
+                query::highest(&self.store, &self.events, lane, folded, now).await?
             {
                 // Numbers are positive: 0 is below every one.
-                ranges.insert(lane, (folded.unwrap_or(0), survey.highest));
+                ranges.insert(lane, (folded.unwrap_or(0), highest));
             }
         }
         Ok(ranges)

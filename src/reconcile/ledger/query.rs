@@ -103,6 +103,56 @@ pub(super) async fn survey_lane(
     }
 }
 
+/// How far back from `now` the survey first looks for a lane's newest
+/// events, before it reads the lane's whole backlog.
+const PROBES: [std::time::Duration; 3] = [
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_secs(1),
+    std::time::Duration::from_secs(10),
+];
+
+/// A number of an event visible on `lane` above `above`, as high as found
+/// cheaply; `None` when the lane has no event above it. Any visible number
+/// will do as a pass's range end — every event below it is visible too —
+/// so the events of the last moments (by their numbers: their recording
+/// time) are read first, and only when there are none the whole backlog.
+pub(super) async fn highest(
+    store: &Store,
+    events: &Collection<Document>,
+    lane: ObjectId,
+    above: Option<i64>,
+    now: std::time::SystemTime,
+) -> Result<Option<i64>, Error> {
+    for window in PROBES {
+        let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
+        let from = above.map_or(recent, |a| a.max(recent));
+        let mut budget = RetryBudget::read_once("ledger.fold.survey");
+        let cursor = store
+            .with_retry(&mut budget, || {
+                events
+                    .find(range(lane, Some(from), None))
+                    .projection(doc! { "_id": 0, field::NUMBER: 1 })
+                    .read_concern(ReadConcern::majority())
+            })
+            .await
+            .map_err(Error::Server)?;
+        let found: Vec<Document> = cursor
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once("ledger.fold.survey", err)))?;
+        if let Some(highest) = found
+            .iter()
+            .filter_map(|d| d.get(field::NUMBER).and_then(integer_value))
+            .max()
+        {
+            return Ok(Some(highest));
+        }
+    }
+    Ok(survey_lane(store, events, lane, above)
+        .await?
+        .map(|survey| survey.highest))
+}
+
 /// One counter's share of a pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Share {
@@ -118,7 +168,11 @@ pub(super) struct Share {
 
 /// The shares of the counters of `lane`'s events in `(from, to]`, added to
 /// `shares` (keyed by the counter key's canonical bytes: the server's
-/// `_id` equality).
+/// `_id` equality). The server sums each counter's amounts and reports
+/// their lowest and highest; where those are not all integers — an event
+/// whose amount is not an integer (written by hand), or a sum past what
+/// `$sum` keeps exact — that counter's events of the range are read and
+/// summed here, the integers counted, the others reported.
 pub(super) async fn sum_lane(
     store: &Store,
     events: &Collection<Document>,
@@ -127,29 +181,32 @@ pub(super) async fn sum_lane(
     shares: &mut HashMap<Vec<u8>, Share>,
 ) -> Result<(), Error> {
     let amount = format!("${}", field::AMOUNT);
-    let integral = doc! { "$in": [{ "$type": &amount }, ["int", "long"]] };
     let pipeline = vec![
         doc! { "$match": range(lane, Some(from), Some(to)) },
         doc! { "$group": {
             "_id": format!("${}", field::COUNTER),
-            "n": { "$sum": { "$cond": [integral.clone(), &amount, 0i64] } },
+            "n": { "$sum": &amount },
             "e": { "$sum": 1 },
-            "bad": { "$sum": { "$cond": [integral, 0i64, 1i64] } },
+            "lo": { "$min": &amount },
+            "hi": { "$max": &amount },
         } },
     ];
     let rows = aggregate_all(store, events, pipeline, "ledger.fold.sum").await?;
     for row in rows {
         let key = row.get("_id").cloned().unwrap_or(Bson::Null);
-        let count = |name| {
-            row.get(name)
-                .and_then(integer_value)
-                .and_then(|n| u64::try_from(n).ok())
-                .unwrap_or(0)
-        };
-        let amount = match row.get("n").and_then(integer_value) {
-            Some(n) => i128::from(n),
-            // Past what the server's `$sum` keeps exact: sum it here.
-            None => exact_sum(store, events, &key, lane, (from, to)).await?,
+        let events_of = row
+            .get("e")
+            .and_then(integer_value)
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0);
+        let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
+        let (amount, malformed) = if integral("n") && integral("lo") && integral("hi") {
+            (
+                i128::from(row.get("n").and_then(integer_value).unwrap_or(0)),
+                0,
+            )
+        } else {
+            exact_sum(store, events, &key, lane, (from, to)).await?
         };
         let share = shares.entry(key_bytes(&key)).or_insert_with(|| Share {
             key,
@@ -158,22 +215,22 @@ pub(super) async fn sum_lane(
             malformed: 0,
         });
         share.amount += amount;
-        share.events += count("e");
-        share.malformed += count("bad");
+        share.events += events_of;
+        share.malformed += malformed;
     }
     Ok(())
 }
 
-/// The exact sum of one counter's integer amounts in a lane's range, read
-/// event by event (through `{k, L, s}`): for sums the server's `$sum`
-/// does not keep exact.
+/// The exact sum of one counter's integer amounts in a lane's range, and
+/// how many of its events have an amount that is not an integer (left
+/// out), read event by event (through `{k, L, s}`).
 async fn exact_sum(
     store: &Store,
     events: &Collection<Document>,
     key: &Bson,
     lane: ObjectId,
     (from, to): (i64, i64),
-) -> Result<i128, Error> {
+) -> Result<(i128, u64), Error> {
     let mut filter = range(lane, Some(from), Some(to));
     filter.insert(field::COUNTER, key.clone());
     let mut budget = RetryBudget::read_once("ledger.fold.exact_sum");
@@ -190,12 +247,14 @@ async fn exact_sum(
         .try_collect()
         .await
         .map_err(|err| Error::Server(Failure::once("ledger.fold.exact_sum", err)))?;
-    Ok(found
-        .iter()
-        .filter_map(|d| match d.get(field::AMOUNT) {
-            Some(Bson::Int32(n)) => Some(i128::from(*n)),
-            Some(Bson::Int64(n)) => Some(i128::from(*n)),
-            _ => None,
-        })
-        .sum())
+    let mut sum = 0i128;
+    let mut malformed = 0;
+    for event in &found {
+        match event.get(field::AMOUNT) {
+            Some(Bson::Int32(n)) => sum += i128::from(*n),
+            Some(Bson::Int64(n)) => sum += i128::from(*n),
+            _ => malformed += 1,
+        }
+    }
+    Ok((sum, malformed))
 }
