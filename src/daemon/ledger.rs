@@ -14,8 +14,9 @@
 //! collection); a lost position only costs a pass, which finds every
 //! unfolded event.
 //!
-//! Only the active instance folds. After every pass — however long the
-//! backlog: a pass folds everything visible when it begins — the backlog,
+//! Only the active instance folds. While events are left after a pass, the
+//! next one follows within `fold_delay`. After every pass — however long
+//! the backlog: a pass folds up to its survey's end — the backlog,
 //! the lag and the held sums are current in `/metrics`; events waiting
 //! longer than `[alerts] stuck_after`, or a ledger the fold refuses, fire
 //! `events_stuck`; counters holding refused sums fire `events_held`.
@@ -129,8 +130,15 @@ impl LedgerFolder {
                     }
                 }
             }
-            self.pass().await;
-            next_scan = Instant::now() + self.timing.scan_interval;
+            // Events left (newer than the pass's survey, or more than one
+            // pass takes): the next pass soon, stream or not.
+            let waiting = self.pass().await;
+            next_scan = Instant::now()
+                + if waiting {
+                    self.timing.fold_delay
+                } else {
+                    self.timing.scan_interval
+                };
         }
     }
 
@@ -248,17 +256,17 @@ impl LedgerFolder {
     }
 
     /// One fold pass while this instance is active, then the metrics and
-    /// alerts of what is left.
-    async fn pass(&self) {
+    /// alerts of what is left; whether events wait to be folded.
+    async fn pass(&self) -> bool {
         let name = self.collection.as_str();
         if *self.role.borrow() != Role::Active {
-            return;
+            return false;
         }
         let now = match self.store.server_time().await {
             Ok(now) => now,
             Err(err) => {
                 tracing::warn!(collection = name, cause = %err, "cannot read the server's clock; the fold waits");
-                return;
+                return false;
             }
         };
         let (backlog, refused) = match self.fold.fold(now, &self.shutdown).await {
@@ -311,6 +319,7 @@ impl LedgerFolder {
             }),
         });
         self.alerts.set(AlertKind::EventsStuck, name, observation);
+        refused.is_none() && backlog.is_some_and(|b| b.events > 0)
     }
 
     /// The backlog's metrics and the `events_held` alert.

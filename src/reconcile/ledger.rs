@@ -19,8 +19,9 @@
 //! **A pass** ([`EventFold::fold`]):
 //!
 //! 1. **Survey.** For each registered lane (recorders register a lane
-//!    before its first insert), its highest number above `M_L`: one index
-//!    range on `{L: 1, s: 1}` each.
+//!    before its first insert), a number visible above `M_L`, as high as
+//!    found cheaply (its newest events first; see `query::highest`): the
+//!    range's end `M'_L`.
 //! 2. **Intent.** One conditioned write records the pass `P = pass + 1`,
 //!    the ranges `(M_L, M'_L]`, its owner and a deadline (renewed while it
 //!    works), conditioned on the state's version: two folds never record

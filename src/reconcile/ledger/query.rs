@@ -123,27 +123,19 @@ pub(super) async fn highest(
     above: Option<i64>,
     now: std::time::SystemTime,
 ) -> Result<Option<i64>, Error> {
+    let number = format!("${}", field::NUMBER);
     for window in PROBES {
         let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
         let from = above.map_or(recent, |a| a.max(recent));
-        let mut budget = RetryBudget::read_once("ledger.fold.survey");
-        let cursor = store
-            .with_retry(&mut budget, || {
-                events
-                    .find(range(lane, Some(from), None))
-                    .projection(doc! { "_id": 0, field::NUMBER: 1 })
-                    .read_concern(ReadConcern::majority())
-            })
-            .await
-            .map_err(Error::Server)?;
-        let found: Vec<Document> = cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("ledger.fold.survey", err)))?;
-        if let Some(highest) = found
-            .iter()
-            .filter_map(|d| d.get(field::NUMBER).and_then(integer_value))
-            .max()
+        let pipeline = vec![
+            doc! { "$match": range(lane, Some(from), None) },
+            doc! { "$group": { "_id": Bson::Null, "hi": { "$max": &number } } },
+        ];
+        let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+        if let Some(highest) = rows
+            .first()
+            .and_then(|row| row.get("hi"))
+            .and_then(integer_value)
         {
             return Ok(Some(highest));
         }
