@@ -45,8 +45,8 @@
 //! marks every sum it holds as possibly applied (its earlier owner may have
 //! sent it), so none is merged with another (`held`'s rule).
 //!
-//! **Sealing and deletion.** A recorder uses a lane for at most
-//! [`LANE_SPAN`] (plus a grace for the insert in flight); the fold keeps
+//! **Sealing and deletion.** A recorder uses a lane for at most an hour
+//! (`LANE_SPAN`, plus a grace for the insert in flight); the fold keeps
 //! surveying a registered lane until no insert on it can land any more,
 //! then seals it (drops its registration) after a pass that surveyed it.
 //! Events are deleted only once folded and older than `event_retention`:
