@@ -1,4 +1,4 @@
-//! The fold of recorded events into their counters (DESIGN §8): run by the
+//! The fold of recorded events into their counters: run by the
 //! daemon continuously and on its schedule, embeddable as an
 //! [`EventFold`].
 //!
@@ -29,7 +29,7 @@
 //! 3. **Sums** on the server: each range's events `$group`ed by counter.
 //! 4. **Apply.** Each counter's sum goes through the ledger's fold lane —
 //!    the named lane `fold:<events collection>` of the lanes protocol
-//!    (DESIGN §3b), never pruned — at position `P`: a counter that has the
+//!    (see `write::lane`), never pruned — at position `P`: a counter that has the
 //!    pass already ignores it, so applying a pass again is a no-op. A
 //!    counter the server refuses is held (see `held`), never stopping the
 //!    others.

@@ -1,6 +1,6 @@
 //! The events ledger: idempotency keys, so that the same event delivered
 //! twice — a queue's redelivery, a webhook's retry, a second press of the
-//! button — is counted once (DESIGN §8).
+//! button — is counted once (`docs/src/design/ledger.md`).
 //!
 //! A token or a lane identifies one *attempt* to count; an event key
 //! identifies the *event*. Recording an event inserts one document into the

@@ -1,4 +1,4 @@
-//! The ledger's rows of the fault matrix (DESIGN §7, §8): every fault the
+//! The ledger's rows of the fault matrix: every fault the
 //! proxy injects — reply lost, connection cut, reply past the attempt
 //! timeout, not-primary, a command error, a request held up in the network
 //! and forwarded after the operation returned — at `Ledger::record` (its

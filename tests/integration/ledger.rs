@@ -1,4 +1,4 @@
-//! The events ledger (DESIGN §8) against a real server: an event recorded
+//! The events ledger against a real server: an event recorded
 //! twice is counted once, a reused key is a conflict, a lost reply is told
 //! apart from a duplicate by the lane and number it was sent with, one
 //! handle's concurrent callers share inserts, the fold puts every recorded
