@@ -16,6 +16,7 @@
 mod alerts;
 mod daemon;
 mod field;
+mod ledger;
 mod library;
 mod margins;
 mod raw;
@@ -134,17 +135,14 @@ impl ConfigErrors {
 impl Config {
     /// The reconciler this configuration asks for on `store` (the daemon's
     /// and `tallyd reconcile`'s alike): its `lane_ttl`, and the ledgers'
-    /// dedupe window and fold lane rotation.
+    /// dedupe window, the writers' retry horizon and the fold's lease.
     pub(crate) fn reconciler(&self, store: &Store) -> Reconciler {
         Reconciler::new(store)
             .with_lane_ttl(self.writer.lane_ttl)
             .with_event_settings(EventFoldSettings {
                 event_retention: self.reconcile.event_retention,
-                // The fold's lane is replaced well before its entries
-                // could be pruned.
-                lane_rotate: EventFoldSettings::default()
-                    .lane_rotate
-                    .min(self.writer.lane_resume_horizon),
+                retry_horizon: self.writer.retry_horizon,
+                lease: self.reconcile.fold_lease,
                 ..EventFoldSettings::default()
             })
     }
@@ -329,6 +327,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         warnings,
     };
     margins::check(&config, issues);
+    ledger::check(&config, issues);
     config
 }
 

@@ -226,11 +226,12 @@ pub(crate) async fn run(
         &store,
         &state,
         &targets,
-        (
-            config.reconcile.fold_delay,
-            config.monitor.scan_interval,
-            config.alerts.stuck_after,
-        ),
+        ledger::Timing {
+            fold_delay: config.reconcile.fold_delay,
+            scan_interval: config.monitor.scan_interval,
+            stuck_after: config.alerts.stuck_after,
+            stream_down_after: config.alerts.monitor_down_after,
+        },
         &metrics,
         &alerts,
         &role,

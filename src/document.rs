@@ -511,6 +511,21 @@ mod tests {
     }
 
     #[test]
+    fn nested_numbers_compare_by_value_and_field_order_counts() {
+        let a = Bson::Document(doc! { "u": 5i32, "at": { "day": 2.0f64, "h": [1i32, 0.5] } });
+        let b = Bson::Document(doc! { "u": 5i64, "at": { "day": 2i32, "h": [1.0f64, 0.5] } });
+        assert!(same_key(&a, &b));
+        let other = Bson::Document(doc! { "u": 5i64, "at": { "day": 3i32, "h": [1i64, 0.5] } });
+        assert!(!same_key(&a, &other));
+        let reordered = Bson::Document(doc! { "at": { "day": 2i32, "h": [1i64, 0.5] }, "u": 5 });
+        assert!(
+            !same_key(&a, &reordered),
+            "the server compares fields in order"
+        );
+        assert!(same_key(&Bson::Double(-0.0), &Bson::Int32(0)));
+    }
+
+    #[test]
     fn integers_of_every_width_and_integral_doubles() {
         assert_eq!(integer_value(&Bson::Int32(-4)), Some(-4));
         assert_eq!(integer_value(&Bson::Int64(1 << 40)), Some(1 << 40));

@@ -27,6 +27,9 @@ use mongodb::error::{Error as MongoError, ErrorKind, RETRYABLE_WRITE_ERROR, Writ
 
 pub(crate) mod code;
 mod message;
+mod retry;
+
+pub(crate) use retry::{Next, RetryBudget};
 
 pub(crate) use message::{Reach, Readable, human_duration, words};
 #[cfg(feature = "daemon")]
@@ -351,6 +354,26 @@ pub enum Error {
         horizon: Duration,
     },
 
+    /// [`Ledger::record_again`](crate::Ledger::record_again) was given a
+    /// ticket whose first attempt is older than the writers' retry horizon:
+    /// the event may have been folded and its key forgotten after the dedupe
+    /// window, so sending it again could count it twice. Nothing was sent:
+    /// the event is recorded at most once.
+    #[error(
+        "event {event} was first sent {} ago, past the retry horizon of {}: nothing was sent; \
+         the event is recorded at most once",
+        humantime::format_duration(std::time::Duration::from_secs(age.as_secs())),
+        humantime::format_duration(*horizon)
+    )]
+    EventRetryHorizonExceeded {
+        /// The event's key.
+        event: String,
+        /// How long ago its first attempt was sent.
+        age: Duration,
+        /// The configured retry horizon.
+        horizon: Duration,
+    },
+
     /// `resume` was given another amount than the document holds for the
     /// token (pending, or in the marker of the settle that counted it):
     /// refused, nothing was written. The ticket and the document disagree
@@ -442,140 +465,6 @@ impl Error {
         match self {
             Self::Server(failure) => Some(failure.class),
             _ => None,
-        }
-    }
-}
-
-/// Applies the retry-once rule inside an operation's attempt loop.
-///
-/// A transient failure earns one retry when the operation is idempotent.
-/// The driver never retries tally's writes (its retryable writes are off on
-/// the client tally uses), so every attempt is tally's own and counted
-/// here: a refusal of a write sent once applied nothing. Duplicate-key
-/// retries, for operations where they mean "nothing applied", have their
-/// own small budget.
-#[derive(Debug)]
-pub(crate) struct RetryBudget {
-    operation: &'static str,
-    /// A read: classified by [`Facts::read_class`].
-    read: bool,
-    transient_left: u32,
-    duplicate_left: u32,
-    attempts: u32,
-    maybe_applied: bool,
-    /// Where the operation goes, for the messages of its failures.
-    reach: Option<Arc<Reach>>,
-}
-
-/// What to do after a failed attempt.
-#[derive(Debug)]
-pub(crate) enum Next {
-    /// Send the same operation again.
-    Retry,
-    /// Stop; the failure is final.
-    GiveUp(Box<Failure>),
-}
-
-impl RetryBudget {
-    /// One transient retry: for an idempotent operation, or one whose
-    /// repetition is acceptable (a sequence's `$inc`, where it may skip a
-    /// number).
-    pub(crate) fn retry_once(operation: &'static str) -> Self {
-        Self {
-            operation,
-            read: false,
-            transient_left: 1,
-            duplicate_left: 0,
-            attempts: 0,
-            maybe_applied: false,
-            reach: None,
-        }
-    }
-
-    /// One transient retry for a read (find, aggregate, `hello`);
-    /// classified by the read rule ([`Facts::read_class`]).
-    pub(crate) fn read_once(operation: &'static str) -> Self {
-        Self {
-            read: true,
-            ..Self::retry_once(operation)
-        }
-    }
-
-    /// Also retries up to `n` duplicate-key failures (for upserts, where a
-    /// duplicate key means the race applied nothing).
-    pub(crate) fn with_duplicate_key_retries(mut self, n: u32) -> Self {
-        self.duplicate_left = n;
-        self
-    }
-
-    /// Names where the operation goes in its failures' messages.
-    pub(crate) fn reaching(&mut self, reach: Arc<Reach>) {
-        self.reach = Some(reach);
-    }
-
-    /// Attempts made so far.
-    #[cfg(test)]
-    pub(crate) fn attempts(&self) -> u32 {
-        self.attempts
-    }
-
-    /// Whether any failed attempt so far may have applied its write.
-    pub(crate) fn maybe_applied(&self) -> bool {
-        self.maybe_applied
-    }
-
-    /// Records that an attempt is about to be sent.
-    pub(crate) fn start_attempt(&mut self) {
-        self.attempts += 1;
-    }
-
-    /// Decides what follows a failed attempt, and logs a retry.
-    pub(crate) fn after_failure(&mut self, err: MongoError) -> Next {
-        let facts = Facts::of(&err);
-        let (class, effect) = match (self.read, facts.read_class()) {
-            (true, ErrorClass::Transient) => (ErrorClass::Transient, Effect::MaybeApplied),
-            (true, class) => (class, facts.effect()),
-            (false, _) => (facts.class(), facts.effect()),
-        };
-        if effect != Effect::NotApplied {
-            self.maybe_applied = true;
-        }
-        let retry = match class {
-            ErrorClass::Transient => {
-                if self.transient_left > 0 {
-                    self.transient_left -= 1;
-                    true
-                } else {
-                    false
-                }
-            }
-            // Only a race on the same `_id` is worth another try.
-            ErrorClass::DuplicateKey
-                if self.duplicate_left > 0 && duplicate_on_id(&err) != Some(false) =>
-            {
-                self.duplicate_left -= 1;
-                true
-            }
-            ErrorClass::DuplicateKey | ErrorClass::Command => false,
-        };
-        if retry {
-            tracing::warn!(
-                operation = self.operation,
-                class = %class,
-                attempt = self.attempts,
-                cause = %Readable { err: &err, reach: self.reach.as_deref() },
-                "attempt failed, retrying"
-            );
-            Next::Retry
-        } else {
-            Next::GiveUp(Box::new(Failure {
-                operation: self.operation,
-                class,
-                effect,
-                attempts: self.attempts,
-                source: err,
-                reach: self.reach.clone(),
-            }))
         }
     }
 }

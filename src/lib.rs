@@ -126,9 +126,9 @@ pub mod logging;
 
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use reconcile::{
-    Backlog, ClaimedBatch, CollectionRun, CounterSum, EventFold, EventFoldSettings, EventsRun,
-    FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, Reconciler, RefusedDocument,
-    Survey,
+    Backlog, CollectionRun, EventFold, EventFoldSettings, EventsRun, FoldTarget, HeldSum,
+    MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, RETENTION_MARGIN, Reconciler,
+    RefusedDocument, Survey, retention_floor,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};

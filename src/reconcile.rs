@@ -6,9 +6,10 @@
 //! adds it to the counter and removes it, exactly once, on live documents,
 //! however often and by however many daemons it runs. It also prunes the
 //! markers settles leave (`settled`) once they are older than the grace,
-//! the entries of minted writer lanes not written for `lane_ttl` (DESIGN §3b;
-//! named lanes stay, and so do the lanes unfinished ledger batches need:
-//! [`ledger`]'s "Pruning"), and removes fields left empty.
+//! the entries of minted writer lanes not written for `lane_ttl` (named
+//! lanes stay — the ledgers' fold lanes among them), and removes fields
+//! left empty. The collection's ledger, when it has one, is folded beside
+//! it ([`ledger`]).
 //!
 //! # How
 //!
@@ -77,7 +78,9 @@ use model::{Cutoffs, Lines};
 use report::ReportRow;
 use statement::{Read, Statement};
 
-pub use ledger::{Backlog, ClaimedBatch, CounterSum, EventFold, EventFoldSettings, EventsRun};
+pub use ledger::{
+    Backlog, EventFold, EventFoldSettings, EventsRun, HeldSum, RETENTION_MARGIN, retention_floor,
+};
 pub use report::{
     CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED, Progress,
     RefusedDocument, Survey,
@@ -209,39 +212,27 @@ impl Reconciler {
         let started = Instant::now();
         let (cutoffs, cutoff_time) = self.cutoffs(target, now);
         let mut run = CollectionRun::new(&target.spec.name, mode, cutoff_time);
-        // The ledger first: a batch a crashed fold left must be finished
-        // before anything prunes its lane's entries; if it cannot be, the
-        // run prunes nothing. What is left unfinished (another host's
-        // batch, or a ledger this configuration does not name) keeps its
-        // lanes; when they cannot be read, no lane expires.
+        // The ledger and the tokens are independent: a ledger that cannot
+        // fold (missing indexes, the server refusing its state) never stops
+        // the token fold or the pruning, and the reverse. Both errors are
+        // logged; the run reports the first.
         let folded = self.fold_ledger(target, mode, now, stop, &mut run).await;
-        if let Err(err) = folded {
+        let ledger_error = folded.err().inspect(|err| {
             tracing::error!(collection = %target.spec.name, cause = %err, "folding the ledger failed");
+        });
+        let lines = Lines::from(cutoffs);
+        let folded = self.fold_all(target, mode, &lines, stop, progress, &mut run);
+        if let Err(err) = folded.await {
+            tracing::error!(
+                collection = %target.spec.name,
+                cause = %err,
+                folded = run.documents_folded,
+                "reconcile failed"
+            );
             run.error = Some(err);
-        } else {
-            let (lines, unread) = match self.lines(&target.spec, cutoffs).await {
-                Ok(lines) => (lines, None),
-                Err(err) => {
-                    tracing::error!(
-                        collection = %target.spec.name,
-                        cause = %err,
-                        "cannot read the lanes unfinished ledger batches need; no lane is pruned"
-                    );
-                    (Lines::from(no_lane_expires(cutoffs.tokens)), Some(err))
-                }
-            };
-            let folded = self.fold_all(target, mode, &lines, stop, progress, &mut run);
-            if let Err(err) = folded.await {
-                tracing::error!(
-                    collection = %target.spec.name,
-                    cause = %err,
-                    folded = run.documents_folded,
-                    "reconcile failed"
-                );
-                run.error = Some(err);
-            } else {
-                run.error = unread;
-            }
+        }
+        if let Some(err) = ledger_error {
+            run.error.get_or_insert(err);
         }
         run.oldest_stale_age_seconds = run
             .survey
@@ -307,11 +298,10 @@ impl Reconciler {
     }
 
     /// Folds the documents `ids` now (tokens older than `now − grace`,
-    /// lanes older than `now − lane_ttl` that no unfinished ledger batch
-    /// needs), whatever a report said about them before: each is read and
-    /// planned afresh, then folded as a run folds. Returns how many
-    /// documents changed. Used by the daemon to repair stuck tokens at
-    /// once, without a ledger pass first.
+    /// lanes older than `now − lane_ttl`), whatever a report said about
+    /// them before: each is read and planned afresh, then folded as a run
+    /// folds. Returns how many documents changed. Used by the daemon to
+    /// repair stuck tokens at once.
     pub async fn fold_documents(
         &self,
         target: &FoldTarget,
@@ -319,7 +309,7 @@ impl Reconciler {
         now: SystemTime,
     ) -> Result<u64, Error> {
         let (cutoffs, cutoff_time) = self.cutoffs(target, now);
-        let lines = self.lines(&target.spec, cutoffs).await?;
+        let lines = Lines::from(cutoffs);
         let mut run = CollectionRun::new(&target.spec.name, Mode::Fold, cutoff_time);
         let mut documents = Vec::new();
         for document in self.read_documents(target, ids).await? {

@@ -77,14 +77,14 @@ impl Daemon {
         }
     }
 
-    async fn ready(&self) -> bool {
+    pub(crate) async fn ready(&self) -> bool {
         matches!(
             reqwest::get(format!("http://{}/readyz", self.http)).await,
             Ok(r) if r.status().is_success()
         )
     }
 
-    async fn metric(&self, series: &str) -> Option<f64> {
+    pub(crate) async fn metric(&self, series: &str) -> Option<f64> {
         let text = reqwest::get(format!("http://{}/metrics", self.http))
             .await
             .ok()?

@@ -64,7 +64,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=86_400))]
     seconds: u32,
     /// The scratch collection (it must not exist; its ledger's events go to
-    /// NAME_events). Default: tally_bench_ and a fresh id.
+    /// NAME_events, their fold state to NAME_events_fold). Default:
+    /// tally_bench_ and a fresh id.
     #[arg(long, value_name = "NAME")]
     collection: Option<String>,
     /// Leave the scratch collection for inspection instead of dropping it.
@@ -124,7 +125,9 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         Ok(store) => store,
         Err(code) => return code,
     };
-    let scratch = [name.clone(), spec.events_collection_name()];
+    let events = spec.events_collection_name();
+    let fold_state = crate::write::ledger::state::collection_name(&events);
+    let scratch = [name.clone(), events, fold_state];
     match existing(&store, &scratch).await {
         Ok(found) if found.is_empty() => {}
         Ok(found) => {
@@ -330,9 +333,11 @@ async fn settle_one(handles: &Handles, settle: Settle) -> Option<bool> {
                 Err(_) => return None,
             },
             Settle::Event(ticket) => match handles.ledger.record_again(ticket).await {
-                Recording::Recorded(_) => return Some(true),
-                Recording::Unknown(ticket) => Settle::Event(ticket),
-                _ => return Some(false),
+                Ok(Recording::Recorded(_)) => return Some(true),
+                Ok(Recording::Unknown(ticket)) => Settle::Event(ticket),
+                Ok(_) => return Some(false),
+                // Past the retry horizon: recorded at most once.
+                Err(_) => return None,
             },
         };
         settle = next;

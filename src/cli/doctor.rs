@@ -17,6 +17,7 @@
 
 mod access;
 mod deployment;
+mod ledger;
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -66,10 +67,11 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
-    /// `ledger_indexes`, `privileges` or `change_stream_history`.
+    /// `ledger_indexes`, `unfolded_events`, `privileges` or
+    /// `change_stream_history`.
     pub(crate) name: &'static str,
-    /// The collection an `indexes` (`ledger_indexes`: events) check is
-    /// about.
+    /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`:
+    /// events) check is about.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) collection: Option<String>,
     /// How it came out.
@@ -158,6 +160,11 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
         clock_skew(store, config, clock).await,
     ];
     checks.extend(index_checks(store, config).await);
+    let now = store
+        .server_time()
+        .await
+        .unwrap_or_else(|_| std::time::SystemTime::now());
+    checks.extend(ledger::unfolded_elsewhere(store, config, now).await);
     checks.push(access::privileges(store, config).await);
     checks.push(deployment::history(store, &topology).await);
     (checks, None)

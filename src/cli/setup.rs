@@ -8,7 +8,7 @@
 //!   holding tokens; README "Indexes"), unless an index starting with the
 //!   field exists;
 //! - every collection with a ledger: its events collection's indexes (the
-//!   fold's, the exact reads', the TTL that is the dedupe window).
+//!   fold's by lane, the exact reads' by counter and lane).
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -59,10 +59,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         }
         if spec.events_collection.is_some() {
             let ledger = Ledger::new(&store, spec.clone());
-            match ledger
-                .create_indexes(config.reconcile.event_retention)
-                .await
-            {
+            match ledger.create_indexes().await {
                 Ok(lines) => done.extend(lines),
                 Err(err) => failure(&spec.events_collection_name(), &err),
             }

@@ -40,15 +40,21 @@ pub(crate) struct ReconcileConfig {
     /// How many documents one fold update covers: work between two points
     /// where a run can stop (shutdown) and report progress. Default: 100.
     pub(crate) batch_size: u32,
-    /// The ledgers' dedupe window: a folded event's key is remembered this
-    /// long (the TTL of its events collection's index on `f`), and a repeat
-    /// inside it is a duplicate. Default: 7d.
+    /// The ledgers' dedupe window: an event is deleted once folded and
+    /// older than this, and a repeat inside it is a duplicate. At least
+    /// `retry_horizon + attempt_timeout + 1h` (checked with the margins).
+    /// Default: 7d.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) event_retention: Duration,
     /// How soon after new events the daemon folds a ledger (its change
     /// stream's debounce). Default: 1s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) fold_delay: Duration,
+    /// How long a ledger's fold pass stays its daemon's without renewal:
+    /// another daemon takes an unfinished pass over this long (plus one
+    /// attempt) after its owner stopped renewing it. Default: 30s.
+    #[serde(serialize_with = "serialize_duration")]
+    pub(crate) fold_lease: Duration,
 }
 
 impl Default for ReconcileConfig {
@@ -58,12 +64,15 @@ impl Default for ReconcileConfig {
             batch_size: DEFAULT_BATCH_SIZE,
             event_retention: DEFAULT_EVENT_RETENTION,
             fold_delay: DEFAULT_FOLD_DELAY,
+            fold_lease: DEFAULT_FOLD_LEASE,
         }
     }
 }
 
 /// Default `[reconcile] fold_delay`.
 pub(crate) const DEFAULT_FOLD_DELAY: Duration = Duration::from_secs(1);
+/// Default `[reconcile] fold_lease`.
+pub(crate) const DEFAULT_FOLD_LEASE: Duration = Duration::from_secs(30);
 
 pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> ReconcileConfig {
     issues.unknown_keys("reconcile", &raw.unknown);
@@ -78,6 +87,7 @@ pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> Reco
             DEFAULT_EVENT_RETENTION,
         ),
         fold_delay: issues.duration("reconcile.fold_delay", raw.fold_delay, DEFAULT_FOLD_DELAY),
+        fold_lease: issues.duration("reconcile.fold_lease", raw.fold_lease, DEFAULT_FOLD_LEASE),
     }
 }
 

@@ -94,6 +94,7 @@ pub(crate) struct RawReconcile {
     pub(crate) batch_size: Option<Value>,
     pub(crate) event_retention: Option<Value>,
     pub(crate) fold_delay: Option<Value>,
+    pub(crate) fold_lease: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }

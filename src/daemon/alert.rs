@@ -90,12 +90,21 @@ pub(crate) enum AlertKind {
     /// stuck_after`, or a ledger the fold refuses (its indexes are
     /// missing): the counters fall behind their events.
     EventsStuck,
+    /// Counters that refused their recorded events' sums (an overflow, a
+    /// counter that is not a number, a validator): the sums are held in the
+    /// fold's state and offered again every pass; the other counters fold
+    /// on.
+    EventsHeld,
+    /// The change stream on a ledger's events collection could not be
+    /// opened for longer than `[alerts] monitor_down_after`: events are
+    /// folded at each `[monitor] scan_interval` instead of at once.
+    EventsStreamDown,
 }
 
 impl AlertKind {
     /// Every kind, for the tests that check each of them.
     #[cfg(test)]
-    pub(crate) const ALL: [AlertKind; 9] = [
+    pub(crate) const ALL: [AlertKind; 11] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
         AlertKind::LanesTooMany,
@@ -105,6 +114,8 @@ impl AlertKind {
         AlertKind::FoldRefused,
         AlertKind::ClockSkew,
         AlertKind::EventsStuck,
+        AlertKind::EventsHeld,
+        AlertKind::EventsStreamDown,
     ];
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -119,6 +130,8 @@ impl AlertKind {
             AlertKind::FoldRefused => "fold_refused",
             AlertKind::ClockSkew => "clock_skew",
             AlertKind::EventsStuck => "events_stuck",
+            AlertKind::EventsHeld => "events_held",
+            AlertKind::EventsStreamDown => "events_stream_down",
         }
     }
 }

@@ -1,28 +1,33 @@
-//! The continuous fold of the ledgers: a change stream on each events
-//! collection triggers a fold pass within `[reconcile] fold_delay` of new
-//! events (debounced: a burst of inserts is one pass), and a pass also
-//! runs every `[monitor] scan_interval` whatever the stream says — the
-//! stream makes the fold prompt, the periodic pass makes it certain. The
-//! scheduled reconcile run folds the ledger too (before its pending fold).
+//! The continuous fold of the ledgers: a fold pass runs every `[monitor]
+//! scan_interval` whatever happens, and within `[reconcile] fold_delay` of
+//! new events while a change stream on the events collection is open
+//! (debounced: a burst of inserts is one pass). The stream is a trigger,
+//! never a condition: when it cannot open (a standalone server, a user
+//! without `changeStream`) the periodic pass folds on, the failure is
+//! counted (`tally_events_stream_failures_total`), and after `[alerts]
+//! monitor_down_after` it fires `events_stream_down`. The scheduled
+//! reconcile run folds the ledger too.
 //!
 //! Every pass goes through the reconciler's [`EventFold`] of the
-//! collection, the same one the scheduled run uses: one pass at a time,
-//! one fold lane per process. The stream's position is saved like the
-//! monitor's (`resume:<events collection>` in the state collection); a
-//! lost position only costs a pass, which finds every unfolded event.
+//! collection, the same one the scheduled run uses. The stream's position
+//! is saved like the monitor's (`resume:<events collection>` in the state
+//! collection); a lost position only costs a pass, which finds every
+//! unfolded event.
 //!
-//! Only the active instance folds. A pass that fails (the server, a
-//! missing index) is logged and retried at the next trigger; a ledger
-//! whose events wait longer than `[alerts] stuck_after`, or that the fold
-//! refuses, fires `events_stuck`.
+//! Only the active instance folds. While events are left after a pass, the
+//! next one follows within `fold_delay`. After every pass — however long
+//! the backlog: a pass folds up to its survey's end — the backlog,
+//! the lag and the held sums are current in `/metrics`; events waiting
+//! longer than `[alerts] stuck_after`, or a ledger the fold refuses, fire
+//! `events_stuck`; counters holding refused sums fire `events_held`.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use mongodb::bson::{Document, doc};
 use mongodb::change_stream::ChangeStream;
 use mongodb::change_stream::event::{ChangeStreamEvent, ResumeToken};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -31,8 +36,9 @@ use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
 use crate::daemon::state::State;
-use crate::error::Error;
-use crate::reconcile::{EventFold, FoldTarget, Reconciler};
+use crate::document::display_id;
+use crate::error::{Error, Failure};
+use crate::reconcile::{Backlog, EventFold, FoldTarget, Reconciler};
 use crate::store::Store;
 
 /// How long one read of the stream waits for events: the debounce's
@@ -42,20 +48,31 @@ const AWAIT: Duration = Duration::from_millis(200);
 const REOPEN_AFTER: Duration = Duration::from_secs(2);
 /// How often the stream's position is saved.
 const SAVE_EVERY: Duration = Duration::from_secs(10);
+/// Counters named one by one in an `events_held` alert.
+const HELD_SAMPLE: usize = 10;
 
-/// What a ledger's folding task needs.
-pub(crate) struct LedgerFolder {
-    pub(crate) store: Store,
-    pub(crate) state: State,
-    pub(crate) fold: Arc<EventFold>,
-    pub(crate) collection: String,
+/// How the ledger tasks are timed (from the configuration).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
     pub(crate) fold_delay: Duration,
     pub(crate) scan_interval: Duration,
     pub(crate) stuck_after: Duration,
-    pub(crate) metrics: Metrics,
-    pub(crate) alerts: Alerts,
-    pub(crate) role: watch::Receiver<Role>,
-    pub(crate) shutdown: CancellationToken,
+    pub(crate) stream_down_after: Duration,
+}
+
+/// What a ledger's folding task needs.
+struct LedgerFolder {
+    store: Store,
+    state: State,
+    fold: Arc<EventFold>,
+    collection: String,
+    timing: Timing,
+    metrics: Metrics,
+    alerts: Alerts,
+    role: watch::Receiver<Role>,
+    shutdown: CancellationToken,
+    /// Rung by the stream on new events.
+    inserted: Notify,
 }
 
 /// Starts a folding task for every collection with a ledger.
@@ -65,32 +82,31 @@ pub(crate) fn start(
     store: &Store,
     state: &State,
     targets: &[FoldTarget],
-    timing: (Duration, Duration, Duration),
+    timing: Timing,
     metrics: &Metrics,
     alerts: &Alerts,
     role: &watch::Receiver<Role>,
     tracker: &TaskTracker,
     shutdown: &CancellationToken,
 ) {
-    let (fold_delay, scan_interval, stuck_after) = timing;
     for target in targets
         .iter()
         .filter(|t| t.spec.events_collection.is_some())
     {
-        let folder = LedgerFolder {
+        let folder = Arc::new(LedgerFolder {
             store: store.clone(),
             state: state.clone(),
             fold: reconciler.event_fold(&target.spec),
             collection: target.spec.name.clone(),
-            fold_delay,
-            scan_interval,
-            stuck_after,
+            timing,
             metrics: metrics.clone(),
             alerts: alerts.clone(),
             role: role.clone(),
             shutdown: shutdown.clone(),
-        };
-        tracker.spawn(folder.run());
+            inserted: Notify::new(),
+        });
+        tracker.spawn(Arc::clone(&folder).fold_periodically());
+        tracker.spawn(folder.watch());
     }
 }
 
@@ -99,13 +115,68 @@ impl LedgerFolder {
         self.fold.events_collection()
     }
 
-    async fn run(self) {
-        while !self.shutdown.is_cancelled() {
-            match self.follow().await {
-                Ok(()) => return,
-                Err(err) => {
-                    tracing::warn!(collection = %self.collection, events = %self.events(), cause = %err, "the events change stream failed; reopening it");
+    /// A pass at start, then one every scan interval and one within
+    /// `fold_delay` of each burst the stream reports, until shutdown.
+    async fn fold_periodically(self: Arc<Self>) {
+        let mut next_scan = Instant::now();
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                () = tokio::time::sleep_until(next_scan) => {}
+                () = self.inserted.notified() => {
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => return,
+                        () = tokio::time::sleep(self.timing.fold_delay) => {}
+                    }
                 }
+            }
+            // Events left (newer than the pass's survey, or more than one
+            // pass takes): the next pass soon, stream or not.
+            let waiting = self.pass().await;
+            next_scan = Instant::now()
+                + if waiting {
+                    self.timing.fold_delay
+                } else {
+                    self.timing.scan_interval
+                };
+        }
+    }
+
+    /// Follows the events collection's inserts, opening the stream again
+    /// after a failure; a trigger for the passes, nothing more.
+    async fn watch(self: Arc<Self>) {
+        let name = self.collection.as_str();
+        let mut down_since: Option<Instant> = None;
+        while !self.shutdown.is_cancelled() {
+            let followed = self.follow(&mut down_since).await;
+            if self.shutdown.is_cancelled() {
+                return;
+            }
+            if let Err(err) = followed {
+                self.metrics
+                    .events_stream_failures
+                    .with_label_values(&[name])
+                    .inc();
+                self.metrics
+                    .events_stream_up
+                    .with_label_values(&[name])
+                    .set(0);
+                let since = *down_since.get_or_insert_with(Instant::now);
+                tracing::warn!(collection = name, events = %self.events(), cause = %err, "the events change stream failed; the periodic pass folds meanwhile, and the stream is opened again");
+                let down = since.elapsed();
+                let observation = (down >= self.timing.stream_down_after).then(|| Observation {
+                    count: 1,
+                    oldest_age: Some(down),
+                    sample_ids: Vec::new(),
+                    detail: Some(format!(
+                        "the change stream on {} cannot be opened ({err}); its events are folded \
+                         every {} instead of at once",
+                        self.events(),
+                        humantime::format_duration(self.timing.scan_interval)
+                    )),
+                });
+                self.alerts
+                    .set(AlertKind::EventsStreamDown, name, observation);
             }
             tokio::select! {
                 () = self.shutdown.cancelled() => return,
@@ -114,40 +185,36 @@ impl LedgerFolder {
         }
     }
 
-    /// Opens the stream, folds once (what arrived while no one watched),
-    /// then folds on every debounced burst and every scan interval.
-    async fn follow(&self) -> Result<(), Error> {
+    /// Opens the stream and rings for every burst of inserts until it
+    /// fails or the daemon stops.
+    async fn follow(&self, down_since: &mut Option<Instant>) -> Result<(), Error> {
+        let name = self.collection.as_str();
         let mut stream = self.open().await?;
-        let mut due = Some(Instant::now());
-        let mut next_scan = Instant::now() + self.scan_interval;
+        *down_since = None;
+        self.metrics
+            .events_stream_up
+            .with_label_values(&[name])
+            .set(1);
+        self.alerts.set(AlertKind::EventsStreamDown, name, None);
+        // What arrived while no one watched.
+        self.inserted.notify_one();
         let mut next_save = Instant::now() + SAVE_EVERY;
         loop {
             if self.shutdown.is_cancelled() {
                 self.save(stream.resume_token()).await;
                 return Ok(());
             }
-            let now = Instant::now();
-            if due.is_some_and(|at| at <= now) || next_scan <= now {
-                self.pass().await;
-                due = None;
-                next_scan = Instant::now() + self.scan_interval;
-            }
-            if next_save <= now {
+            if next_save <= Instant::now() {
                 self.save(stream.resume_token()).await;
-                next_save = now + SAVE_EVERY;
+                next_save = Instant::now() + SAVE_EVERY;
             }
             match stream.next_if_any().await {
-                Ok(Some(_)) => {
-                    due.get_or_insert_with(|| Instant::now() + self.fold_delay);
-                }
+                Ok(Some(_)) => self.inserted.notify_one(),
                 Ok(None) if stream.is_alive() => {}
                 Ok(None) => return Err(Error::InvalidArgument("the change stream ended".into())),
                 Err(err) => {
                     self.save(stream.resume_token()).await;
-                    return Err(Error::Server(crate::error::Failure::once(
-                        "ledger.stream",
-                        err,
-                    )));
+                    return Err(Error::Server(Failure::once("ledger.stream", err)));
                 }
             }
         }
@@ -169,17 +236,14 @@ impl LedgerFolder {
         match watch(saved.clone()).await {
             Ok(stream) => Ok(stream),
             // The saved position is gone (history lost): start from now;
-            // the first pass finds whatever was missed.
+            // the next pass finds whatever was missed.
             Err(_) if saved.is_some() => {
                 let _ = self.state.forget_resume_token(self.events()).await;
                 watch(None)
                     .await
-                    .map_err(|err| Error::Server(crate::error::Failure::once("ledger.watch", err)))
+                    .map_err(|err| Error::Server(Failure::once("ledger.watch", err)))
             }
-            Err(err) => Err(Error::Server(crate::error::Failure::once(
-                "ledger.watch",
-                err,
-            ))),
+            Err(err) => Err(Error::Server(Failure::once("ledger.watch", err))),
         }
     }
 
@@ -191,60 +255,76 @@ impl LedgerFolder {
         }
     }
 
-    /// Fold passes while this instance is active and events are left (each
-    /// pass bounded by `pass_limit`, the fold's lock released and the role
-    /// checked between them), then the backlog's metrics and alert.
-    async fn pass(&self) {
+    /// One fold pass while this instance is active, then the metrics and
+    /// alerts of what is left; whether events wait to be folded.
+    async fn pass(&self) -> bool {
         let name = self.collection.as_str();
-        loop {
-            if *self.role.borrow() != Role::Active {
-                return;
-            }
-            let now = match self.store.server_time().await {
-                Ok(now) => now,
-                Err(err) => {
-                    tracing::warn!(collection = name, cause = %err, "cannot read the server's clock; the fold waits");
-                    return;
-                }
-            };
-            let (more, refused) = match self.fold.fold(now, &self.shutdown).await {
-                Ok(run) => {
-                    self.metrics
-                        .events_folded
-                        .with_label_values(&[name])
-                        .inc_by(run.events_folded);
-                    if run.events_folded > 0 || run.recovered > 0 {
-                        tracing::debug!(
-                            collection = name,
-                            events = run.events_folded,
-                            batches = run.batches,
-                            recovered = run.recovered,
-                            "ledger folded"
-                        );
-                    }
-                    (run.more && !self.shutdown.is_cancelled(), None)
-                }
-                Err(err) => {
-                    tracing::error!(collection = name, events = %self.events(), cause = %err, "folding the ledger failed");
-                    (false, Some(err))
-                }
-            };
-            if !more {
-                self.account(now, refused).await;
-                return;
-            }
+        if *self.role.borrow() != Role::Active {
+            return false;
         }
-    }
-
-    async fn account(&self, now: SystemTime, refused: Option<Error>) {
-        let name = self.collection.as_str();
-        let backlog = match self.fold.backlog(now).await {
-            Ok(backlog) => backlog,
+        let now = match self.store.server_time().await {
+            Ok(now) => now,
             Err(err) => {
-                tracing::warn!(collection = name, cause = %err, "cannot read the ledger's backlog");
-                return;
+                tracing::warn!(collection = name, cause = %err, "cannot read the server's clock; the fold waits");
+                return false;
             }
         };
+        let (backlog, refused) = match self.fold.fold(now, &self.shutdown).await {
+            Ok(run) => {
+                self.metrics
+                    .events_folded
+                    .with_label_values(&[name])
+                    .inc_by(run.events_folded);
+                if run.events_folded > 0 || run.recovered || run.events_deleted > 0 {
+                    tracing::debug!(
+                        collection = name,
+                        events = run.events_folded,
+                        pass = run.pass,
+                        counters = run.counters_written,
+                        recovered = run.recovered,
+                        deleted = run.events_deleted,
+                        "ledger folded"
+                    );
+                }
+                (Some(run.backlog), None)
+            }
+            Err(err) => {
+                tracing::error!(collection = name, events = %self.events(), cause = %err, "folding the ledger failed");
+                (self.fold.backlog(now).await.ok(), Some(err))
+            }
+        };
+        if let Some(backlog) = &backlog {
+            self.account(backlog);
+        }
+        let stuck = backlog
+            .as_ref()
+            .and_then(|b| b.oldest_age)
+            .is_some_and(|a| a > self.timing.stuck_after);
+        let refusing = matches!(
+            refused,
+            Some(
+                Error::IndexesMissing { .. } | Error::InvalidArgument(_) | Error::Malformed { .. }
+            )
+        );
+        let observation = (stuck || refusing).then(|| Observation {
+            count: backlog.as_ref().map_or(0, |b| b.events),
+            oldest_age: backlog.as_ref().and_then(|b| b.oldest_age),
+            sample_ids: Vec::new(),
+            detail: Some(match &refused {
+                Some(err) => err.to_string(),
+                None => format!(
+                    "recorded events of {} wait longer than stuck_after to be folded",
+                    self.events()
+                ),
+            }),
+        });
+        self.alerts.set(AlertKind::EventsStuck, name, observation);
+        refused.is_none() && backlog.is_some_and(|b| b.events > 0)
+    }
+
+    /// The backlog's metrics and the `events_held` alert.
+    fn account(&self, backlog: &Backlog) {
+        let name = self.collection.as_str();
         self.metrics
             .events_backlog
             .with_label_values(&[name])
@@ -253,20 +333,33 @@ impl LedgerFolder {
             .events_fold_lag
             .with_label_values(&[name])
             .set(backlog.oldest_age.map_or(0.0, |a| a.as_secs_f64()));
-        let stuck = backlog.oldest_age.is_some_and(|a| a > self.stuck_after);
-        let observation =
-            (stuck || matches!(refused, Some(Error::IndexesMissing { .. }))).then(|| Observation {
-                count: backlog.events,
-                oldest_age: backlog.oldest_age,
-                sample_ids: Vec::new(),
-                detail: Some(match &refused {
-                    Some(err) => err.to_string(),
-                    None => format!(
-                        "recorded events of {} wait longer than stuck_after to be folded",
-                        self.events()
-                    ),
+        self.metrics
+            .events_held
+            .with_label_values(&[name])
+            .set(i64::try_from(backlog.held.len()).unwrap_or(i64::MAX));
+        let held = (!backlog.held.is_empty()).then(|| {
+            let oldest = backlog.held.iter().map(|h| h.since).min();
+            Observation {
+                count: backlog.held.len() as u64,
+                oldest_age: oldest.and_then(|t| t.elapsed().ok()),
+                sample_ids: backlog
+                    .held
+                    .iter()
+                    .take(HELD_SAMPLE)
+                    .map(|h| display_id(&h.key))
+                    .collect(),
+                detail: backlog.held.first().map(|h| {
+                    format!(
+                        "counter {} refused the sum of {} recorded events of {} ({}); it is held \
+                         and offered again every pass",
+                        display_id(&h.key),
+                        h.events,
+                        self.events(),
+                        h.cause
+                    )
                 }),
-            });
-        self.alerts.set(AlertKind::EventsStuck, name, observation);
+            }
+        });
+        self.alerts.set(AlertKind::EventsHeld, name, held);
     }
 }

@@ -88,6 +88,16 @@ pub(crate) struct Inner {
     /// `tally_events_fold_lag_seconds{collection}`: the oldest unfolded
     /// event's age (0 when none): how far the counters are behind.
     pub(crate) events_fold_lag: GaugeVec,
+    /// `tally_events_held{collection}`: sums counters refused, held in the
+    /// ledger's fold state until they accept them.
+    pub(crate) events_held: IntGaugeVec,
+    /// `tally_events_stream_up{collection}`: 1 while the change stream on
+    /// the ledger's events collection is open (the periodic pass folds
+    /// either way).
+    pub(crate) events_stream_up: IntGaugeVec,
+    /// `tally_events_stream_failures_total{collection}`: times that stream
+    /// could not be opened or broke off.
+    pub(crate) events_stream_failures: IntCounterVec,
     /// `tally_alerts_firing{kind,collection}`: 1 while the alert fires.
     pub(crate) alerts_firing: IntGaugeVec,
     /// `tally_alert_notifications_total{kind,state}`: state is `firing` or
@@ -288,6 +298,24 @@ impl Metrics {
                 &registry,
                 "tally_events_fold_lag_seconds",
                 "Age of the oldest recorded event not folded yet",
+                collection,
+            ),
+            events_held: gauge_vec(
+                &registry,
+                "tally_events_held",
+                "Sums of recorded events that counters refused, held until they accept them",
+                collection,
+            ),
+            events_stream_up: gauge_vec(
+                &registry,
+                "tally_events_stream_up",
+                "1 while the change stream on the events collection is open",
+                collection,
+            ),
+            events_stream_failures: counter_vec(
+                &registry,
+                "tally_events_stream_failures_total",
+                "Times the change stream on the events collection could not open or broke off",
                 collection,
             ),
             alerts_firing: gauge_vec(

@@ -23,9 +23,8 @@
 //!    document with nothing to do is not written.
 //!
 //! 6. **Lanes expire.** Minted lane entries older than the lane cutoff are
-//!    pruned — unless an unfinished ledger batch needs the lane — named ones
-//!    kept, an empty map removed ([`plan_lanes`]); the same statement writes
-//!    both.
+//!    pruned, named ones (a ledger's fold lane among them) kept, an empty
+//!    map removed ([`plan_lanes`]); the same statement writes both.
 //!
 //! A document the rules cannot judge is [`Malformed`] and never modified.
 
@@ -54,21 +53,15 @@ pub struct Cutoffs {
     pub lanes: ObjectId,
 }
 
-/// The lines a run draws, and the fold lanes it keeps however old: those
-/// an unfinished batch of the collection's ledger was claimed with (rule 5
-/// of [`lanes`]'s pruning).
+/// The lines a run draws.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Lines {
     pub(crate) cutoffs: Cutoffs,
-    pub(crate) needed: BTreeSet<ObjectId>,
 }
 
 impl From<Cutoffs> for Lines {
     fn from(cutoffs: Cutoffs) -> Self {
-        Self {
-            cutoffs,
-            needed: BTreeSet::new(),
-        }
+        Self { cutoffs }
     }
 }
 

@@ -105,8 +105,7 @@ impl<'a> Read<'a> {
     /// the edge of the counter's type can do that).
     pub(crate) fn plan(&self, lines: &Lines) -> Result<FoldPlan, Malformed> {
         let (counter, pending, settled) = (self.counter, self.pending, self.settled);
-        let mut plan = model::plan_document(counter, pending, settled, self.lanes, lines.cutoffs)?;
-        plan.lanes.keep(&lines.needed);
+        let plan = model::plan_document(counter, pending, settled, self.lanes, lines.cutoffs)?;
         if prefix_form(self, &plan) {
             pieces(self, &plan)?;
         }
@@ -120,9 +119,7 @@ impl<'a> Read<'a> {
 /// [`Token::cutoff`](crate::Token::cutoff) of the server's time minus the
 /// grace, and minus `lane_ttl`). Empty when there is nothing to fold; an
 /// error, and no statement, for a malformed document. For tools that fold
-/// documents their own way; the reconciler sends the same statements, less
-/// the entries of lanes an unfinished ledger batch still needs
-/// ([`claimed_lanes`](super::ledger::claimed_lanes)), which these prune too.
+/// documents their own way; the reconciler sends the same statements.
 pub fn statements(
     spec: &CollectionConfig,
     document: &Document,

@@ -354,8 +354,9 @@ async fn the_least_privileged_role_passes_and_one_without_change_stream_fails() 
 
 /// With a ledger configured, the privilege check covers its collections
 /// too: a role holding the README's ledger grants passes (and notes that
-/// `tallyd setup` needs createIndex); one without `update` on the events
-/// collection fails, naming the collection and the action, exit 1.
+/// `tallyd setup` needs createIndex); one without `remove` on the events
+/// collection (the fold deletes folded events past the window) fails,
+/// naming the collection and the action, exit 1.
 #[tokio::test]
 async fn the_privilege_check_covers_the_ledgers_collections() {
     if external() {
@@ -365,19 +366,19 @@ async fn the_privilege_check_covers_the_ledgers_collections() {
     let server = AuthServer::start(|client| async move {
         let app = client.database(db);
         let counter: &[&str] = &["find", "update", "changeStream", "insert"];
-        let batches: &[&str] = &["find", "insert", "remove"];
+        let state: &[&str] = &["find", "insert", "update", "remove"];
         for (role, events) in [
-            ("ledger", &["find", "update", "changeStream"][..]),
-            ("noupdate", &["find", "changeStream"][..]),
+            ("ledger", &["find", "remove", "changeStream"][..]),
+            ("noremove", &["find", "changeStream"][..]),
         ] {
             let grants = [
                 ("views", counter),
                 ("views_events", events),
-                ("views_events_batches", batches),
+                ("views_events_fold", state),
             ];
             create_role(&app, role, &grants).await;
         }
-        views_and_users(&app, &[("ledger", "ledger"), ("noupdate", "noupdate")]).await;
+        views_and_users(&app, &[("ledger", "ledger"), ("noremove", "noremove")]).await;
     })
     .await;
     let with_ledger = |user: &str| {
@@ -385,11 +386,11 @@ async fn the_privilege_check_covers_the_ledgers_collections() {
         config(&uri, db).replace("name = \"views\"\n", "name = \"views\"\nledger = true\n")
     };
 
-    let (code, checks, output) = doctor(&with_ledger("noupdate"), &[]).await;
+    let (code, checks, output) = doctor(&with_ledger("noremove"), &[]).await;
     let (privileges, message) = verdict(&checks, "privileges");
     assert_eq!(privileges, "fail", "{message}");
     assert!(
-        message.contains("update on t_doctor_ledger_privileges.views_events ("),
+        message.contains("remove on t_doctor_ledger_privileges.views_events ("),
         "{message}"
     );
     assert_eq!(

@@ -1,15 +1,12 @@
-//! The ledger's rows of the fault matrix (DESIGN §7, §8): every fault the
+//! The ledger's rows of the fault matrix: every fault the
 //! proxy injects — reply lost, connection cut, reply past the attempt
 //! timeout, not-primary, a command error, a request held up in the network
-//! and forwarded after the operation returned — at `Ledger::record`, at
-//! `Ledger::record_many`, and at each write and read of the fold's steps
-//! (the batch's intent, the claim, the sum, a counter's apply, the mark,
-//! the intent's removal), with retryable writes off (the hard case) and on.
-//! With them on, the driver retries a retryable write once itself (the
-//! `insert`s, the apply's single-document `update`, the intent's `delete`;
-//! not the claim's and the mark's `updateMany`) on a lost reply, a cut
-//! connection or a not-primary, and the server answers a retried `insert`,
-//! `update` or `delete` from its first execution.
+//! and forwarded after the operation returned — at `Ledger::record` (its
+//! lane's registration and its insert), at `Ledger::record_many`, and at
+//! each read and write of a fold pass (the survey, the intent, the sum, a
+//! counter's update through the fold lane, the commit), with `retryWrites`
+//! in the URI off and on: tally owns its retries (the driver's are off on
+//! its client), so both give one table.
 //!
 //! Each cell asserts:
 //! - the outcome the caller sees (the table in [`expected`]);
@@ -19,13 +16,13 @@
 //!   other, is in the counters after a final fold, and what is there is
 //!   exactly the events whose `insert` reached the server (the log);
 //! - for the fold: the exact value of every counter right after the
-//!   faulted pass (`Ledger::value`), and after a new process's pass
-//!   (recovery first), every counter equal to its distinct events (the
-//!   known operations), nothing unfolded, no intent left.
+//!   faulted pass (`Ledger::value`), and after the same fold's next pass
+//!   and a new process's, every counter equal to its distinct events,
+//!   nothing unfolded, no pass left in progress, no sum held.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use mongodb::bson::{Bson, doc};
 use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording};
@@ -34,8 +31,6 @@ use tokio_util::sync::CancellationToken;
 use crate::common::counter;
 use crate::common::proxy::{Exchange, Rule};
 use crate::faults::{Expected, Fault, Rig, settled_log};
-
-const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 const FAULTS: [Fault; 6] = [
     Fault::ReplyDropped,
@@ -52,36 +47,37 @@ const EVENTS: [(&str, &str, i64); 3] = [("e1", "a", 1), ("e2", "a", 2), ("e3", "
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Site {
+    /// `Ledger::record`'s first act on a fresh lane: the lane's
+    /// registration (an upsert into `<events>_fold`).
+    Register,
     /// `Ledger::record` (one `insert`).
     Record,
-    /// `Ledger::record_many` of three events (one unordered `insert`).
+    /// `Ledger::record_many` of three events (one ordered `insert`).
     RecordMany,
-    /// The fold's intent (`insert` into `<events>_batches`).
+    /// The fold's survey (the highest number among the lane's newest
+    /// events): the pass's first `aggregate`.
+    Survey,
+    /// The pass's intent (the first `insert` of the fold state).
     Intent,
-    /// The claim (`updateMany` with the picked ids).
-    Claim,
-    /// The sum (`aggregate` `$match c.b` → `$group`): the events
-    /// collection's second aggregate of a pass, after recovery's.
+    /// The sum (`aggregate` `$group` by counter): the pass's second
+    /// aggregate.
     Sum,
-    /// A counter's apply through the fold lane (the first `update` on the
+    /// A counter's update through the fold lane (the first `update` on the
     /// counters).
     Apply,
-    /// The mark (`updateMany` `$set f`): the events collection's second
-    /// `update` of a pass.
-    Mark,
-    /// The intent's removal (`delete`).
-    Done,
+    /// The commit (the `update` of the fold state that drops the intent).
+    Commit,
 }
 
 const SITES: [Site; 8] = [
+    Site::Register,
     Site::Record,
     Site::RecordMany,
+    Site::Survey,
     Site::Intent,
-    Site::Claim,
     Site::Sum,
     Site::Apply,
-    Site::Mark,
-    Site::Done,
+    Site::Commit,
 ];
 
 impl Site {
@@ -89,13 +85,24 @@ impl Site {
     /// and which of its requests.
     fn target(self) -> (&'static str, &'static str, u64) {
         match self {
+            Self::Register => ("update", "_events_fold", 1),
             Self::Record | Self::RecordMany => ("insert", "_events", 1),
-            Self::Intent => ("insert", "_events_batches", 1),
-            Self::Claim => ("update", "_events", 1),
+            Self::Survey => ("aggregate", "_events", 1),
+            Self::Intent => ("insert", "_events_fold", 1),
             Self::Sum => ("aggregate", "_events", 2),
             Self::Apply => ("update", "", 1),
-            Self::Mark => ("update", "_events", 2),
-            Self::Done => ("delete", "_events_batches", 1),
+            Self::Commit => ("update", "_events_fold", 1),
+        }
+    }
+
+    /// The matcher of the faulted request.
+    fn rule(self, name: &str) -> crate::common::proxy::Matcher {
+        let (command, suffix, nth) = self.target();
+        let matcher = Rule::command(command).collection(&format!("{name}{suffix}"));
+        match self {
+            // The commit is the fold state's update that drops the intent.
+            Self::Commit => matcher.mentions("$unset").nth(nth),
+            _ => matcher.nth(nth),
         }
     }
 }
@@ -106,7 +113,13 @@ fn expected(site: Site, fault: Fault) -> Expected {
     use Fault::*;
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
-        // A lost reply: the retry's duplicate key names our own token.
+        // The registration is an idempotent upsert, retried once; refused,
+        // the recorder sends nothing on the lane.
+        (Register, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
+        (Register, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
+        (Register, CommandError) => ("not_recorded", 1, 0),
+        // A lost reply: the retry's duplicate key names our own lane and
+        // number.
         (Record, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
         (Record, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
         (Record, CommandError) => ("not_recorded", 1, 0),
@@ -115,39 +128,35 @@ fn expected(site: Site, fault: Fault) -> Expected {
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
-        // The intent: an insert retried once; a duplicate key on the retry
-        // is our own first attempt. A refused intent stops the pass before
-        // the claim.
+        // The survey and the sum are reads, retried once; refused, the
+        // pass stops (after the intent, for the sum: the next pass resumes
+        // it). The survey's counts include the backlog's survey after the
+        // pass (an aggregate that does not count events per counter).
+        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 3, 3),
+        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
+        (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
+        (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
+        (Survey | Sum, CommandError) => ("failed (command)", 1, 0),
+        // The intent: an insert retried once; the retry's duplicate key is
+        // our own first attempt (read back: ours).
         (Intent, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Intent, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Intent, CommandError) => ("failed (command)", 1, 0),
-        // The claim is retried with the same batch; a retry after a lost
-        // reply matches nothing (every id is claimed) and the pass goes on.
-        (Claim, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
-        (Claim, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Claim, CommandError) => ("failed (command)", 1, 0),
-        // The sum is a read, retried once.
-        (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
-        (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Sum, CommandError) => ("failed (command)", 1, 0),
         // The apply is a lane update (the counts include the other
         // counter's one update): retried, a lost reply's retry collides
         // with the upsert that landed, and the update sent again finds the
-        // lane holding the number. A refused one leaves the batch to
-        // recovery.
+        // lane holding the pass. A counter that refuses its sum holds it;
+        // the pass commits.
         (Apply, ReplyDropped | DelayedPastTimeout) => ("folded 3", 4, 4),
         (Apply, Delayed) => ("folded 3", 3, 3),
         (Apply, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
-        (Apply, CommandError) => ("failed (command)", 2, 1),
-        // The mark's retry after a lost reply marks nothing more: the pass
-        // reports only what its own reply said (the events are folded).
-        (Mark, ReplyDropped | DelayedPastTimeout) => ("folded 0", 2, 2),
-        (Mark, Delayed) => ("folded 3", 2, 2),
-        (Mark, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Mark, CommandError) => ("failed (command)", 1, 0),
-        (Done, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
-        (Done, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Done, CommandError) => ("failed (command)", 1, 0),
+        (Apply, CommandError) => ("folded 3, 1 held", 2, 1),
+        // The commit is conditioned on the intent being ours: a retry after
+        // a lost reply matches nothing, and the state read back shows the
+        // pass committed.
+        (Commit, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
+        (Commit, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
+        (Commit, CommandError) => ("failed (command)", 1, 0),
         (_, DuplicateKey) => unreachable!("not injected at the ledger"),
     };
     Expected {
@@ -191,25 +200,24 @@ impl LedgerRig {
         let name = format!("l_{site:?}_{fault:?}").to_lowercase();
         let direct = Ledger::new(&self.rig.direct.store(), CollectionConfig::new(&name));
         direct
-            .create_indexes(RETENTION)
+            .create_indexes()
             .await
             .map_err(|e| format!("indexes: {e}"))?;
-        let (command, suffix, nth) = site.target();
+        let (_, suffix, _) = site.target();
         let faulted = format!("{name}{suffix}");
         self.rig.proxy.clear_log();
-        let rule = self.rig.proxy.rule(
-            Rule::command(command)
-                .collection(&faulted)
-                .nth(nth)
-                .then(fault.action(false)),
-        );
+        let rule = self
+            .rig
+            .proxy
+            .rule(site.rule(&name).then(fault.action(false)));
         let mut diff = Vec::new();
         match site {
-            Site::Record | Site::RecordMany => {
+            Site::Register | Site::Record | Site::RecordMany => {
                 let (outcome, recorded) = self.record(site, &name).await;
                 drop(rule);
                 let log = settled_log(&self.rig.proxy, &faulted).await;
-                let landed = landed_events(&log);
+                let inserts = settled_log(&self.rig.proxy, &format!("{name}_events")).await;
+                let landed = landed_events(&inserts);
                 // What the outcomes promise, against the log.
                 for key in &recorded {
                     if !landed.contains(key) {
@@ -224,6 +232,9 @@ impl LedgerRig {
                 self.check_counts(site, fault, &log, &outcome, &mut diff);
             }
             _ => {
+                // The pass's clock starts at the seeding: its survey's
+                // first look (the last 100 ms by that clock) finds them.
+                let seeded = SystemTime::now();
                 for (key, counter, amount) in EVENTS {
                     let recording = direct.record(key, counter, amount).await;
                     if recording.name() != "recorded" {
@@ -235,11 +246,15 @@ impl LedgerRig {
                     CollectionConfig::new(&name),
                     EventFoldSettings::default(),
                 );
-                let outcome = match fold
-                    .fold(SystemTime::now(), &CancellationToken::new())
-                    .await
-                {
-                    Ok(run) => format!("folded {}", run.events_folded),
+                let outcome = match fold.fold(seeded, &CancellationToken::new()).await {
+                    Ok(run) if run.backlog.held.is_empty() => {
+                        format!("folded {}", run.events_folded)
+                    }
+                    Ok(run) => format!(
+                        "folded {}, {} held",
+                        run.events_folded,
+                        run.backlog.held.len()
+                    ),
                     Err(err) => format!(
                         "failed ({})",
                         err.class().map_or("not a server error", |c| c.as_str())
@@ -252,8 +267,7 @@ impl LedgerRig {
                 self.check_values(&direct, &want, "after the faulted pass", &mut diff)
                     .await;
                 // The same fold's next pass, with a new event on a counter
-                // the faulted batch touches: its lane must not go on past a
-                // batch it did not confirm.
+                // the faulted pass touches: it resumes what the pass left.
                 let late = direct.record("e_late", "a", 1).await;
                 if late.name() != "recorded" {
                     return Err(format!("recording e_late: {late:?}"));
@@ -281,7 +295,7 @@ impl LedgerRig {
     /// keys it says are recorded.
     async fn record(&self, site: Site, name: &str) -> (String, BTreeSet<String>) {
         let ledger = Ledger::new(&self.rig.store, CollectionConfig::new(name));
-        let recordings: Vec<Recording> = if site == Site::Record {
+        let recordings: Vec<Recording> = if site != Site::RecordMany {
             vec![ledger.record("e1", "a", 1).await]
         } else {
             ledger.record_many(EVENTS).await
@@ -295,15 +309,12 @@ impl LedgerRig {
         (names.join(" "), recorded)
     }
 
-    /// A new process folds: recovery first, then every event left.
+    /// A new process folds every event left.
     async fn final_fold(&self, name: &str) -> Result<(), String> {
         let fold = EventFold::new(
             &self.rig.direct.store(),
             CollectionConfig::new(name),
-            EventFoldSettings {
-                claim_timeout: Duration::ZERO,
-                ..EventFoldSettings::default()
-            },
+            EventFoldSettings::default(),
         );
         fold.fold(SystemTime::now(), &CancellationToken::new())
             .await
@@ -345,22 +356,24 @@ impl LedgerRig {
         }
         self.check_values(ledger, want, "after the final fold", diff)
             .await;
-        let events = self.rig.direct.collection(&format!("{name}_events"));
-        let unfolded = events
-            .count_documents(doc! { "f": { "$exists": false } })
-            .await
-            .unwrap_or(u64::MAX);
-        let intents = self
+        let fold = EventFold::new(
+            &self.rig.direct.store(),
+            CollectionConfig::new(name),
+            EventFoldSettings::default(),
+        );
+        let backlog = fold.backlog(SystemTime::now()).await;
+        let in_progress = self
             .rig
             .direct
-            .collection(&format!("{name}_events_batches"))
-            .count_documents(doc! {})
+            .collection(&format!("{name}_events_fold"))
+            .count_documents(doc! { "intent": { "$exists": true } })
             .await
             .unwrap_or(u64::MAX);
-        if (unfolded, intents) != (0, 0) {
-            diff.push(format!(
-                "{unfolded} unfolded events, {intents} intents left"
-            ));
+        match backlog {
+            Ok(b) if b.events == 0 && b.held.is_empty() && in_progress == 0 => {}
+            other => diff.push(format!(
+                "left after the final fold: {other:?}, {in_progress} passes in progress"
+            )),
         }
     }
 
@@ -383,14 +396,16 @@ impl LedgerRig {
     }
 }
 
-/// Whether a request on the faulted collection is one of the site's: the
-/// claim carries the picked ids (`$in`), the mark does not; the sum
-/// matches on the batch (`c.b`).
+/// Whether a request of the faulted kind is one of the site's: the
+/// commit drops the intent (`$unset`), the registration does not; the sum
+/// counts each counter's events (`e`), the backlog's survey after the pass
+/// does not.
 fn owns(site: Site, exchange: &Exchange) -> bool {
     match site {
-        Site::Claim => exchange.body_mentions("$in"),
-        Site::Mark => !exchange.body_mentions("$in"),
-        Site::Sum => exchange.body_mentions("c.b"),
+        Site::Commit => exchange.body_mentions("$unset"),
+        Site::Register => !exchange.body_mentions("$unset") && !exchange.body_mentions("intent"),
+        Site::Sum => exchange.body_mentions("e"),
+        Site::Survey => !exchange.body_mentions("e"),
         _ => true,
     }
 }
@@ -443,7 +458,7 @@ async fn a_retry_refused_after_its_held_first_insert_is_unknown_never_not_record
         let name = if many { "many" } else { "one" };
         let events = format!("{name}_events");
         let direct = Ledger::new(&rig.rig.direct.store(), CollectionConfig::new(name));
-        direct.create_indexes(RETENTION).await.unwrap();
+        direct.create_indexes().await.unwrap();
         let rules = [
             rig.rig.proxy.rule(
                 Rule::command("insert")
@@ -476,4 +491,159 @@ async fn a_retry_refused_after_its_held_first_insert_is_unknown_never_not_record
             );
         }
     }
+}
+
+/// The invariant the fold stands on, under random faults: 16 callers on
+/// one handle record through a proxy that drops replies, cuts connections
+/// and holds inserts up in the network (until the end), while a fold runs
+/// pass after pass. Unknown recordings are kept, and sent again only at
+/// the end — after a last pass, and after every held insert landed. Had a
+/// lane gone on after an unknown insert (instead of being retired), its
+/// later events would have moved the lane's folded number past the held
+/// one's, which would land below it and never be counted. In the end each
+/// counter equals the events stored for it (the events collection is the
+/// oracle, and every event the proxy's log shows inserted is among them),
+/// nothing is left unfolded, and every event acknowledged is stored. The
+/// seed (`TALLY_SOAK_SEED`) is printed.
+#[tokio::test]
+async fn a_lanes_events_become_visible_in_number_order_under_random_faults() {
+    use crate::common::proxy::{Action, Release};
+    use std::sync::{Arc, Mutex};
+    let seed = crate::soak::seed("ledger visibility", 1);
+    let rig = Rig::new("ledger_visibility", false).await;
+    let name = "vis";
+    let direct = Ledger::new(&rig.direct.store(), CollectionConfig::new(name));
+    direct.create_indexes().await.unwrap();
+    let events = format!("{name}_events");
+    let faults = [
+        (Action::DropReply, 1),
+        (Action::CloseBeforeForwarding, 2),
+        (Action::HoldRequest(Release::WhenReleased), 3),
+    ]
+    .map(|(action, salt)| {
+        rig.proxy.rule(
+            Rule::command("insert")
+                .collection(&events)
+                .probability(0.15, seed ^ salt)
+                .then(action),
+        )
+    });
+    let ledger = Ledger::new(&rig.store, CollectionConfig::new(name));
+    let fold = Arc::new(EventFold::new(
+        &rig.direct.store(),
+        CollectionConfig::new(name),
+        EventFoldSettings::default(),
+    ));
+    let folding = CancellationToken::new();
+    let folder = {
+        let (fold, folding) = (fold.clone(), folding.clone());
+        tokio::spawn(async move {
+            let mut passes = 0u32;
+            while !folding.is_cancelled() {
+                if let Ok(run) = fold
+                    .fold(SystemTime::now(), &CancellationToken::new())
+                    .await
+                {
+                    passes += u32::from(run.pass.is_some());
+                }
+            }
+            passes
+        })
+    };
+    let acknowledged = Arc::new(Mutex::new(BTreeSet::new()));
+    let unknown = Arc::new(Mutex::new(Vec::new()));
+    let callers: Vec<_> = (0..16)
+        .map(|c| {
+            let (ledger, acknowledged, unknown) =
+                (ledger.clone(), acknowledged.clone(), unknown.clone());
+            tokio::spawn(async move {
+                for i in 0..25 {
+                    let key = format!("c{c}e{i}");
+                    let counter = format!("k{}", (c + i) % 5);
+                    match ledger.record(key.as_str(), counter.as_str(), 1).await {
+                        Recording::Unknown(ticket) => unknown.lock().unwrap().push(ticket),
+                        recording if recording.is_counted() => {
+                            acknowledged.lock().unwrap().insert(key);
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    folding.cancel();
+    let passes = folder.await.unwrap();
+    drop(faults);
+    // The lanes' folded numbers move past everything visible now; then the
+    // held inserts land, then the unknown ones are sent again.
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .unwrap();
+    let log = settled_log(&rig.proxy, &events).await;
+    let tickets = std::mem::take(&mut *unknown.lock().unwrap());
+    let resumed = tickets.len();
+    for ticket in tickets {
+        let key = ticket.event().key().to_owned();
+        let recording = ledger.record_again(ticket).await.expect("in the horizon");
+        assert!(recording.is_counted(), "seed {seed}: {recording:?}");
+        acknowledged.lock().unwrap().insert(key);
+    }
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .unwrap();
+    let stored: Vec<mongodb::bson::Document> = {
+        use futures::TryStreamExt;
+        rig.direct
+            .collection(&events)
+            .find(doc! {})
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap()
+    };
+    let stored_keys: BTreeSet<String> = stored
+        .iter()
+        .map(|d| d.get_str("_id").unwrap().to_owned())
+        .collect();
+    let landed = landed_events(&log);
+    assert!(
+        landed.is_subset(&stored_keys),
+        "seed {seed}: an insert that landed is not stored"
+    );
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    assert_eq!(acknowledged.len(), 400, "seed {seed}: every event settled");
+    assert!(
+        acknowledged.is_subset(&stored_keys),
+        "seed {seed}: acknowledged, not stored"
+    );
+    let mut per_counter: BTreeMap<String, i64> = BTreeMap::new();
+    for event in &stored {
+        *per_counter
+            .entry(event.get_str("k").unwrap().to_owned())
+            .or_default() += 1;
+    }
+    for (key, n) in &per_counter {
+        assert_eq!(
+            counter(&rig.direct.collection(name), key.as_str()).await,
+            *n,
+            "seed {seed}: counter {key}: 0 lost, 0 doubled ({passes} passes during the run, \
+             {resumed} unknown recordings resumed at the end)"
+        );
+    }
+    let backlog = fold.backlog(SystemTime::now()).await.unwrap();
+    assert_eq!((backlog.events, backlog.held.len()), (0, 0), "seed {seed}");
+    let held = log
+        .iter()
+        .filter(|e| matches!(e.action, Some(Action::HoldRequest(_))))
+        .count();
+    eprintln!(
+        "seed {seed}: {} events stored, {resumed} resumed at the end, {held} inserts held, \
+         {passes} passes",
+        stored.len()
+    );
+    assert!(resumed >= 1 && held >= 1, "seed {seed}: too few faults");
 }

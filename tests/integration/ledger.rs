@@ -1,44 +1,54 @@
-//! The events ledger (DESIGN §8) against a real server: an event recorded
+//! The events ledger against a real server: an event recorded
 //! twice is counted once, a reused key is a conflict, a lost reply is told
-//! apart from a duplicate by the recording's token, the fold puts every
-//! recorded event into its counter once — whatever step it crashes after —
-//! and exact reads stay exact while it folds.
+//! apart from a duplicate by the lane and number it was sent with, one
+//! handle's concurrent callers share inserts, the fold puts every recorded
+//! event into its counter once — whatever step it crashes after — without
+//! ever writing an event, and exact reads stay exact while it folds.
 //!
 //! The oracle is the set of distinct event keys the test recorded (each
-//! with its amount), never what the code under test reports.
+//! with its amount) and what is stored, never what the code under test
+//! reports.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{Bson, doc, oid::ObjectId};
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc};
 use proptest::prelude::*;
 use tally::{CollectionConfig, Error, EventFold, EventFoldSettings, Ledger, Recording, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::proxy::{Action, Proxy, Release, Rule, upstream_of};
-use crate::common::{FailPoint, TestContext, counter, field};
-
-const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+use crate::common::{FailPoint, TestContext, counter};
 
 pub(crate) async fn ledger_on(store: &Store, name: &str) -> Ledger {
     let ledger = Ledger::new(store, CollectionConfig::new(name));
     ledger
-        .create_indexes(RETENTION)
+        .create_indexes()
         .await
         .expect("create the ledger's indexes");
     ledger
 }
 
-pub(crate) fn fold_of(store: &Store, name: &str, batch_size: u32) -> EventFold {
+/// A proxy to the test server, and a ledger of `views` (its indexes made
+/// directly) that reaches the server through it.
+pub(crate) async fn ledger_through_proxy(ctx: &TestContext) -> (Proxy, Ledger) {
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let spec = ledger_on(&ctx.client(false).await.store(), "views")
+        .await
+        .spec()
+        .clone();
+    (proxy, Ledger::new(&through.store(), spec))
+}
+
+pub(crate) fn fold_of(store: &Store, name: &str) -> EventFold {
     EventFold::new(
         store,
         CollectionConfig::new(name),
-        EventFoldSettings {
-            batch_size,
-            ..EventFoldSettings::default()
-        },
+        EventFoldSettings::default(),
     )
 }
 
@@ -53,16 +63,29 @@ pub(crate) async fn record_spread(ledger: &Ledger, events: usize, counters: usiz
     }
 }
 
-async fn fold_all(fold: &EventFold) -> tally::EventsRun {
+pub(crate) async fn fold_all(fold: &EventFold) -> tally::EventsRun {
     fold.fold(SystemTime::now(), &CancellationToken::new())
         .await
         .expect("fold")
 }
 
-async fn unfolded(store: &Store, events: &str) -> u64 {
+/// Events not in their counters yet (the fold's backlog).
+pub(crate) async fn unfolded(fold: &EventFold) -> u64 {
+    fold.backlog(SystemTime::now())
+        .await
+        .expect("backlog")
+        .events
+}
+
+/// Every document of `collection`, by `_id`.
+pub(crate) async fn documents(store: &Store, collection: &str) -> Vec<Document> {
     store
-        .collection(events)
-        .count_documents(doc! { "f": { "$exists": false } })
+        .collection(collection)
+        .find(doc! {})
+        .sort(doc! { "_id": 1 })
+        .await
+        .unwrap()
+        .try_collect()
         .await
         .unwrap()
 }
@@ -95,19 +118,18 @@ async fn an_event_recorded_twice_is_a_duplicate_and_a_reused_key_a_conflict() {
     let stored = events.find_one(doc! {}).await.unwrap().unwrap();
     assert_eq!(stored.get_str("k").unwrap(), "home");
     assert_eq!(stored.get_i64("n").unwrap(), 2);
+    assert!(stored.get_object_id("L").is_ok(), "{stored}");
+    assert!(stored.get_i64("s").is_ok(), "{stored}");
     assert_eq!(ledger.value("home").await.unwrap().value, 2);
 }
 
 /// The insert landed and its reply was lost; the retry collides with it:
-/// the stored token is the recording's own, so it is recorded — not a
-/// duplicate, which would tell the caller someone else recorded it.
+/// the stored lane and number are the recording's own, so it is recorded —
+/// not a duplicate, which would tell the caller someone else recorded it.
 #[tokio::test]
 async fn a_lost_reply_is_recorded_not_duplicate_and_an_unknown_is_settled_by_recording_again() {
     let ctx = TestContext::new("ledger_lost_reply").await;
-    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
-    let through = ctx.client_through(&proxy, false).await;
-    let ledger = ledger_on(&ctx.client(false).await.store(), "views").await;
-    let ledger = Ledger::new(&through.store(), ledger.spec().clone());
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
     let recording = {
         let _lost = proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply));
         ledger.record("evt_1", "home", 1).await
@@ -115,7 +137,8 @@ async fn a_lost_reply_is_recorded_not_duplicate_and_an_unknown_is_settled_by_rec
     assert_outcome(&recording, "recorded");
     assert_eq!(proxy.requests("insert").len(), 2, "sent, then retried once");
 
-    // Both attempts lost: unknown. Recording the ticket again settles it.
+    // Both attempts lost: unknown. Recording the ticket again — on a fresh
+    // lane, with a fresh number — finds its first attempt: recorded.
     proxy.clear_log();
     let recording = {
         let _lost = [
@@ -128,9 +151,42 @@ async fn a_lost_reply_is_recorded_not_duplicate_and_an_unknown_is_settled_by_rec
         panic!("expected unknown, got {recording:?}");
     };
     for _ in 0..2 {
-        assert_outcome(&ledger.record_again(ticket.clone()).await, "recorded");
+        let again = ledger.record_again(ticket.clone()).await.expect("in time");
+        assert_outcome(&again, "recorded");
     }
+    // Another handle (another process) settles it the same way.
+    let other = Ledger::new(&ctx.client(false).await.store(), ledger.spec().clone());
+    assert_outcome(&other.record_again(ticket).await.unwrap(), "recorded");
     assert_eq!(ledger.value("home").await.unwrap().value, 2);
+}
+
+/// A ticket whose first attempt is older than the retry horizon is never
+/// sent again: its event may have been folded and forgotten.
+#[tokio::test]
+async fn an_unknown_past_the_retry_horizon_is_refused_and_nothing_is_sent() {
+    let ctx = TestContext::new("ledger_horizon").await;
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
+    let ledger = ledger.with_retry_horizon(Duration::from_secs(2));
+    let recording = {
+        let _lost = proxy.rule(Rule::command("insert").then(Action::CloseBeforeForwarding));
+        ledger.record("evt_1", "home", 1).await
+    };
+    let Recording::Unknown(ticket) = recording else {
+        panic!("expected unknown, got {recording:?}");
+    };
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    proxy.clear_log();
+    match ledger.record_again(ticket).await {
+        Err(err @ Error::EventRetryHorizonExceeded { .. }) => {
+            let said = err.to_string();
+            assert!(
+                said.contains("evt_1") && said.contains("at most once"),
+                "{said}"
+            );
+        }
+        other => panic!("expected the horizon's refusal, got {other:?}"),
+    }
+    assert!(proxy.requests("insert").is_empty(), "nothing was sent");
 }
 
 #[tokio::test]
@@ -153,8 +209,10 @@ async fn a_command_error_is_not_recorded() {
     assert_outcome(&ledger.record("evt_1", "home", 1).await, "recorded");
 }
 
+/// One ordered insert stops at the first key recorded before; the keys
+/// after it are read in one `find`, and only the new ones sent again.
 #[tokio::test]
-async fn record_many_gives_each_event_its_outcome_in_one_round_trip() {
+async fn record_many_gives_each_event_its_outcome_in_few_round_trips() {
     let ctx = TestContext::new("ledger_record_many").await;
     let client = ctx.client(false).await;
     let ledger = ledger_on(&client.store(), "views").await;
@@ -185,24 +243,33 @@ async fn record_many_gives_each_event_its_outcome_in_one_round_trip() {
             "recorded"
         ]
     );
-    assert_eq!(client.events.count("insert"), 1, "one insert command");
+    assert_eq!(
+        client.events.count("insert"),
+        2,
+        "stopped once, sent again once"
+    );
+    assert_eq!(client.events.count("find"), 1, "the rest read at once");
     assert_eq!(client.events.count("bulkWrite"), 0);
     assert_eq!(ledger.value("a").await.unwrap().value, 4);
     assert_eq!(ledger.value("b").await.unwrap().value, 5);
+    // Recorded again as a whole (a backfill run twice): two round trips.
+    client.events.clear();
+    let again = ledger
+        .record_many([("e1", "a", 1), ("seen", "a", 1), ("e2", "b", 5)])
+        .await;
+    assert!(again.iter().all(|r| r.name() == "duplicate"), "{again:?}");
+    assert_eq!(
+        (client.events.count("insert"), client.events.count("find")),
+        (1, 1)
+    );
 }
 
 /// The whole insert's reply is lost: the retry collides on every event,
-/// each with this call's own token: all recorded, none duplicate.
+/// each with its own lane and number: all recorded, none duplicate.
 #[tokio::test]
 async fn record_many_with_a_lost_reply_is_recorded_once() {
     let ctx = TestContext::new("ledger_record_many_lost").await;
-    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
-    let through = ctx.client_through(&proxy, false).await;
-    let spec = ledger_on(&ctx.client(false).await.store(), "views")
-        .await
-        .spec()
-        .clone();
-    let ledger = Ledger::new(&through.store(), spec);
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
     let events: Vec<(String, &str, i64)> = (0..50).map(|i| (format!("e{i}"), "a", 1)).collect();
     let outcomes = {
         let _lost = proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply));
@@ -215,8 +282,45 @@ async fn record_many_with_a_lost_reply_is_recorded_once() {
     assert_eq!(ledger.value("a").await.unwrap().value, 50);
 }
 
+/// 16 callers recording at once on one handle: one insert in flight, the
+/// others' events wait and go out together — far fewer inserts than
+/// events, every event numbered apart.
 #[tokio::test]
-async fn the_fold_puts_every_event_in_its_counter_once_and_marks_it_folded() {
+async fn concurrent_callers_on_one_handle_share_inserts_each_event_its_own_number() {
+    let ctx = TestContext::new("ledger_group_commit").await;
+    let client = ctx.client(false).await;
+    let ledger = ledger_on(&client.store(), "views").await;
+    client.events.clear();
+    let callers: Vec<_> = (0..16)
+        .map(|c| {
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                for i in 0..20 {
+                    let recording = ledger.record(format!("c{c}e{i}"), "hot", 1).await;
+                    assert_outcome(&recording, "recorded");
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let inserts = client.events.count("insert");
+    assert!(inserts <= 160, "{inserts} inserts for 320 events");
+    let stored = documents(&client.store(), "views_events").await;
+    assert_eq!(stored.len(), 320);
+    let mut numbers: Vec<i64> = stored.iter().map(|d| d.get_i64("s").unwrap()).collect();
+    numbers.sort_unstable();
+    numbers.dedup();
+    assert_eq!(numbers.len(), 320, "every event its own number");
+    fold_all(&fold_of(&client.store(), "views")).await;
+    assert_eq!(counter(&client.collection("views"), "hot").await, 320);
+}
+
+/// The fold puts every event in its counter once, in one pass, and never
+/// writes an event: the events collection is the same before and after.
+#[tokio::test]
+async fn the_fold_puts_every_event_in_its_counter_once_and_never_writes_an_event() {
     let ctx = TestContext::new("ledger_fold").await;
     let client = ctx.client(false).await;
     let store = client.store();
@@ -235,17 +339,35 @@ async fn the_fold_puts_every_event_in_its_counter_once_and_marks_it_folded() {
             .iter()
             .all(Recording::is_counted)
     );
-    let fold = fold_of(&store, "views", 64);
+    let before = documents(&store, "views_events").await;
+    let fold = fold_of(&store, "views");
+    client.events.clear();
     let run = fold_all(&fold).await;
-    assert_eq!(run.events_folded, 300);
-    assert_eq!(run.batches, 5);
+    assert_eq!(
+        (run.events_folded, run.counters_written),
+        (300, 7),
+        "{run:?}"
+    );
+    assert_eq!(run.backlog.events, 0);
+    assert_eq!(
+        documents(&store, "views_events").await,
+        before,
+        "no event written"
+    );
+    // Writes: the intent, the commit, one per counter.
+    let on_events = client
+        .events
+        .sent()
+        .iter()
+        .filter(|s| ["insert", "update", "delete"].contains(&s.name.as_str()))
+        .count();
+    assert_eq!(on_events, 2 + 7, "{:?}", client.events.sent());
     let views = client.collection("views");
     for (key, n) in &expected {
         assert_eq!(counter(&views, key.as_str()).await, *n, "counter {key}");
         let exact = ledger.value(key.as_str()).await.unwrap();
         assert_eq!((exact.value, exact.unfolded_events), (*n, 0));
     }
-    assert_eq!(unfolded(&store, "views_events").await, 0);
     // Folding again finds nothing; a repeat inside the window is a
     // duplicate and adds nothing.
     assert_eq!(fold_all(&fold).await.events_folded, 0);
@@ -261,7 +383,7 @@ async fn the_fold_refuses_a_ledger_without_its_indexes() {
     let store = client.store();
     let ledger = Ledger::new(&store, CollectionConfig::new("views"));
     assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
-    let fold = fold_of(&store, "views", 10);
+    let fold = fold_of(&store, "views");
     let refused = fold
         .fold(SystemTime::now(), &CancellationToken::new())
         .await;
@@ -271,77 +393,146 @@ async fn the_fold_refuses_a_ledger_without_its_indexes() {
             missing,
         }) => {
             assert_eq!(collection, "views_events");
-            assert_eq!(missing.len(), 3, "{missing:?}");
+            assert_eq!(missing.len(), 2, "{missing:?}");
         }
         other => panic!("expected IndexesMissing, got {other:?}"),
     }
-    assert_eq!(unfolded(&store, "views_events").await, 1, "nothing folded");
-    let done = ledger.create_indexes(RETENTION).await.unwrap();
+    assert_eq!(counter(&client.collection("views"), "a").await, 0);
+    let done = ledger.create_indexes().await.unwrap();
     assert!(done.iter().all(|l| l.ends_with("created")), "{done:?}");
-    let again = ledger.create_indexes(RETENTION).await.unwrap();
+    let again = ledger.create_indexes().await.unwrap();
     assert!(again.iter().all(|l| l.ends_with("present")), "{again:?}");
-    assert!(ledger.missing_indexes(RETENTION).await.unwrap().is_empty());
+    assert!(ledger.missing_indexes().await.unwrap().is_empty());
     assert_eq!(fold_all(&fold).await.events_folded, 1);
 }
 
-/// The step a crashed fold stops after.
+/// A counter the server refuses (a validator: at most 5) holds its sum;
+/// exact reads add it; the other counters fold on; once the counter takes
+/// it, it is applied once.
+#[tokio::test]
+async fn a_refused_counter_holds_its_sum_until_it_accepts_it() {
+    let ctx = TestContext::new("ledger_held").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let db = client.client.database(&ctx.db_name);
+    db.run_command(doc! {
+        "create": "views",
+        "validator": { "counter": { "$lte": 5 } },
+    })
+    .await
+    .unwrap();
+    let ledger = ledger_on(&store, "views").await;
+    let fold = fold_of(&store, "views");
+    for i in 0..4 {
+        assert_outcome(
+            &ledger.record(format!("big{i}"), "big", 2).await,
+            "recorded",
+        );
+    }
+    assert_outcome(&ledger.record("s1", "small", 1).await, "recorded");
+    let run = fold_all(&fold).await;
+    assert_eq!(run.backlog.held.len(), 1, "{run:?}");
+    let held = &run.backlog.held[0];
+    assert_eq!((held.key.as_str(), held.events), (Some("big"), 4));
+    assert!(
+        held.cause.contains("121") || held.cause.contains("alidation"),
+        "{}",
+        held.cause
+    );
+    assert_eq!(counter(&client.collection("views"), "small").await, 1);
+    assert_eq!(ledger.value("big").await.unwrap().value, 8);
+    // More events for it wait behind the held sum; merged, never sent
+    // out of order.
+    assert_outcome(&ledger.record("big4", "big", 2).await, "recorded");
+    let run = fold_all(&fold).await;
+    assert_eq!(run.backlog.held.len(), 1, "merged: {run:?}");
+    assert_eq!(run.backlog.held[0].amount, "10");
+    assert_eq!(ledger.value("big").await.unwrap().value, 10);
+    db.run_command(doc! { "collMod": "views", "validator": {} })
+        .await
+        .unwrap();
+    let run = fold_all(&fold).await;
+    assert!(run.backlog.held.is_empty(), "{run:?}");
+    assert_eq!(counter(&client.collection("views"), "big").await, 10);
+    assert_eq!(ledger.value("big").await.unwrap().value, 10);
+}
+
+/// Where a faulty pass stops: the first request of this kind fails, and
+/// every one after it (a crash).
 #[derive(Debug, Clone, Copy)]
-enum CrashAfter {
-    Claim,
-    Sum,
-    ApplySome,
-    Apply,
-    Mark,
+enum Crash {
+    /// Before the intent: the survey went through.
+    AfterSurvey,
+    /// After the intent, before the sums.
+    AfterIntent,
+    /// After some counters' updates.
+    AfterApplying(u64),
+    /// After every update, before the commit.
+    BeforeCommit,
+    /// The commit landed; its reply was lost.
+    CommitReplyLost,
+    /// No crash.
     Nothing,
 }
 
-fn crash_after() -> impl Strategy<Value = CrashAfter> {
+fn crash() -> impl Strategy<Value = Crash> {
     prop_oneof![
-        Just(CrashAfter::Claim),
-        Just(CrashAfter::Sum),
-        Just(CrashAfter::ApplySome),
-        Just(CrashAfter::Apply),
-        Just(CrashAfter::Mark),
-        Just(CrashAfter::Nothing),
+        Just(Crash::AfterSurvey),
+        Just(Crash::AfterIntent),
+        (0u64..3).prop_map(Crash::AfterApplying),
+        Just(Crash::BeforeCommit),
+        Just(Crash::CommitReplyLost),
+        Just(Crash::Nothing),
     ]
 }
 
-/// Runs one fold batch step by step and "crashes" (drops the fold, as a
-/// killed process would leave it) after `crash`.
-async fn fold_until(fold: EventFold, crash: CrashAfter) {
-    let Some(batch) = fold.claim().await.unwrap() else {
-        return;
-    };
-    if let CrashAfter::Claim = crash {
-        return;
+impl Crash {
+    /// The rule that makes the pass on `name` crash there.
+    fn rule(self, name: &str) -> Option<crate::common::proxy::Rule> {
+        let events = format!("{name}_events");
+        let state = format!("{name}_events_fold");
+        let close = Action::CloseBeforeForwarding;
+        Some(match self {
+            Crash::AfterSurvey => Rule::any()
+                .collection(&state)
+                .mentions("intent")
+                .then(close),
+            // The survey is the first aggregate of the pass (one lane).
+            Crash::AfterIntent => Rule::command("aggregate")
+                .collection(&events)
+                .after(1)
+                .then(close),
+            Crash::AfterApplying(n) => Rule::command("update")
+                .collection(name)
+                .after(n)
+                .then(close),
+            Crash::BeforeCommit => Rule::command("update")
+                .collection(&state)
+                .mentions("$unset")
+                .then(close),
+            Crash::CommitReplyLost => Rule::command("update")
+                .collection(&state)
+                .mentions("$unset")
+                .nth(1)
+                .then(Action::DropReply),
+            Crash::Nothing => return None,
+        })
     }
-    let sums = fold.sum(&batch).await.unwrap();
-    if let CrashAfter::Sum = crash {
-        return;
-    }
-    let half = if let CrashAfter::ApplySome = crash {
-        &sums[..sums.len() / 2]
-    } else {
-        &sums[..]
-    };
-    fold.apply(&batch, half, false).await.unwrap();
-    if let CrashAfter::ApplySome | CrashAfter::Apply = crash {
-        return;
-    }
-    fold.mark(&batch, SystemTime::now()).await.unwrap();
 }
 
 /// The model: every distinct event recorded, in its counter once. A round
-/// records events (some repeated), then a fold "process" runs one batch
-/// and crashes after a chosen step; the next process recovers first. The
-/// counters always read exactly (through `value`), and after a final fold
-/// equal the model with nothing left unfolded.
+/// records events (some repeated), then a fold pass crashes at a chosen
+/// step; the same fold's next pass resumes what it left. The counters
+/// always read exactly (through `value`), and after a final fold equal the
+/// model with nothing left unfolded and no pass in progress.
 #[test]
-fn the_folds_step_machine_matches_the_model_whatever_step_it_crashes_after() {
+fn the_fold_matches_the_model_whatever_step_it_crashes_after() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let ctx = runtime.block_on(TestContext::new("ledger_fold_model"));
     let client = runtime.block_on(ctx.client(false));
     let store = client.store();
+    let proxy = runtime.block_on(async { Proxy::start(&upstream_of(&ctx.uri).await).await });
+    let through = runtime.block_on(ctx.client_through(&proxy, false)).store();
     let case = Arc::new(AtomicI64::new(0));
     let config = ProptestConfig {
         cases: 12,
@@ -349,12 +540,13 @@ fn the_folds_step_machine_matches_the_model_whatever_step_it_crashes_after() {
         ..ProptestConfig::default()
     };
     proptest!(config, |(rounds in proptest::collection::vec(
-        (proptest::collection::vec((0u32..40, 0usize..4, 1i64..4), 1..25), crash_after()),
+        (proptest::collection::vec((0u32..40, 0usize..4, 1i64..4), 1..25), crash()),
         1..6,
     ))| {
         let name = format!("m{}", case.fetch_add(1, Ordering::Relaxed));
         runtime.block_on(async {
             let ledger = ledger_on(&store, &name).await;
+            let fold = fold_of(&through, &name);
             let mut model: BTreeMap<String, i64> = BTreeMap::new();
             let mut seen: BTreeMap<u32, (String, i64)> = BTreeMap::new();
             for (events, crash) in rounds {
@@ -368,87 +560,109 @@ fn the_folds_step_machine_matches_the_model_whatever_step_it_crashes_after() {
                         *model.entry(key).or_default() += n;
                     }
                 }
-                fold_until(fold_of(&store, &name, 7), crash).await;
+                let guard = crash.rule(&name).map(|rule| proxy.rule(rule));
+                let _ = fold.fold(SystemTime::now(), &CancellationToken::new()).await;
+                drop(guard);
                 for (key, n) in &model {
                     prop_assert_eq!(ledger.value(key.as_str()).await.unwrap().value, *n);
                 }
             }
-            // A new process: recovery, then everything else.
-            fold_all(&fold_of(&store, &name, 7)).await;
+            fold_all(&fold).await;
             let coll = client.collection(&name);
             for (key, n) in &model {
                 prop_assert_eq!(counter(&coll, key.as_str()).await, *n, "counter {}", key);
             }
-            prop_assert_eq!(unfolded(&store, &format!("{name}_events")).await, 0);
+            prop_assert_eq!(unfolded(&fold).await, 0);
+            let state = documents(&store, &format!("{name}_events_fold")).await;
+            prop_assert!(state.iter().all(|d| !d.contains_key("intent")), "{:?}", state);
             Ok(())
         })?;
     });
 }
 
-/// A daemon crashed with a claimed batch applied to its counter but not
-/// marked, and stayed down past `lane_ttl`. The next reconcile run must
-/// finish the batch before any prune can remove the fold lane's entry — a
-/// batch re-applied after its entry was pruned would count twice.
+/// A fold stops mid-pass (a killed daemon) with its counters half updated;
+/// another process's fold takes the pass over once its lease (plus one
+/// attempt) has run out, and applies it exactly: the updated counters
+/// ignore it, the others get it.
 #[tokio::test]
-async fn a_batch_left_by_a_crash_is_finished_before_its_lane_could_be_pruned() {
-    let ctx = TestContext::new("ledger_recover_before_prune").await;
+async fn another_fold_takes_a_stopped_pass_over_after_its_lease_and_applies_it_once() {
+    let ctx = TestContext::new("ledger_take_over").await;
     let client = ctx.client(false).await;
     let store = client.store();
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let selection = "serverSelectionTimeoutMS=1000";
+    let through = ctx
+        .client_through_with(&proxy, false, selection)
+        .await
+        .store()
+        .with_attempt_timeout(Duration::from_secs(2));
     let ledger = ledger_on(&store, "views").await;
-    assert_outcome(&ledger.record("e1", "a", 5).await, "recorded");
-    // What the crashed fold left: a lane minted 25 hours ago, its batch
-    // applied to the counter, the event claimed and not marked.
-    let day_ago = SystemTime::now() - Duration::from_secs(25 * 3600);
-    let lane = ObjectId::from_parts(
-        day_ago
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap()
-            .as_secs() as u32,
-        [1; 5],
-        [0; 3],
-    );
-    let batch = ObjectId::new();
-    let events = client.collection("views_events");
-    events
-        .update_one(
-            doc! { "_id": "e1" },
-            doc! { "$set": { "c": { "b": batch, "l": lane.to_hex(), "s": 1i64 } } },
-        )
-        .await
-        .unwrap();
-    client
-        .collection("views")
-        .insert_one(doc! { "_id": "a", "counter": 5i64, "lanes": { lane.to_hex(): 1i64 } })
-        .await
-        .unwrap();
-    assert_eq!(ledger.value("a").await.unwrap().value, 5, "exact meanwhile");
-
-    let target = tally::FoldTarget {
-        spec: CollectionConfig::new("views").with_events_collection("views_events"),
-        grace: Duration::from_secs(900),
-        batch_size: 100,
+    record_spread(&ledger, 60, 6).await;
+    let settings = EventFoldSettings {
+        lease: Duration::from_secs(1),
+        ..EventFoldSettings::default()
     };
-    let run = crate::common::run_reconcile(&store, &target, tally::Mode::Fold).await;
-    assert!(run.error.is_none(), "{run:?}");
-    assert_eq!(
-        run.events_folded, 1,
-        "the reconcile run folds the ledger first"
-    );
-    assert_eq!(counter(&client.collection("views"), "a").await, 5);
-    assert_eq!(unfolded(&store, "views_events").await, 0);
-    assert_eq!(ledger.value("a").await.unwrap().value, 5);
-    // The run did prune the fold lane's entry — after the batch was
-    // finished, so the counter is still exact.
-    assert_eq!(
-        run.lanes_pruned, 1,
-        "the expired fold lane's entry is pruned in the same run"
-    );
-    assert_eq!(field(&client.collection("views"), "a", "lanes").await, None);
+    let first = EventFold::new(&through, CollectionConfig::new("views"), settings.clone());
+    {
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views")
+                .after(3)
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(fold_all_err(&first).await, "the pass stops part-way");
+    }
+    let views = client.collection("views");
+    let mut updated = 0;
+    for c in 0..6 {
+        let key = format!("c{c}");
+        updated += i64::from(counter(&views, key.as_str()).await == 10);
+        assert_eq!(
+            ledger.value(key).await.unwrap().value,
+            10,
+            "exact meanwhile"
+        );
+    }
+    assert_eq!(updated, 3, "three updates went through before the crash");
+    let other = ctx
+        .client_with_uri_options(selection, false)
+        .await
+        .store()
+        .with_attempt_timeout(Duration::from_secs(2));
+    let second = EventFold::new(&other, CollectionConfig::new("views"), settings);
+    let run = second
+        .fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(run.busy, "the lease has not run out yet: {run:?}");
+    crate::common::wait_until(
+        "the pass is taken over",
+        Duration::from_secs(30),
+        || async {
+            let run = second
+                .fold(SystemTime::now(), &CancellationToken::new())
+                .await
+                .unwrap();
+            run.recovered && run.pass == Some(1)
+        },
+    )
+    .await;
+    for c in 0..6 {
+        let key = format!("c{c}");
+        assert_eq!(counter(&views, key.as_str()).await, 10, "{key}: once");
+    }
+    assert_eq!(unfolded(&second).await, 0);
 }
 
-/// Exact reads while the fold runs batch after batch: every read is at
-/// least what was acknowledged before it started and at most what was
-/// attempted by the time it returned.
+async fn fold_all_err(fold: &EventFold) -> bool {
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .is_err()
+}
+
+/// Exact reads while the fold runs pass after pass: every read is at least
+/// what was acknowledged before it started and at most what was attempted
+/// by the time it returned.
 #[tokio::test]
 async fn exact_reads_stay_exact_while_the_fold_runs() {
     let ctx = TestContext::new("ledger_exact_reads").await;
@@ -483,10 +697,14 @@ async fn exact_reads_stay_exact_while_the_fold_runs() {
     let folder = {
         let (store, done) = (store.clone(), done.clone());
         tokio::spawn(async move {
-            let fold = fold_of(&store, "views", 13);
+            let fold = fold_of(&store, "views");
+            let mut passes = 0;
             while !done.is_cancelled() {
-                fold_all(&fold).await;
+                if fold_all(&fold).await.pass.is_some() {
+                    passes += 1;
+                }
             }
+            passes
         })
     };
     let mut reads = 0;
@@ -501,141 +719,63 @@ async fn exact_reads_stay_exact_while_the_fold_runs() {
         reads += 1;
     }
     recorder.await.unwrap();
-    folder.await.unwrap();
-    fold_all(&fold_of(&store, "views", 100)).await;
-    assert!(reads > 20, "only {reads} reads");
+    let passes = folder.await.unwrap();
+    fold_all(&fold_of(&store, "views")).await;
+    assert!(
+        reads > 20 && passes > 5,
+        "only {reads} reads and {passes} passes"
+    );
     assert_eq!(counter(&client.collection("views"), "hot").await, 400);
     assert_eq!(ledger.value("hot").await.unwrap().value, 400);
 }
 
-/// A claim held up in the network past `claim_timeout`, landing after its
-/// batch was recovered. The fold's claim (an `updateMany`) is not atomic
-/// across events on MongoDB: an attempt interrupted part-way (a step-down)
-/// claims some of the ids, and the rest can be claimed by a copy that
-/// arrives later. Recovery must fix the batch's events before it sums them:
-/// an event joining the batch after the batch was applied would be marked
-/// folded by a no-op apply, and never counted.
+/// An insert held up in the network (its attempts fail, the caller is told
+/// unknown) lands after the recorder went on — on a fresh lane — and after
+/// those later events were folded. Its lane was retired, so nothing was
+/// numbered after it there: the fold still finds it above its lane's folded
+/// number and counts it once; the ticket sent again says recorded.
 #[tokio::test]
-async fn a_claim_landing_after_its_batch_was_recovered_loses_no_event() {
-    let ctx = TestContext::new("ledger_held_claim").await;
+async fn an_insert_held_in_the_network_lands_after_later_events_were_folded_and_counts_once() {
+    let ctx = TestContext::new("ledger_held_insert").await;
     let direct = ctx.client(false).await;
     let store = direct.store();
     let ledger = ledger_on(&store, "views").await;
-    assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
-    assert_outcome(&ledger.record("e2", "a", 1).await, "recorded");
-
     let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let through = ctx.client_through(&proxy, false).await;
-    let held = proxy.rule(
-        Rule::command("update")
-            .collection("views_events")
-            .then(Action::HoldRequest(Release::WhenReleased)),
-    );
-    let first = fold_of(&through.store(), "views", 10);
-    let failed = first
-        .fold(SystemTime::now(), &CancellationToken::new())
-        .await;
-    assert!(failed.is_err(), "every claim attempt is held: {failed:?}");
-    let claims = proxy.requests("update");
-    assert!(!claims.is_empty());
-    let claim = claims[0].body.get_array("updates").unwrap()[0]
-        .as_document()
-        .unwrap()
-        .get_document("u")
-        .unwrap()
-        .get_document("$set")
-        .unwrap()
-        .get_document("c")
-        .unwrap()
-        .clone();
-    // The part of an interrupted attempt that executed: e1 alone.
-    direct
-        .collection("views_events")
-        .update_one(doc! { "_id": "e1" }, doc! { "$set": { "c": claim } })
-        .await
-        .unwrap();
-    assert_eq!(ledger.value("a").await.unwrap().value, 2);
-
-    // Another process, past the claim timeout: recovers the batch.
-    let recovery = EventFold::new(
-        &store,
-        CollectionConfig::new("views"),
-        EventFoldSettings {
-            claim_timeout: Duration::ZERO,
-            ..EventFoldSettings::default()
-        },
-    );
-    recovery.recover(SystemTime::now()).await.expect("recover");
-    // The held claims land now.
-    drop(held);
+    let recorder = Ledger::new(&through.store(), ledger.spec().clone());
+    assert_outcome(&recorder.record("e0", "a", 1).await, "recorded");
+    let unknown = {
+        let _held = [
+            proxy.rule(
+                Rule::command("insert")
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            proxy.rule(
+                Rule::command("insert")
+                    .nth(2)
+                    .then(Action::CloseBeforeForwarding),
+            ),
+        ];
+        recorder.record("e1", "a", 10).await
+    };
+    let Recording::Unknown(ticket) = unknown else {
+        panic!("expected unknown, got {unknown:?}");
+    };
+    assert_outcome(&recorder.record("e2", "a", 100).await, "recorded");
+    let fold = fold_of(&store, "views");
+    fold_all(&fold).await;
+    assert_eq!(counter(&direct.collection("views"), "a").await, 101);
+    assert_eq!(ledger.value("a").await.unwrap().value, 101);
     let released = proxy.release_held().await;
-    assert!(!released.is_empty());
-    assert!(released.iter().all(|e| e.server_replied), "{released:?}");
-    fold_all(&recovery).await;
-    assert_eq!(unfolded(&store, "views_events").await, 0);
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
     assert_eq!(
-        counter(&direct.collection("views"), "a").await,
-        2,
-        "both events counted"
+        ledger.value("a").await.unwrap().value,
+        111,
+        "the late event counts"
     );
-    assert_eq!(ledger.value("a").await.unwrap().value, 2);
-}
-
-/// A claim is sent in chunks of 100 ids (a server may match a long `$in`
-/// in quadratic time). One chunk refused after another landed fails the
-/// pass with the batch claimed in part; the next pass recovers it from its
-/// intent, claiming the rest itself: every event counted once.
-#[tokio::test]
-async fn a_claim_refused_after_its_first_chunk_is_finished_by_recovery_exactly() {
-    let ctx = TestContext::new("ledger_claim_chunks").await;
-    let client = ctx.client(false).await;
-    let store = client.store();
-    let ledger = ledger_on(&store, "views").await;
-    record_spread(&ledger, 250, 3).await;
-    let fold = fold_of(&store, "views", 5000);
-    {
-        // The fold's first update is the claim's first chunk; the second
-        // chunk is refused (a command error: not retried).
-        let _refused = FailPoint::set(
-            &ctx,
-            Bson::Document(doc! { "skip": 1, "times": 1 }),
-            doc! { "failCommands": ["update"], "errorCode": 2 },
-        )
-        .await;
-        let failed = fold
-            .fold(SystemTime::now(), &CancellationToken::new())
-            .await;
-        assert!(
-            failed.is_err(),
-            "the claim's second chunk was refused: {failed:?}"
-        );
-    }
-    let claimed = client
-        .collection("views_events")
-        .count_documents(doc! { "c": { "$exists": true } })
-        .await
-        .unwrap();
-    assert_eq!(claimed, 100, "the first chunk alone landed");
-    for c in 0..3 {
-        let n = if c == 0 { 84 } else { 83 };
-        assert_eq!(ledger.value(format!("c{c}")).await.unwrap().value, n);
-    }
-    let run = fold_all(&fold).await;
-    assert_eq!(run.recovered, 1, "{run:?}");
-    assert_eq!(run.events_folded, 250, "{run:?}");
-    assert_eq!(unfolded(&store, "views_events").await, 0);
-    let intents = client
-        .collection("views_events_batches")
-        .count_documents(doc! {})
-        .await
-        .unwrap();
-    assert_eq!(intents, 0, "no intent left");
-    for c in 0..3 {
-        let n = if c == 0 { 84 } else { 83 };
-        assert_eq!(
-            counter(&client.collection("views"), format!("c{c}").as_str()).await,
-            n,
-            "c{c}: 0 lost, 0 doubled"
-        );
-    }
+    assert_outcome(&recorder.record_again(ticket).await.unwrap(), "recorded");
+    fold_all(&fold).await;
+    assert_eq!(counter(&direct.collection("views"), "a").await, 111);
+    assert_eq!(unfolded(&fold).await, 0);
 }

@@ -1,11 +1,20 @@
 //! The events ledger's soak: 8 recorder processes, about 20% of their
 //! events sent twice — at once by the same process, by another process,
 //! and by the same process 3–6 s later (15–30 `fold_delay`s: many fold
-//! cycles) — while the daemon folds continuously and is killed with -9 20
-//! times at random moments (half of them as soon as a batch is between its
-//! claim and its mark), and two recorder processes are killed with -9 with
-//! an event in flight (just before or just after it is sent) and started
-//! again.
+//! cycles) — while the daemon folds continuously and is killed with -9
+//! again and again at random moments (half of them as soon as a pass is
+//! between its intent and its commit, which the next daemon takes over
+//! once its lease has run out), and two recorder processes are killed with
+//! -9 with an event in flight (just before or just after it is sent) and
+//! started again.
+//!
+//! Its length is a setting: `TALLY_LEDGER_SOAK_KILLS` daemon kills (6 by
+//! default, a minute or so), `TALLY_LEDGER_SOAK_EVENTS` events per
+//! recorder (250). The issue's long form kills the daemon 20 times:
+//!
+//! ```text
+//! TALLY_LEDGER_SOAK_KILLS=20 cargo test --test integration ledger_soak
+//! ```
 //!
 //! A recorder is this test binary run again with [`ROLE`] set: its
 //! [`recorder_process_of_the_ledger_soak`] records its share of the plan,
@@ -41,12 +50,29 @@ use crate::ledger_daemon::config;
 use crate::soak::seed;
 
 const RECORDERS: usize = 8;
+/// Each recorder's own events by default (`TALLY_LEDGER_SOAK_EVENTS`).
+const DEFAULT_EVENTS: usize = 250;
+/// The settings of the soak's length (inherited by the recorders).
+const EVENTS_VAR: &str = "TALLY_LEDGER_SOAK_EVENTS";
+const KILLS_VAR: &str = "TALLY_LEDGER_SOAK_KILLS";
+
+/// A length setting: the variable `name`, else `default`.
+fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Each recorder's own events.
-const EVENTS: usize = 250;
+fn events_each() -> usize {
+    setting(EVENTS_VAR, DEFAULT_EVENTS)
+}
 const COUNTERS: usize = 5;
 /// Recorder processes killed with -9 (and started again) during the run.
 const RECORDERS_KILLED: usize = 2;
-const DAEMON_KILLS: usize = 20;
+/// Daemon kills by default (`TALLY_LEDGER_SOAK_KILLS`).
+const DAEMON_KILLS: usize = 6;
 const DEFAULT_SEED: u64 = 20_251_123;
 
 /// Set (to the recorder's number) in a recorder process's environment.
@@ -80,7 +106,7 @@ enum Repeat {
 /// Recorder `r`'s event `i`: its key, its counter and what else happens —
 /// the same in every process.
 fn plan(seed: u64, r: usize, i: usize) -> (String, String, Repeat) {
-    let event = (r * EVENTS + i + 1) as u64;
+    let event = (r * events_each() + i + 1) as u64;
     let mut rng = fastrand::Rng::with_seed(seed ^ event.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let counter = format!("c{}", rng.usize(..COUNTERS));
     let repeat = match rng.u32(..100) {
@@ -99,7 +125,7 @@ fn plan(seed: u64, r: usize, i: usize) -> (String, String, Repeat) {
 fn planned(seed: u64) -> BTreeMap<String, BTreeSet<String>> {
     let mut planned: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for r in 0..RECORDERS {
-        for i in 0..EVENTS {
+        for i in 0..events_each() {
             let (key, counter, _) = plan(seed, r, i);
             planned.entry(counter).or_default().insert(key);
         }
@@ -140,7 +166,7 @@ async fn recorder_process_of_the_ledger_soak() {
     {
         recorder.send(&key, &counter).await;
     }
-    for i in from..EVENTS {
+    for i in from..events_each() {
         let (key, counter, repeat) = plan(seed, r, i);
         recorder.send(&key, &counter).await;
         match repeat {
@@ -189,7 +215,10 @@ impl Recorder {
                 break;
             };
             tokio::time::sleep(Duration::from_millis(200)).await;
-            recording = self.ledger.record_again(ticket).await;
+            recording = match self.ledger.record_again(ticket).await {
+                Ok(recording) => recording,
+                Err(err) => panic!("{key}: refused to send again: {err}"),
+            };
         }
         println!("{MARK} ack {key} {counter} {}", recording.name());
     }
@@ -431,19 +460,26 @@ impl Start {
 /// which lies between the acknowledged and the attempted, equals the plan,
 /// and holds every acknowledged key: 0 lost, 0 doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_times() {
+async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_and_again() {
     let seed = seed("ledger soak", DEFAULT_SEED);
     let mut rng = fastrand::Rng::with_seed(seed);
     let began = Instant::now();
     let ctx = TestContext::new("ledger_soak").await;
     let admin = ctx.client(false).await;
     let ledger = Ledger::new(&admin.store(), CollectionConfig::new("views"));
-    ledger
-        .create_indexes(Duration::from_secs(3600))
-        .await
-        .unwrap();
+    ledger.create_indexes().await.unwrap();
+    // A pass left by a killed daemon is taken over once its lease and one
+    // attempt have passed: short ones, so the soak keeps folding.
     let daemon_config = config(&ctx, "");
-    let mut daemon = Tallyd::start(&daemon_config, &[("RUST_LOG", "info")]);
+    let daemon_env = [
+        ("RUST_LOG", "info"),
+        ("TALLYD__RECONCILE__FOLD_LEASE", "2s"),
+        ("TALLYD__MONGODB__SERVER_SELECTION_TIMEOUT", "2s"),
+        ("TALLYD__MONGODB__ATTEMPT_TIMEOUT", "3s"),
+    ];
+    let kills = setting(KILLS_VAR, DAEMON_KILLS);
+    let fold = crate::ledger::fold_of(&admin.store(), "views");
+    let mut daemon = Tallyd::start(&daemon_config, &daemon_env);
     let books = Arc::new(Mutex::new(Books::default()));
     let start = Start {
         uri: ctx.child_uri(false),
@@ -497,24 +533,26 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_tim
         })
     };
     let events = admin.collection("views_events");
+    let state = admin.collection("views_events_fold");
     let (mut kills_mid_batch, mut recoveries) = (0, 0);
-    for kill in 0..DAEMON_KILLS {
+    for kill in 0..kills {
         tokio::time::sleep(Duration::from_millis(rng.u64(800..3000))).await;
-        // Half the kills wait for a batch between its claim and its mark
-        // (the apply done or not): a moment that is rarely hit at random.
-        let mid_batch = rng.bool() && claimed_soon(&events).await;
+        // Half the kills wait for a pass between its intent and its commit
+        // (its counters updated or not): a moment rarely hit at random.
+        let mid_batch = rng.bool() && intent_soon(&state).await;
         daemon.kill();
         kills_mid_batch += u32::from(mid_batch);
-        recoveries += daemon
-            .log()
-            .matches("recovering an unfinished fold batch")
-            .count();
+        recoveries += daemon.log().matches("taking over a fold pass").count();
         eprintln!(
             "daemon kill {kill} at {:?}{}",
             began.elapsed(),
-            if mid_batch { ", a batch claimed" } else { "" }
+            if mid_batch {
+                ", a pass in progress"
+            } else {
+                ""
+            }
         );
-        daemon = Tallyd::start(&daemon_config, &[("RUST_LOG", "info")]);
+        daemon = Tallyd::start(&daemon_config, &daemon_env);
     }
     let mut in_flight_at_kills = Vec::new();
     for recorder in recorders {
@@ -547,13 +585,7 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_tim
     wait_until(
         "the daemon folded every event",
         Duration::from_secs(60),
-        || async {
-            events
-                .count_documents(doc! { "f": { "$exists": false } })
-                .await
-                .unwrap()
-                == 0
-        },
+        || async { crate::ledger::unfolded(&fold).await == 0 },
     )
     .await;
     let stored: Vec<Document> = events
@@ -604,7 +636,7 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_tim
     );
     assert_eq!(
         books.acknowledged.len(),
-        RECORDERS * EVENTS,
+        RECORDERS * events_each(),
         "seed {seed}: every event acknowledged"
     );
     recoveries += daemon
@@ -613,19 +645,19 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_20_tim
         .count();
     daemon.terminate();
     eprintln!(
-        "{kills_mid_batch} of {DAEMON_KILLS} daemon kills with a batch claimed, {recoveries} batches \
-         recovered; the soak took {:?}",
+        "{kills_mid_batch} of {kills} daemon kills with a pass in progress, {recoveries} passes \
+         taken over; the soak took {:?}",
         began.elapsed()
     );
 }
 
-/// Waits (up to 2 s) until some event is claimed and not yet folded;
-/// whether one was.
-async fn claimed_soon(events: &mongodb::Collection<Document>) -> bool {
+/// Waits (up to 2 s) until a fold pass is in progress (its intent is
+/// recorded); whether one was.
+async fn intent_soon(state: &mongodb::Collection<Document>) -> bool {
     let deadline = Instant::now() + Duration::from_secs(2);
-    let claimed = doc! { "c": { "$exists": true }, "f": { "$exists": false } };
+    let in_progress = doc! { "_id": "state", "intent": { "$exists": true } };
     while Instant::now() < deadline {
-        if let Ok(Some(_)) = events.find_one(claimed.clone()).await {
+        if let Ok(Some(_)) = state.find_one(in_progress.clone()).await {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;

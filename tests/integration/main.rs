@@ -19,6 +19,7 @@ mod lanes;
 mod layout;
 mod ledger;
 mod ledger_daemon;
+mod ledger_findings;
 mod ledger_prune;
 mod ledger_review;
 mod ledger_review2;

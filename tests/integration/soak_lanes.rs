@@ -39,7 +39,9 @@ const INCREMENTS: usize = 200;
 /// `tallyd incr --lane` processes, a few at a time.
 const PROCESSES: usize = 48;
 const AT_ONCE: usize = 3;
-/// Share of those processes killed with SIGKILL mid-flight.
+/// Share of those processes killed with SIGKILL mid-flight, 5 to 80 ms
+/// after they start: a `tallyd incr --lane` on an idle machine takes about
+/// 20 ms, so longer delays would let them all finish first.
 const KILL_SHARE: f64 = 0.35;
 const KEYS: usize = 20;
 /// Each of the three fault rules selects this share of the `update`s.
@@ -301,8 +303,7 @@ async fn incr_processes(config: &Path, keys: &[String], seed: u64) -> (Vec<LaneC
             .map(|i| {
                 let key = keys[(batch * AT_ONCE + i) * 3 % keys.len()].clone();
                 let by = rng.i64(1..=9);
-                let kill =
-                    (rng.f64() < KILL_SHARE).then(|| Duration::from_millis(rng.u64(20..=400)));
+                let kill = (rng.f64() < KILL_SHARE).then(|| Duration::from_millis(rng.u64(5..=80)));
                 let seed = rng.u64(..);
                 async move {
                     let by_text = by.to_string();

@@ -9,10 +9,9 @@ use mongodb::bson::{Bson, Document, doc};
 use super::{Check, Verdict, code, run_admin};
 use crate::config::Config;
 use crate::error::server_code;
-use crate::reconcile::ledger::intents_collection_name;
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
-use crate::write::ledger::Ledger;
+use crate::write::ledger::{Ledger, state};
 
 /// One check per configured collection: is there a sparse index on the
 /// fields the fold looks for?
@@ -55,14 +54,10 @@ pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check>
     {
         let events = spec.events_collection_name();
         let ledger = Ledger::new(store, spec.clone());
-        let (verdict, message) = match ledger
-            .missing_indexes(config.reconcile.event_retention)
-            .await
-        {
+        let (verdict, message) = match ledger.missing_indexes().await {
             Ok(missing) if missing.is_empty() => (
                 Verdict::Ok,
-                "the fold's indexes are there (fold state, counter, the dedupe window's TTL)"
-                    .to_owned(),
+                "the fold's indexes are there (by lane, and by counter and lane)".to_owned(),
             ),
             Ok(missing) => (
                 Verdict::Fail,
@@ -186,8 +181,7 @@ fn needed(config: &Config) -> Vec<Needed> {
     };
     for spec in &config.collections {
         let ledger = spec.events_collection.is_some();
-        let (name, events) = (spec.name.as_str(), spec.events_collection_name());
-        let intents = intents_collection_name(&events);
+        let name = spec.name.as_str();
         need(
             name,
             "find",
@@ -201,36 +195,30 @@ fn needed(config: &Config) -> Vec<Needed> {
                 "the monitor watches it; without it, stuck tokens are seen only at each scan",
             );
         }
-        if ledger {
-            need(
-                name,
-                "insert",
-                "the ledger's fold creates a counter on its first event",
-            );
+        if !ledger {
+            continue;
         }
-        let read = if ledger {
-            "the ledger's fold reads it, and so does each run before it prunes lanes"
-        } else {
-            "before pruning lanes, each run reads which fold lanes an unfinished ledger batch \
-             (another host's) still needs; without it, no lane is pruned (a grant on a \
-             collection that does not exist yet is fine)"
-        };
-        need(&events, "find", read);
-        need(&intents, "find", read);
-        if ledger {
-            need(
-                &events,
-                "update",
-                "the ledger's fold claims events and marks them folded",
-            );
-            need(
-                &events,
-                "changeStream",
-                "the ledger's fold watches it; without it, events are folded only at each scan",
-            );
-            let why = "the ledger's fold writes each batch's intent there and deletes it";
-            need(&intents, "insert", why);
-            need(&intents, "remove", why);
+        let events = spec.events_collection_name();
+        let fold_state = state::collection_name(&events);
+        need(
+            name,
+            "insert",
+            "the ledger's fold creates a counter on its first event",
+        );
+        need(&events, "find", "the ledger's fold sums its events");
+        need(
+            &events,
+            "remove",
+            "the ledger's fold deletes events folded and past the dedupe window",
+        );
+        need(
+            &events,
+            "changeStream",
+            "the ledger's fold watches it; without it, events are folded at each scan interval",
+        );
+        let why = "the ledger's fold keeps its state and the recorders' lanes there";
+        for action in ["find", "insert", "update", "remove"] {
+            need(&fold_state, action, why);
         }
     }
     let why = "the daemon keeps its last runs, stream positions and lease there";
@@ -401,9 +389,9 @@ mod tests {
             .collect()
     }
 
-    /// The README's smallest role: without a ledger, find on the events
-    /// collection and its batch intents (the prune reads them); with one,
-    /// what the fold does there too, and insert on the counters.
+    /// The README's smallest role: without a ledger, nothing on an events
+    /// collection; with one, what the fold does there and in its state,
+    /// and insert on the counters.
     #[test]
     fn the_ledgers_collections_are_in_the_role_a_configuration_needs() {
         let head = "[mongodb]\nuri = \"mongodb://h/\"\ndatabase = \"app\"\n";
@@ -412,8 +400,6 @@ mod tests {
             needed_of(&plain),
             [
                 "views: find update changeStream",
-                "views_events: find",
-                "views_events_batches: find",
                 "tally_state: find insert update remove",
             ]
         );
@@ -425,8 +411,8 @@ mod tests {
             needed_of(&ledger),
             [
                 "views: find update insert",
-                "log: find update changeStream",
-                "log_batches: find insert remove",
+                "log: find remove changeStream",
+                "log_fold: find insert update remove",
                 "tally_state: find insert update remove",
             ]
         );

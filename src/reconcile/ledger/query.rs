@@ -1,21 +1,25 @@
-//! The ledger's reads that are not steps of the fold: the backlog (for
-//! status, metrics and alerts) and the lanes unfinished claims still need
-//! (for a prune to keep), and the one way the fold runs an aggregation.
+//! The fold's reads of the events collection, each one index range of one
+//! lane on `{L: 1, s: 1}`: a lane's survey (its highest number above what
+//! was folded, with the backlog's count and oldest number) and a range's
+//! sums per counter.
+//!
+//! Reads that decide what a pass folds use read concern `majority`: the
+//! fold must never fold an event a failover could still roll back.
 
-use std::time::{Duration, SystemTime};
+use std::collections::HashMap;
 
 use futures::TryStreamExt;
 use mongodb::Collection;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::options::ReadConcern;
 
-use super::Backlog;
-use crate::document::integer_value;
+use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 use crate::write::ledger::field;
 
-/// Runs `pipeline` on `collection` (retried once on a transient failure)
-/// and collects its rows.
+/// Runs `pipeline` on `collection` at read concern `majority` (retried
+/// once on a transient failure) and collects its rows.
 pub(super) async fn aggregate_all(
     store: &Store,
     collection: &Collection<Document>,
@@ -24,7 +28,11 @@ pub(super) async fn aggregate_all(
 ) -> Result<Vec<Document>, Error> {
     let mut budget = RetryBudget::read_once(operation);
     let cursor = store
-        .with_retry(&mut budget, || collection.aggregate(pipeline.clone()))
+        .with_retry(&mut budget, || {
+            collection
+                .aggregate(pipeline.clone())
+                .read_concern(ReadConcern::majority())
+        })
         .await
         .map_err(Error::Server)?;
     cursor
@@ -33,62 +41,214 @@ pub(super) async fn aggregate_all(
         .map_err(|err| Error::Server(Failure::once(operation, err)))
 }
 
-/// The unfolded events of the events collection `events`: how many, and
-/// the oldest one's age at `now`.
-pub(crate) async fn backlog(
-    store: &Store,
-    events: &str,
-    now: SystemTime,
-) -> Result<Backlog, Error> {
-    let pipeline = vec![
-        doc! { "$match": { field::FOLDED: { "$exists": false } } },
-        doc! { "$group": {
-            "_id": Bson::Null,
-            "events": { "$sum": 1 },
-            "oldest": { "$min": format!("${}", field::AT) },
-        } },
-    ];
-    let rows = aggregate_all(store, &store.collection(events), pipeline, "ledger.backlog").await?;
-    let Some(row) = rows.into_iter().next() else {
-        return Ok(Backlog::default());
-    };
-    let oldest = row.get_datetime("oldest").ok().map(|at| {
-        now.duration_since(at.to_system_time())
-            .unwrap_or(Duration::ZERO)
-    });
-    Ok(Backlog {
-        events: row
-            .get("events")
-            .and_then(integer_value)
-            .and_then(|n| u64::try_from(n).ok())
-            .unwrap_or(0),
-        oldest_age: oldest,
-    })
+/// A lane's events above a number: how many, and the lowest and highest
+/// numbers among them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LaneSurvey {
+    pub(super) events: u64,
+    pub(super) lowest: i64,
+    pub(super) highest: i64,
 }
 
-/// The fold lanes unfinished claims (and intents) of the events collection
-/// `events` still need: a prune of counter lane entries must keep these, or a batch
-/// recovered later would count twice.
-pub async fn claimed_lanes(store: &Store, events: &str) -> Result<Vec<String>, Error> {
-    let coll = store.collection(events);
-    let filter = doc! { field::FOLDED: { "$exists": false }, field::CLAIM: { "$exists": true } };
-    let mut budget = RetryBudget::read_once("ledger.claimed_lanes");
-    let lanes = store
-        .with_retry(&mut budget, || coll.distinct("c.l", filter.clone()))
+/// The filter of `lane`'s events numbered above `above` (all of them for
+/// `None`) and at most `upto`.
+fn range(lane: ObjectId, above: Option<i64>, upto: Option<i64>) -> Document {
+    let mut numbers = Document::new();
+    if let Some(above) = above {
+        numbers.insert("$gt", above);
+    }
+    if let Some(upto) = upto {
+        numbers.insert("$lte", upto);
+    }
+    let mut filter = doc! { field::LANE: lane };
+    if !numbers.is_empty() {
+        filter.insert(field::NUMBER, numbers);
+    }
+    filter
+}
+
+/// `lane`'s events above `above`; `None` when there are none.
+pub(super) async fn survey_lane(
+    store: &Store,
+    events: &Collection<Document>,
+    lane: ObjectId,
+    above: Option<i64>,
+) -> Result<Option<LaneSurvey>, Error> {
+    let number = format!("${}", field::NUMBER);
+    let pipeline = vec![
+        doc! { "$match": range(lane, above, None) },
+        doc! { "$group": {
+            "_id": Bson::Null,
+            "n": { "$sum": 1 },
+            "lo": { "$min": &number },
+            "hi": { "$max": &number },
+        } },
+    ];
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    let get = |name| row.get(name).and_then(integer_value);
+    match (get("n"), get("lo"), get("hi")) {
+        (Some(n), Some(lowest), Some(highest)) => Ok(Some(LaneSurvey {
+            events: u64::try_from(n).unwrap_or(0),
+            lowest,
+            highest,
+        })),
+        _ => Err(Error::Malformed {
+            collection: events.name().to_owned(),
+            id: format!("lane {}", lane.to_hex()),
+            reason: "its events' numbers s are not all integers".into(),
+        }),
+    }
+}
+
+/// How far back from `now` the survey first looks for a lane's newest
+/// events, before it reads the lane's whole backlog.
+const PROBES: [std::time::Duration; 3] = [
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_secs(1),
+    std::time::Duration::from_secs(10),
+];
+
+/// A number of an event visible on `lane` above `above`, as high as found
+/// cheaply; `None` when the lane has no event above it. Any visible number
+/// will do as a pass's range end — every event below it is visible too —
+/// so the events of the last moments (by their numbers: their recording
+/// time) are read first, and only when there are none the whole backlog.
+pub(super) async fn highest(
+    store: &Store,
+    events: &Collection<Document>,
+    lane: ObjectId,
+    above: Option<i64>,
+    now: std::time::SystemTime,
+) -> Result<Option<i64>, Error> {
+    let number = format!("${}", field::NUMBER);
+    for window in PROBES {
+        let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
+        let from = above.map_or(recent, |a| a.max(recent));
+        let pipeline = vec![
+            doc! { "$match": range(lane, Some(from), None) },
+            doc! { "$group": { "_id": Bson::Null, "hi": { "$max": &number } } },
+        ];
+        let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+        if let Some(highest) = rows
+            .first()
+            .and_then(|row| row.get("hi"))
+            .and_then(integer_value)
+        {
+            return Ok(Some(highest));
+        }
+    }
+    Ok(survey_lane(store, events, lane, above)
+        .await?
+        .map(|survey| survey.highest))
+}
+
+/// One counter's share of a pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Share {
+    /// The counter's key, as its first event gives it.
+    pub(super) key: Bson,
+    /// The sum of its events' amounts (integers only).
+    pub(super) amount: i128,
+    /// Its events, malformed ones included.
+    pub(super) events: u64,
+    /// Its events whose amount is not an integer: reported, not counted.
+    pub(super) malformed: u64,
+}
+
+/// The shares of the counters of `lane`'s events in `(from, to]`, added to
+/// `shares` (keyed by the counter key's canonical bytes: the server's
+/// `_id` equality). The server sums each counter's amounts and reports
+/// their lowest and highest; where those are not all integers — an event
+/// whose amount is not an integer (written by hand), or a sum past what
+/// `$sum` keeps exact — that counter's events of the range are read and
+/// summed here, the integers counted, the others reported.
+pub(super) async fn sum_lane(
+    store: &Store,
+    events: &Collection<Document>,
+    lane: ObjectId,
+    (from, to): (i64, i64),
+    shares: &mut HashMap<CanonicalKey, Share>,
+) -> Result<(), Error> {
+    let amount = format!("${}", field::AMOUNT);
+    let pipeline = vec![
+        doc! { "$match": range(lane, Some(from), Some(to)) },
+        doc! { "$group": {
+            "_id": format!("${}", field::COUNTER),
+            "n": { "$sum": &amount },
+            "e": { "$sum": 1 },
+            "lo": { "$min": &amount },
+            "hi": { "$max": &amount },
+        } },
+    ];
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.sum").await?;
+    for row in rows {
+        let key = row.get("_id").cloned().unwrap_or(Bson::Null);
+        let events_of = row
+            .get("e")
+            .and_then(integer_value)
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0);
+        let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
+        let (amount, malformed) = if integral("n") && integral("lo") && integral("hi") {
+            (
+                i128::from(row.get("n").and_then(integer_value).unwrap_or(0)),
+                0,
+            )
+        } else {
+            exact_sum(store, events, &key, lane, (from, to)).await?
+        };
+        let share = shares
+            .entry(CanonicalKey::of(&key))
+            .or_insert_with(|| Share {
+                key,
+                amount: 0,
+                events: 0,
+                malformed: 0,
+            });
+        share.amount += amount;
+        share.events += events_of;
+        share.malformed += malformed;
+    }
+    Ok(())
+}
+
+/// The exact sum of one counter's integer amounts in a lane's range, and
+/// how many of its events have an amount that is not an integer (left
+/// out), read event by event (through `{k, L, s}`).
+async fn exact_sum(
+    store: &Store,
+    events: &Collection<Document>,
+    key: &Bson,
+    lane: ObjectId,
+    (from, to): (i64, i64),
+) -> Result<(i128, u64), Error> {
+    let mut filter = range(lane, Some(from), Some(to));
+    filter.insert(field::COUNTER, key.clone());
+    let mut budget = RetryBudget::read_once("ledger.fold.exact_sum");
+    let cursor = store
+        .with_retry(&mut budget, || {
+            events
+                .find(filter.clone())
+                .projection(doc! { field::AMOUNT: 1 })
+                .read_concern(ReadConcern::majority())
+        })
         .await
         .map_err(Error::Server)?;
-    let intents = store.collection(&super::intent::collection_name(events));
-    let mut budget = RetryBudget::read_once("ledger.claimed_lanes");
-    let intended = store
-        .with_retry(&mut budget, || intents.distinct("l", doc! {}))
+    let found: Vec<Document> = cursor
+        .try_collect()
         .await
-        .map_err(Error::Server)?;
-    let mut lanes: Vec<String> = lanes
-        .into_iter()
-        .chain(intended)
-        .filter_map(|l| l.as_str().map(str::to_owned))
-        .collect();
-    lanes.sort();
-    lanes.dedup();
-    Ok(lanes)
+        .map_err(|err| Error::Server(Failure::once("ledger.fold.exact_sum", err)))?;
+    let mut sum = 0i128;
+    let mut malformed = 0;
+    for event in &found {
+        match event.get(field::AMOUNT) {
+            Some(Bson::Int32(n)) => sum += i128::from(*n),
+            Some(Bson::Int64(n)) => sum += i128::from(*n),
+            _ => malformed += 1,
+        }
+    }
+    Ok((sum, malformed))
 }

@@ -1,23 +1,22 @@
 //! The ledger's fold inside a reconcile run: the collection's events are
-//! folded before its pending tokens, and before anything is pruned; and
-//! the fold lanes a prune must keep for the batches still unfinished.
+//! folded beside its pending tokens, each independent of the other — a
+//! ledger that cannot fold never stops the token fold or the pruning of
+//! its collection, and the reverse.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use mongodb::bson::oid::ObjectId;
 use tokio_util::sync::CancellationToken;
 
-use super::{EventFold, EventFoldSettings, claimed_lanes};
+use super::{EventFold, EventFoldSettings};
 use crate::error::Error;
-use crate::reconcile::model::{Cutoffs, Lines};
 use crate::reconcile::report::CollectionRun;
 use crate::reconcile::{FoldTarget, Mode, Reconciler};
 use crate::write::counter::CollectionConfig;
 
 /// The ledger folds a [`Reconciler`] keeps, one per events collection, so
-/// that their lanes carry from run to run.
+/// that a process keeps one owner id for its passes.
 #[derive(Debug, Clone)]
 pub(crate) struct Folds {
     settings: EventFoldSettings,
@@ -36,7 +35,11 @@ impl Folds {
 impl Reconciler {
     /// The fold of `spec`'s ledger, made on first use.
     pub(crate) fn event_fold(&self, spec: &CollectionConfig) -> Arc<EventFold> {
-        let mut folds = self.ledgers.folds.lock().expect("the folds' lock");
+        let mut folds = self
+            .ledgers
+            .folds
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         folds
             .entry(spec.events_collection_name())
             .or_insert_with(|| {
@@ -69,24 +72,5 @@ impl Reconciler {
             Mode::Fold => run.events_folded = fold.fold(now, stop).await?.events_folded,
         }
         Ok(())
-    }
-
-    /// The lines a prune of `spec` draws: `cutoffs`, keeping the fold lanes
-    /// every unfinished batch of the collection's ledger was claimed with —
-    /// its configured events collection's, or `<name>_events` when this
-    /// configuration names no ledger (another host's may fold it; a
-    /// collection that does not exist has none). An error when they cannot
-    /// be read: then the caller prunes no lane.
-    pub(crate) async fn lines(
-        &self,
-        spec: &CollectionConfig,
-        cutoffs: Cutoffs,
-    ) -> Result<Lines, Error> {
-        let needed = claimed_lanes(&self.store, &spec.events_collection_name()).await?;
-        let needed = needed
-            .iter()
-            .filter_map(|lane| ObjectId::parse_str(lane).ok())
-            .collect();
-        Ok(Lines { cutoffs, needed })
     }
 }

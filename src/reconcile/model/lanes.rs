@@ -16,17 +16,12 @@
 //!    ordered source; it has no age and is never removed.
 //! 3. **No empty map.** A map left empty (or found empty) is removed.
 //! 4. The counter is never touched by pruning.
-//! 5. **A lane a ledger batch needs stays.** A minted lane that an
-//!    unfinished fold batch of the collection's ledger was claimed with
-//!    keeps its entries, however old ([`LanePlan::keep`]): recovery
-//!    re-applies the batch through that lane, a no-op only where the entry
-//!    is still there.
 //!
 //! A map that is not a document, or holds a value that is not a
 //! non-negative int32 or int64, is malformed: the whole document is left
 //! alone (the same rule as a malformed `pending`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use mongodb::bson::{Bson, oid::ObjectId};
 
@@ -58,13 +53,6 @@ impl LanePlan {
     /// Entries that stay.
     pub fn kept(&self) -> u64 {
         self.entries - self.expired.len() as u64
-    }
-
-    /// Rule 5: the expired entries of the minted lanes in `needed` stay.
-    pub(crate) fn keep(&mut self, needed: &BTreeSet<ObjectId>) {
-        self.expired.retain(|(key, _)| {
-            !matches!(key.parse::<LaneId>(), Ok(LaneId::Minted(id)) if needed.contains(&id))
-        });
     }
 }
 
@@ -177,20 +165,6 @@ mod tests {
         let expired: Vec<&str> = plan.expired.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(expired, [minted(-5, [2; 8]), minted(-5, [3; 8])]);
         assert_eq!(plan.kept(), 1);
-    }
-
-    /// Rule 5, also for a key written in upper case (still the same
-    /// minted lane).
-    #[test]
-    fn a_lane_a_ledger_batch_needs_stays_however_old() {
-        let (needed, other) = (minted(-3600, [0xab; 8]), minted(-3600, [2; 8]));
-        let map = doc! { needed.to_uppercase(): 4i64, &other: 2i64, minted(5, [3; 8]): 1 };
-        let mut plan = prune(map).unwrap();
-        plan.keep(&BTreeSet::from([ObjectId::parse_str(&needed).unwrap()]));
-        assert_eq!(plan.expired, vec![(other.clone(), Bson::Int64(2))]);
-        assert_eq!(plan.kept(), 2);
-        plan.keep(&BTreeSet::from([ObjectId::parse_str(&other).unwrap()]));
-        assert!(!plan.has_work(), "nothing left to prune");
     }
 
     #[test]

@@ -53,8 +53,8 @@ pub enum Recording {
     /// bug of the caller's to fix.
     Conflict(Conflict),
     /// The insert may or may not have landed. Send the ticket again with
-    /// [`Ledger::record_again`] — safe at any time while the dedupe window
-    /// (`event_retention`) lasts, from any process.
+    /// [`Ledger::record_again`] — safe any number of times, from any
+    /// process, within the writers' retry horizon.
     ///
     /// [`Ledger::record_again`]: crate::Ledger::record_again
     Unknown(EventTicket),
@@ -126,14 +126,15 @@ impl Conflict {
     }
 }
 
-/// An event whose insert may or may not have landed: everything needed to
-/// send the same insert again, including the recording's own token — so
-/// that finding the event already there with this token says "our earlier
-/// attempt landed" (recorded), not "someone else recorded it" (duplicate).
+/// An event whose insert may or may not have landed: the event, and every
+/// lane and number it was sent with — so that finding the event already
+/// there with one of them says "an attempt of ours landed" (recorded), not
+/// "someone else recorded it" (duplicate).
 #[derive(Debug, Clone)]
 pub struct EventTicket {
     pub(super) event: Event,
-    pub(super) token: ObjectId,
+    /// The lanes and numbers it was sent with, first attempt first.
+    pub(super) attempts: Vec<(ObjectId, i64)>,
     pub(super) cause: Option<Error>,
 }
 
@@ -143,9 +144,16 @@ impl EventTicket {
         &self.event
     }
 
-    /// The recording's token (`r` in the event document).
-    pub fn token(&self) -> ObjectId {
-        self.token
+    /// The recorder's lane it was first sent on (`L` in the event
+    /// document).
+    pub fn lane(&self) -> ObjectId {
+        self.attempts[0].0
+    }
+
+    /// Its number on that lane (`s`): microseconds since the epoch by the
+    /// recorder's clock when it was first sent.
+    pub fn number(&self) -> i64 {
+        self.attempts[0].1
     }
 
     /// Why the insert was not confirmed.

@@ -1,26 +1,35 @@
-//! Exact reads: a counter plus its events not yet in it, consistent at any
-//! moment of a fold.
+//! Exact reads: a counter plus its events not folded yet and its held
+//! sums, consistent at any moment of a fold.
 //!
-//! An event is in the counter once the fold applied its batch `(l, s)` —
-//! the counter document's lane entry `l` then holds `s` or more — and it is
-//! marked folded (`f`) only after that. So the exact value is the counter
-//! plus every event without `f` whose claim's lane entry is below its
-//! number (or which has no claim yet).
+//! The fold keeps, per recorder lane, the highest number folded (`M_L`):
+//! every event at or below it is in its counter or in a held sum. A pass in
+//! progress (its intent) applies the events of the ranges `(M_L, M'_L]`
+//! through the fold lane at position `P`, one counter at a time; on a
+//! counter, they are in it once its fold lane entry holds `P` or more. A
+//! held sum of pass `p` is in it once the entry holds `p` or more (a
+//! counter's held sums go through the lane in order).
 //!
-//! Reading the counter and its events is not one atomic read, so the
-//! counter document is read before and after the events (an optimistic
-//! double read): when both reads agree, nothing was applied to the counter
-//! while the events were read — an apply changes the counter's lane map —
-//! and every event read is judged against that one state. An event folded
-//! before the events were read is in that state; one claimed or recorded
-//! meanwhile is either read (and judged by the lane map) or not yet there.
-//! When the reads disagree, the whole read is done again.
+//! So the exact value is the counter, plus every event of the counter above
+//! its lane's `M_L` — except those of the intent's ranges when the counter
+//! has the intent's pass — plus every held sum the counter does not have.
+//! Only lanes that may hold such events are read (the registered lanes and
+//! the intent's), each with one index range on `{k, L, s}`: never the
+//! counter's history.
+//!
+//! The state, the counter and the events are not read atomically, so the
+//! state is read before and after (an optimistic double read): when both
+//! show the same pass, no pass committed in between — the only write that
+//! moves `M_L` or the held sums — and every event and held sum read is
+//! judged against the one counter read, with the intent read last (while
+//! the pass stays the same, at most one intent can have been applied: that
+//! one). When a pass committed meanwhile, the whole read is done again.
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::{Ledger, field};
-use crate::document::{bson_type_name, display_id, integer_value};
+use super::state::{self, FoldState};
+use super::{Ledger, field, fold_lane};
+use crate::document::{bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 
 /// How many double reads [`Ledger::value`] tries before it reports
@@ -37,60 +46,77 @@ pub struct ExactValue {
     pub value: i64,
     /// The counter document's value (0 when there is no document).
     pub folded: i64,
-    /// The sum of the recorded events not in the counter yet.
+    /// The sum of the recorded events not in the counter yet (held sums
+    /// included).
     pub unfolded: i64,
     /// How many recorded events are not in the counter yet.
     pub unfolded_events: u64,
 }
 
-/// The counter document's state as far as the ledger cares: its value and
-/// the lane map the fold writes.
+/// The counter document as far as the ledger cares: its value and its
+/// fold lane's position.
 #[derive(Debug, PartialEq)]
 struct CounterState {
     value: i64,
-    lanes: Document,
+    fold_position: Option<i64>,
 }
 
 impl Ledger {
     /// The counter `key` read exactly: the counter plus its recorded events
-    /// not folded into it yet. [`Error::ReadContended`] when the counter
-    /// changed during every one of 20 double reads.
+    /// not folded into it yet. [`Error::ReadContended`] when a fold pass
+    /// moved during every one of 20 double reads.
     pub async fn value(&self, key: impl Into<Bson>) -> Result<ExactValue, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;
+        let lane = fold_lane(&self.spec.events_collection_name())?;
         for _ in 0..READ_ROUNDS {
-            let before = self.counter_state(&key).await?;
-            let events = self.unfolded_events(&key).await?;
-            let after = self.counter_state(&key).await?;
-            if before != after {
+            let before = state::read(&self.store, &self.state).await?;
+            let counter = self.counter_state(&key, lane.as_str()).await?;
+            let events = self.unfolded_events(&key, &before).await?;
+            let after = state::read(&self.store, &self.state).await?;
+            if before.seen() != after.seen() {
                 continue;
             }
-            let mut unfolded = 0i64;
+            let held = counter.fold_position.unwrap_or(i64::MIN);
+            let mut unfolded = 0i128;
             let mut unfolded_events = 0u64;
-            for event in &events {
-                if applied(event, &after.lanes) {
+            for (lane, event) in &events {
+                let number = event.get(field::NUMBER).and_then(integer_value);
+                let in_pass = after.intent.as_ref().is_some_and(|intent| {
+                    held >= intent.pass
+                        && intent
+                            .ranges
+                            .get(lane)
+                            .is_some_and(|&(from, to)| number.is_some_and(|s| s > from && s <= to))
+                });
+                if in_pass {
                     continue;
                 }
-                let amount = event.get(field::AMOUNT).and_then(integer_value);
-                let Some(amount) = amount else {
+                let Some(amount) = event.get(field::AMOUNT).and_then(integer_value) else {
                     return Err(self.malformed_event(event, "its amount n is not an integer"));
                 };
-                unfolded = unfolded
-                    .checked_add(amount)
-                    .ok_or_else(|| self.malformed_event(event, "the sum passes 2^63"))?;
+                unfolded += i128::from(amount);
                 unfolded_events += 1;
             }
-            let value = after.value.checked_add(unfolded).ok_or_else(|| {
+            for sum in before.held.iter().filter(|h| same_key(&h.key, &key)) {
+                if held < sum.pass {
+                    unfolded += sum.amount;
+                    unfolded_events += sum.events;
+                }
+            }
+            let shown = display_id(&key);
+            let too_big = || {
                 Error::InvalidArgument(format!(
-                    "counter {}: its value and its unfolded events pass 2^63",
-                    display_id(&key)
+                    "counter {shown}: its value and its unfolded events pass 2^63"
                 ))
-            })?;
+            };
+            let value =
+                i64::try_from(i128::from(counter.value) + unfolded).map_err(|_| too_big())?;
             return Ok(ExactValue {
                 key,
                 value,
-                folded: after.value,
-                unfolded,
+                folded: counter.value,
+                unfolded: i64::try_from(unfolded).map_err(|_| too_big())?,
                 unfolded_events,
             });
         }
@@ -100,10 +126,11 @@ impl Ledger {
         })
     }
 
-    /// The counter's value and lane map (zero and empty without a
-    /// document).
-    async fn counter_state(&self, key: &Bson) -> Result<CounterState, Error> {
+    /// The counter's value and its fold lane's position (zero and none
+    /// without a document).
+    async fn counter_state(&self, key: &Bson, lane: &str) -> Result<CounterState, Error> {
         let spec = &self.spec;
+        let entry = format!("{}.{lane}", spec.lanes_field);
         let projection = doc! { &spec.counter_field: 1, &spec.lanes_field: 1 };
         let found = self
             .store
@@ -117,7 +144,7 @@ impl Ledger {
         let Some(found) = found else {
             return Ok(CounterState {
                 value: 0,
-                lanes: Document::new(),
+                fold_position: None,
             });
         };
         let malformed = |reason: String| Error::Malformed {
@@ -135,9 +162,15 @@ impl Ledger {
                 ))
             })?,
         };
-        let lanes = match found.get(&spec.lanes_field) {
-            None => Document::new(),
-            Some(Bson::Document(map)) => map.clone(),
+        let fold_position = match found.get(&spec.lanes_field) {
+            None => None,
+            Some(Bson::Document(map)) => match map.get(lane) {
+                None => None,
+                Some(position) => Some(
+                    integer_value(position)
+                        .ok_or_else(|| malformed(format!("its entry {entry} is not an integer")))?,
+                ),
+            },
             Some(other) => {
                 return Err(malformed(format!(
                     "the lanes field {} is a {}, not a document",
@@ -146,28 +179,46 @@ impl Ledger {
                 )));
             }
         };
-        Ok(CounterState { value, lanes })
+        Ok(CounterState {
+            value,
+            fold_position,
+        })
     }
 
-    /// The counter's events without a folded mark, with their amounts and
-    /// claims.
-    async fn unfolded_events(&self, key: &Bson) -> Result<Vec<Document>, Error> {
-        let filter = doc! { field::COUNTER: key, field::FOLDED: { "$exists": false } };
-        let projection = doc! { field::AMOUNT: 1, field::CLAIM: 1 };
-        let mut budget = RetryBudget::read_once("ledger.read_unfolded");
-        let cursor = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events
-                    .find(filter.clone())
-                    .projection(projection.clone())
-            })
-            .await
-            .map_err(Error::Server)?;
-        cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))
+    /// The counter's events above their lane's folded number, on every lane
+    /// that may hold some (one index range each, read at once), with their
+    /// lanes.
+    async fn unfolded_events(
+        &self,
+        key: &Bson,
+        state: &FoldState,
+    ) -> Result<Vec<(ObjectId, Document)>, Error> {
+        let reads = state.live_lanes().into_iter().map(|lane| {
+            let mut filter = doc! { field::COUNTER: key, field::LANE: lane };
+            if let Some(&folded) = state.folded.get(&lane) {
+                filter.insert(field::NUMBER, doc! { "$gt": folded });
+            }
+            async move {
+                let projection = doc! { field::AMOUNT: 1, field::NUMBER: 1 };
+                let mut budget = RetryBudget::read_once("ledger.read_unfolded");
+                let cursor = self
+                    .store
+                    .with_retry(&mut budget, || {
+                        self.events
+                            .find(filter.clone())
+                            .projection(projection.clone())
+                    })
+                    .await
+                    .map_err(Error::Server)?;
+                let found: Vec<Document> = cursor
+                    .try_collect()
+                    .await
+                    .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))?;
+                Ok::<_, Error>(found.into_iter().map(move |d| (lane, d)))
+            }
+        });
+        let lanes = futures::future::try_join_all(reads).await?;
+        Ok(lanes.into_iter().flatten().collect())
     }
 
     fn malformed_event(&self, event: &Document, reason: &str) -> Error {
@@ -176,37 +227,5 @@ impl Ledger {
             id: event.get("_id").map_or_else(String::new, display_id),
             reason: reason.into(),
         }
-    }
-}
-
-/// Whether the event's claimed batch `(l, s)` is in the counter whose lane
-/// map is `lanes`: the lane holds `s` or more.
-fn applied(event: &Document, lanes: &Document) -> bool {
-    let Ok(claim) = event.get_document(field::CLAIM) else {
-        return false;
-    };
-    let (Ok(lane), Some(s)) = (claim.get_str("l"), claim.get("s").and_then(integer_value)) else {
-        return false;
-    };
-    lanes
-        .get(lane)
-        .and_then(integer_value)
-        .is_some_and(|held| held >= s)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use mongodb::bson::oid::ObjectId;
-
-    #[test]
-    fn a_claimed_event_is_in_the_counter_once_its_lane_holds_its_number() {
-        let lane = ObjectId::new().to_hex();
-        let event = doc! { "n": 1i64, "c": { "b": ObjectId::new(), "l": &lane, "s": 4i64 } };
-        assert!(!applied(&event, &doc! {}));
-        assert!(!applied(&event, &doc! { &lane: 3i64 }));
-        assert!(applied(&event, &doc! { &lane: 4i64 }));
-        assert!(applied(&event, &doc! { &lane: 5i32 }));
-        assert!(!applied(&doc! { "n": 1i64 }, &doc! { &lane: 5i64 }));
     }
 }

@@ -461,7 +461,9 @@ fn duplicate_key_reply(request: &WireMessage, reply_id: i32) -> Vec<u8> {
 pub struct Matcher {
     command: Option<String>,
     collection: Option<String>,
+    mentions: Option<String>,
     nth: Option<u64>,
+    after: Option<u64>,
     probability: Option<(f64, u64)>,
 }
 
@@ -473,11 +475,25 @@ impl Matcher {
         self
     }
 
+    /// Only requests whose body names `key` as a field anywhere (e.g.
+    /// `$changeStream` in an `aggregate`'s pipeline).
+    pub fn mentions(mut self, key: &str) -> Self {
+        self.mentions = Some(key.to_owned());
+        self
+    }
+
     /// Only the `n`th request (1-based) that meets every other criterion,
     /// probability included; counted per rule.
     pub fn nth(mut self, n: u64) -> Self {
         assert!(n >= 1, "nth is 1-based");
         self.nth = Some(n);
+        self
+    }
+
+    /// Every request after the first `n` that meet every other criterion
+    /// (a fault that starts part-way and persists: a crash).
+    pub fn after(mut self, n: u64) -> Self {
+        self.after = Some(n);
         self
     }
 
@@ -545,6 +561,10 @@ impl ActiveRule {
                 .collection
                 .as_ref()
                 .is_some_and(|c| message.collection.as_ref() != Some(c))
+            || matcher
+                .mentions
+                .as_ref()
+                .is_some_and(|key| !document_mentions(&message.body, key))
         {
             return false;
         }
@@ -555,6 +575,7 @@ impl ActiveRule {
         }
         self.selected += 1;
         matcher.nth.is_none_or(|n| n == self.selected)
+            && matcher.after.is_none_or(|n| self.selected > n)
     }
 }
 

@@ -1,0 +1,312 @@
+//! One counter's part of a pass: its held sums, then its new sum, through
+//! the fold lane in order — and what stays held.
+//!
+//! A counter the server refuses to update (an `$inc` past 2^63, a string
+//! counter, a validator, a malformed lane map) never stops the others: its
+//! sum is **held** in the fold state with the pass that produced it, and
+//! the pass commits anyway. Every later pass offers the counter's held sums
+//! again, oldest first, each at its own fold lane position (its pass), each
+//! until the counter takes it; a newer sum never goes out while an older
+//! one is held — it is held behind it — so the lane's position on the
+//! counter tells exactly which sums it has.
+//!
+//! Two held sums are merged (the newer added to the older, at the older's
+//! position) only when no send of either may have applied: the older was
+//! refused by a definite answer to the one send this fold made of it, the
+//! newer was never sent. Sums of a recovered pass — whose earlier owner may
+//! have sent anything — are never merged.
+
+use std::future::Future;
+use std::time::SystemTime;
+
+use mongodb::bson::Bson;
+
+use super::query::Share;
+use crate::error::Error;
+use crate::write::ledger::state::Held;
+
+/// What sending one sum to its counter established.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Applied {
+    /// The counter has it (now or from an earlier send).
+    Counted,
+    /// The server refused it for this counter's own reasons; `maybe_applied`
+    /// when an earlier send of it may still have applied.
+    Refused { cause: String, maybe_applied: bool },
+}
+
+/// A counter's work in a pass.
+#[derive(Debug, Clone)]
+pub(super) struct Work {
+    pub(super) key: Bson,
+    /// Its held sums, in order.
+    pub(super) held: Vec<Held>,
+    /// Its share of the pass's events.
+    pub(super) new: Option<Share>,
+}
+
+/// What a counter's work came to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) struct Done {
+    /// The counter's held sums after the pass, in order.
+    pub(super) held: Vec<Held>,
+    /// Sums sent.
+    pub(super) written: u64,
+}
+
+/// Sends `work`'s sums in order through `send(position, amount, resumed)`
+/// until one is refused; holds that one and everything after it. `pass` is
+/// the pass's number (the new sum's position); `recovered`: the pass was
+/// taken over or resumed, so any of its sends may have applied. An `Err`
+/// from `send` (a transient failure: the server, not the counter) ends the
+/// pass, to be resumed.
+pub(super) async fn apply<F, Fut>(
+    work: Work,
+    pass: i64,
+    recovered: bool,
+    now: SystemTime,
+    mut send: F,
+) -> Result<Done, Error>
+where
+    F: FnMut(i64, i64, bool) -> Fut,
+    Fut: Future<Output = Result<Applied, Error>>,
+{
+    let unusable = crate::document::check_key(&work.key).err();
+    let mut done = Done::default();
+    let mut blocked = false;
+    for mut held in work.held {
+        held.maybe_applied |= recovered;
+        if !blocked {
+            match sendable(held.amount, unusable.as_ref()) {
+                Err(cause) => held.cause = cause,
+                Ok(amount) => {
+                    done.written += 1;
+                    match send(held.pass, amount, held.maybe_applied).await? {
+                        Applied::Counted => continue,
+                        Applied::Refused {
+                            cause,
+                            maybe_applied,
+                        } => {
+                            held.cause = cause;
+                            held.maybe_applied |= maybe_applied;
+                        }
+                    }
+                }
+            }
+        }
+        blocked = true;
+        done.held.push(held);
+    }
+    let Some(share) = work.new.filter(|s| s.amount != 0) else {
+        return Ok(done);
+    };
+    let mut new = Held {
+        key: share.key,
+        pass,
+        amount: share.amount,
+        events: share.events,
+        maybe_applied: recovered,
+        cause: String::new(),
+        since: now,
+    };
+    if blocked {
+        new.cause = "held behind an older sum of this counter".into();
+        match done.held.last_mut() {
+            Some(last) if !last.maybe_applied && !new.maybe_applied => {
+                last.amount += new.amount;
+                last.events += new.events;
+            }
+            _ => done.held.push(new),
+        }
+        return Ok(done);
+    }
+    match sendable(new.amount, unusable.as_ref()) {
+        Err(cause) => new.cause = cause,
+        Ok(amount) => {
+            done.written += 1;
+            match send(pass, amount, recovered).await? {
+                Applied::Counted => return Ok(done),
+                Applied::Refused {
+                    cause,
+                    maybe_applied,
+                } => {
+                    new.cause = cause;
+                    new.maybe_applied |= maybe_applied;
+                }
+            }
+        }
+    }
+    done.held.push(new);
+    Ok(done)
+}
+
+/// The amount to send, or why no counter update can carry it.
+fn sendable(amount: i128, unusable: Option<&Error>) -> Result<i64, String> {
+    if let Some(unusable) = unusable {
+        return Err(unusable.to_string());
+    }
+    i64::try_from(amount).map_err(|_| {
+        format!(
+            "its events sum to {amount}, past what a counter holds (2^63): no update can add it"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::cell::RefCell;
+
+    /// A counter as the lanes protocol keeps it: its value and the fold
+    /// lane's position; it refuses every update while `refusing`.
+    #[derive(Debug, Default)]
+    struct Counter {
+        value: i128,
+        position: i64,
+        refusing: bool,
+        /// Positions applied, in order.
+        applied: Vec<i64>,
+    }
+
+    impl Counter {
+        fn update(&mut self, position: i64, amount: i64) -> Applied {
+            if self.position >= position {
+                return Applied::Counted;
+            }
+            if self.refusing {
+                return Applied::Refused {
+                    cause: "refused".into(),
+                    maybe_applied: false,
+                };
+            }
+            self.value += i128::from(amount);
+            self.position = position;
+            self.applied.push(position);
+            Applied::Counted
+        }
+    }
+
+    fn block_on<T>(future: impl Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime")
+            .block_on(future)
+    }
+
+    fn share(amount: i128, events: u64) -> Share {
+        Share {
+            key: Bson::from("c"),
+            amount,
+            events,
+            malformed: 0,
+        }
+    }
+
+    fn run(counter: &RefCell<Counter>, held: Vec<Held>, new: Option<Share>, pass: i64) -> Done {
+        let work = Work {
+            key: Bson::from("c"),
+            held,
+            new,
+        };
+        let sent = apply(work, pass, false, SystemTime::UNIX_EPOCH, |p, n, _| {
+            let answer = counter.borrow_mut().update(p, n);
+            async move { Ok(answer) }
+        });
+        block_on(sent).expect("no transient failure")
+    }
+
+    #[test]
+    fn a_refused_sum_is_held_and_the_next_ones_wait_behind_it_merged() {
+        let counter = RefCell::new(Counter {
+            refusing: true,
+            ..Counter::default()
+        });
+        let done = run(&counter, Vec::new(), Some(share(2, 2)), 1);
+        assert_eq!(done.held.len(), 1);
+        let done = run(&counter, done.held, Some(share(3, 1)), 2);
+        assert_eq!(done.held.len(), 1, "never sent, definitely refused: merged");
+        assert_eq!(
+            (done.held[0].pass, done.held[0].amount, done.held[0].events),
+            (1, 5, 3)
+        );
+        counter.borrow_mut().refusing = false;
+        let done = run(&counter, done.held, Some(share(4, 1)), 3);
+        assert!(done.held.is_empty());
+        assert_eq!(counter.borrow().value, 9);
+        assert_eq!(counter.borrow().applied, vec![1, 3]);
+    }
+
+    #[test]
+    fn sums_of_a_recovered_pass_are_never_merged() {
+        let counter = RefCell::new(Counter {
+            refusing: true,
+            ..Counter::default()
+        });
+        let work = Work {
+            key: Bson::from("c"),
+            held: Vec::new(),
+            new: Some(share(2, 1)),
+        };
+        let sent = apply(work, 1, true, SystemTime::UNIX_EPOCH, |p, n, _| {
+            let answer = counter.borrow_mut().update(p, n);
+            async move { Ok(answer) }
+        });
+        let done = block_on(sent).unwrap();
+        assert!(done.held[0].maybe_applied);
+        let done = run(&counter, done.held, Some(share(3, 1)), 2);
+        assert_eq!(done.held.len(), 2, "the older may have applied: kept apart");
+    }
+
+    #[test]
+    fn an_operator_shaped_key_is_held_and_never_sent() {
+        let key = Bson::Document(mongodb::bson::doc! { "$gt": "" });
+        let work = Work {
+            key: key.clone(),
+            held: Vec::new(),
+            new: Some(Share {
+                key,
+                amount: 1,
+                events: 1,
+                malformed: 0,
+            }),
+        };
+        let sent = apply(work, 1, false, SystemTime::UNIX_EPOCH, |_, _, _| async {
+            panic!("never sent")
+        });
+        let done = block_on(sent).unwrap();
+        assert_eq!(done.held.len(), 1);
+        assert!(
+            done.held[0].cause.contains("cannot be used"),
+            "{}",
+            done.held[0].cause
+        );
+    }
+
+    proptest! {
+        /// Whatever the counter refuses and accepts, pass after pass: every
+        /// event is in the counter or in a held sum, exactly once; the
+        /// counter takes positions in order; the held sums are the suffix
+        /// of what the counter lacks.
+        #[test]
+        fn every_sum_is_in_the_counter_or_held_exactly_once(
+            passes in proptest::collection::vec((0i64..5, any::<bool>()), 1..40)
+        ) {
+            let counter = RefCell::new(Counter::default());
+            let mut held = Vec::new();
+            let mut total = 0i128;
+            for (pass, (amount, refusing)) in passes.into_iter().enumerate() {
+                counter.borrow_mut().refusing = refusing;
+                total += i128::from(amount);
+                let new = (amount != 0).then(|| share(amount.into(), 1));
+                held = run(&counter, held, new, pass as i64 + 1).held;
+                let kept: i128 = held.iter().map(|h| h.amount).sum();
+                prop_assert_eq!(counter.borrow().value + kept, total);
+                let applied = counter.borrow().applied.clone();
+                prop_assert!(applied.windows(2).all(|w| w[0] < w[1]));
+                let position = counter.borrow().position;
+                prop_assert!(held.iter().all(|h| h.pass > position));
+            }
+        }
+    }
+}

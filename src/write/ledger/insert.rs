@@ -1,0 +1,362 @@
+//! Sending one batch of a lane's events: ordered inserts until every event
+//! has its outcome, and what a duplicate key says about each.
+//!
+//! The events go out as one **ordered** `insert`, in number order, so the
+//! server inserts them in that order and stops at the first it refuses:
+//! what follows a refused event was not inserted and is sent again, with
+//! the same numbers, as the next insert. A duplicate key means the event
+//! key is there already: the stored event is read and judged — ours (it
+//! carries a lane and number this event was sent with), a duplicate (same
+//! counter and amount), or a conflict. After a duplicate, the keys of the
+//! events that follow are read too (one `find`), so a batch of events
+//! recorded before costs two round trips, not one per event.
+//!
+//! A transient failure sends the same insert once more (the retry rule);
+//! an event that may have landed but whose fate is still unknown after that
+//! is [`Recording::Unknown`], and its lane is retired: nothing newer may go
+//! out on it while an older insert may still land (the fold stands on a
+//! lane's events becoming visible in number order).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use futures::TryStreamExt;
+use mongodb::Collection;
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::error::ErrorKind;
+
+use super::field;
+use super::outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
+use crate::document::{integer_value, same_key};
+use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
+use crate::store::Store;
+
+/// One event of a batch, numbered on its lane.
+#[derive(Debug)]
+pub(super) struct Item {
+    pub(super) event: Event,
+    /// The lane and number it is sent with now.
+    pub(super) lane: ObjectId,
+    pub(super) number: i64,
+    /// The lanes and numbers earlier attempts sent it with (a resumed
+    /// ticket's).
+    pub(super) earlier: Vec<(ObjectId, i64)>,
+    pub(super) document: Document,
+}
+
+impl Item {
+    /// Whether `stored` was inserted by an attempt of this event's.
+    fn is_ours(&self, stored: &Document) -> bool {
+        let lane = stored.get_object_id(field::LANE).ok();
+        let number = stored.get(field::NUMBER).and_then(integer_value);
+        let (Some(lane), Some(number)) = (lane, number) else {
+            return false;
+        };
+        (self.lane, self.number) == (lane, number) || self.earlier.contains(&(lane, number))
+    }
+
+    fn recorded(&self) -> Recording {
+        Recording::Recorded(self.event.clone())
+    }
+
+    fn not_recorded(&self, cause: Error) -> Recording {
+        Recording::NotRecorded(NotRecorded {
+            event: self.event.clone(),
+            cause,
+        })
+    }
+
+    fn unknown(&self, cause: Error) -> Recording {
+        let mut attempts = self.earlier.clone();
+        attempts.push((self.lane, self.number));
+        Recording::Unknown(EventTicket {
+            event: self.event.clone(),
+            attempts,
+            cause: Some(cause),
+        })
+    }
+
+    /// What the event already stored under this key says.
+    pub(super) fn judge(&self, stored: &Document) -> Recording {
+        if self.is_ours(stored) {
+            return self.recorded();
+        }
+        judge_other(self.event.clone(), stored)
+    }
+}
+
+/// What another recording stored under an event's key says: a duplicate
+/// (same counter and amount) or a conflict.
+pub(super) fn judge_other(event: Event, stored: &Document) -> Recording {
+    let stored_counter = stored.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
+    let stored_amount = stored.get(field::AMOUNT).and_then(integer_value);
+    if same_key(&stored_counter, &event.counter) && stored_amount == Some(event.amount) {
+        Recording::Duplicate(event)
+    } else {
+        Recording::Conflict(Conflict {
+            event,
+            stored_counter,
+            stored_amount: stored_amount.unwrap_or(0),
+        })
+    }
+}
+
+/// What a batch came to: one outcome per item, and whether its lane must be
+/// retired (some insert may still land).
+pub(super) struct Sent {
+    pub(super) outcomes: Vec<Recording>,
+    pub(super) retire: bool,
+}
+
+/// Sends `items` (in number order) until each has its outcome, starting no
+/// insert after `send_by` (the lane's end: the fold stops looking at a lane
+/// some time after it): what is left then was never sent, or is unknown.
+pub(super) async fn send(
+    store: &Store,
+    events: &Collection<Document>,
+    items: &[Item],
+    send_by: Instant,
+) -> Sent {
+    let mut outcomes: Vec<Option<Recording>> = items.iter().map(|_| None).collect();
+    let mut maybe_applied = vec![false; items.len()];
+    let mut left: Vec<usize> = (0..items.len()).collect();
+    let mut budget = RetryBudget::retry_once("ledger.record");
+    while !left.is_empty() {
+        if Instant::now() > send_by {
+            let cause = Error::InvalidArgument(
+                "the recorder's lane ended before this event could be sent again; record it again"
+                    .into(),
+            );
+            for i in left.drain(..) {
+                outcomes[i] = Some(if maybe_applied[i] {
+                    items[i].unknown(cause.clone())
+                } else {
+                    items[i].not_recorded(cause.clone())
+                });
+            }
+            break;
+        }
+        let documents: Vec<Document> = left.iter().map(|&i| items[i].document.clone()).collect();
+        budget.start_attempt();
+        let err = match store
+            .attempt(events.insert_many(documents).ordered(true))
+            .await
+        {
+            Ok(_) => {
+                for &i in &left {
+                    outcomes[i] = Some(items[i].recorded());
+                }
+                break;
+            }
+            Err(err) => err,
+        };
+        let cause = || Error::Server(Failure::once("ledger.record", err.clone()));
+        let refused = match err.kind.as_ref() {
+            ErrorKind::InsertMany(many) => many
+                .write_errors
+                .as_ref()
+                .and_then(|errors| errors.iter().min_by_key(|e| e.index))
+                .map(|e| (e.index, e.code, many.write_concern_error.is_some())),
+            _ => None,
+        };
+        if let Some((at, refused_code, unconfirmed)) = refused.filter(|(at, ..)| *at < left.len()) {
+            // The server inserted the events before `at` (their replication
+            // unconfirmed when a write-concern error came too), refused the
+            // one at `at`, and never tried the rest.
+            let inserted: Vec<usize> = left[..at].to_vec();
+            let stopped = left[at];
+            let rest: Vec<usize> = left[at + 1..].to_vec();
+            if unconfirmed {
+                inserted.iter().for_each(|&i| maybe_applied[i] = true);
+            } else {
+                for &i in &inserted {
+                    outcomes[i] = Some(items[i].recorded());
+                }
+            }
+            left = if unconfirmed { inserted } else { Vec::new() };
+            if code::DUPLICATE_KEY_CODES.contains(&refused_code) {
+                let mut candidates = vec![stopped];
+                candidates.extend(&rest);
+                let unread = judge_existing(store, events, items, &candidates, &mut outcomes).await;
+                match unread {
+                    Ok(()) => {}
+                    Err(read) => {
+                        // The key is there, but whose it is cannot be told.
+                        outcomes[stopped] = Some(items[stopped].unknown(read));
+                    }
+                }
+                if outcomes[stopped].is_none() {
+                    // Not under `_id`: another unique index of the events
+                    // collection refused it.
+                    outcomes[stopped] = Some(if maybe_applied[stopped] {
+                        items[stopped].unknown(cause())
+                    } else {
+                        items[stopped].not_recorded(cause())
+                    });
+                }
+            } else {
+                outcomes[stopped] = Some(if maybe_applied[stopped] {
+                    items[stopped].unknown(cause())
+                } else {
+                    items[stopped].not_recorded(cause())
+                });
+            }
+            left.extend(rest.into_iter().filter(|&i| outcomes[i].is_none()));
+            if unconfirmed {
+                match budget.after_failure(err.clone()) {
+                    Next::Retry => continue,
+                    Next::GiveUp(failure) => {
+                        let failure = Error::Server(failure);
+                        for i in left.drain(..) {
+                            outcomes[i] = Some(if maybe_applied[i] {
+                                items[i].unknown(failure.clone())
+                            } else {
+                                items[i].not_recorded(failure.clone())
+                            });
+                        }
+                        break;
+                    }
+                }
+            }
+            // A refusal is a definite answer: what is left is new work.
+            budget = RetryBudget::retry_once("ledger.record");
+            continue;
+        }
+        let effect = Facts::of(&err).effect();
+        match budget.after_failure(err.clone()) {
+            Next::Retry => {
+                if effect != Effect::NotApplied {
+                    left.iter().for_each(|&i| maybe_applied[i] = true);
+                }
+            }
+            Next::GiveUp(failure) => {
+                let failure = Error::Server(failure);
+                for i in left.drain(..) {
+                    let outcome = if maybe_applied[i] || effect != Effect::NotApplied {
+                        items[i].unknown(failure.clone())
+                    } else {
+                        items[i].not_recorded(failure.clone())
+                    };
+                    outcomes[i] = Some(outcome);
+                }
+            }
+        }
+    }
+    let outcomes: Vec<Recording> = outcomes
+        .into_iter()
+        .map(|o| o.expect("every event of a batch gets an outcome"))
+        .collect();
+    let retire = outcomes.iter().any(|o| matches!(o, Recording::Unknown(_)));
+    Sent { outcomes, retire }
+}
+
+/// Reads the events stored under the keys of `candidates` (one `find`) and
+/// judges each one found; the others are left without an outcome (not
+/// there: to be sent).
+async fn judge_existing(
+    store: &Store,
+    events: &Collection<Document>,
+    items: &[Item],
+    candidates: &[usize],
+    outcomes: &mut [Option<Recording>],
+) -> Result<(), Error> {
+    let keys: Vec<&str> = candidates
+        .iter()
+        .map(|&i| items[i].event.key.as_str())
+        .collect();
+    let filter = doc! { "_id": { "$in": keys } };
+    let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::LANE: 1, field::NUMBER: 1 };
+    let mut budget = RetryBudget::read_once("ledger.read_events");
+    let cursor = store
+        .with_retry(&mut budget, || {
+            events.find(filter.clone()).projection(projection.clone())
+        })
+        .await
+        .map_err(Error::Server)?;
+    let stored: Vec<Document> = cursor
+        .try_collect()
+        .await
+        .map_err(|err| Error::Server(Failure::once("ledger.read_events", err)))?;
+    let by_key: HashMap<&str, &Document> = stored
+        .iter()
+        .filter_map(|d| Some((d.get_str("_id").ok()?, d)))
+        .collect();
+    for &i in candidates {
+        if let Some(stored) = by_key.get(items[i].event.key.as_str()) {
+            outcomes[i] = Some(items[i].judge(stored));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(counter: &str, amount: i64, lane: ObjectId, number: i64) -> Item {
+        Item {
+            event: Event {
+                key: "evt_1".into(),
+                counter: counter.into(),
+                amount,
+            },
+            lane,
+            number,
+            earlier: Vec::new(),
+            document: Document::new(),
+        }
+    }
+
+    #[test]
+    fn a_stored_event_is_ours_by_a_lane_and_number_it_was_sent_with() {
+        let (ours, theirs) = (ObjectId::new(), ObjectId::new());
+        let stored = |lane: ObjectId, s: i64| doc! { "_id": "evt_1", "k": "a", "n": 2i64, "L": lane, "s": s };
+        let mine = item("a", 2, ours, 7);
+        assert!(matches!(
+            mine.judge(&stored(ours, 7)),
+            Recording::Recorded(_)
+        ));
+        assert!(matches!(
+            mine.judge(&stored(ours, 6)),
+            Recording::Duplicate(_)
+        ));
+        assert!(matches!(
+            mine.judge(&stored(theirs, 7)),
+            Recording::Duplicate(_)
+        ));
+        let resumed = Item {
+            earlier: vec![(theirs, 3)],
+            ..item("a", 2, ours, 9)
+        };
+        assert!(matches!(
+            resumed.judge(&stored(theirs, 3)),
+            Recording::Recorded(_)
+        ));
+        let Recording::Conflict(conflict) = item("b", 2, ours, 1).judge(&stored(theirs, 1)) else {
+            panic!("another counter is a conflict");
+        };
+        let said = conflict.to_string();
+        assert!(
+            said.contains("on counter a") && said.contains("on counter b"),
+            "{said}"
+        );
+        assert!(matches!(
+            item("a", 3, ours, 1).judge(&stored(theirs, 1)),
+            Recording::Conflict(_)
+        ));
+    }
+
+    #[test]
+    fn an_unknown_ticket_keeps_every_attempt_first_one_first() {
+        let (first, now) = (ObjectId::new(), ObjectId::new());
+        let resumed = Item {
+            earlier: vec![(first, 3)],
+            ..item("a", 1, now, 9)
+        };
+        let Recording::Unknown(ticket) = resumed.unknown(Error::InvalidArgument("x".into())) else {
+            panic!("unknown");
+        };
+        assert_eq!((ticket.lane(), ticket.number()), (first, 3));
+        assert_eq!(ticket.attempts, vec![(first, 3), (now, 9)]);
+    }
+}
