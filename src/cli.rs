@@ -266,9 +266,39 @@ fn configured(config: &Config, names: &[String], any: bool) -> Result<(), (Strin
 /// cannot be used (printed; 78: the configuration must change).
 async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
     let secrets = config.secrets();
-    Store::connect(&config.mongodb)
+    let store = Store::connect(&config.mongodb)
         .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))
+        .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))?;
+    tokio::spawn(say_while_unreachable(
+        store.clone(),
+        config.mongodb.server_selection_timeout,
+    ));
+    Ok(store)
+}
+
+/// How long a command waits for a server before it says so on standard
+/// error, and how often it says so again.
+const UNANSWERED_FIRST: std::time::Duration = std::time::Duration::from_secs(2);
+const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
+/// answered and why — while every host of the connection string failed its
+/// last try — instead of a silence as long as server selection. Ends with
+/// the command (the runtime stops with it).
+async fn say_while_unreachable(store: Store, selection: std::time::Duration) {
+    let started = tokio::time::Instant::now();
+    tokio::time::sleep(UNANSWERED_FIRST).await;
+    loop {
+        if !store.seems_reachable() {
+            let waited = started.elapsed();
+            eprintln!(
+                "tallyd: {}; still trying (a command gives up after {})",
+                store.unanswered(waited),
+                crate::error::human_duration(selection)
+            );
+        }
+        tokio::time::sleep(UNANSWERED_AGAIN).await;
+    }
 }
 
 impl Cli {

@@ -91,6 +91,38 @@ async fn an_unreachable_server_exits_69_saying_where_and_why() {
     assert_eq!(out["error"]["class"], "command");
 }
 
+/// While no server answers, a command says so at once and keeps saying
+/// it — not a silence as long as server selection (here 8 s): from 2 s on,
+/// every 5 s, where and why, on standard error; then the failure, exit 69.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_waiting_for_an_unreachable_server_says_so_while_it_waits() {
+    let port = free_address().port();
+    let uri = format!("mongodb://127.0.0.1:{port}/?directConnection=true");
+    let config = quick(&uri, "app", "").replace(
+        "server_selection_timeout = \"1s\"\nattempt_timeout = \"3s\"",
+        "server_selection_timeout = \"8s\"\nattempt_timeout = \"9s\"",
+    );
+    let config = config
+        .replace("retry_horizon = \"6s\"", "retry_horizon = \"18s\"")
+        .replace("grace = \"10s\"", "grace = \"30s\"")
+        .replace("stuck_after = \"10s\"", "stuck_after = \"30s\"");
+    let output = run(&config, &["incr", "k"]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(69), "{stderr}");
+    let waiting: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains(&format!("MongoDB at 127.0.0.1:{port} has not answered for")))
+        .collect();
+    assert!(
+        waiting.len() >= 2
+            && waiting
+                .iter()
+                .all(|l| l.contains("(connection refused); still trying")),
+        "said while waiting: {stderr}"
+    );
+    assert!(waiting[0].contains("for 2s"), "at once: {stderr}");
+}
+
 /// A server with authentication: a wrong password exits 77 naming the user
 /// and where it is defined, from every command; a user without the update
 /// privilege gets the server's refusal with its code and name, and what to
