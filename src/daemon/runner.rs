@@ -245,7 +245,7 @@ impl Runner {
             lanes_pruned = run.lanes_pruned,
             malformed = run.survey.malformed,
             refused = run.refused,
-            seconds = run.duration.as_secs_f64(),
+            took = %crate::error::human_duration(run.duration),
             "reconcile run"
         );
         report_refused(&self.alerts, &self.metrics, run);
