@@ -638,7 +638,7 @@ fn every_help_and_the_readme_give_the_same_exit_codes() {
     }
     let readme = read("README.md");
     let section = readme
-        .split("### Exit codes")
+        .split("## Exit codes")
         .nth(1)
         .expect("README: a section \"Exit codes\"");
     let section = section.split("\n#").next().unwrap();
@@ -668,7 +668,13 @@ fn the_recipes_read_the_env_file_as_the_unit_does() {
         "EnvironmentFile",
         "-/etc/tally/tallyd.env",
     );
-    for file in ["README.md", "config/alerts.yml", "systemd/tallyd.service"] {
+    for file in [
+        "README.md",
+        "docs/src/operations/installing.md",
+        "docs/src/operations/alerts.md",
+        "config/alerts.yml",
+        "systemd/tallyd.service",
+    ] {
         let text = read(file);
         assert!(
             !text.contains("set -a"),
@@ -676,7 +682,7 @@ fn the_recipes_read_the_env_file_as_the_unit_does() {
         );
         assert!(!text.contains(". /etc/tally/tallyd.env"), "{file}");
     }
-    for file in ["README.md", "config/alerts.yml"] {
+    for file in ["docs/src/operations/installing.md", "config/alerts.yml"] {
         assert!(
             read(file).contains("tallyd --env-file /etc/tally/tallyd.env"),
             "{file} gives no recipe with --env-file"
