@@ -32,6 +32,7 @@ mod reconcile;
 mod review_lanes;
 mod sequence;
 mod settle;
+mod shown_commands;
 mod shown_configs;
 mod soak;
 mod soak_group;

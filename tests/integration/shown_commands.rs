@@ -1,0 +1,142 @@
+//! The README's quick start runs as written: its shell blocks that can run
+//! on a test machine — writing `tallyd.toml`, then each `tallyd …` line —
+//! run in order against the test server, with the built binary for
+//! `tallyd` and the test server's address for `127.0.0.1:27017`. Each
+//! command must succeed, and where the line's comment shows what it prints
+//! (`# counted: …`), print that. `scripts/…`, `sudo …` and the daemon's
+//! `run` are left out (CI runs the scripts; the daemon has tests of its
+//! own).
+
+use std::path::Path;
+use std::process::Output;
+
+use crate::common::TestContext;
+use crate::common::server::repo_root;
+
+/// The ```sh blocks of a Markdown file, in order.
+fn shell_blocks(markdown: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut open: Option<String> = None;
+    for line in markdown.lines() {
+        match &mut open {
+            None if line.trim_start() == "```sh" => open = Some(String::new()),
+            Some(block) if line.trim_start().starts_with("```") => {
+                blocks.push(std::mem::take(block));
+                open = None;
+            }
+            Some(block) => {
+                block.push_str(line);
+                block.push('\n');
+            }
+            None => {}
+        }
+    }
+    blocks
+}
+
+/// One step of a block: a file written with a here-document, or a command.
+#[derive(Debug)]
+enum Step {
+    Write {
+        file: String,
+        text: String,
+    },
+    Tallyd {
+        args: Vec<String>,
+        shows: Option<String>,
+    },
+}
+
+/// The steps of the blocks that can run here, in order.
+fn runnable_steps(blocks: &[String]) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for block in blocks {
+        let mut lines = block.lines();
+        while let Some(line) = lines.next() {
+            if let Some(rest) = line.strip_prefix("cat > ") {
+                let (file, marker) = rest.split_once(" <<").expect("a here-document");
+                let marker = marker.trim_matches(|c| c == '\'' || c == '"');
+                let text: Vec<&str> = lines.by_ref().take_while(|l| *l != marker).collect();
+                steps.push(Step::Write {
+                    file: file.trim().to_owned(),
+                    text: text.join("\n") + "\n",
+                });
+            } else if let Some(rest) = line.strip_prefix("tallyd ") {
+                let (command, comment) = match rest.split_once("  #") {
+                    Some((command, comment)) => (command, Some(comment.trim())),
+                    None => (rest, None),
+                };
+                let args: Vec<String> = command.split_whitespace().map(str::to_owned).collect();
+                if args.iter().any(|a| a == "run") {
+                    continue;
+                }
+                // A comment that shows output starts with the outcome's
+                // word and a colon (`counted: …`); the rest says what the
+                // command is for.
+                let shows = comment
+                    .filter(|c| c.split(' ').next().is_some_and(|w| w.ends_with(':')))
+                    .map(|c| c.split('…').next().unwrap_or(c).trim().to_owned());
+                steps.push(Step::Tallyd { args, shows });
+            }
+        }
+    }
+    steps
+}
+
+fn run(dir: &Path, args: &[String]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .current_dir(dir)
+        .env_clear()
+        .args(args)
+        .output()
+        .expect("run tallyd")
+}
+
+#[tokio::test]
+async fn the_readmes_quick_start_runs_as_written() {
+    let ctx = TestContext::new("readme_quick_start").await;
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let steps = runnable_steps(&shell_blocks(&readme));
+    let commands = steps
+        .iter()
+        .filter(|s| matches!(s, Step::Tallyd { .. }))
+        .count();
+    assert!(
+        commands >= 5 && matches!(steps.first(), Some(Step::Write { .. })),
+        "the quick start writes its configuration, then runs tallyd: {steps:?}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let shown_uri = "uri = \"mongodb://127.0.0.1:27017/?directConnection=true\"";
+    for step in &steps {
+        match step {
+            Step::Write { file, text } => {
+                assert!(text.contains(shown_uri), "{text}");
+                let text = text
+                    .replace(shown_uri, &format!("uri = \"{}\"", ctx.child_uri(false)))
+                    .replace(
+                        "database = \"app\"",
+                        &format!("database = \"{}\"", ctx.db_name),
+                    );
+                std::fs::write(dir.path().join(file), text).unwrap();
+            }
+            Step::Tallyd { args, shows } => {
+                let output = run(dir.path(), args);
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                assert_eq!(
+                    output.status.code(),
+                    Some(0),
+                    "tallyd {}: {stdout}{stderr}",
+                    args.join(" ")
+                );
+                if let Some(shows) = shows {
+                    assert!(
+                        stdout.starts_with(shows.as_str()),
+                        "tallyd {} should print {shows:?}, printed: {stdout}",
+                        args.join(" ")
+                    );
+                }
+            }
+        }
+    }
+}
