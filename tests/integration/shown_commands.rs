@@ -140,3 +140,34 @@ async fn the_readmes_quick_start_runs_as_written() {
         }
     }
 }
+
+/// Every relative link of the README names a file of the repository (the
+/// book's pages are checked by `scripts/book` in CI).
+#[test]
+fn every_relative_link_of_the_readme_names_a_file() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for (_, rest) in readme
+        .match_indices("](")
+        .map(|(i, _)| ((), &readme[i + 2..]))
+    {
+        let target = rest.split(')').next().unwrap_or_default();
+        if target.contains("://") || target.starts_with('#') || target.is_empty() {
+            continue;
+        }
+        let path = target.split('#').next().unwrap_or_default();
+        checked += 1;
+        if !repo_root().join(path).exists() {
+            missing.push(target.to_owned());
+        }
+    }
+    assert!(
+        checked >= 10,
+        "the README's map of the book: {checked} links"
+    );
+    assert!(
+        missing.is_empty(),
+        "README links to missing files: {missing:?}"
+    );
+}
