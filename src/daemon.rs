@@ -1,4 +1,4 @@
-//! `tallyd run`: the long-running daemon (DESIGN §6).
+//! `tallyd run`: the long-running daemon (the book: design/daemon.md).
 //!
 //! [`supervise`] ([`supervisor`]) runs the daemon until it is told to stop,
 //! and on a reload drains it and starts it again with the new

@@ -31,7 +31,7 @@ pub(crate) enum Inserted {
 /// the `_id` may be this call's own.
 ///
 /// A write-concern error means the insert applied on the primary but its
-/// replication is unconfirmed (DESIGN §1): with a transient code or the
+/// replication is unconfirmed (the book: design/errors.md): with a transient code or the
 /// retryable label it is treated as a lost reply (retried: the retry's
 /// duplicate key finds the document), otherwise it is the command error it
 /// is.

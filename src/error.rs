@@ -1,4 +1,4 @@
-//! Error classes and the retry-once rule (DESIGN §1).
+//! Error classes and the retry-once rule (the book: design/errors.md).
 //!
 //! Every failed attempt against the server falls into exactly one
 //! [`ErrorClass`]: *transient* (retried once, and only for idempotent
@@ -166,7 +166,7 @@ impl Facts {
         }
     }
 
-    /// The error class (DESIGN §1).
+    /// The error class (the book: design/errors.md).
     pub(crate) fn class(self) -> ErrorClass {
         let transient_code = |c: i32| code::TRANSIENT.contains(&c) || self.retryable_label;
         let duplicate_code = |c: i32| code::DUPLICATE_KEY_CODES.contains(&c);
@@ -837,7 +837,7 @@ mod tests {
         Custom,
     }
 
-    /// The codes DESIGN §1 lists, written out again rather than taken from
+    /// The codes the book lists (design/errors.md), written out again rather than taken from
     /// [`code`], so that the properties below check the table.
     const DESIGN_TRANSIENT: [i32; 12] = [
         6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436,
@@ -867,7 +867,7 @@ mod tests {
             matches!(self, Self::WriteConcern { labelled: true, .. })
         }
 
-        /// DESIGN §1's table, stated independently of [`Facts::class`].
+        /// The book's table (design/errors.md), stated independently of [`Facts::class`].
         fn expected_class(&self) -> ErrorClass {
             match *self {
                 Self::Io(_) => ErrorClass::Transient,
@@ -958,7 +958,7 @@ mod tests {
     }
 
     proptest! {
-        /// Classification follows DESIGN §1's table by kind, code and label
+        /// Classification follows the book's table (design/errors.md) by kind, code and label
         /// only: the same failure with two unrelated message texts and code
         /// names gets the same facts, class and effect, and that class and
         /// effect are the ones the table gives.
@@ -999,7 +999,7 @@ mod tests {
                 budget.start_attempt();
                 prop_assert_eq!(budget.attempts(), attempt);
                 let class = fault.expected_class();
-                // The reference rule, from DESIGN §1 and `RetryBudget`'s docs.
+                // The reference rule, from the book (design/errors.md) and `RetryBudget`'s docs.
                 let should_retry = match class {
                     ErrorClass::Transient => {
                         transient_retries == 0

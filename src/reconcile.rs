@@ -1,4 +1,4 @@
-//! The fold: counting the tokens writers left behind (DESIGN §4).
+//! The fold: counting the tokens writers left behind (the book: design/fold.md).
 //!
 //! A writer that crashes or gives up between the two steps of an increment
 //! leaves its token in the pending array. Once the token is older than the

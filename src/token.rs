@@ -1,4 +1,4 @@
-//! Pending tokens and the entries of a `pending` array (DESIGN §2).
+//! Pending tokens and the entries of a `pending` array (the book: design/counter-document.md).
 //!
 //! A token is a fresh client-generated ObjectId; its first four bytes are its
 //! creation time in whole seconds, which is all tally needs to know a token's
@@ -456,7 +456,7 @@ mod tests {
         prop_oneof![2 => tree, 1 => near_entry]
     }
 
-    /// The entry rule of DESIGN §2, stated independently of `Entry::parse`:
+    /// The entry rule (book: design/counter-document.md), apart from `Entry::parse`:
     /// a bare ObjectId is `+1`; a document is an entry when its fields are
     /// exactly `t` and `n`, `t` is an ObjectId and `n` a non-zero int32 or
     /// int64. Anything else is not an entry.
@@ -486,7 +486,7 @@ mod tests {
 
     proptest! {
         /// `Entry::parse` never panics on any BSON value and accepts exactly
-        /// the two entry forms of DESIGN §2, with the right token and amount;
+        /// the two entry forms (book: design/counter-document.md), right token and amount;
         /// a value that is neither an ObjectId nor a document is refused as
         /// the wrong type.
         #[test]

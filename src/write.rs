@@ -2,18 +2,18 @@
 //! into operations that stay exact when replies are lost, primaries step
 //! down and writers crash.
 //!
-//! - [`counter`]: the two-step increment (DESIGN §3) with `complete` and
+//! - [`counter`]: the two-step increment (the book: design/two-step.md) with `complete` and
 //!   `resume`, the [`Counters`](counter::Counters) handle both increment
 //!   protocols share, and the settings it shares with the fold (the
 //!   collection's field names, the retry horizon, the lanes' lifetimes);
-//! - [`lane`]: writer lanes (DESIGN §3b), an exact increment in one round
+//! - [`lane`]: writer lanes (the book: design/lanes.md), an exact increment in one round
 //!   trip, safe to resume any number of times, a counter's concurrent
 //!   increments sent together;
 //! - [`group`]: group commit's queue, per key one batch in flight;
-//! - [`ledger`]: the events ledger (DESIGN §8), idempotency keys: the
+//! - [`ledger`]: the events ledger (the book: design/ledger.md), idempotency keys: the
 //!   same event recorded twice is counted once, and exact reads;
 //! - [`sequence`]: numbers from a counters collection, never handed out
-//!   twice (DESIGN §5);
+//!   twice (the book: design/sequences.md);
 //! - [`insert_loop`]: the optimistic insert loop, dense numeric `_id`s;
 //! - [`bounded`]: bounded counters, a unit taken only while some are left;
 //! - [`ticket`]: the tickets an operator pastes into `tallyd resume` and

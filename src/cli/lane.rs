@@ -1,5 +1,5 @@
 //! `tallyd incr --lane` and `tallyd resume --lane`: the lanes protocol
-//! (DESIGN §3b) on the command line.
+//! (the book: design/lanes.md) on the command line.
 //!
 //! A command is one process, so `incr` takes one fresh lane of its own
 //! and sends its first number, s = 1, in one round trip (a count, whose age

@@ -1,4 +1,4 @@
-//! Several daemon instances, one active (DESIGN §6): a lease document in
+//! Several daemon instances, one active (the book: design/daemon.md): a lease document in
 //! the state collection, `{_id: "lease", owner, expires}`, taken and
 //! renewed atomically. Only its holder folds and alerts; the others stand
 //! by and take over once it expires.

@@ -1,5 +1,5 @@
 //! A live view of the pending tokens and lane maps in the counter
-//! collections (DESIGN §6), kept by change streams and backed up by
+//! collections (the book: design/daemon.md), kept by change streams and backed up by
 //! periodic scans.
 //!
 //! The view holds, per document that has pending entries or lane entries,

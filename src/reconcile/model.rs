@@ -762,7 +762,7 @@ mod tests {
         .boxed()
     }
 
-    /// What the stale entries add up to (DESIGN §4: entries of a second
+    /// What the stale entries add up to (the book's design/fold.md: entries of a second
     /// before the cutoff second), exactly.
     fn stale_sum(entries: &[Generated]) -> i128 {
         entries

@@ -1,5 +1,5 @@
 //! One document's fold as `update` statements, conditioned on exactly what
-//! they remove (DESIGN §4, the per-document conditioned write).
+//! they remove (the book: design/fold.md, the statements).
 //!
 //! A statement applies only while the document still holds what the plan
 //! removes and none of the tokens it counts has a settle marker, and

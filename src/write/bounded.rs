@@ -1,4 +1,4 @@
-//! Bounded counters (DESIGN §5): limited stock — seats, copies, licences —
+//! Bounded counters (the book: design/sequences.md): limited stock — seats, copies, licences —
 //! handed out one unit at a time, with who holds each unit recorded in the
 //! same document (MongoDB's "copies available + checkout" pattern):
 //!

@@ -1,5 +1,5 @@
 //! Resilient increments: a non-idempotent `$inc` split into two idempotent
-//! steps with a pending token (DESIGN §3).
+//! steps with a pending token (the book: design/two-step.md).
 //!
 //! 1. **add the token**: `updateOne({_id: k}, {$addToSet: {pending: e}}, {upsert: true})`;
 //! 2. **count the token**: conditioned on the entry being pending, one
@@ -84,7 +84,7 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 
 /// Increments counters of one collection, with either protocol: the
 /// two-step increment ([`Counters::increment`]) or a writer lane
-/// ([`Counters::add`], DESIGN §3b). Clones share one lane and its queue:
+/// ([`Counters::add`], the book: design/lanes.md). Clones share one lane and its queue:
 /// make one handle per process (per collection) and clone it. A handle
 /// belongs to one Tokio runtime, as the driver's `Client` does: the
 /// updates of [`Counters::add`] are sent by tasks spawned on the runtime

@@ -1,4 +1,4 @@
-//! The optimistic insert loop (DESIGN §5): give a new document the highest
+//! The optimistic insert loop (the book: design/sequences.md): give a new document the highest
 //! numeric `_id` in the collection plus one; if another writer took that id
 //! first (a duplicate key), read the highest id again and retry — a bounded
 //! number of times, with jittered backoff, then a clear error saying how many

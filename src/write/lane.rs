@@ -1,5 +1,5 @@
 //! Writer lanes: an exact increment in one round trip, safe to repeat any
-//! number of times (DESIGN §3b).
+//! number of times (the book: design/lanes.md).
 //!
 //! A **lane** is one writer's sequence of operations: an id and a number
 //! `s` that only grows. The counter document remembers, per lane that wrote
@@ -19,8 +19,8 @@
 //! update is sent once more, and if it collides again the lane's entry is
 //! read (`s`: counted earlier; more: out of order, nothing written; less:
 //! a race, send again). A transient failure is re-sent once with the same
-//! `s` (the retry rule of DESIGN §1; with retryable writes the driver's own
-//! retry is that one). A command error before anything may have applied:
+//! `s` (the retry rule, the book: design/errors.md; tally makes the retry
+//! itself). A command error before anything may have applied:
 //! not counted. Anything else leaves the outcome unknown, with a
 //! [`LaneTicket`].
 //!

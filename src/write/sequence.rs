@@ -1,4 +1,4 @@
-//! Sequences on a counters collection (DESIGN §5): numbers for order ids,
+//! Sequences on a counters collection (the book: design/sequences.md): numbers for order ids,
 //! user ids and the like, one document per sequence, `{_id: name, seq: n}`
 //! as in MongoDB's tutorial, so existing counters keep working.
 //!

@@ -169,7 +169,7 @@ async fn two_creators_of_one_counter_exactly_one_gets_true() {
 }
 
 /// A create whose write concern fails with a code that is not transient is
-/// a command error (DESIGN §1), not "created".
+/// a command error (the book: design/errors.md), not "created".
 #[tokio::test]
 async fn a_create_with_a_write_concern_error_is_a_command_error() {
     let ctx = TestContext::new("bounded_create_write_concern").await;

@@ -1,4 +1,4 @@
-//! The fault matrix (DESIGN §7): every fault the network or a server can
+//! The fault matrix (the book: design/testing.md): every fault the network or a server can
 //! produce, injected by the black-pipe proxy at every write tally makes —
 //! increment step 1 and step 2, sequence `next`, bounded `take`, the fold,
 //! and the lane increment on a new and on an existing counter — with

@@ -1,5 +1,5 @@
 //! The two-step increment against a real server: exact counts, and exactly
-//! the outcome DESIGN §3 promises when attempts fail.
+//! the outcome the book (design/two-step.md) promises when attempts fail.
 
 use std::time::{Duration, SystemTime};
 

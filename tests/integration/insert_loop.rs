@@ -227,7 +227,7 @@ async fn an_insert_whose_replies_were_lost_is_found_by_its_token() {
 }
 
 /// An insert whose write concern fails with a code that is not transient
-/// is a command error (DESIGN §1), not a success; one with a transient code
+/// is a command error (the book: design/errors.md), not a success; one with a transient code
 /// is a lost reply, and the token says the document is ours.
 #[tokio::test]
 async fn a_write_concern_error_is_a_command_error_unless_transient() {

@@ -1,4 +1,4 @@
-//! Writer lanes (DESIGN §3b) against a real server: exact counts in one
+//! Writer lanes (the book: design/lanes.md) against a real server: exact counts in one
 //! round trip, the outcome the caller is told when attempts fail, resumes
 //! that count once however often they run, named lanes that recognise a
 //! redelivered position, and the limits the lane settings put on all that.

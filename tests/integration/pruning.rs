@@ -1,4 +1,4 @@
-//! The fold's pruning of writer lanes (DESIGN §3b) against a real server:
+//! The fold's pruning of writer lanes (the book: design/lanes.md) against a real server:
 //! expired minted lanes go, named and young ones stay, malformed lane maps
 //! are never touched, documents holding tokens and lanes are folded and
 //! pruned by one statement, and pruning is exact on documents writers keep

@@ -194,7 +194,7 @@ async fn seq_commands_print_json() {
     assert_eq!(stored.unwrap().get_i64("seq").unwrap(), 102);
 }
 
-/// Creating a sequence's document follows DESIGN §1 for write-concern
+/// Creating a sequence's document follows the book (design/errors.md) for write-concern
 /// errors: a transient one is a lost reply (retried; the document is
 /// there, the first number is 1), any other is a command error.
 #[tokio::test]

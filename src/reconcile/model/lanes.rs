@@ -1,4 +1,4 @@
-//! The pruning of a lane map (DESIGN §3b), in plain Rust: which entries
+//! The pruning of a lane map (the book: design/lanes.md), in plain Rust: which entries
 //! go at a cutoff, or why the map must be left alone.
 //!
 //! At lane cutoff L (the server's time minus `lane_ttl`), for a map

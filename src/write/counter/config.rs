@@ -152,12 +152,12 @@ pub(crate) const DEFAULT_LANE_TTL: Duration = Duration::from_secs(24 * 3600);
 /// increment, [`Counters::add`](super::Counters::add) the lanes protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub enum Protocol {
-    /// Two idempotent steps joined by a pending token (DESIGN §3): two
+    /// Two idempotent steps joined by a pending token (the book: design/two-step.md): two
     /// round trips; its data is what other clients of the technique write.
     #[default]
     #[serde(rename = "two-step")]
     TwoStep,
-    /// One conditioned update through a writer lane (DESIGN §3b): one round
+    /// One conditioned update through a writer lane (the book: design/lanes.md): one round
     /// trip, safe to resume any number of times.
     #[serde(rename = "lanes")]
     Lanes,
