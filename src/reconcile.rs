@@ -47,8 +47,9 @@
 //! `$$NOW` — so every daemon agrees on it. A token's time comes from its
 //! writer's clock. A writer whose clock lags the server's by `d` has its
 //! tokens folded `d` early, so the fold stays exact as long as writers lag
-//! the server by less than `grace − retry_horizon` (14 minutes with the
-//! defaults); a writer ahead of the server only delays the fold.
+//! the server by less than `grace − retry_horizon − attempt_timeout` (11
+//! minutes with the defaults); a writer ahead of the server only delays
+//! the fold.
 //!
 //! A minted lane's entry holds its writer's time of writing (a count: its
 //! lane id's), and is pruned once older than the server's time − `lane_ttl`;

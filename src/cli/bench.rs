@@ -81,11 +81,11 @@ pub(crate) struct BenchArgs {
 pub(crate) enum Protocol {
     /// A bare `updateOne` with `$inc` and upsert: the unsafe baseline.
     Plain,
-    /// [`Counters::increment`].
+    /// The two-step increment (`Counters::increment`).
     TwoStep,
-    /// [`Counters::add`].
+    /// Writer lanes with group commit (`Counters::add`).
     Lanes,
-    /// [`Ledger::record`].
+    /// The events ledger (`Ledger::record`).
     Ledger,
 }
 
@@ -418,11 +418,17 @@ fn report(args: &BenchArgs, collection: &str, sides: &[Side]) -> ExitCode {
             })
         );
     } else {
+        let writers = match args.writers {
+            1 => "1 writer".to_owned(),
+            n => format!("{n} writers sharing one handle"),
+        };
+        let keys = match args.keys {
+            1 => "1 key".to_owned(),
+            n => format!("{n} keys"),
+        };
         out!(
-            "tallyd bench: {} writers sharing one handle, {} keys, {}s per side in interleaved \
-             slices; collection {collection} ({kept})",
-            args.writers,
-            args.keys,
+            "tallyd bench: {writers}, {keys}, {}s per side in interleaved slices; collection \
+             {collection} ({kept})",
             args.seconds
         );
         out!("{}", Side::header());

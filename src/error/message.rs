@@ -253,8 +253,9 @@ fn server_says(
 fn advice(code: i32) -> Option<&'static str> {
     Some(match code {
         code::UNAUTHORIZED => {
-            "the connected user lacks this privilege: grant it the role the README's \"The \
-             smallest MongoDB role\" lists (`tallyd doctor` names each missing action)"
+            "the connected user lacks this privilege: grant it the role the book's \"The \
+             smallest MongoDB role\" (docs/src/operations/role.md) lists (`tallyd doctor` names \
+             each missing action)"
         }
         code::DOCUMENT_VALIDATION_FAILURE => {
             "the collection's validator refused the document: let the validator accept tally's \

@@ -1,6 +1,6 @@
 //! What the daemon may do and how fast it finds its work: each counter
-//! collection's indexes against the README's advice, and the connected
-//! user's privileges against the README's smallest role.
+//! collection's indexes against the book's advice, and the connected
+//! user's privileges against the smallest role (docs/src/operations/role.md).
 
 use futures::TryStreamExt;
 use mongodb::IndexModel;
@@ -121,24 +121,14 @@ fn judge_indexes(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, S
         }
     }
     if !missing.is_empty() {
-        let create: Vec<String> = missing
-            .iter()
-            .map(|field| {
-                format!(
-                    "db.{}.createIndex({{{field}: 1}}, {{sparse: true}})",
-                    spec.name
-                )
-            })
-            .collect();
         return (
             Verdict::Warn,
             format!(
                 "no index on {}: each fold and each monitor scan reads the whole collection to \
                  find the documents holding tokens or settle markers; on a large collection \
-                 where few do, create sparse ones — {} — at a price on every increment step \
-                 (BENCHMARKS.md)",
-                missing.join(", "),
-                create.join(", ")
+                 where few do, `tallyd setup` creates sparse ones, at a price on every \
+                 increment step (BENCHMARKS.md)",
+                missing.join(", ")
             ),
         );
     }
@@ -169,7 +159,7 @@ struct Needed {
     why: &'static str,
 }
 
-/// README's smallest role, for this configuration.
+/// smallest role in the book (docs/src/operations/role.md), for this configuration.
 fn needed(config: &Config) -> Vec<Needed> {
     let mut needed = Vec::new();
     let mut need = |collection: &str, action, why| {
@@ -264,7 +254,7 @@ pub(super) async fn privileges(store: &Store, config: &Config) -> Check {
             Verdict::Warn,
             format!(
                 "unknown: the server listed no privileges for {} (roles: {}); compare them with \
-                 the README's smallest role",
+                 the smallest role (docs/src/operations/role.md)",
                 users.join(", "),
                 names(&info, "authenticatedUserRoles", "role").join(", ")
             ),
@@ -291,7 +281,7 @@ pub(super) async fn privileges(store: &Store, config: &Config) -> Check {
             name,
             Verdict::Ok,
             format!(
-                "{} holds every privilege the daemon needs (the README's smallest role){setup}",
+                "{} holds every privilege the daemon needs (the smallest role (docs/src/operations/role.md)){setup}",
                 users.join(", ")
             ),
         )
@@ -389,7 +379,7 @@ mod tests {
             .collect()
     }
 
-    /// The README's smallest role: without a ledger, nothing on an events
+    /// The smallest role in the book (docs/src/operations/role.md): without a ledger, nothing on an events
     /// collection; with one, what the fold does there and in its state,
     /// and insert on the counters.
     #[test]
