@@ -57,10 +57,10 @@
 //! lane_resume_horizon − attempt_timeout`.
 
 mod batch;
-pub mod ledger;
-pub mod model;
+mod ledger;
+pub(crate) mod model;
 mod report;
-pub mod statement;
+mod statement;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
@@ -588,3 +588,6 @@ fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u
         tracing::warn!(collection, id = %display_id(id), reason = %reason, "malformed document left unchanged");
     }
 }
+
+#[cfg(test)]
+mod tests;

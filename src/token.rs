@@ -125,7 +125,7 @@ pub(crate) struct Entry {
 
 /// Why an element of a `pending` array is not a valid entry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BadEntry {
+pub(crate) enum BadEntry {
     /// Neither an ObjectId nor a document.
     #[error("entry is a {0}, not an ObjectId or {{t, n}}")]
     WrongType(&'static str),

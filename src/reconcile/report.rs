@@ -176,7 +176,8 @@ impl CollectionRun {
     }
 
     /// A run that could not start.
-    pub fn failed(collection: &str, error: Error) -> Self {
+    #[cfg(feature = "daemon")]
+    pub(crate) fn failed(collection: &str, error: Error) -> Self {
         let mut run = Self::new(collection, Mode::Fold, SystemTime::UNIX_EPOCH);
         run.error = Some(error);
         run

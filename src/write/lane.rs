@@ -84,7 +84,9 @@ use std::time::{Duration, SystemTime};
 use mongodb::bson::{Bson, Document, doc};
 
 pub use name::{BadLaneName, LaneId, LaneName};
-pub(crate) use number::{update_age, written_before};
+#[cfg(feature = "daemon")]
+pub(crate) use number::update_age;
+pub(crate) use number::written_before;
 pub use outcome::{LaneCounted, LaneIncrement, LaneOutOfOrder, LaneTicket};
 pub use sender::LaneStats;
 pub(crate) use sender::{LaneWriter, writer};
