@@ -54,7 +54,7 @@
 //! - `error`: error classes, the retry-once rule, the library's [`Error`],
 //!   and what a failure says to people (`message`).
 //! - `redact`: keeping passwords and tokens out of logs, errors and output.
-//! - `store`: the connected [`Store`] and how to reach the server
+//! - `store`: the connected [`Store`]; `config`: how to reach the server
 //!   ([`StoreConfig`]); `reach`: where it connects, for its failures'
 //!   messages.
 //! - `document`: reading values out of documents tally does not own.
@@ -68,10 +68,11 @@
 //!   `sequence`, `insert_loop`, `bounded`.
 //! - `reconcile`: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — `model` (its specification), `statement` (a
-//!   document's fold as conditioned update statements), `batch` (sending
-//!   them, reading what the server did), `report` (what a run found and
-//!   did: [`CollectionRun`]), `ledger` (the fold of recorded events:
-//!   [`EventFold`]).
+//!   document's fold as conditioned update statements), `fold` (a run's
+//!   passes: rows planned into batches, documents that changed read
+//!   again), `batch` (sending them, reading what the server did), `report`
+//!   (what a run found and did: [`CollectionRun`]), `ledger` (the fold of
+//!   recorded events: [`EventFold`]).
 //!
 //! With the `daemon` feature:
 //!

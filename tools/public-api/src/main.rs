@@ -110,7 +110,10 @@ fn missing_examples(api: &PublicApi, krate: &Crate) -> BTreeSet<String> {
                 | ItemEnum::TypeAlias(_)
                 | ItemEnum::Function(_)
         );
-        let has_example = item.docs.as_deref().is_some_and(|docs| docs.contains("```"));
+        let has_example = item
+            .docs
+            .as_deref()
+            .is_some_and(|docs| docs.contains("```"));
         if item.crate_id == 0 && wants_example && !has_example && !in_trait_impls.contains(&id) {
             // The shortest of its paths (`tally::Backlog`, not a longer one).
             let line = public.to_string();
