@@ -83,7 +83,7 @@ fn read_crate(path: &Path) -> Result<Crate, String> {
 /// Every public type and function of the crate itself — methods
 /// included, those of trait implementations not (`Clone::clone`,
 /// `Display::fmt`: the trait documents them) — whose documentation has no
-/// code block, as the listing shows it. An item reached by several paths
+/// Rust example (see [`has_rust_example`]), as the listing shows it. An item reached by several paths
 /// is named once.
 fn missing_examples(api: &PublicApi, krate: &Crate) -> BTreeSet<String> {
     let in_trait_impls: HashSet<&Id> = krate
@@ -110,10 +110,7 @@ fn missing_examples(api: &PublicApi, krate: &Crate) -> BTreeSet<String> {
                 | ItemEnum::TypeAlias(_)
                 | ItemEnum::Function(_)
         );
-        let has_example = item
-            .docs
-            .as_deref()
-            .is_some_and(|docs| docs.contains("```"));
+        let has_example = item.docs.as_deref().is_some_and(has_rust_example);
         if item.crate_id == 0 && wants_example && !has_example && !in_trait_impls.contains(&id) {
             // The shortest of its paths (`tally::Backlog`, not a longer one).
             let line = public.to_string();
@@ -128,4 +125,59 @@ fn missing_examples(api: &PublicApi, krate: &Crate) -> BTreeSet<String> {
         }
     }
     named.into_values().collect()
+}
+
+/// Whether `docs` hold a code block rustdoc compiles as a doc test: a
+/// fence with no info string, or one whose words are all Rust's (`rust`,
+/// `no_run`, `should_panic`, an edition). A `text` block, or one rustdoc
+/// skips (`ignore`) or expects to fail (`compile_fail`), is no example.
+fn has_rust_example(docs: &str) -> bool {
+    let mut in_block = false;
+    for line in docs.lines() {
+        let line = line.trim_start();
+        let Some(info) = line.strip_prefix("```") else {
+            continue;
+        };
+        if in_block {
+            in_block = false;
+            continue;
+        }
+        in_block = true;
+        let rust = info
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|word| !word.is_empty())
+            .all(|word| {
+                matches!(word, "rust" | "no_run" | "should_panic") || word.starts_with("edition")
+            });
+        if rust {
+            return true;
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_rust_example;
+
+    #[test]
+    fn a_rust_fence_is_an_example() {
+        assert!(has_rust_example("Adds.\n\n```\nlet x = 1;\n```"));
+        assert!(has_rust_example("```rust\nlet x = 1;\n```"));
+        assert!(has_rust_example("```no_run\nlet x = 1;\n```"));
+        assert!(has_rust_example(
+            "```rust,no_run,edition2024\nlet x = 1;\n```"
+        ));
+    }
+
+    #[test]
+    fn text_ignored_or_failing_blocks_are_not() {
+        assert!(!has_rust_example("No code."));
+        assert!(!has_rust_example("```text\ntallyd run\n```"));
+        assert!(!has_rust_example("```ignore\nlet x = 1;\n```"));
+        assert!(!has_rust_example("```compile_fail\nlet x: u8 = -1;\n```"));
+        // The fence closing a text block is not the opening of an example.
+        assert!(!has_rust_example("```text\na\n```\nand then prose"));
+        assert!(has_rust_example("```text\na\n```\n```\nlet x = 1;\n```"));
+    }
 }
