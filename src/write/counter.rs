@@ -101,7 +101,8 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 /// let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
 /// let worker = views.clone();
 /// tokio::spawn(async move {
-///     let _ = worker.add("home", 1).await;
+///     let added = worker.add("home", 1).await;
+///     println!("home +1: {}", added.name());
 /// });
 /// # Ok(()) }
 /// ```
@@ -262,7 +263,9 @@ impl Counters {
     ///     }
     ///     // Settle it within the retry horizon.
     ///     Increment::Unknown(unknown) => {
-    ///         let _ = views.resume(unknown).await?;
+    ///         if let Increment::Unknown(still) = views.resume(unknown).await? {
+    ///             eprintln!("resume later: {}", views.ticket(&still));
+    ///         }
     ///     }
     ///     Increment::NotCounted(not) => return Err(not.cause().clone()),
     /// }

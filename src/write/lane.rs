@@ -153,13 +153,22 @@ impl Counters {
     ///
     /// // Partition 3 of the `orders` topic: its offsets number the lane.
     /// let lane = LaneName::new("orders-3").expect("a lane name");
-    /// match views.add_from("home", 1, &lane, offset).await {
+    /// let counted = match views.add_from("home", 1, &lane, offset).await {
     ///     // Counted now, or before (the message delivered again).
-    ///     LaneIncrement::Counted(_) => {}
+    ///     LaneIncrement::Counted(_) => true,
     ///     // Send the same offset again (or resume) before the next one.
-    ///     LaneIncrement::Unknown(ticket) => { let _ = views.resume_lane(ticket).await?; }
-    ///     LaneIncrement::OutOfOrder(old) => eprintln!("offset {offset} behind {}", old.held()),
+    ///     LaneIncrement::Unknown(ticket) => {
+    ///         matches!(views.resume_lane(ticket).await?, LaneIncrement::Counted(_))
+    ///     }
+    ///     // Sent in order, an earlier offset is one counted before.
+    ///     LaneIncrement::OutOfOrder(old) => {
+    ///         eprintln!("offset {offset} behind {}", old.held());
+    ///         true
+    ///     }
     ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
+    /// };
+    /// if counted {
+    ///     // Commit the offset to the source; until then it delivers it again.
     /// }
     /// # Ok(()) }
     /// ```

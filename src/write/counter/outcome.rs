@@ -67,8 +67,13 @@ macro_rules! token_accessors {
 ///
 /// match views.increment("home", 1).await {
 ///     Increment::Counted(_) => {}
+///     // Counted once either way: a settle left pending is the fold's.
 ///     Increment::Pending(pending) => { let _ = views.complete(pending).await; }
-///     Increment::Unknown(unknown) => { let _ = views.resume(unknown).await?; }
+///     Increment::Unknown(unknown) => {
+///         if let Increment::Unknown(still) = views.resume(unknown).await? {
+///             eprintln!("resume later: {}", views.ticket(&still));
+///         }
+///     }
 ///     Increment::NotCounted(not) => return Err(not.cause().clone()),
 /// }
 /// # Ok(()) }

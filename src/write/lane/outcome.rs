@@ -28,7 +28,11 @@ use crate::write::counter::NotCounted;
 /// match views.add("home", 1).await {
 ///     LaneIncrement::Counted(_) => {}
 ///     // Harmless to resume any number of times: the lane's number applies once.
-///     LaneIncrement::Unknown(ticket) => { let _ = views.resume_lane(ticket).await?; }
+///     LaneIncrement::Unknown(ticket) => {
+///         if let LaneIncrement::Unknown(still) = views.resume_lane(ticket).await? {
+///             eprintln!("resume later: {}", views.lane_ticket(&still).unwrap_or_default());
+///         }
+///     }
 ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
 ///     // Only a named lane (`add_from`) can be out of order.
 ///     LaneIncrement::OutOfOrder(_) => {}

@@ -260,7 +260,9 @@ impl Counters {
     /// match views.add("home", 1).await {
     ///     LaneIncrement::Counted(_) => {}
     ///     LaneIncrement::Unknown(ticket) => {
-    ///         let _ = views.resume_lane(ticket).await?;
+    ///         if let LaneIncrement::Unknown(still) = views.resume_lane(ticket).await? {
+    ///             eprintln!("resume later: {}", views.lane_ticket(&still).unwrap_or_default());
+    ///         }
     ///     }
     ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
     ///     LaneIncrement::OutOfOrder(_) => unreachable!("only named lanes"),

@@ -73,9 +73,14 @@ impl Event {
 /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
 /// use tally::Recording;
 ///
-/// match orders.record("order-1042", "2026-05", 3).await {
+/// let mut recording = orders.record("order-1042", "2026-05", 3).await;
+/// if let Recording::Unknown(ticket) = recording {
+///     // The insert may have landed: sending the same event again is safe.
+///     recording = orders.record_again(ticket).await?;
+/// }
+/// match recording {
 ///     Recording::Recorded(_) | Recording::Duplicate(_) => {}
-///     Recording::Unknown(ticket) => { let _ = orders.record_again(ticket).await?; }
+///     Recording::Unknown(ticket) => eprintln!("{}: send it again later", ticket.event().key()),
 ///     Recording::Conflict(conflict) => eprintln!("{conflict}"),
 ///     Recording::NotRecorded(not) => return Err(not.cause().clone()),
 /// }
