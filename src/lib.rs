@@ -54,9 +54,9 @@
 //! - `error`: error classes, the retry-once rule, the library's [`Error`],
 //!   and what a failure says to people (`message`).
 //! - `redact`: keeping passwords and tokens out of logs, errors and output.
-//! - `store`: the connected [`Store`]; `config`: how to reach the server
-//!   ([`StoreConfig`]); `reach`: where it connects, for its failures'
-//!   messages.
+//! - `store`: the connected [`Store`] — `config` (how to reach the server:
+//!   [`StoreConfig`]), `reach` (where it connects, for its failures'
+//!   messages).
 //! - `document`: reading values out of documents tally does not own.
 //! - `token`: pending [`Token`]s and the two entry forms of a `pending`
 //!   array.
