@@ -65,18 +65,18 @@ pub(crate) use exit::{
 /// `tallyd`: exact counters in MongoDB.
 #[derive(Debug, Parser)]
 #[command(name = "tallyd", version, about, propagate_version = true)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Configuration file. Default: /etc/tally/tallyd.toml, which may be
     /// absent when the environment (TALLYD__SECTION__KEY) sets everything.
     #[arg(long, short, global = true, value_name = "PATH")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
 
     /// Read environment variables from this file first, in the syntax of
     /// systemd's EnvironmentFile= (one KEY=VALUE a line, taken as it is:
     /// `&` and spaces need no quoting), e.g. /etc/tally/tallyd.env. Its
     /// values win over the environment's.
     #[arg(long, global = true, value_name = "PATH")]
-    pub env_file: Option<PathBuf>,
+    pub(crate) env_file: Option<PathBuf>,
 
     /// A testing aid, hidden from help: pretend this host's clock is off by
     /// this much (`10m` ahead, `-10m` behind) when its skew against the
@@ -305,7 +305,7 @@ impl Cli {
     /// Parses the command line: `Err` with the exit code when it is wrong
     /// (the message printed: 64) or when it asked for `--help` or
     /// `--version` (printed: 0).
-    pub fn from_args() -> Result<Self, ExitCode> {
+    pub(crate) fn from_args() -> Result<Self, ExitCode> {
         command()
             .try_get_matches()
             .and_then(|matches| <Self as clap::FromArgMatches>::from_arg_matches(&matches))
@@ -322,7 +322,7 @@ impl Cli {
 
     /// Runs the commands that need no configuration (the completions and
     /// man pages of packaging): `Some(exit)` when this was one.
-    pub fn run_without_config(&self) -> Option<ExitCode> {
+    pub(crate) fn run_without_config(&self) -> Option<ExitCode> {
         match &self.command {
             Command::Completions(args) => Some(generate::completions(args)),
             Command::Man(args) => Some(generate::man(args)),
@@ -339,7 +339,7 @@ impl Cli {
     /// `env`, with `--env-file`'s variables over `env`'s. Every command
     /// checks the same way — `check-config` answers for all of them — so
     /// one configuration gets one verdict (and exit code 78) everywhere.
-    pub fn load_config(
+    pub(crate) fn load_config(
         &self,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigErrors> {
@@ -397,9 +397,50 @@ pub(crate) fn write_out(args: std::fmt::Arguments<'_>, newline: bool) {
     }
 }
 
+/// The `tallyd` binary's entry point: parses the command line, loads the
+/// configuration, starts logging and runs the command, returning the exit
+/// code of its outcome (see the table of exit codes in `tallyd --help`).
+///
+/// The binary's `main` is this one call; it is public so that a build of
+/// `tallyd` with its own `main` (a distribution's wrapper, a binary linking
+/// more of its own) runs exactly the daemon and commands tally ships. It
+/// reads the process's arguments and environment and builds its own async
+/// runtime: call it from a plain `fn main`, not from inside a runtime.
+///
+/// ```no_run
+/// fn main() -> std::process::ExitCode {
+///     tally::tallyd_main()
+/// }
+/// ```
+pub fn tallyd_main() -> ExitCode {
+    let cli = match Cli::from_args() {
+        Ok(cli) => cli,
+        Err(exit) => return exit,
+    };
+    if let Some(exit) = cli.run_without_config() {
+        return exit;
+    }
+    let config = match cli.load_config(std::env::vars()) {
+        Ok(config) => config,
+        Err(errors) => {
+            eprintln!("{errors}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let logging = crate::logging::init(&config);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(cli, config, logging))
+}
+
 /// Runs a command against a loaded configuration; `logging` follows a
 /// reload of `tallyd run`.
-pub async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
+pub(crate) async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode {
     let clock = cli.clock();
     match cli.command {
         Command::CheckConfig(args) => {

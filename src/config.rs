@@ -49,7 +49,7 @@ pub(crate) const DEFAULT_PATH: &str = "/etc/tally/tallyd.toml";
 
 /// Exit code for a bad configuration (`EX_CONFIG` from `sysexits.h`);
 /// systemd units use it to stop restarting a daemon that cannot start.
-pub const EXIT_CONFIG: u8 = 78;
+pub(crate) const EXIT_CONFIG: u8 = 78;
 
 pub(crate) const ENV_PREFIX: &str = "TALLYD";
 pub(crate) const ENV_SEPARATOR: &str = "__";
@@ -57,7 +57,7 @@ pub(crate) const ENV_SEPARATOR: &str = "__";
 /// The validated configuration: what `tallyd` reads from its file and
 /// environment.
 #[derive(Debug, Clone, Serialize)]
-pub struct Config {
+pub(crate) struct Config {
     /// `[mongodb]`: how to reach the server.
     pub(crate) mongodb: StoreConfig,
     /// `[[collections]]`: the counter collections tally works on.
@@ -100,7 +100,7 @@ pub(crate) struct ConfigIssue {
 
 /// Every problem found in a configuration.
 #[derive(Debug, Clone, thiserror::Error)]
-pub struct ConfigErrors {
+pub(crate) struct ConfigErrors {
     /// The problems, in the order of the file's sections.
     pub(crate) issues: Vec<ConfigIssue>,
 }
@@ -150,7 +150,7 @@ impl Config {
     /// Loads the file (`None`: `/etc/tally/tallyd.toml`, which may be missing) and
     /// applies `TALLYD__…` overrides from `env` (pass `std::env::vars()`;
     /// tests pass their own).
-    pub fn load(
+    pub(crate) fn load(
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigErrors> {

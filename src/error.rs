@@ -36,6 +36,22 @@ pub(crate) use message::{Reach, Readable, human_duration, words};
 pub(crate) use message::{Trouble, server_code_and_name, trouble};
 
 /// The class of a failed attempt, which decides whether it is retried.
+///
+/// ```no_run
+/// # async fn demo(views: tally::Counters) {
+/// use tally::{ErrorClass, Increment};
+///
+/// if let Increment::NotCounted(not) = views.increment("home", 1).await {
+///     match not.cause().class() {
+///         // Worth trying again later: the server or the network was busy.
+///         Some(ErrorClass::Transient) => eprintln!("try again: {}", not.cause()),
+///         Some(ErrorClass::DuplicateKey | ErrorClass::Command) | None => {
+///             eprintln!("fix this first: {}", not.cause())
+///         }
+///     }
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorClass {
     /// The attempt may not have reached the server or its reply was lost, or
@@ -54,11 +70,26 @@ pub enum ErrorClass {
 
 impl ErrorClass {
     /// Classifies a driver error.
+    ///
+    /// ```
+    /// use tally::ErrorClass;
+    ///
+    /// // A reply that never came: the driver's I/O timeout.
+    /// let lost = mongodb::error::Error::from(std::io::ErrorKind::TimedOut);
+    /// assert_eq!(ErrorClass::of(&lost), ErrorClass::Transient);
+    /// ```
     pub fn of(err: &MongoError) -> Self {
         Facts::of(err).class()
     }
 
     /// The lower-case name used in logs and JSON output.
+    ///
+    /// ```
+    /// use tally::ErrorClass;
+    ///
+    /// assert_eq!(ErrorClass::DuplicateKey.as_str(), "duplicate_key");
+    /// assert_eq!(ErrorClass::Transient.to_string(), "transient");
+    /// ```
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Transient => "transient",
@@ -75,6 +106,24 @@ impl fmt::Display for ErrorClass {
 }
 
 /// What a failed attempt tells about the write it carried.
+///
+/// ```
+/// use tally::{Effect, Error};
+///
+/// // What a failed write leaves behind decides how to go on.
+/// fn next_step(err: &Error) -> &'static str {
+///     match err {
+///         Error::Server(failure) => match failure.effect {
+///             Effect::NotApplied => "nothing was written: send it again or give up",
+///             Effect::MaybeApplied => "unknown: settle it with its ticket",
+///             Effect::AppliedUnconfirmed => "written, not yet on a majority: settle it",
+///         },
+///         _ => "refused before anything was sent",
+///     }
+/// }
+/// let zero = Error::InvalidArgument("the amount must not be zero".into());
+/// assert_eq!(next_step(&zero), "refused before anything was sent");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Effect {
     /// The write was definitely not applied: the server refused it (and the
@@ -91,6 +140,13 @@ pub enum Effect {
 
 impl Effect {
     /// The effect of a failed write attempt.
+    ///
+    /// ```
+    /// use tally::Effect;
+    ///
+    /// let lost = mongodb::error::Error::from(std::io::ErrorKind::TimedOut);
+    /// assert_eq!(Effect::of(&lost), Effect::MaybeApplied);
+    /// ```
     pub fn of(err: &MongoError) -> Self {
         Facts::of(err).effect()
     }
@@ -259,6 +315,23 @@ pub(crate) fn duplicate_on_id(err: &MongoError) -> Option<bool> {
 /// connection, the user whose authentication failed), then what to do
 /// where tally knows — never the driver's internal formatting. Programs
 /// read the fields.
+///
+/// ```no_run
+/// # async fn demo(seats: tally::BoundedCounters) {
+/// use tally::{Effect, Error};
+///
+/// if let Err(Error::Server(failure)) = seats.available("gig-2026-06-01").await {
+///     // People read the Display; programs read the fields.
+///     eprintln!("error: {failure}");
+///     let written = match failure.effect {
+///         Effect::NotApplied => "nothing was written",
+///         Effect::MaybeApplied | Effect::AppliedUnconfirmed => "it may have been written",
+///     };
+///     let (operation, attempts, class) = (failure.operation, failure.attempts, failure.class);
+///     tracing::warn!(operation, attempts, %class, "{written}");
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Failure {
     /// The operation that failed, e.g. `increment.add_token`.
@@ -310,6 +383,21 @@ impl Failure {
 }
 
 /// Errors the library returns. Each variant says what the caller can do next.
+///
+/// ```no_run
+/// # async fn demo(ids: tally::Sequences) {
+/// use tally::{Error, ErrorClass};
+///
+/// match ids.next("invoice").await {
+///     Ok(number) => println!("invoice #{number}"),
+///     Err(err @ Error::Server(_)) if err.class() == Some(ErrorClass::Transient) => {
+///         eprintln!("try again later: {err}")
+///     }
+///     // One sentence for people: what failed, and what to do.
+///     Err(err) => eprintln!("error: {err}"),
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// The server or the network failed; [`Failure::class`] says whether it
@@ -461,6 +549,13 @@ pub enum Error {
 
 impl Error {
     /// The error class when this is a server failure.
+    ///
+    /// ```
+    /// use tally::Error;
+    ///
+    /// // Only a server failure has a class; a refusal of the arguments has none.
+    /// assert_eq!(Error::InvalidArgument("the amount must not be zero".into()).class(), None);
+    /// ```
     pub fn class(&self) -> Option<ErrorClass> {
         match self {
             Self::Server(failure) => Some(failure.class),

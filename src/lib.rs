@@ -43,14 +43,20 @@
 //!
 //! # Layout
 //!
+//! Every module is private: what an application uses is re-exported here,
+//! at the crate root, one path per item (the `pub use` list below; the
+//! listings in `api/` show it whole). Everything else — the fold's model
+//! and statements, the daemon, the command line, logging — is the crate's
+//! own and may change in any release.
+//!
 //! The library, always built:
 //!
 //! - `error`: error classes, the retry-once rule, the library's [`Error`],
 //!   and what a failure says to people (`message`).
 //! - `redact`: keeping passwords and tokens out of logs, errors and output.
-//! - `store`: the connected [`Store`] and how to reach the server
-//!   ([`StoreConfig`]); `reach`: where it connects, for its failures'
-//!   messages.
+//! - `store`: the connected [`Store`] — `config` (how to reach the server:
+//!   [`StoreConfig`]), `reach` (where it connects, for its failures'
+//!   messages).
 //! - `document`: reading values out of documents tally does not own.
 //! - `token`: pending [`Token`]s and the two entry forms of a `pending`
 //!   array.
@@ -60,12 +66,13 @@
 //!   `group` (group commit's keyed queue),
 //!   `ledger` (the events ledger: idempotency keys, [`Ledger`]),
 //!   `sequence`, `insert_loop`, `bounded`.
-//! - [`reconcile`]: the fold of leftover pending tokens as an embeddable
-//!   [`Reconciler`] — [`reconcile::model`] (its specification),
-//!   [`reconcile::statement`] (a document's fold as conditioned update
-//!   statements), `batch` (sending them, reading what the server did),
-//!   `report` (what a run found and did), [`reconcile::ledger`] (the fold
-//!   of recorded events, [`EventFold`]).
+//! - `reconcile`: the fold of leftover pending tokens as an embeddable
+//!   [`Reconciler`] — `model` (its specification), `statement` (a
+//!   document's fold as conditioned update statements), `fold` (a run's
+//!   passes: rows planned into batches, documents that changed read
+//!   again), `batch` (sending them, reading what the server did), `report`
+//!   (what a run found and did: [`CollectionRun`]), `ledger` (the fold of
+//!   recorded events: [`EventFold`]).
 //!
 //! With the `daemon` feature:
 //!
@@ -81,7 +88,8 @@
 //!   `doctor` (is the deployment safe?) among them, and `generate` (the
 //!   man pages and completions of the package); `exit` (exit codes by
 //!   class), `envfile` (`--env-file`), `database` (which server and
-//!   database a command reads).
+//!   database a command reads). Its one public item, `tallyd_main`, is
+//!   the whole of the binary's `main`.
 //! - `logging`: tracing to standard error, as text or JSON.
 //!
 //! Imports go one way, down this list: a module names (as `crate::…`) only
@@ -109,26 +117,29 @@
 
 mod document;
 mod error;
-pub mod reconcile;
+mod reconcile;
 mod redact;
 mod store;
 mod token;
 mod write;
 
 #[cfg(feature = "daemon")]
-pub mod cli;
+mod cli;
 #[cfg(feature = "daemon")]
-pub mod config;
+mod config;
 #[cfg(feature = "daemon")]
 mod daemon;
 #[cfg(feature = "daemon")]
-pub mod logging;
+mod logging;
+
+#[cfg(feature = "daemon")]
+pub use cli::tallyd_main;
 
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use reconcile::{
     Backlog, CollectionRun, EventFold, EventFoldSettings, EventsRun, FoldTarget, HeldSum,
-    MALFORMED_SAMPLE, MalformedDocument, Mode, Progress, RETENTION_MARGIN, Reconciler,
-    RefusedDocument, Survey, retention_floor,
+    MALFORMED_SAMPLE, MalformedDocument, Mode, NAMED_LANES_LISTED, Progress, RETENTION_MARGIN,
+    Reconciler, RefusedDocument, Survey, retention_floor,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};

@@ -14,7 +14,7 @@ use crate::config::{Config, LogConfig, LogFormat};
 
 /// The installed logging: applies the filter of a reloaded configuration.
 #[derive(Debug)]
-pub struct Logging {
+pub(crate) struct Logging {
     filter: reload::Handle<EnvFilter, Registry>,
     format: LogFormat,
 }
@@ -22,7 +22,7 @@ pub struct Logging {
 /// Installs the global subscriber as `[log]` says. Call once, at start-up;
 /// later calls install nothing (tests install their own) and return a
 /// handle that changes nothing.
-pub fn init(config: &Config) -> Logging {
+pub(crate) fn init(config: &Config) -> Logging {
     let config = &config.log;
     let (filter, handle) = reload::Layer::new(filter(config));
     let output = tracing_subscriber::fmt::layer()
@@ -57,7 +57,7 @@ pub fn init(config: &Config) -> Logging {
 impl Logging {
     /// Applies `config`'s filter (`RUST_LOG`, else `[log] level`); a new
     /// `[log] format` takes effect at the next start.
-    pub fn apply(&self, config: &Config) {
+    pub(crate) fn apply(&self, config: &Config) {
         let config = &config.log;
         if let Err(err) = self.filter.reload(filter(config)) {
             tracing::warn!(cause = %err, "cannot change the log filter");

@@ -58,26 +58,26 @@
 //! lane_resume_horizon − attempt_timeout`.
 
 mod batch;
-pub mod ledger;
-pub mod model;
+mod fold;
+mod ledger;
+pub(crate) mod model;
 mod report;
-pub mod statement;
+mod statement;
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::bson::Bson;
 use tokio_util::sync::CancellationToken;
 
-use crate::document::display_id;
-use crate::error::{Error, Failure, RetryBudget};
+use crate::error::Error;
 use crate::store::Store;
 use crate::token::Token;
 use crate::write::counter::{CollectionConfig, WriterConfig};
+use fold::{Work, log_malformed, report_failed};
 use model::{Cutoffs, Lines};
 use report::ReportRow;
-use statement::{Read, Statement};
+use statement::Read;
 
 pub use ledger::{
     Backlog, EventFold, EventFoldSettings, EventsRun, HeldSum, RETENTION_MARGIN, retention_floor,
@@ -96,6 +96,17 @@ pub(crate) const DEFAULT_BATCH_SIZE: u32 = 100;
 
 /// Everything the fold needs to know about one collection: its fields and
 /// its effective grace and batch size.
+///
+/// ```
+/// use std::time::Duration;
+/// use tally::{CollectionConfig, FoldTarget};
+///
+/// let target = FoldTarget {
+///     spec: CollectionConfig::new("page_views"),
+///     grace: Duration::from_secs(15 * 60),
+///     batch_size: 100,
+/// };
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FoldTarget {
     /// The collection and its field names.
@@ -112,12 +123,25 @@ pub struct FoldTarget {
     pub batch_size: u32,
 }
 
-/// How many malformed documents a run logs one by one before summing up.
-const MALFORMED_LOGGED: u64 = 100;
-/// Rows the report's cursor fetches per round trip.
-const REPORT_BATCH: u32 = 1000;
-
 /// Whether a run changes anything.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+/// use tally::Mode;
+///
+/// // What a fold would do, changing nothing: check before the first real run.
+/// let now = fold.server_time().await?;
+/// let stop = CancellationToken::new();
+/// let preview = fold.reconcile(&target, Mode::DryRun, now, &stop, &mut |_| {}).await;
+/// assert!(preview.dry_run);
+/// let (tokens, documents) = (preview.tokens_folded, preview.documents_folded);
+/// println!("would fold {tokens} tokens in {documents} documents");
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Fold what is stale.
@@ -127,6 +151,35 @@ pub enum Mode {
 }
 
 /// Runs the report and the fold.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) {
+/// use std::time::Duration;
+/// use tokio_util::sync::CancellationToken;
+/// use tally::{CollectionConfig, FoldTarget, Mode, Reconciler};
+///
+/// // A service folding its own collection every ten minutes, instead of tallyd.
+/// let fold = Reconciler::new(&store);
+/// let target = FoldTarget {
+///     spec: CollectionConfig::new("page_views"),
+///     grace: Duration::from_secs(15 * 60),
+///     batch_size: 100,
+/// };
+/// let stop = CancellationToken::new();
+/// while !stop.is_cancelled() {
+///     match fold.server_time().await {
+///         Ok(now) => {
+///             let run = fold.reconcile(&target, Mode::Fold, now, &stop, &mut |_| {}).await;
+///             if let Some(err) = &run.error {
+///                 tracing::error!(cause = %err, "fold failed");
+///             }
+///         }
+///         Err(err) => tracing::error!(cause = %err, "no server time"),
+///     }
+///     tokio::time::sleep(Duration::from_secs(600)).await;
+/// }
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Reconciler {
     store: Store,
@@ -138,6 +191,12 @@ pub struct Reconciler {
 impl Reconciler {
     /// A reconciler working through `store`, pruning minted lanes older
     /// than the default `lane_ttl` (24h; see [`Reconciler::with_lane_ttl`]).
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// let fold = tally::Reconciler::new(&store);
+    /// # }
+    /// ```
     pub fn new(store: &Store) -> Self {
         Self {
             store: store.clone(),
@@ -148,6 +207,19 @@ impl Reconciler {
 
     /// The same reconciler folding the collections' ledgers with
     /// `settings`.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use std::time::Duration;
+    /// use tally::{EventFoldSettings, Reconciler};
+    ///
+    /// let settings = EventFoldSettings {
+    ///     event_retention: Duration::from_secs(3 * 24 * 3600),
+    ///     ..EventFoldSettings::default()
+    /// };
+    /// let fold = Reconciler::new(&store).with_event_settings(settings);
+    /// # }
+    /// ```
     pub fn with_event_settings(mut self, settings: EventFoldSettings) -> Self {
         self.ledgers = ledger::Folds::new(settings);
         self
@@ -156,6 +228,16 @@ impl Reconciler {
     /// The same reconciler pruning the entries of minted lanes older than
     /// `lane_ttl` — the writers' [`WriterConfig::lane_ttl`], which their
     /// resume horizon is checked against.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{Reconciler, WriterConfig};
+    ///
+    /// // The same lane_ttl the writers' resume horizon was checked against.
+    /// let writer = WriterConfig::default();
+    /// let fold = Reconciler::new(&store).with_lane_ttl(writer.lane_ttl);
+    /// # }
+    /// ```
     pub fn with_lane_ttl(mut self, lane_ttl: Duration) -> Self {
         self.lane_ttl = lane_ttl;
         self
@@ -179,6 +261,20 @@ impl Reconciler {
 
     /// The server's clock (`hello`'s `localTime`): every daemon
     /// computes its cutoff from the same clock.
+    ///
+    /// ```no_run
+    /// # async fn demo(fold: tally::Reconciler) -> Result<(), tally::Error> {
+    /// use std::time::SystemTime;
+    ///
+    /// let now = fold.server_time().await?;
+    /// match SystemTime::now().duration_since(now) {
+    ///     Ok(ahead) => println!("this host is {} ahead", humantime::format_duration(ahead)),
+    ///     Err(behind) => {
+    ///         println!("this host is {} behind", humantime::format_duration(behind.duration()))
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn server_time(&self) -> Result<SystemTime, Error> {
         self.store.server_time().await
     }
@@ -186,6 +282,20 @@ impl Reconciler {
     /// Surveys a collection's pending arrays and lane maps with `cutoff`
     /// as the line between fresh and stale tokens, changing nothing. No
     /// lane counts as expired here (a run reports those).
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::Reconciler,
+    /// #     target: tally::FoldTarget,
+    /// # ) -> Result<(), tally::Error> {
+    /// let now = fold.server_time().await?;
+    /// let survey = fold.survey(&target, now - target.grace).await?;
+    /// println!(
+    ///     "{} pending tokens, {} stale (+{}), {} malformed documents",
+    ///     survey.pending_tokens, survey.stale_tokens, survey.stale_amount, survey.malformed
+    /// );
+    /// # Ok(()) }
+    /// ```
     pub async fn survey(&self, target: &FoldTarget, cutoff: SystemTime) -> Result<Survey, Error> {
         let mut survey = Survey::default();
         let lines = Lines::from(no_lane_expires(Token::cutoff(cutoff)));
@@ -202,6 +312,28 @@ impl Reconciler {
     /// `now` is the server time the cutoff is computed from. Stops between
     /// batches when `stop` is cancelled. Never fails as a whole: what
     /// happened, error included, is in the returned run.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::Reconciler,
+    /// #     target: tally::FoldTarget,
+    /// # ) -> Result<(), tally::Error> {
+    /// use tokio_util::sync::CancellationToken;
+    /// use tally::Mode;
+    ///
+    /// let stop = CancellationToken::new(); // cancel it to stop between batches
+    /// let now = fold.server_time().await?;
+    /// let run = fold
+    ///     .reconcile(&target, Mode::Fold, now, &stop, &mut |progress| {
+    ///         println!("{} read, {} folded", progress.examined, progress.folded);
+    ///     })
+    ///     .await;
+    /// if !run.succeeded() {
+    ///     eprintln!("{}: stopped or failed; the next run goes on", run.collection);
+    /// }
+    /// println!("folded {} tokens (+{})", run.tokens_folded, run.amount_folded);
+    /// # Ok(()) }
+    /// ```
     pub async fn reconcile(
         &self,
         target: &FoldTarget,
@@ -244,65 +376,26 @@ impl Reconciler {
         run
     }
 
-    async fn fold_all(
-        &self,
-        target: &FoldTarget,
-        mode: Mode,
-        lines: &Lines,
-        stop: &CancellationToken,
-        progress: &mut (dyn FnMut(Progress) + Send),
-        run: &mut CollectionRun,
-    ) -> Result<(), Error> {
-        let name = &target.spec.name;
-        let mut rows = self.report(target).await?;
-        let mut batch = Batch::default();
-        loop {
-            let row = rows.try_next().await.map_err(report_failed)?;
-            let finished = row.is_none();
-            let work = row.and_then(|row| plan_row(target, &row, lines, mode, run));
-            let full = work
-                .as_ref()
-                .is_some_and(|w| batch.is_full(w, target.batch_size));
-            if (full || finished) && !batch.is_empty() {
-                if stop.is_cancelled() {
-                    run.interrupted = true;
-                    tracing::warn!(collection = %name, folded = run.documents_folded, "reconcile stopped by shutdown");
-                    return Ok(());
-                }
-                let documents = std::mem::take(&mut batch).documents;
-                match mode {
-                    Mode::Fold => self.fold_batch(target, lines, documents, run).await?,
-                    Mode::DryRun => {
-                        run.documents_folded += documents.len() as u64;
-                        run.account(documents.iter().map(|w| &w.plan));
-                    }
-                }
-                progress(Progress {
-                    examined: run.survey.documents_scanned,
-                    folded: run.documents_folded,
-                });
-            }
-            if let Some(work) = work {
-                batch.push(work);
-            }
-            if finished {
-                if run.survey.malformed > MALFORMED_LOGGED {
-                    tracing::warn!(
-                        collection = %name,
-                        malformed = run.survey.malformed,
-                        "more malformed documents than logged one by one; all left unchanged"
-                    );
-                }
-                return Ok(());
-            }
-        }
-    }
-
     /// Folds the documents `ids` now (tokens older than `now − grace`,
     /// lanes older than `now − lane_ttl`), whatever a report said about
     /// them before: each is read and planned afresh, then folded as a run
     /// folds. Returns how many documents changed. Used by the daemon to
     /// repair stuck tokens at once.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::Reconciler,
+    /// #     target: tally::FoldTarget,
+    /// # ) -> Result<(), tally::Error> {
+    /// use mongodb::bson::Bson;
+    ///
+    /// // A writer crashed between its steps on these counters: fold them now.
+    /// let ids = vec![Bson::from("home"), Bson::from("pricing")];
+    /// let now = fold.server_time().await?;
+    /// let changed = fold.fold_documents(&target, ids, now).await?;
+    /// println!("{changed} documents folded");
+    /// # Ok(()) }
+    /// ```
     pub async fn fold_documents(
         &self,
         target: &FoldTarget,
@@ -326,185 +419,6 @@ impl Reconciler {
         self.fold_batch(target, &lines, documents, &mut run).await?;
         Ok(run.documents_folded)
     }
-
-    /// Folds one batch of planned documents and accounts for it. A document
-    /// the server refuses is reported and dropped from the batch; when
-    /// fewer statements applied than were sent, the documents are read
-    /// again, and those still holding work are planned and sent again, up to
-    /// [`FOLD_ROUNDS`] times.
-    async fn fold_batch(
-        &self,
-        target: &FoldTarget,
-        lines: &Lines,
-        mut documents: Vec<Work>,
-        run: &mut CollectionRun,
-    ) -> Result<(), Error> {
-        let name = &target.spec.name;
-        for round in 1..=FOLD_ROUNDS {
-            if documents.is_empty() {
-                return Ok(());
-            }
-            let sent = Instant::now();
-            let statements: Vec<(usize, &Statement)> = documents
-                .iter()
-                .enumerate()
-                .flat_map(|(i, w)| w.statements.iter().map(move |s| (i, s)))
-                .collect();
-            let outcome = batch::send(&self.store, name, &statements).await?;
-            let mut refused = vec![false; documents.len()];
-            for refusal in &outcome.refused {
-                if !std::mem::replace(&mut refused[refusal.document], true) {
-                    let id = &documents[refusal.document].id;
-                    if run.refused < MALFORMED_LOGGED {
-                        tracing::warn!(
-                            collection = %name,
-                            id = %display_id(id),
-                            code = refusal.code,
-                            reason = %refusal.message,
-                            "the server refused to fold a document; left unchanged"
-                        );
-                    }
-                    run.add_refused(id, refusal.code, refusal.message.clone());
-                }
-            }
-            let expected = statements.len() - outcome.refused.len();
-            tracing::debug!(
-                collection = %name,
-                round,
-                documents = documents.len(),
-                statements = statements.len(),
-                modified = outcome.modified,
-                refused = outcome.refused.len(),
-                millis = sent.elapsed().as_millis() as u64,
-                "fold batch"
-            );
-            let remaining: Vec<Work> = documents
-                .into_iter()
-                .zip(refused)
-                .filter_map(|(w, refused)| (!refused).then_some(w))
-                .collect();
-            if outcome.modified >= expected as u64 {
-                run.documents_folded += remaining.len() as u64;
-                run.account(remaining.iter().map(|w| &w.plan));
-                return Ok(());
-            }
-            // Some documents changed since they were read in a way the
-            // statements refuse: see what they hold now.
-            let ids = remaining.iter().map(|w| w.id.clone()).collect();
-            let mut now: HashMap<String, Document> = self
-                .read_documents(target, ids)
-                .await?
-                .into_iter()
-                .map(|d| (d.get("_id").unwrap_or(&Bson::Null).to_string(), d))
-                .collect();
-            let mut done = Vec::new();
-            documents = Vec::new();
-            for work in remaining {
-                let Some(document) = now.remove(&work.id.to_string()) else {
-                    run.concurrent_changes += 1;
-                    continue;
-                };
-                let read = Read::of(&document, &target.spec);
-                match read.plan(lines) {
-                    Ok(plan) if plan.has_work() => {
-                        documents.push(Work::new(target, &read, plan, Mode::Fold));
-                    }
-                    Ok(_) => done.push(work),
-                    Err(reason) => {
-                        log_malformed(name, read.id, &reason, 0);
-                        run.concurrent_changes += 1;
-                    }
-                }
-            }
-            let ours = outcome.modified.min(done.len() as u64);
-            run.documents_folded += ours;
-            run.concurrent_changes += done.len() as u64 - ours;
-            run.account(done.iter().map(|w| &w.plan));
-        }
-        if !documents.is_empty() {
-            tracing::info!(
-                collection = %name,
-                documents = documents.len(),
-                "documents kept changing under the fold; the next run folds them"
-            );
-            run.concurrent_changes += documents.len() as u64;
-        }
-        Ok(())
-    }
-
-    /// The documents `ids`, with the four fields tally owns, as they are
-    /// now.
-    async fn read_documents(
-        &self,
-        target: &FoldTarget,
-        ids: Vec<Bson>,
-    ) -> Result<Vec<Document>, Error> {
-        let spec = &target.spec;
-        let collection = self.store.collection(&spec.name);
-        let filter = doc! { "_id": { "$in": ids } };
-        let mut budget = RetryBudget::retry_once("reconcile.read");
-        let cursor = self
-            .store
-            .with_retry(&mut budget, || {
-                collection.find(filter.clone()).projection(projection(spec))
-            })
-            .await
-            .map_err(Error::Server)?;
-        cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("reconcile.read", err)))
-    }
-
-    /// The report's pass: the documents holding the pending, the settled or
-    /// the lanes field, with the four fields tally owns. A sparse index on
-    /// each of the three fields can serve the `$exists` matches.
-    pub(crate) async fn report(
-        &self,
-        target: &FoldTarget,
-    ) -> Result<mongodb::Cursor<Document>, Error> {
-        let spec = &target.spec;
-        let collection = self.store.collection(&spec.name);
-        let pipeline = vec![
-            doc! { "$match": { "$or": [
-                { &spec.pending_field: { "$exists": true } },
-                { &spec.settled_field: { "$exists": true } },
-                { &spec.lanes_field: { "$exists": true } },
-            ] } },
-            doc! { "$project": projection(spec) },
-        ];
-        let mut budget = RetryBudget::retry_once("reconcile.report");
-        self.store
-            .with_retry(&mut budget, || {
-                collection
-                    .aggregate(pipeline.clone())
-                    .batch_size(REPORT_BATCH)
-            })
-            .await
-            .map_err(Error::Server)
-    }
-}
-
-/// Reads one report row into the run's survey; the document's work when
-/// it has any. A malformed document is logged.
-fn plan_row(
-    target: &FoldTarget,
-    row: &Document,
-    lines: &Lines,
-    mode: Mode,
-    run: &mut CollectionRun,
-) -> Option<Work> {
-    let read = Read::of(row, &target.spec);
-    let report = ReportRow::of(&read, lines);
-    run.survey.add(&report);
-    match report.plan {
-        Err(reason) => {
-            log_malformed(&target.spec.name, read.id, &reason, run.survey.malformed);
-            None
-        }
-        Ok(plan) if plan.has_work() => Some(Work::new(target, &read, plan, mode)),
-        Ok(_) => None,
-    }
 }
 
 /// Cutoffs at which no lane expires, tokens at `tokens`.
@@ -513,79 +427,5 @@ fn no_lane_expires(tokens: mongodb::bson::oid::ObjectId) -> Cutoffs {
     Cutoffs { tokens, lanes }
 }
 
-/// How many times a batch is sent (and its documents read again in
-/// between) before what keeps changing is left to the next run.
-const FOLD_ROUNDS: u32 = 3;
-
-/// One document the fold has work on: its plan, and the statements that
-/// carry it out (none in a dry run).
-struct Work {
-    id: Bson,
-    plan: model::FoldPlan,
-    statements: Vec<Statement>,
-    bytes: usize,
-}
-
-impl Work {
-    fn new(target: &FoldTarget, read: &Read<'_>, plan: model::FoldPlan, mode: Mode) -> Self {
-        let statements = match mode {
-            Mode::Fold => statement::build(&target.spec, read, &plan),
-            Mode::DryRun => Vec::new(),
-        };
-        Self {
-            id: read.id.clone(),
-            bytes: statements.iter().map(|s| s.bytes).sum(),
-            plan,
-            statements,
-        }
-    }
-}
-
-/// The documents of the next batch: at most `batch_size` of them, and no
-/// more statement bytes than one command carries (unless one document
-/// alone needs more).
-#[derive(Default)]
-struct Batch {
-    documents: Vec<Work>,
-    bytes: usize,
-}
-
-impl Batch {
-    fn is_empty(&self) -> bool {
-        self.documents.is_empty()
-    }
-
-    /// Whether `next` must wait for the next batch.
-    fn is_full(&self, next: &Work, batch_size: u32) -> bool {
-        self.documents.len() >= batch_size as usize
-            || (!self.is_empty() && self.bytes + next.bytes > batch::COMMAND_BYTES)
-    }
-
-    fn push(&mut self, work: Work) {
-        self.bytes += work.bytes;
-        self.documents.push(work);
-    }
-}
-
-/// The four fields tally owns.
-fn projection(spec: &CollectionConfig) -> Document {
-    doc! {
-        &spec.counter_field: 1,
-        &spec.pending_field: 1,
-        &spec.settled_field: 1,
-        &spec.lanes_field: 1,
-    }
-}
-
-/// A report cursor that broke off mid-stream cannot be resumed where it
-/// stopped: the run fails, and is retried as a whole later (the fold is
-/// idempotent).
-fn report_failed(err: mongodb::error::Error) -> Error {
-    Error::Server(Failure::once("reconcile.report", err))
-}
-
-fn log_malformed(collection: &str, id: &Bson, reason: &model::Malformed, seen: u64) {
-    if seen <= MALFORMED_LOGGED {
-        tracing::warn!(collection, id = %display_id(id), reason = %reason, "malformed document left unchanged");
-    }
-}
+#[cfg(test)]
+mod tests;

@@ -39,18 +39,22 @@ use std::time::Duration;
 use mongodb::bson::{Document, doc};
 use mongodb::error::{Error as MongoError, ErrorKind};
 use mongodb::options::{
-    Acknowledgment, ClientOptions, ConnectionString, DatabaseOptions, ReadPreference,
-    SelectionCriteria, UpdateModifications, WriteConcern,
+    Acknowledgment, ClientOptions, DatabaseOptions, ReadPreference, SelectionCriteria,
+    UpdateModifications, WriteConcern,
 };
 use mongodb::results::UpdateResult;
 use mongodb::{Client, Collection, Database};
-use serde::Serialize;
 
 use crate::error::{Error, Failure, Next, Reach, Readable, RetryBudget};
 
+mod config;
 mod reach;
-use crate::redact::{SecretString, Secrets, redact_uri};
+use crate::redact::Secrets;
 use reach::Heartbeats;
+
+use config::DEFAULT_SERVER_SELECTION_TIMEOUT;
+pub use config::StoreConfig;
+pub(crate) use config::{serialize_duration, serialize_optional_duration};
 
 /// Default bound on one attempt of an operation: longer than the default
 /// server selection timeout, so an outage is told apart from a lost reply.
@@ -62,126 +66,19 @@ pub(crate) const SELECTION_MARGIN: Duration = Duration::from_secs(1);
 /// How long [`Store::shutdown`] waits for the driver's clean-up before it
 /// closes everything at once.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
-/// Default TCP connect timeout, when the URI does not set one.
-pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default server selection timeout, when the URI does not set one.
-pub(crate) const DEFAULT_SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default idle time after which the driver closes a connection, when the
-/// URI does not set one: below the 5 minutes after which many servers and
-/// firewalls cut idle connections.
-pub(crate) const DEFAULT_MAX_IDLE_TIME: Duration = Duration::from_secs(240);
-/// The application name [`StoreConfig::new`] gives the server when the URI
-/// names none.
-const DEFAULT_APP_NAME: &str = "tally";
-
-/// How to reach the server. Values set here override the same options in
-/// the URI; [`StoreConfig::new`] starts from the URI's own values, then
-/// tally's defaults.
-#[derive(Debug, Clone, Serialize)]
-pub struct StoreConfig {
-    /// The connection string (`mongodb://` or, in builds with the `srv`
-    /// feature, `mongodb+srv://`). Its password never appears in logs,
-    /// errors or output.
-    #[serde(serialize_with = "serialize_uri")]
-    pub(crate) uri: SecretString,
-    /// The database holding the counter collections and tally's own state.
-    pub database: String,
-    /// The application name the server sees (`appName`). Default: the
-    /// URI's, else `tally` (`tallyd` for the daemon).
-    pub app_name: String,
-    /// How long to wait for a TCP connection (`connectTimeoutMS`).
-    /// Default: the URI's, else 10s.
-    #[serde(serialize_with = "serialize_duration")]
-    pub connect_timeout: Duration,
-    /// How long an operation waits for a usable server before failing
-    /// (`serverSelectionTimeoutMS`). Default: the URI's, else 30s.
-    #[serde(serialize_with = "serialize_duration")]
-    pub server_selection_timeout: Duration,
-    /// Connections idle for longer are closed by the driver
-    /// (`maxIdleTimeMS`). Default: the URI's, else 4m, below the 5 minutes
-    /// after which many servers and firewalls cut idle connections.
-    #[serde(serialize_with = "serialize_duration")]
-    pub max_idle_time: Duration,
-    /// How long tally waits for one attempt of an operation (server
-    /// selection included) before abandoning it as a lost reply — a
-    /// transient failure, retried once where that is safe. The driver has no
-    /// socket timeout; this bounds a hung connection. Always longer than
-    /// `server_selection_timeout` (raised to it plus 1s if set shorter), so
-    /// a server that cannot be selected is reported as such. Default: 60s.
-    #[serde(serialize_with = "serialize_duration")]
-    pub attempt_timeout: Duration,
-}
-
-impl StoreConfig {
-    /// Settings for `uri` and `database`: the options the URI sets, tally's
-    /// defaults for the others. A URI that does not parse is reported by
-    /// [`Store::connect`].
-    pub fn new(uri: impl Into<String>, database: impl Into<String>) -> Self {
-        let uri = uri.into();
-        let parsed = ConnectionString::parse(&uri).ok();
-        let mut config = Self::with_uri_options(SecretString::new(uri), parsed.as_ref());
-        config.database = database.into();
-        config.app_name = parsed
-            .and_then(|p| p.app_name)
-            .unwrap_or_else(|| DEFAULT_APP_NAME.into());
-        config
-    }
-
-    /// Settings taking the timeouts from `parsed` (the URI, parsed) where it
-    /// sets them, else from tally's defaults; no database or application
-    /// name yet.
-    pub(crate) fn with_uri_options(uri: SecretString, parsed: Option<&ConnectionString>) -> Self {
-        let from_uri = |f: fn(&ConnectionString) -> Option<Duration>| parsed.and_then(f);
-        Self {
-            uri,
-            database: String::new(),
-            app_name: String::new(),
-            connect_timeout: from_uri(|p| p.connect_timeout).unwrap_or(DEFAULT_CONNECT_TIMEOUT),
-            server_selection_timeout: from_uri(|p| p.server_selection_timeout)
-                .unwrap_or(DEFAULT_SERVER_SELECTION_TIMEOUT),
-            max_idle_time: from_uri(|p| p.max_idle_time).unwrap_or(DEFAULT_MAX_IDLE_TIME),
-            attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
-        }
-    }
-
-    /// The secrets to scrub from messages that mention this connection.
-    pub(crate) fn secrets(&self) -> Secrets {
-        Secrets::new(self.uri.expose(), [])
-    }
-
-    /// Applies these settings to options parsed from the URI.
-    fn apply_to(&self, options: &mut ClientOptions) {
-        options.app_name = Some(self.app_name.clone());
-        options.connect_timeout = Some(self.connect_timeout);
-        options.server_selection_timeout = Some(self.server_selection_timeout);
-        options.max_idle_time = Some(self.max_idle_time);
-    }
-}
-
-/// A duration as settings are shown (`tallyd check-config`): `1m 30s`.
-pub(crate) fn serialize_duration<S: serde::Serializer>(
-    d: &Duration,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&humantime::format_duration(*d).to_string())
-}
-
-/// An optional duration as settings are shown.
-pub(crate) fn serialize_optional_duration<S: serde::Serializer>(
-    d: &Option<Duration>,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => serialize_duration(d, s),
-        None => s.serialize_none(),
-    }
-}
-
-fn serialize_uri<S: serde::Serializer>(uri: &SecretString, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&redact_uri(uri.expose()))
-}
-
 /// A connected handle: client, database and what the deployment supports.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use tally::{SequenceConfig, Sequences, Store, StoreConfig};
+///
+/// let store = Store::connect(&StoreConfig::new("mongodb://localhost:27017", "app")).await?;
+/// // Every protocol works through a clone of the one store.
+/// let ids = Sequences::new(&store, &SequenceConfig::default());
+/// println!("{}", ids.next("invoice").await?);
+/// store.shutdown().await;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<Inner>,
@@ -204,6 +101,18 @@ struct Inner {
 impl Store {
     /// Builds a client from `config`. No I/O happens here unless the URI is
     /// `mongodb+srv://` (which resolves DNS records).
+    ///
+    /// ```no_run
+    /// # async fn demo() {
+    /// use tally::{Store, StoreConfig};
+    ///
+    /// match Store::connect(&StoreConfig::new("mongodb://localhost:27017", "app")).await {
+    ///     Ok(store) => store.shutdown().await,
+    ///     // The URI is unusable; its password is not in the message.
+    ///     Err(err) => eprintln!("{err}"),
+    /// }
+    /// # }
+    /// ```
     pub async fn connect(config: &StoreConfig) -> Result<Self, ConnectError> {
         let mut options = ClientOptions::parse(config.uri.expose())
             .await
@@ -231,6 +140,20 @@ impl Store {
     /// `options` with them off (a second connection pool, sharing nothing
     /// with `client`) and uses that one. Build `client` with
     /// `retry_writes: Some(false)` to share one pool.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), mongodb::error::Error> {
+    /// use mongodb::Client;
+    /// use mongodb::options::ClientOptions;
+    /// use tally::Store;
+    ///
+    /// // The application's own client, shared: retryable writes off, one pool.
+    /// let mut options = ClientOptions::parse("mongodb://localhost:27017").await?;
+    /// options.retry_writes = Some(false);
+    /// let client = Client::with_options(options.clone())?;
+    /// let store = Store::from_parts(client.clone(), &options, "app");
+    /// # Ok(()) }
+    /// ```
     pub fn from_parts(client: Client, options: &ClientOptions, database: &str) -> Self {
         let heartbeats = Heartbeats::default();
         let client = if options.retry_writes == Some(false) {
@@ -289,6 +212,18 @@ impl Store {
     /// A bound not longer than server selection is raised to the selection
     /// timeout plus 1s, with a warning: an attempt must never run out of
     /// time before the driver says no server could be selected.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tally::ConnectError> {
+    /// use std::time::Duration;
+    /// use tally::{Store, StoreConfig};
+    ///
+    /// let store = Store::connect(&StoreConfig::new("mongodb://localhost", "app"))
+    ///     .await?
+    ///     .with_attempt_timeout(Duration::from_secs(45));
+    /// assert_eq!(store.attempt_timeout(), Duration::from_secs(45));
+    /// # Ok(()) }
+    /// ```
     pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             client: shared.client.clone(),
@@ -323,6 +258,13 @@ impl Store {
     }
 
     /// How long one attempt may take before it counts as a lost reply.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// // A reply later than this is a lost reply: the operation's outcome is unknown.
+    /// println!("attempts are bounded by {}", humantime::format_duration(store.attempt_timeout()));
+    /// # }
+    /// ```
     pub fn attempt_timeout(&self) -> Duration {
         self.inner.attempt_timeout
     }
@@ -333,6 +275,16 @@ impl Store {
     /// of a command-line program — or the driver's clean-up may race the
     /// runtime's shutdown. Clones of this handle, and everything made from
     /// it, fail afterwards.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tally::{Store, StoreConfig};
+    ///
+    /// let store = Store::connect(&StoreConfig::new("mongodb://localhost", "app")).await?;
+    /// // ... the program's work ...
+    /// store.shutdown().await;
+    /// # Ok(()) }
+    /// ```
     pub async fn shutdown(self) {
         let client = self.inner.client.clone();
         drop(self);
@@ -391,16 +343,40 @@ impl Store {
     }
 
     /// The driver client.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tally::Store) -> Result<(), mongodb::error::Error> {
+    /// let names = store.client().list_database_names().await?;
+    /// println!("databases: {}", names.join(", "));
+    /// # Ok(()) }
+    /// ```
     pub fn client(&self) -> &Client {
         &self.inner.client
     }
 
     /// The database tally works in.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tally::Store) -> Result<(), mongodb::error::Error> {
+    /// use mongodb::bson::doc;
+    ///
+    /// store.database().run_command(doc! { "ping": 1 }).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn database(&self) -> &Database {
         &self.inner.database
     }
 
     /// A collection of the working database.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tally::Store) -> Result<(), mongodb::error::Error> {
+    /// use mongodb::bson::doc;
+    ///
+    /// // The counters are plain documents: read them as any other.
+    /// let top = store.collection("page_views").find_one(doc! { "_id": "home" }).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn collection(&self, name: &str) -> Collection<Document> {
         self.inner.database.collection(name)
     }
@@ -521,6 +497,18 @@ fn primary_over(asked: Option<&SelectionCriteria>) -> SelectionCriteria {
 
 /// The URI could not be turned into a client. The message has every secret
 /// removed.
+///
+/// ```no_run
+/// # async fn demo() {
+/// use tally::{Store, StoreConfig};
+///
+/// let config = StoreConfig::new("mongodb://user:secret@/app?badOption", "app");
+/// if let Err(err) = Store::connect(&config).await {
+///     assert!(!err.to_string().contains("secret"));
+///     eprintln!("error: {err}");
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("the connection string cannot be used: {0}")]
 pub struct ConnectError(String);

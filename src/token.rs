@@ -23,27 +23,74 @@ pub(crate) const TOKEN_FIELD: &str = "t";
 pub(crate) const AMOUNT_FIELD: &str = "n";
 
 /// A pending token: identifies one increment attempt (not an event).
+///
+/// ```
+/// use tally::Token;
+///
+/// let token = Token::new();
+/// // As logs and tickets show it, and back.
+/// let shown = token.to_string();
+/// assert_eq!(shown.len(), 24);
+/// assert_eq!(shown.parse::<Token>().expect("24 hex digits"), token);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Token(ObjectId);
 
 impl Token {
     /// A fresh token, stamped with the current time.
+    ///
+    /// ```
+    /// use std::time::SystemTime;
+    /// use tally::Token;
+    ///
+    /// let token = Token::new();
+    /// assert!(token.created_at() <= SystemTime::now());
+    /// assert_ne!(token, Token::new(), "every token is unique");
+    /// ```
     pub fn new() -> Self {
         Self(ObjectId::new())
     }
 
     /// Wraps an existing ObjectId (a token another client wrote, or one read
     /// back from a document).
+    ///
+    /// ```
+    /// use mongodb::bson::oid::ObjectId;
+    /// use tally::Token;
+    ///
+    /// // A bare entry another client wrote in a `pending` array.
+    /// let entry = ObjectId::new();
+    /// assert_eq!(Token::from_object_id(entry).object_id(), entry);
+    /// ```
     pub fn from_object_id(oid: ObjectId) -> Self {
         Self(oid)
     }
 
     /// The ObjectId.
+    ///
+    /// ```
+    /// use mongodb::bson::doc;
+    /// use tally::Token;
+    ///
+    /// let token = Token::new();
+    /// // Look a token up in a counter document yourself.
+    /// let filter = doc! { "_id": "home", "pending": token.object_id() };
+    /// ```
     pub fn object_id(&self) -> ObjectId {
         self.0
     }
 
     /// When the token was created, to the second (from its first 4 bytes).
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use tally::Token;
+    ///
+    /// let an_hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    /// let token = Token::created_at_time(an_hour_ago);
+    /// let skew = an_hour_ago.duration_since(token.created_at()).expect("never later");
+    /// assert!(skew < Duration::from_secs(1), "whole seconds");
+    /// ```
     pub fn created_at(&self) -> SystemTime {
         self.0.timestamp().into()
     }
@@ -51,6 +98,17 @@ impl Token {
     /// The token's age at `now`. The timestamp is truncated to whole seconds,
     /// so the age is never under-estimated — which is the safe side for the
     /// retry horizon.
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use tally::Token;
+    ///
+    /// let token = Token::created_at_time(SystemTime::now() - Duration::from_secs(300));
+    /// let horizon = Duration::from_secs(180);
+    /// if token.age(SystemTime::now()) >= horizon {
+    ///     println!("too old to resume: counted at most once");
+    /// }
+    /// ```
     pub fn age(&self, now: SystemTime) -> Duration {
         now.duration_since(self.created_at())
             .unwrap_or(Duration::ZERO)
@@ -59,6 +117,18 @@ impl Token {
     /// The smallest ObjectId created at `time` (truncated to the second):
     /// every token created before `time`'s second sorts below it. Used as an
     /// index-friendly cutoff: `{pending: {$lt: Token::cutoff(t)}}`.
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use mongodb::bson::doc;
+    /// use tally::Token;
+    ///
+    /// // Counters holding a token older than 15 minutes.
+    /// let line = Token::cutoff(SystemTime::now() - Duration::from_secs(15 * 60));
+    /// let filter = doc! { "pending": { "$lt": line } };
+    /// let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    /// assert!(old.object_id() < line);
+    /// ```
     pub fn cutoff(time: SystemTime) -> ObjectId {
         let secs = time
             .duration_since(UNIX_EPOCH)
@@ -72,6 +142,15 @@ impl Token {
 
     /// A token stamped with `time` (for tests and tools that need an old
     /// token).
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use tally::Token;
+    ///
+    /// // A token a crashed writer left an hour ago, for a test of the fold.
+    /// let old = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    /// assert!(old.age(SystemTime::now()) >= Duration::from_secs(3599));
+    /// ```
     pub fn created_at_time(time: SystemTime) -> Self {
         let mut bytes = ObjectId::new().bytes();
         bytes[..4].copy_from_slice(&Self::cutoff(time).bytes()[..4]);
@@ -92,6 +171,13 @@ impl fmt::Display for Token {
 }
 
 /// A token string that is not 24 hex digits.
+///
+/// ```
+/// use tally::{BadToken, Token};
+///
+/// let bad: BadToken = "not-a-token".parse::<Token>().unwrap_err();
+/// eprintln!("{bad}");
+/// ```
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("a token is 24 hex digits, got {0:?}")]
 pub struct BadToken(String);
@@ -125,7 +211,7 @@ pub(crate) struct Entry {
 
 /// Why an element of a `pending` array is not a valid entry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BadEntry {
+pub(crate) enum BadEntry {
     /// Neither an ObjectId nor a document.
     #[error("entry is a {0}, not an ObjectId or {{t, n}}")]
     WrongType(&'static str),

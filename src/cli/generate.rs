@@ -433,6 +433,57 @@ mod tests {
         }
     }
 
+    /// Whatever `--help` hides — an argument's flag and variable, a command —
+    /// no man page shows and no page is written for: found from the command
+    /// line's own definitions.
+    #[test]
+    fn no_page_shows_what_help_hides() {
+        fn hidden(command: &Command, words: &mut Vec<String>, commands: &mut Vec<String>) {
+            for arg in command.get_arguments().filter(|arg| arg.is_hide_set()) {
+                words.extend(arg.get_long().map(|long| format!("--{long}")));
+                words.extend(arg.get_env().map(|env| env.to_string_lossy().into_owned()));
+            }
+            for sub in command.get_subcommands() {
+                if sub.is_hide_set() {
+                    commands.push(sub.get_name().to_owned());
+                    words.push(format!("tallyd {}", sub.get_name()));
+                    words.extend(sub.get_about().map(|about| about.to_string()));
+                } else {
+                    hidden(sub, words, commands);
+                }
+            }
+        }
+        // roff source as a reader sees it: font changes dropped, escaped
+        // dashes and apostrophes as themselves.
+        fn unroff(text: &str) -> String {
+            text.replace("\\fB", "")
+                .replace("\\fI", "")
+                .replace("\\fR", "")
+                .replace("\\-", "-")
+                .replace("\\*(Aq", "'")
+        }
+        let (mut words, mut commands) = (Vec::new(), Vec::new());
+        hidden(&command(), &mut words, &mut commands);
+        for expected in ["--clock-offset", "TALLYD_CLOCK_OFFSET", "tallyd man"] {
+            assert!(words.iter().any(|w| w == expected), "{words:?}");
+        }
+        let pages = pages();
+        for command in &commands {
+            let file = format!("tallyd-{command}.1");
+            assert!(!pages.iter().any(|(name, _)| *name == file), "{file}");
+            words.push(format!("tallyd-{command}("));
+        }
+        for (name, page) in &pages {
+            let text = unroff(page);
+            for word in &words {
+                assert!(
+                    !text.contains(word.as_str()),
+                    "{name} shows {word}:\n{text}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn code_spans_are_bold() {
         assert_eq!(

@@ -87,11 +87,34 @@ pub const RETENTION_MARGIN: Duration = Duration::from_secs(3600);
 
 /// The shortest dedupe window that is safe with writers retrying for
 /// `retry_horizon` and attempts bounded by `attempt_timeout`.
+///
+/// ```
+/// use std::time::Duration;
+/// use tally::{EventFoldSettings, retention_floor};
+///
+/// let settings = EventFoldSettings::default();
+/// let floor = retention_floor(settings.retry_horizon, Duration::from_secs(60));
+/// assert!(settings.event_retention >= floor, "the default window is safe");
+/// ```
 pub fn retention_floor(retry_horizon: Duration, attempt_timeout: Duration) -> Duration {
     retry_horizon + attempt_timeout + RETENTION_MARGIN
 }
 
 /// What an [`EventFold`] needs to know besides the collection.
+///
+/// ```
+/// use std::time::Duration;
+/// use tally::{EventFoldSettings, retention_floor};
+///
+/// // Writers retrying for up to 10 minutes: the dedupe window must outlast them.
+/// let settings = EventFoldSettings {
+///     retry_horizon: Duration::from_secs(600),
+///     event_retention: Duration::from_secs(2 * 24 * 3600),
+///     ..EventFoldSettings::default()
+/// };
+/// let floor = retention_floor(settings.retry_horizon, Duration::from_secs(60));
+/// assert!(settings.event_retention >= floor);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventFoldSettings {
     /// The dedupe window: an event is deleted once folded and older than
@@ -122,6 +145,21 @@ impl Default for EventFoldSettings {
 }
 
 /// A sum a counter refused, held until it accepts it.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::EventFold,
+/// #     now: std::time::SystemTime,
+/// # ) -> Result<(), tally::Error> {
+/// for held in fold.backlog(now).await?.held {
+///     // A counter refused its sum (a validator, an overflow): fix the counter.
+///     eprintln!(
+///         "{} holds {} ({} events) since pass {}: {}",
+///         held.key, held.amount, held.events, held.pass, held.cause
+///     );
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldSum {
     /// The counter's `_id`.
@@ -139,6 +177,19 @@ pub struct HeldSum {
 }
 
 /// The events of a ledger not in their counters yet.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::EventFold,
+/// #     now: std::time::SystemTime,
+/// # ) -> Result<(), tally::Error> {
+/// let backlog = fold.backlog(now).await?;
+/// if let Some(age) = backlog.oldest_age {
+///     let age = humantime::format_duration(age);
+///     println!("{} events to fold, the oldest {age} old", backlog.events);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Backlog {
     /// Recorded events above their lanes' folded numbers.
@@ -152,12 +203,41 @@ pub struct Backlog {
 
 impl Backlog {
     /// Events in held sums.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::EventFold,
+    /// #     now: std::time::SystemTime,
+    /// # ) -> Result<(), tally::Error> {
+    /// let backlog = fold.backlog(now).await?;
+    /// if backlog.held_events() > 0 {
+    ///     eprintln!("{} events wait in {} held sums", backlog.held_events(), backlog.held.len());
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn held_events(&self) -> u64 {
         self.held.iter().map(|h| h.events).sum()
     }
 }
 
 /// What one fold pass did.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::EventFold,
+/// #     now: std::time::SystemTime,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+///
+/// let run = fold.fold(now, &CancellationToken::new()).await?;
+/// if run.busy {
+///     println!("another fold is at work: nothing done");
+/// } else if let Some(pass) = run.pass {
+///     let (events, counters) = (run.events_folded, run.counters_written);
+///     println!("pass {pass}: {events} events into {counters} counters");
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventsRun {
     /// The pass applied and committed, if any.
@@ -184,6 +264,27 @@ pub struct EventsRun {
 /// Folds one ledger's events into its counters. One pass at a time per
 /// fold (a second waits for the first); keep one per process: it owns its
 /// passes by an id minted when it is made.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
+/// use std::time::Duration;
+/// use tokio_util::sync::CancellationToken;
+/// use tally::{CollectionConfig, EventFold, EventFoldSettings, Reconciler};
+///
+/// // A service folding its ledger itself, every few seconds, instead of tallyd.
+/// let spec = CollectionConfig::new("order_totals");
+/// let fold = EventFold::new(&store, spec, EventFoldSettings::default());
+/// fold.check_indexes().await?;
+/// let clock = Reconciler::new(&store);
+/// let stop = CancellationToken::new();
+/// while !stop.is_cancelled() {
+///     let run = fold.fold(clock.server_time().await?, &stop).await?;
+///     if run.backlog.events == 0 {
+///         tokio::time::sleep(Duration::from_secs(5)).await;
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct EventFold {
     store: Store,
@@ -199,6 +300,16 @@ pub struct EventFold {
 
 impl EventFold {
     /// A fold of `spec`'s events collection into `spec`'s counters.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{CollectionConfig, EventFold, EventFoldSettings};
+    ///
+    /// let spec = CollectionConfig::new("order_totals");
+    /// let fold = EventFold::new(&store, spec, EventFoldSettings::default());
+    /// assert_eq!(fold.events_collection(), "order_totals_events");
+    /// # }
+    /// ```
     pub fn new(store: &Store, spec: CollectionConfig, settings: EventFoldSettings) -> Self {
         let events_name = spec.events_collection_name();
         Self {
@@ -215,12 +326,32 @@ impl EventFold {
     }
 
     /// The events collection's name.
+    ///
+    /// ```no_run
+    /// # fn demo(fold: tally::EventFold) {
+    /// tracing::info!(events = fold.events_collection(), "folding");
+    /// # }
+    /// ```
     pub fn events_collection(&self) -> &str {
         &self.events_name
     }
 
     /// Refuses a ledger without the indexes the fold needs
     /// ([`Error::IndexesMissing`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(fold: tally::EventFold) -> Result<(), tally::Error> {
+    /// use tally::Error;
+    ///
+    /// match fold.check_indexes().await {
+    ///     Ok(()) => {}
+    ///     Err(Error::IndexesMissing { collection, missing }) => {
+    ///         eprintln!("run `tallyd setup` first: {collection} lacks {}", missing.join(", "));
+    ///     }
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn check_indexes(&self) -> Result<(), Error> {
         let missing = index::missing(&self.store, &self.events_name).await?;
         if missing.is_empty() {
@@ -265,6 +396,22 @@ impl EventFold {
     /// folded — then the sweep, when it is due. `now` is the server's clock
     /// at the start of the pass. A failed step fails the pass; the next one
     /// resumes it.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::EventFold,
+    /// #     clock: tally::Reconciler,
+    /// # ) -> Result<(), tally::Error> {
+    /// use tokio_util::sync::CancellationToken;
+    ///
+    /// let stop = CancellationToken::new();
+    /// let run = fold.fold(clock.server_time().await?, &stop).await?;
+    /// println!(
+    ///     "{} events folded, {} deleted; {} left",
+    ///     run.events_folded, run.events_deleted, run.backlog.events
+    /// );
+    /// # Ok(()) }
+    /// ```
     pub async fn fold(
         &self,
         now: SystemTime,
@@ -297,6 +444,17 @@ impl EventFold {
 
     /// What is not in the counters yet at `now` (the server's clock): the
     /// events above their lanes' folded numbers, and the held sums.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::EventFold,
+    /// #     clock: tally::Reconciler,
+    /// # ) -> Result<(), tally::Error> {
+    /// // For a metric or a health check; changes nothing.
+    /// let backlog = fold.backlog(clock.server_time().await?).await?;
+    /// println!("{} events not in their counters yet", backlog.events + backlog.held_events());
+    /// # Ok(()) }
+    /// ```
     pub async fn backlog(&self, now: SystemTime) -> Result<Backlog, Error> {
         let state = state::read(&self.store, &self.state).await?;
         let mut backlog = Backlog {

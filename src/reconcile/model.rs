@@ -38,19 +38,19 @@ use crate::token::{AMOUNT_FIELD, Entry, TOKEN_FIELD, Token};
 
 mod lanes;
 
-pub use crate::token::BadEntry;
-pub use lanes::{LanePlan, plan_lanes};
+pub(crate) use crate::token::BadEntry;
+pub(crate) use lanes::{LanePlan, plan_lanes};
 
 /// The two lines a fold draws, each an ObjectId whose time is the line
 /// (see [`Token::cutoff`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cutoffs {
+pub(crate) struct Cutoffs {
     /// Pending entries and settle markers whose token sorts below this are
     /// stale: the server's time minus the grace.
-    pub tokens: ObjectId,
+    pub(crate) tokens: ObjectId,
     /// Minted lanes whose id sorts below this are expired: the server's
     /// time minus `lane_ttl`.
-    pub lanes: ObjectId,
+    pub(crate) lanes: ObjectId,
 }
 
 /// The lines a run draws.
@@ -67,7 +67,7 @@ impl From<Cutoffs> for Lines {
 
 /// Why a document is not folded (and never modified).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Malformed {
+pub(crate) enum Malformed {
     /// The pending field exists but is not an array.
     PendingNotArray(&'static str),
     /// An entry is neither an ObjectId nor `{t: ObjectId, n: int}`.
@@ -131,59 +131,59 @@ impl fmt::Display for Malformed {
 
 /// One stale pending entry, as read.
 #[derive(Debug, Clone, PartialEq)]
-pub struct StaleEntry {
+pub(crate) struct StaleEntry {
     /// Its position in the pending array.
-    pub position: usize,
+    pub(crate) position: usize,
     /// The value as stored.
-    pub value: Bson,
+    pub(crate) value: Bson,
     /// Its token.
-    pub token: Token,
+    pub(crate) token: Token,
     /// What removing it adds to the counter: its token's amount on the
     /// token's last stale entry, 0 on the others and on every entry of a
     /// token a settle counted. Removing a prefix of the stale entries with
     /// their `adds` therefore never counts a token whose other entries
     /// stay behind.
-    pub adds: i64,
+    pub(crate) adds: i64,
 }
 
 /// What folding a well-formed document does.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FoldPlan {
+pub(crate) struct FoldPlan {
     /// Stale tokens counted (each once).
-    pub stale_tokens: u64,
+    pub(crate) stale_tokens: u64,
     /// What they add up to.
-    pub stale_amount: i64,
+    pub(crate) stale_amount: i64,
     /// Stale entries removed without being counted because another entry
     /// of the same token is counted.
-    pub duplicate_entries: u64,
+    pub(crate) duplicate_entries: u64,
     /// Stale entries removed without being counted because a settle
     /// counted their token (it has a marker).
-    pub settled_copies: u64,
+    pub(crate) settled_copies: u64,
     /// The oldest valid token in the pending array.
-    pub oldest: Option<Token>,
+    pub(crate) oldest: Option<Token>,
     /// The counter after the fold, in its type.
-    pub counter: Bson,
+    pub(crate) counter: Bson,
     /// The stale entries, in array order: every one is removed.
-    pub stale: Vec<StaleEntry>,
+    pub(crate) stale: Vec<StaleEntry>,
     /// The entries that stay, in order (the field is removed when this is
     /// empty).
-    pub keep: Vec<Bson>,
+    pub(crate) keep: Vec<Bson>,
     /// Markers older than the cutoff, as stored: every one is pruned.
-    pub stale_markers: Vec<Bson>,
+    pub(crate) stale_markers: Vec<Bson>,
     /// The markers that stay, in order.
-    pub kept_markers: Vec<Bson>,
+    pub(crate) kept_markers: Vec<Bson>,
     /// The pending field exists.
-    pub has_pending: bool,
+    pub(crate) has_pending: bool,
     /// The settled field exists.
-    pub has_settled: bool,
+    pub(crate) has_settled: bool,
     /// What pruning the lane map does (nothing, from [`plan`] alone).
-    pub lanes: LanePlan,
+    pub(crate) lanes: LanePlan,
 }
 
 impl FoldPlan {
     /// Whether folding changes the document: something stale, or a field
     /// to remove because it is empty.
-    pub fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.stale.is_empty()
             || !self.stale_markers.is_empty()
             || self.empties_a_field()
@@ -198,7 +198,7 @@ impl FoldPlan {
 
     /// Whether the fold writes the counter: it adds something, or the
     /// counter is missing (and starts at 0).
-    pub fn writes_counter(&self, counter: Option<&Bson>) -> bool {
+    pub(crate) fn writes_counter(&self, counter: Option<&Bson>) -> bool {
         self.stale_amount != 0 || (counter.is_none() && self.has_work())
     }
 }
@@ -207,7 +207,7 @@ impl FoldPlan {
 /// fields are `counter`, `pending`, `settled` and `lanes` (`None`:
 /// absent), at `cutoffs`: the tokens' fold ([`plan`]) and the lanes'
 /// pruning ([`plan_lanes`]) together, as one statement writes them.
-pub fn plan_document(
+pub(crate) fn plan_document(
     counter: Option<&Bson>,
     pending: Option<&Bson>,
     settled: Option<&Bson>,
@@ -223,7 +223,7 @@ pub fn plan_document(
 /// are `counter`, `pending` and `settled` (`None`: absent), at `cutoff`: an
 /// entry or marker is stale when its token sorts below the cutoff. Lanes
 /// are left out ([`plan_document`] takes them in).
-pub fn plan(
+pub(crate) fn plan(
     counter: Option<&Bson>,
     pending: Option<&Bson>,
     settled: Option<&Bson>,

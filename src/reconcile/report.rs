@@ -20,6 +20,24 @@ pub const MALFORMED_SAMPLE: usize = 10;
 pub const NAMED_LANES_LISTED: usize = 100;
 
 /// A document the fold leaves alone, and why.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+/// let now = fold.server_time().await?;
+/// let stop = CancellationToken::new();
+/// let run = fold.reconcile(&target, tally::Mode::Fold, now, &stop, &mut |_| {}).await;
+/// for bad in &run.survey.malformed_sample {
+///     eprintln!("{}: {} (left unchanged)", bad.id, bad.reason);
+/// }
+/// if run.survey.malformed > run.survey.malformed_sample.len() as u64 {
+///     eprintln!("and {} more", run.survey.malformed - run.survey.malformed_sample.len() as u64);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MalformedDocument {
     /// The `_id`: a string id as itself, any other as relaxed extended
@@ -30,6 +48,21 @@ pub struct MalformedDocument {
 }
 
 /// A document the server refused to fold: left unchanged, and reported.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+/// let now = fold.server_time().await?;
+/// let stop = CancellationToken::new();
+/// let run = fold.reconcile(&target, tally::Mode::Fold, now, &stop, &mut |_| {}).await;
+/// for refused in &run.refused_sample {
+///     eprintln!("{}: the server refused ({}): {}", refused.id, refused.code, refused.reason);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RefusedDocument {
     /// The `_id`: a string id as itself, any other as relaxed extended
@@ -43,6 +76,22 @@ pub struct RefusedDocument {
 
 /// What one collection holds in its pending arrays and lane maps, from one
 /// report pass.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// let now = fold.server_time().await?;
+/// let survey = fold.survey(&target, now - target.grace).await?;
+/// if let Some(oldest) = survey.oldest_pending {
+///     println!("oldest pending token: {} old", humantime::format_duration(oldest.age(now)));
+/// }
+/// for (lane, position) in &survey.named_lanes {
+///     println!("lane {lane} at {position}");
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Survey {
     /// Documents holding the pending, the settled or the lanes field: every
@@ -93,6 +142,21 @@ pub struct Survey {
 }
 
 /// Where a run is, for progress indicators.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+/// use tally::{Mode, Progress};
+///
+/// let mut report = |p: Progress| eprint!("\r{} documents read, {} folded", p.examined, p.folded);
+/// let now = fold.server_time().await?;
+/// let stop = CancellationToken::new();
+/// let run = fold.reconcile(&target, Mode::Fold, now, &stop, &mut report).await;
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
     /// Report rows read so far.
@@ -102,6 +166,26 @@ pub struct Progress {
 }
 
 /// What a run did to one collection.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     fold: tally::Reconciler,
+/// #     target: tally::FoldTarget,
+/// # ) -> Result<(), tally::Error> {
+/// use tokio_util::sync::CancellationToken;
+/// let now = fold.server_time().await?;
+/// let stop = CancellationToken::new();
+/// let run = fold.reconcile(&target, tally::Mode::Fold, now, &stop, &mut |_| {}).await;
+/// if let Some(err) = &run.error {
+///     eprintln!("{}: {err} (what was folded before stays folded)", run.collection);
+/// }
+/// println!(
+///     "{}: {} documents, {} tokens (+{}), {} lane entries pruned in {}",
+///     run.collection, run.documents_folded, run.tokens_folded, run.amount_folded,
+///     run.lanes_pruned, humantime::format_duration(run.duration),
+/// );
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Serialize)]
 pub struct CollectionRun {
     /// The collection.
@@ -176,13 +260,30 @@ impl CollectionRun {
     }
 
     /// A run that could not start.
-    pub fn failed(collection: &str, error: Error) -> Self {
+    #[cfg(feature = "daemon")]
+    pub(crate) fn failed(collection: &str, error: Error) -> Self {
         let mut run = Self::new(collection, Mode::Fold, SystemTime::UNIX_EPOCH);
         run.error = Some(error);
         run
     }
 
     /// Whether the collection was reconciled completely.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::Reconciler,
+    /// #     target: tally::FoldTarget,
+    /// # ) -> Result<(), tally::Error> {
+    /// use tokio_util::sync::CancellationToken;
+    /// let now = fold.server_time().await?;
+    /// let stop = CancellationToken::new();
+    /// let run = fold.reconcile(&target, tally::Mode::Fold, now, &stop, &mut |_| {}).await;
+    /// if !run.succeeded() {
+    ///     // Failed or stopped by shutdown: the fold is idempotent, run it again.
+    ///     std::process::exit(75);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn succeeded(&self) -> bool {
         self.error.is_none() && !self.interrupted
     }

@@ -49,7 +49,9 @@ use std::ops::Range;
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 
-use super::model::{self, Cutoffs, FoldPlan, LanePlan, Lines, Malformed, StaleEntry};
+#[cfg(test)]
+use super::model::Cutoffs;
+use super::model::{self, FoldPlan, LanePlan, Lines, Malformed, StaleEntry};
 use crate::document::bson_type_name;
 use crate::token::{Entry, TOKEN_FIELD};
 use crate::write::counter::{CollectionConfig, exact_as_double, inc_operand, marker_path};
@@ -118,9 +120,10 @@ impl<'a> Read<'a> {
 /// the fields `spec` names — at `cutoffs` (each the
 /// [`Token::cutoff`](crate::Token::cutoff) of the server's time minus the
 /// grace, and minus `lane_ttl`). Empty when there is nothing to fold; an
-/// error, and no statement, for a malformed document. For tools that fold
-/// documents their own way; the reconciler sends the same statements.
-pub fn statements(
+/// error, and no statement, for a malformed document. The reconciler sends
+/// the same statements; tests send these to the server themselves.
+#[cfg(test)]
+pub(crate) fn statements(
     spec: &CollectionConfig,
     document: &Document,
     cutoffs: Cutoffs,

@@ -39,6 +39,13 @@ use crate::write::insert_loop::TOKEN_FIELD;
 const RACE_ROUNDS: u32 = 3;
 
 /// Where bounded counters live and how their fields are named.
+///
+/// ```
+/// use tally::BoundedConfig;
+///
+/// let seats = BoundedConfig::new("concerts").with_fields("seats_left", "ticket_holders");
+/// assert_eq!(seats.available_field, "seats_left");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BoundedConfig {
     /// The collection.
@@ -52,6 +59,14 @@ pub struct BoundedConfig {
 
 impl BoundedConfig {
     /// A collection with the default field names.
+    ///
+    /// ```
+    /// use tally::BoundedConfig;
+    ///
+    /// let seats = BoundedConfig::new("concerts");
+    /// assert_eq!(seats.available_field, "available");
+    /// assert_eq!(seats.holders_field, "holders");
+    /// ```
     pub fn new(collection: impl Into<String>) -> Self {
         Self {
             collection: collection.into(),
@@ -61,6 +76,13 @@ impl BoundedConfig {
     }
 
     /// The same collection with other field names.
+    ///
+    /// ```
+    /// use tally::BoundedConfig;
+    ///
+    /// let seats = BoundedConfig::new("concerts").with_fields("seats_left", "ticket_holders");
+    /// assert_eq!(seats.holders_field, "ticket_holders");
+    /// ```
     pub fn with_fields(mut self, available: impl Into<String>, holders: impl Into<String>) -> Self {
         self.available_field = available.into();
         self.holders_field = holders.into();
@@ -69,6 +91,19 @@ impl BoundedConfig {
 }
 
 /// The result of [`BoundedCounters::take`].
+///
+/// ```no_run
+/// # async fn demo(seats: tally::BoundedCounters) -> Result<(), tally::Error> {
+/// use tally::{Take, Token};
+///
+/// let token = Token::new(); // keep it: it gives the seat back, or retries the take
+/// match seats.take("gig-2026-06-01", token, "alice").await? {
+///     Take::Taken | Take::AlreadyTaken => println!("alice has a seat"),
+///     Take::NoneLeft => println!("sold out"),
+///     Take::NotFound => println!("no such concert"),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Take {
     /// This call took a unit.
@@ -84,6 +119,21 @@ pub enum Take {
 }
 
 /// The result of [`BoundedCounters::give_back`].
+///
+/// ```no_run
+/// # async fn demo(
+/// #     seats: tally::BoundedCounters,
+/// #     token: tally::Token,
+/// # ) -> Result<(), tally::Error> {
+/// use tally::GiveBack;
+///
+/// match seats.give_back("gig-2026-06-01", token).await? {
+///     GiveBack::Returned => println!("the seat is free again"),
+///     // Given back before (a retry), or never taken: nothing changed.
+///     GiveBack::NotHeld => {}
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GiveBack {
     /// The unit held by the token is available again.
@@ -93,6 +143,19 @@ pub enum GiveBack {
 }
 
 /// Bounded counters in one collection.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
+/// use tally::{BoundedConfig, BoundedCounters, Take, Token};
+///
+/// let seats = BoundedCounters::new(&store, BoundedConfig::new("concerts"));
+/// seats.create("gig-2026-06-01", 300).await?;
+/// let token = Token::new();
+/// if seats.take("gig-2026-06-01", token, "alice").await? == Take::Taken {
+///     println!("{} seats left", seats.available("gig-2026-06-01").await?.unwrap_or(0));
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct BoundedCounters {
     store: Store,
@@ -102,6 +165,14 @@ pub struct BoundedCounters {
 
 impl BoundedCounters {
     /// Bounded counters as `spec` describes them.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{BoundedConfig, BoundedCounters};
+    ///
+    /// let seats = BoundedCounters::new(&store, BoundedConfig::new("concerts"));
+    /// # }
+    /// ```
     pub fn new(store: &Store, spec: BoundedConfig) -> Self {
         Self {
             store: store.clone(),
@@ -115,6 +186,14 @@ impl BoundedCounters {
     /// changes nothing) when it already exists. An error after an attempt
     /// that may have applied leaves it unknown whether this call created
     /// it; calling again then returns `false` either way.
+    ///
+    /// ```no_run
+    /// # async fn demo(seats: tally::BoundedCounters) -> Result<(), tally::Error> {
+    /// if !seats.create("gig-2026-06-01", 300).await? {
+    ///     println!("the concert exists already: its seats are left as they are");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn create(&self, key: impl Into<Bson>, units: i64) -> Result<bool, Error> {
         if units < 0 {
             return Err(Error::InvalidArgument("units must not be negative".into()));
@@ -141,6 +220,22 @@ impl BoundedCounters {
 
     /// Takes one unit of `key` for `holder`, identified by `token` (make a
     /// fresh one per take and keep it to give the unit back or to retry).
+    ///
+    /// ```no_run
+    /// # async fn demo(seats: tally::BoundedCounters) -> Result<(), tally::Error> {
+    /// use tally::{Take, Token};
+    ///
+    /// let token = Token::new();
+    /// let taken = match seats.take("gig-2026-06-01", token, "alice").await {
+    ///     Ok(taken) => taken,
+    ///     // The reply was lost: the same token again takes at most one seat.
+    ///     Err(_) => seats.take("gig-2026-06-01", token, "alice").await?,
+    /// };
+    /// if taken == Take::AlreadyTaken {
+    ///     println!("the lost attempt had taken alice's seat: still one seat");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn take(
         &self,
         key: impl Into<Bson>,
@@ -190,6 +285,20 @@ impl BoundedCounters {
 
     /// Gives back the unit `token` holds. Idempotent: a second call reports
     /// [`GiveBack::NotHeld`] and changes nothing.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     seats: tally::BoundedCounters,
+    /// #     token: tally::Token,
+    /// # ) -> Result<(), tally::Error> {
+    /// use tally::GiveBack;
+    ///
+    /// // Safe to call again: the second call finds nothing held.
+    /// if seats.give_back("gig-2026-06-01", token).await? == GiveBack::Returned {
+    ///     println!("alice's seat is free again");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn give_back(&self, key: impl Into<Bson>, token: Token) -> Result<GiveBack, Error> {
         let key = key.into();
         check_key(&key)?;
@@ -211,6 +320,16 @@ impl BoundedCounters {
     }
 
     /// The units left (`None` when the counter does not exist).
+    ///
+    /// ```no_run
+    /// # async fn demo(seats: tally::BoundedCounters) -> Result<(), tally::Error> {
+    /// match seats.available("gig-2026-06-01").await? {
+    ///     Some(0) => println!("sold out"),
+    ///     Some(left) => println!("{left} seats left"),
+    ///     None => println!("no such concert"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn available(&self, key: impl Into<Bson>) -> Result<Option<i64>, Error> {
         let key = key.into();
         check_key(&key)?;

@@ -91,6 +91,21 @@ const UPSERT_RACE_RETRIES: u32 = 3;
 /// of the call that found the counter idle, so a handle shared with a
 /// runtime that is not running (a `block_on` kept for later) can leave
 /// other callers waiting; make one handle per runtime.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use tally::{CollectionConfig, Counters, Store, StoreConfig, WriterConfig};
+///
+/// let store = Store::connect(&StoreConfig::new("mongodb://localhost:27017", "app")).await?;
+/// // One handle per collection and process; clone it into each task.
+/// let views = Counters::new(&store, CollectionConfig::new("page_views"), WriterConfig::default());
+/// let worker = views.clone();
+/// tokio::spawn(async move {
+///     let added = worker.add("home", 1).await;
+///     println!("home +1: {}", added.name());
+/// });
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Counters {
     pub(super) store: Store,
@@ -133,6 +148,16 @@ impl Counters {
     /// that do not hold together (see [`Counters::try_new`]) are logged as
     /// an error, and every lane operation of the handle is then refused
     /// without writing; the two-step increment works regardless.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{CollectionConfig, Counters, WriterConfig};
+    ///
+    /// let spec = CollectionConfig::new("page_views");
+    /// let views = Counters::new(&store, spec, WriterConfig::default());
+    /// assert_eq!(views.spec().name, "page_views");
+    /// # }
+    /// ```
     pub fn new(store: &Store, spec: CollectionConfig, writer: WriterConfig) -> Self {
         let counters = Self::build(store, spec, writer);
         if let Err(refused) = &counters.lanes {
@@ -150,6 +175,21 @@ impl Counters {
     /// bounds, and `lane_resume_horizon` plus the store's attempt bound
     /// shorter than `lane_ttl`
     /// ([`Error::InvalidArgument`], naming every setting at fault).
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use std::time::Duration;
+    /// use tally::{CollectionConfig, Counters, Error, WriterConfig};
+    ///
+    /// // A lane TTL shorter than the resume horizon is refused.
+    /// let writer = WriterConfig { lane_ttl: Duration::from_secs(60), ..WriterConfig::default() };
+    /// match Counters::try_new(&store, CollectionConfig::new("page_views"), writer) {
+    ///     Ok(_views) => {}
+    ///     Err(Error::InvalidArgument(why)) => eprintln!("fix the writer settings: {why}"),
+    ///     Err(other) => eprintln!("{other}"),
+    /// }
+    /// # }
+    /// ```
     pub fn try_new(
         store: &Store,
         spec: CollectionConfig,
@@ -184,16 +224,53 @@ impl Counters {
     }
 
     /// The collection and field names this handle writes.
+    ///
+    /// ```no_run
+    /// # fn demo(views: tally::Counters) {
+    /// println!("counting in {}.{}", views.spec().name, views.spec().counter_field);
+    /// # }
+    /// ```
     pub fn spec(&self) -> &CollectionConfig {
         &self.spec
     }
 
     /// The retry horizon in force (at least two attempts, and 2 s).
+    ///
+    /// ```no_run
+    /// # fn demo(views: tally::Counters) {
+    /// // An unknown increment can be resumed for this long after its call.
+    /// let horizon = humantime::format_duration(views.retry_horizon());
+    /// println!("resume unknown increments within {horizon}");
+    /// # }
+    /// ```
     pub fn retry_horizon(&self) -> Duration {
         self.retry_horizon
     }
 
     /// Adds `amount` (not zero) to the counter `key`, creating it if needed.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::{Completion, Increment};
+    ///
+    /// match views.increment("home", 1).await {
+    ///     Increment::Counted(_) => {}
+    ///     // Step 1 applied: counted exactly once, now or by the daemon.
+    ///     Increment::Pending(pending) => {
+    ///         if let Completion::Pending(still) = views.complete(pending).await {
+    ///             eprintln!("{} stays pending; the daemon folds it", still.token());
+    ///         }
+    ///     }
+    ///     // Settle it within the retry horizon.
+    ///     Increment::Unknown(unknown) => {
+    ///         if let Increment::Unknown(still) = views.resume(unknown).await? {
+    ///             eprintln!("resume later: {}", views.ticket(&still));
+    ///         }
+    ///     }
+    ///     Increment::NotCounted(not) => return Err(not.cause().clone()),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn increment(&self, key: impl Into<Bson>, amount: i64) -> Increment {
         let key = key.into();
         let checked = crate::document::check_key(&key).and_then(|()| {
@@ -246,6 +323,18 @@ impl Counters {
 
     /// The counter's current value (`None` when the document or the field
     /// does not exist). Pending entries are not included.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use mongodb::bson::Bson;
+    ///
+    /// match views.value("home").await? {
+    ///     Some(Bson::Int64(n)) => println!("home: {n}"),
+    ///     Some(other) => println!("home holds {other}"),
+    ///     None => println!("home was never counted"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn value(&self, key: impl Into<Bson>) -> Result<Option<Bson>, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;

@@ -38,6 +38,17 @@ pub(crate) const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 pub(crate) const TOKEN_FIELD: &str = "_tally_token";
 
 /// Inserts documents with the next free numeric `_id`.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
+/// use mongodb::bson::doc;
+/// use tally::InsertLoop;
+///
+/// let tickets = InsertLoop::new(&store, "tickets");
+/// let id = tickets.insert(doc! { "title": "printer on fire" }).await?;
+/// println!("ticket #{id}");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct InsertLoop {
     store: Store,
@@ -52,6 +63,12 @@ impl InsertLoop {
     /// An insert loop on `collection`, with 10 attempts and a backoff of
     /// 2 ms doubling up to 100 ms (full jitter); each document gets its
     /// call's token in `_tally_token`.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// let tickets = tally::InsertLoop::new(&store, "tickets");
+    /// # }
+    /// ```
     pub fn new(store: &Store, collection: &str) -> Self {
         Self {
             store: store.clone(),
@@ -66,12 +83,25 @@ impl InsertLoop {
     /// Names the field that holds each insert's token (default
     /// `_tally_token`); a field of that name in the inserted fields is
     /// replaced.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// let tickets = tally::InsertLoop::new(&store, "tickets").token_field("request");
+    /// # }
+    /// ```
     pub fn token_field(mut self, name: impl Into<String>) -> Self {
         self.token_field = name.into();
         self
     }
 
     /// Tries at most `attempts` inserts (at least one).
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// // Many writers racing for ids: give each insert more tries.
+    /// let tickets = tally::InsertLoop::new(&store, "tickets").max_attempts(50);
+    /// # }
+    /// ```
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -79,6 +109,15 @@ impl InsertLoop {
 
     /// Waits a random time up to `base × 2^(attempt-1)`, capped at `cap`,
     /// after each lost race.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use std::time::Duration;
+    ///
+    /// let tickets = tally::InsertLoop::new(&store, "tickets")
+    ///     .backoff(Duration::from_millis(5), Duration::from_millis(500));
+    /// # }
+    /// ```
     pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
         self.backoff_base = base;
         self.backoff_cap = cap;
@@ -88,6 +127,22 @@ impl InsertLoop {
     /// Inserts `document` (its own `_id`, if any, is replaced) under the
     /// next free id and returns that id. The stored document also holds
     /// this call's token in the token field.
+    ///
+    /// ```no_run
+    /// # async fn demo(tickets: tally::InsertLoop) -> Result<(), tally::Error> {
+    /// use mongodb::bson::doc;
+    /// use tally::Error;
+    ///
+    /// match tickets.insert(doc! { "title": "printer on fire" }).await {
+    ///     Ok(id) => println!("ticket #{id}"),
+    ///     // Every attempt lost its race: nothing was inserted.
+    ///     Err(Error::InsertAttemptsExhausted { attempts }) => {
+    ///         eprintln!("busy after {attempts} tries")
+    ///     }
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn insert(&self, fields: Document) -> Result<i64, Error> {
         let token = Token::new();
         // Candidates an attempt may have landed on, unseen.

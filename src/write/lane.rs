@@ -147,6 +147,32 @@ impl Counters {
     /// Positions must be sent in order, one at a time per lane, each until
     /// it is counted (an unknown one sent again, or resumed, before a newer
     /// one): then an out-of-order position is one counted before.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters, offset: i64) -> Result<(), tally::Error> {
+    /// use tally::{LaneIncrement, LaneName};
+    ///
+    /// // Partition 3 of the `orders` topic: its offsets number the lane.
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// let counted = match views.add_from("home", 1, &lane, offset).await {
+    ///     // Counted now, or before (the message delivered again).
+    ///     LaneIncrement::Counted(_) => true,
+    ///     // Send the same offset again (or resume) before the next one.
+    ///     LaneIncrement::Unknown(ticket) => {
+    ///         matches!(views.resume_lane(ticket).await?, LaneIncrement::Counted(_))
+    ///     }
+    ///     // Sent in order, an earlier offset is one counted before.
+    ///     LaneIncrement::OutOfOrder(old) => {
+    ///         eprintln!("offset {offset} behind {}", old.held());
+    ///         true
+    ///     }
+    ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
+    /// };
+    /// if counted {
+    ///     // Commit the offset to the source; until then it delivers it again.
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn add_from(
         &self,
         key: impl Into<Bson>,
@@ -190,6 +216,24 @@ impl Counters {
     /// prune: the increment is counted at most once), or the handle's lane
     /// settings
     /// were refused ([`Error::InvalidArgument`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::{Error, LaneIncrement};
+    ///
+    /// if let LaneIncrement::Unknown(ticket) = views.add("home", 1).await {
+    ///     match views.resume_lane(ticket).await {
+    ///         Ok(LaneIncrement::Unknown(ticket)) => eprintln!("resume later: {ticket}"),
+    ///         Ok(settled) => println!("{}", settled.name()),
+    ///         // Past the resume horizon: counted at most once, nothing written now.
+    ///         Err(Error::LaneResumeHorizonExceeded { lane, .. }) => {
+    ///             eprintln!("too late for {lane}")
+    ///         }
+    ///         Err(other) => return Err(other),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn resume_lane(&self, ticket: LaneTicket) -> Result<LaneIncrement, Error> {
         let writer = self.lanes.as_ref().map_err(Clone::clone)?;
         let op = LaneOp {

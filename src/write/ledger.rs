@@ -80,6 +80,27 @@ pub const MAX_EVENT_KEY_BYTES: usize = 512;
 /// counters exactly. Cheap to clone; clones share one lane, and the events
 /// their callers record while an insert is in flight go out together as
 /// the next insert. Make one per process and clone it.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
+/// use tally::{CollectionConfig, Ledger, Recording};
+///
+/// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"));
+/// // The order's id is the event's key: recording it again counts nothing.
+/// let mut recording = orders.record("order-1042", "2026-05", 3).await;
+/// if let Recording::Unknown(ticket) = recording {
+///     // The insert may have landed: sending the same event again is safe.
+///     recording = orders.record_again(ticket).await?;
+/// }
+/// match recording {
+///     Recording::Recorded(_) | Recording::Duplicate(_) => {}
+///     Recording::Unknown(ticket) => eprintln!("{}: send it again later", ticket.event().key()),
+///     Recording::Conflict(conflict) => eprintln!("a reused key: {conflict}"),
+///     Recording::NotRecorded(not) => return Err(not.cause().clone()),
+/// }
+/// println!("May so far: {}", orders.value("2026-05").await?.value);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Ledger {
     store: Store,
@@ -96,6 +117,15 @@ impl Ledger {
     /// [`CollectionConfig::events_collection_name`], and an unknown
     /// recording may be sent again for the default retry horizon (3
     /// minutes; see [`Ledger::with_retry_horizon`]).
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{CollectionConfig, Ledger};
+    ///
+    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"));
+    /// assert_eq!(orders.spec().events_collection_name(), "order_totals_events");
+    /// # }
+    /// ```
     pub fn new(store: &Store, spec: CollectionConfig) -> Self {
         let events = spec.events_collection_name();
         let state = state::collection_name(&events);
@@ -114,12 +144,30 @@ impl Ledger {
     /// ([`Ledger::record_again`]) only within `horizon` of its first
     /// attempt: the writers' retry horizon (`[writer] retry_horizon`),
     /// which the dedupe window (`event_retention`) must outlast.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use std::time::Duration;
+    /// use tally::{CollectionConfig, Ledger};
+    ///
+    /// // The writers' `[writer] retry_horizon`, if not the default.
+    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"))
+    ///     .with_retry_horizon(Duration::from_secs(60));
+    /// # }
+    /// ```
     pub fn with_retry_horizon(mut self, horizon: Duration) -> Self {
         self.retry_horizon = horizon;
         self
     }
 
     /// The counter collection and its field names.
+    ///
+    /// ```no_run
+    /// # fn demo(orders: tally::Ledger) {
+    /// let spec = orders.spec();
+    /// println!("events of {} go to {}", spec.name, spec.events_collection_name());
+    /// # }
+    /// ```
     pub fn spec(&self) -> &CollectionConfig {
         &self.spec
     }
@@ -127,6 +175,15 @@ impl Ledger {
     /// Creates the indexes the events collection needs (`tallyd setup`
     /// calls this; tally never does behind the caller's back), and returns
     /// one line per index saying what it did. Idempotent.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// // At deployment, as `tallyd setup` does.
+    /// for line in orders.create_indexes().await? {
+    ///     println!("{line}");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn create_indexes(&self) -> Result<Vec<String>, Error> {
         let events = self.spec.events_collection_name();
         let done = index::create(&self.store, &events).await?;
@@ -138,6 +195,16 @@ impl Ledger {
 
     /// The indexes the events collection lacks, by name (empty when the
     /// fold can run).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// let missing = orders.missing_indexes().await?;
+    /// if !missing.is_empty() {
+    ///     let missing = missing.join(", ");
+    ///     eprintln!("the ledger cannot be folded yet: run `tallyd setup` (missing: {missing})");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn missing_indexes(&self) -> Result<Vec<String>, Error> {
         index::missing(&self.store, &self.spec.events_collection_name()).await
     }
@@ -146,6 +213,22 @@ impl Ledger {
     /// `counter_key`. One insert, shared with the events this handle's
     /// other callers record meanwhile; see [`Recording`] for what the
     /// caller learns.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// use tally::Recording;
+    ///
+    /// match orders.record("order-1042", "2026-05", 3).await {
+    ///     recording if recording.is_counted() => {}
+    ///     // Safe to send again within the retry horizon: counted once.
+    ///     Recording::Unknown(ticket) => {
+    ///         let again = orders.record_again(ticket).await?;
+    ///         println!("order-1042 sent again: {}", again.name());
+    ///     }
+    ///     other => eprintln!("order-1042 {}", other.name()),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn record(
         &self,
         event_key: impl Into<String>,
@@ -174,6 +257,23 @@ impl Ledger {
     /// than the retry horizon — the event may have been folded and its key
     /// forgotten, and sending it again could count it twice; it is recorded
     /// at most once.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// use tally::{Error, Recording};
+    ///
+    /// if let Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     match orders.record_again(ticket).await {
+    ///         Ok(again) => println!("order-1042: {}", again.name()),
+    ///         // Too late to send again: the event is counted at most once.
+    ///         Err(Error::EventRetryHorizonExceeded { event, .. }) => {
+    ///             eprintln!("{event}: gave up")
+    ///         }
+    ///         Err(other) => return Err(other),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn record_again(&self, ticket: EventTicket) -> Result<Recording, Error> {
         let Some(&(_, first)) = ticket.attempts.first() else {
             return Err(Error::InvalidArgument(format!(
@@ -203,6 +303,16 @@ impl Ledger {
     /// takes (up to 100,000 events or 16 MiB each), with any events this
     /// handle's other callers record meanwhile. An event key given twice is
     /// recorded once; the second is a duplicate (or a conflict).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let lines = [("order-1042", "2026-05", 3), ("order-1043", "2026-05", 1)];
+    /// let outcomes = orders.record_many(lines).await;
+    /// for recording in outcomes.iter().filter(|r| !r.is_counted()) {
+    ///     eprintln!("{}: {}", recording.event().key(), recording.name());
+    /// }
+    /// # }
+    /// ```
     pub async fn record_many<K, C>(
         &self,
         events: impl IntoIterator<Item = (K, C, i64)>,

@@ -27,6 +27,14 @@ use crate::error::{Error, RetryBudget};
 use crate::store::Store;
 
 /// Where sequences live: the counters collection and its field.
+///
+/// ```
+/// use tally::SequenceConfig;
+///
+/// let config = SequenceConfig { field: "last".into(), ..SequenceConfig::in_collection("ids") };
+/// assert_eq!((config.collection.as_str(), config.field.as_str()), ("ids", "last"));
+/// assert_eq!(SequenceConfig::default().collection, "counters");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SequenceConfig {
     /// The counters collection: one document `{_id: name, <field>: n}` per
@@ -47,6 +55,13 @@ impl Default for SequenceConfig {
 
 impl SequenceConfig {
     /// Sequences in another collection, with the default field.
+    ///
+    /// ```
+    /// use tally::SequenceConfig;
+    ///
+    /// let config = SequenceConfig::in_collection("ids");
+    /// assert_eq!((config.collection.as_str(), config.field.as_str()), ("ids", "seq"));
+    /// ```
     pub fn in_collection(collection: impl Into<String>) -> Self {
         Self {
             collection: collection.into(),
@@ -60,6 +75,16 @@ impl SequenceConfig {
 const CREATE_ROUNDS: u32 = 3;
 
 /// Sequences in one counters collection.
+///
+/// ```no_run
+/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
+/// use tally::{SequenceConfig, Sequences};
+///
+/// let ids = Sequences::new(&store, &SequenceConfig::default());
+/// let invoice = ids.next("invoice").await?;
+/// println!("invoice #{invoice}");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Sequences {
     store: Store,
@@ -68,6 +93,13 @@ pub struct Sequences {
 }
 
 /// A block of consecutive numbers reserved by [`Sequences::next_block`].
+///
+/// ```no_run
+/// # async fn demo(ids: tally::Sequences) -> Result<(), tally::Error> {
+/// let block = ids.next_block("invoice", 100).await?;
+/// assert_eq!(block.last - block.first, 99);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Block {
     /// The first number of the block.
@@ -78,6 +110,13 @@ pub struct Block {
 
 impl Block {
     /// The numbers of the block, in order.
+    ///
+    /// ```
+    /// use tally::Block;
+    ///
+    /// let block = Block { first: 41, last: 43 };
+    /// assert_eq!(block.numbers().collect::<Vec<_>>(), [41, 42, 43]);
+    /// ```
     pub fn numbers(&self) -> std::ops::RangeInclusive<i64> {
         self.first..=self.last
     }
@@ -85,6 +124,14 @@ impl Block {
 
 impl Sequences {
     /// Sequences in the configured collection.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{SequenceConfig, Sequences};
+    ///
+    /// let ids = Sequences::new(&store, &SequenceConfig::in_collection("ids"));
+    /// # }
+    /// ```
     pub fn new(store: &Store, config: &SequenceConfig) -> Self {
         Self {
             store: store.clone(),
@@ -94,11 +141,28 @@ impl Sequences {
     }
 
     /// The next number of the sequence `name` (1 for a new sequence).
+    ///
+    /// ```no_run
+    /// # async fn demo(ids: tally::Sequences) -> Result<(), tally::Error> {
+    /// // Never handed out twice, even when a reply is lost and the call retried.
+    /// let number = ids.next("invoice").await?;
+    /// assert!(number >= 1);
+    /// # Ok(()) }
+    /// ```
     pub async fn next(&self, name: &str) -> Result<i64, Error> {
         self.advance(name, 1).await
     }
 
     /// Reserves `n` consecutive numbers in one round trip.
+    ///
+    /// ```no_run
+    /// # async fn demo(ids: tally::Sequences) -> Result<(), tally::Error> {
+    /// // 100 numbers in one round trip, for a batch import.
+    /// for number in ids.next_block("invoice", 100).await?.numbers() {
+    ///     println!("invoice #{number}");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn next_block(&self, name: &str, n: u32) -> Result<Block, Error> {
         if n == 0 {
             return Err(Error::InvalidArgument(
@@ -114,6 +178,15 @@ impl Sequences {
 
     /// The last number handed out, without changing anything (`None` when
     /// the sequence does not exist yet).
+    ///
+    /// ```no_run
+    /// # async fn demo(ids: tally::Sequences) -> Result<(), tally::Error> {
+    /// match ids.current("invoice").await? {
+    ///     Some(last) => println!("last invoice: #{last}"),
+    ///     None => println!("no invoice yet"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn current(&self, name: &str) -> Result<Option<i64>, Error> {
         let projection = doc! { &self.field: 1 };
         let found = self
@@ -133,6 +206,14 @@ impl Sequences {
     /// id already in a collection — without this, a counter that lags the
     /// data sends an insert loop into endless duplicate keys. Returns the
     /// sequence's value afterwards.
+    ///
+    /// ```no_run
+    /// # async fn demo(ids: tally::Sequences, highest_id_in_use: i64) -> Result<(), tally::Error> {
+    /// // Before handing out ids for a collection that already holds some.
+    /// let now = ids.ensure_at_least("invoice", highest_id_in_use).await?;
+    /// assert!(now >= highest_id_in_use);
+    /// # Ok(()) }
+    /// ```
     pub async fn ensure_at_least(&self, name: &str, value: i64) -> Result<i64, Error> {
         if self.create(name, value).await? {
             return Ok(value);

@@ -271,6 +271,8 @@ pub struct Sent {
     /// For `update`: the update operators (or `pipeline`) of the first
     /// statement, e.g. `["$addToSet", "$setOnInsert"]`.
     pub update_ops: Vec<String>,
+    /// For `update`: how many statements its `updates` carry.
+    pub statements: usize,
     /// The command's `writeConcern`, as sent.
     pub write_concern: Option<Document>,
     /// The mode of the command's `$readPreference`, as sent.
@@ -298,9 +300,14 @@ impl CommandLog {
                         _ => Vec::new(),
                     })
                     .unwrap_or_default();
+                let statements = started
+                    .command
+                    .get_array("updates")
+                    .map_or(0, |updates| updates.len());
                 log.lock().unwrap().push(Sent {
                     name: started.command_name.clone(),
                     update_ops,
+                    statements,
                     write_concern: started.command.get_document("writeConcern").ok().cloned(),
                     read_preference: started
                         .command

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
-use tally::reconcile::model::Cutoffs;
 use tally::{
     CollectionConfig, Counters, FoldTarget, LaneIncrement, Mode, Reconciler, Store, Token,
     WriterConfig,
@@ -275,70 +274,6 @@ async fn documents_with_tokens_markers_and_lanes_fold_prune_and_report() {
     );
     let again = run(&client.store(), Mode::Fold).await;
     assert_eq!((again.documents_folded, again.lanes_pruned), (0, 0));
-}
-
-/// The statement pins each removed entry's value as read: a write to that
-/// lane since the read makes it match nothing (the document is read
-/// again), and an entry added since is never removed.
-#[tokio::test]
-async fn a_lane_written_after_the_read_is_never_removed() {
-    let ctx = TestContext::new("prune_pinned").await;
-    let client = ctx.client(false).await;
-    let views = client.collection("views");
-    let (old, other) = (expired(), expired());
-    let read = doc! { "_id": "k", "counter": 1i64, "lanes": { &old: 3i64, &other: 1i64 } };
-    views.insert_one(&read).await.unwrap();
-    let now = server_now(&client.store()).await;
-    let cutoffs = Cutoffs {
-        tokens: Token::cutoff(now - GRACE),
-        lanes: Token::cutoff(now - LANE_TTL),
-    };
-    let statements =
-        tally::reconcile::statement::statements(&CollectionConfig::new("views"), &read, cutoffs)
-            .unwrap();
-    let database = client.client.database(&ctx.db_name);
-    let send = || async {
-        database
-            .run_command(doc! { "update": "views", "updates": statements.clone() })
-            .await
-            .unwrap()
-    };
-
-    // Since the read: the expired lane wrote 4 (a late resume), and a new
-    // lane wrote its first entry.
-    let new = young();
-    views
-        .update_one(
-            doc! { "_id": "k" },
-            doc! { "$set": { format!("lanes.{old}"): 4i64, format!("lanes.{new}"): 1i64 },
-            "$inc": { "counter": 2i64 } },
-        )
-        .await
-        .unwrap();
-    let reply = send().await;
-    assert_eq!(reply.get_i32("nModified").unwrap(), 0, "{reply:?}");
-    assert_eq!(
-        field(&views, "k", "lanes").await,
-        Some(Bson::Document(
-            doc! { &old: 4i64, &other: 1i64, &new: 1i64 }
-        ))
-    );
-
-    // Only the new lane since the read: the statement applies, and keeps it.
-    views
-        .update_one(
-            doc! { "_id": "k" },
-            doc! { "$set": { format!("lanes.{old}"): 3i64 } },
-        )
-        .await
-        .unwrap();
-    let reply = send().await;
-    assert_eq!(reply.get_i32("nModified").unwrap(), 1, "{reply:?}");
-    assert_eq!(
-        field(&views, "k", "lanes").await,
-        Some(Bson::Document(doc! { &new: 1i64 }))
-    );
-    assert_eq!(counter(&views, "k").await, 3, "pruning never counts");
 }
 
 /// A fold whose update the server holds while a writer adds through a

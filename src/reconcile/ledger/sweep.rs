@@ -28,6 +28,17 @@ impl EventFold {
     /// dedupe window at `now` (the server's clock), and drops those lanes
     /// from the state. Returns how many events were deleted. Safe at any
     /// time, by any number of folds at once.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::EventFold,
+    /// #     clock: tally::Reconciler,
+    /// # ) -> Result<(), tally::Error> {
+    /// // `fold` sweeps every `sweep_every`; sweep now, e.g. after lowering the window.
+    /// let deleted = fold.sweep(clock.server_time().await?).await?;
+    /// println!("{deleted} old folded events deleted");
+    /// # Ok(()) }
+    /// ```
     pub async fn sweep(&self, now: SystemTime) -> Result<u64, Error> {
         let state = state::read(&self.store, &self.state).await?;
         let cutoff = unix_micros(

@@ -31,27 +31,28 @@ use crate::write::lane::{LaneId, written_before};
 
 /// What pruning one document's lane map does.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct LanePlan {
+pub(crate) struct LanePlan {
     /// The lanes field exists.
-    pub has_lanes: bool,
+    pub(crate) has_lanes: bool,
     /// Entries in the map, as read.
-    pub entries: u64,
+    pub(crate) entries: u64,
     /// The expired minted entries, key and value as read: every one is
     /// removed, each only while it still holds that value.
-    pub expired: Vec<(String, Bson)>,
+    pub(crate) expired: Vec<(String, Bson)>,
     /// The named lanes and the position each holds.
-    pub named: BTreeMap<String, i64>,
+    pub(crate) named: BTreeMap<String, i64>,
 }
 
 impl LanePlan {
     /// Whether pruning changes the document: an expired entry, or an empty
     /// map to remove.
-    pub fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.expired.is_empty() || (self.has_lanes && self.entries == 0)
     }
 
     /// Entries that stay.
-    pub fn kept(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn kept(&self) -> u64 {
         self.entries - self.expired.len() as u64
     }
 }
@@ -59,7 +60,7 @@ impl LanePlan {
 /// Plans the pruning of the lane map `lanes` (`None`: absent) at `cutoff`:
 /// a minted lane's entry last written before the cutoff's second is
 /// expired.
-pub fn plan_lanes(lanes: Option<&Bson>, cutoff: ObjectId) -> Result<LanePlan, Malformed> {
+pub(crate) fn plan_lanes(lanes: Option<&Bson>, cutoff: ObjectId) -> Result<LanePlan, Malformed> {
     let Some(field) = lanes else {
         return Ok(LanePlan::default());
     };

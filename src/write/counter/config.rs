@@ -37,6 +37,16 @@ pub(crate) fn least_retry_horizon(attempt_timeout: Duration) -> Duration {
 
 /// A counter collection and its field names (in the daemon's configuration,
 /// one `[[collections]]` entry).
+///
+/// ```
+/// use tally::CollectionConfig;
+///
+/// // Counters in `page_views`, their values in `views` instead of `counter`.
+/// let spec = CollectionConfig::new("page_views").with_fields("views", "pending");
+/// assert_eq!(spec.counter_field, "views");
+/// assert_eq!(spec.lanes_field, "lanes");
+/// assert_eq!(spec.events_collection_name(), "page_views_events");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct CollectionConfig {
     /// The collection's name.
@@ -77,6 +87,16 @@ pub struct CollectionConfig {
 
 impl CollectionConfig {
     /// A collection with the default field names.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// let spec = CollectionConfig::new("page_views");
+    /// assert_eq!(
+    ///     (spec.counter_field.as_str(), spec.pending_field.as_str(), spec.settled_field.as_str()),
+    ///     ("counter", "pending", "settled")
+    /// );
+    /// ```
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
@@ -92,6 +112,15 @@ impl CollectionConfig {
 
     /// The same collection with other names for the counter and pending
     /// fields.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// // Documents shaped `{_id, views, views_pending}`.
+    /// let spec = CollectionConfig::new("pages").with_fields("views", "views_pending");
+    /// assert_eq!(spec.counter_field, "views");
+    /// assert_eq!(spec.pending_field, "views_pending");
+    /// ```
     pub fn with_fields(mut self, counter: impl Into<String>, pending: impl Into<String>) -> Self {
         self.counter_field = counter.into();
         self.pending_field = pending.into();
@@ -99,6 +128,15 @@ impl CollectionConfig {
     }
 
     /// The same collection with another name for the settled field.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// let spec = CollectionConfig::new("pages")
+    ///     .with_fields("views", "views_pending")
+    ///     .with_settled_field("views_settled");
+    /// assert_eq!(spec.settled_field, "views_settled");
+    /// ```
     pub fn with_settled_field(mut self, settled: impl Into<String>) -> Self {
         self.settled_field = settled.into();
         self
@@ -106,6 +144,13 @@ impl CollectionConfig {
 
     /// The same collection with its ledger's events in `events` instead of
     /// `<name>_events`.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// let spec = CollectionConfig::new("page_views").with_events_collection("view_events");
+    /// assert_eq!(spec.events_collection_name(), "view_events");
+    /// ```
     pub fn with_events_collection(mut self, events: impl Into<String>) -> Self {
         self.events_collection = Some(events.into());
         self
@@ -113,6 +158,13 @@ impl CollectionConfig {
 
     /// The name of this collection's events collection: the configured one,
     /// or `<name>_events`.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// let spec = CollectionConfig::new("page_views");
+    /// assert_eq!(spec.events_collection_name(), "page_views_events");
+    /// ```
     pub fn events_collection_name(&self) -> String {
         self.events_collection
             .clone()
@@ -120,6 +172,13 @@ impl CollectionConfig {
     }
 
     /// The same collection with another name for the lanes field.
+    ///
+    /// ```
+    /// use tally::CollectionConfig;
+    ///
+    /// let spec = CollectionConfig::new("pages").with_lanes_field("views_lanes");
+    /// assert_eq!(spec.lanes_field, "views_lanes");
+    /// ```
     pub fn with_lanes_field(mut self, lanes: impl Into<String>) -> Self {
         self.lanes_field = lanes.into();
         self
@@ -150,6 +209,15 @@ pub(crate) const DEFAULT_LANE_TTL: Duration = Duration::from_secs(24 * 3600);
 /// goes by its ticket's shape). The library's own calls name theirs:
 /// [`Counters::increment`](super::Counters::increment) is the two-step
 /// increment, [`Counters::add`](super::Counters::add) the lanes protocol.
+///
+/// ```
+/// use tally::{Protocol, WriterConfig};
+///
+/// // What `tallyd incr` uses when a command names no protocol.
+/// let writer = WriterConfig { protocol: Protocol::Lanes, ..WriterConfig::default() };
+/// assert_eq!(writer.protocol.as_str(), "lanes");
+/// assert_eq!(Protocol::default(), Protocol::TwoStep);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub enum Protocol {
     /// Two idempotent steps joined by a pending token (the book: design/two-step.md): two
@@ -165,6 +233,13 @@ pub enum Protocol {
 
 impl Protocol {
     /// The name as configured and printed: `two-step` or `lanes`.
+    ///
+    /// ```
+    /// use tally::Protocol;
+    ///
+    /// assert_eq!(Protocol::TwoStep.as_str(), "two-step");
+    /// assert_eq!(Protocol::Lanes.as_str(), "lanes");
+    /// ```
     pub fn as_str(self) -> &'static str {
         match self {
             Self::TwoStep => "two-step",
@@ -174,6 +249,20 @@ impl Protocol {
 }
 
 /// How the library's increments behave (the daemon's `[writer]` section).
+///
+/// ```
+/// use std::time::Duration;
+/// use tally::WriterConfig;
+///
+/// // Larger groups for a hot counter, waiting up to 5 ms for company.
+/// let writer = WriterConfig {
+///     group_max: 1024,
+///     group_wait: Duration::from_millis(5),
+///     ..WriterConfig::default()
+/// };
+/// assert_eq!(writer.retry_horizon, Duration::from_secs(180));
+/// assert_eq!(writer.lane_ttl, Duration::from_secs(24 * 3600));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct WriterConfig {
     /// Step 1 of an increment is never (re)sent for a token older than this,

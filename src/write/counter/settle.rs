@@ -33,6 +33,20 @@ impl Counters {
     /// settled, by this process or any other. When step 2 fails, the
     /// document is read again: a token another settle or the fold counted
     /// meanwhile is counted (settled earlier), not pending.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// use tally::{Completion, Increment};
+    ///
+    /// if let Increment::Pending(pending) = views.increment("home", 1).await {
+    ///     match views.complete(pending).await {
+    ///         Completion::Counted(counted) => assert_eq!(counted.amount(), 1),
+    ///         // Still not confirmed: try again later, or leave it to the daemon.
+    ///         Completion::Pending(pending) => eprintln!("still pending: {}", pending.token()),
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub async fn complete(&self, pending: PendingToken) -> Completion {
         let counted = |pending: PendingToken, settled_earlier| Counted {
             key: pending.key,
@@ -81,6 +95,24 @@ impl Counters {
     /// what it shows, else the ticket comes back unknown (resume again
     /// later) — another host, or the original step 1 held up in the
     /// network, may still add or count it.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::Increment;
+    ///
+    /// if let Increment::Unknown(unknown) = views.increment("home", 1).await {
+    ///     match views.resume(unknown).await? {
+    ///         Increment::Counted(counted) => println!("counted ({})", counted.token()),
+    ///         Increment::Pending(pending) => { let _ = views.complete(pending).await; }
+    ///         // Still unknown: nothing was learned; resume again later.
+    ///         Increment::Unknown(unknown) => {
+    ///             eprintln!("resume later: {}", views.ticket(&unknown))
+    ///         }
+    ///         Increment::NotCounted(_) => unreachable!("a resume is never not counted"),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn resume(&self, unknown: UnknownToken) -> Result<Increment, Error> {
         let mut unknown = unknown;
         for _ in 0..RESUME_ROUNDS {
@@ -169,6 +201,18 @@ impl Counters {
     /// Looks `token` up in the counter `key`'s pending entries, in either
     /// entry form (so tokens written by other clients can be completed).
     /// `None` when it is not pending — never added, or counted already.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::Token;
+    ///
+    /// // A token another client left in the counter `home`.
+    /// let token: Token = "65f1a2b3c4d5e6f708192a3b".parse().expect("24 hex digits");
+    /// if let Some(pending) = views.find_pending("home", token).await? {
+    ///     let _ = views.complete(pending).await;
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn find_pending(
         &self,
         key: impl Into<Bson>,

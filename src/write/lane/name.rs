@@ -19,11 +19,30 @@ const MAX_NAME_BYTES: usize = 128;
 /// name in the counter document), and not 24 hex digits — that form is
 /// reserved for minted lanes, which the daemon prunes by age; named lanes
 /// are never pruned.
+///
+/// ```
+/// use tally::LaneName;
+///
+/// let lane: LaneName = "orders-3".parse().expect("a lane name");
+/// assert_eq!(lane.as_str(), "orders-3");
+/// assert!("orders.3".parse::<LaneName>().is_err(), "a dot is refused");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LaneName(String);
 
 impl LaneName {
     /// Checks `name` and wraps it.
+    ///
+    /// ```
+    /// use tally::LaneName;
+    ///
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// println!("counting through {lane}");
+    /// match LaneName::new("$orders") {
+    ///     Ok(_) => unreachable!(),
+    ///     Err(bad) => eprintln!("{bad}"),
+    /// }
+    /// ```
     pub fn new(name: impl Into<String>) -> Result<Self, BadLaneName> {
         let name = name.into();
         let reason = if name.is_empty() || name.len() > MAX_NAME_BYTES {
@@ -46,6 +65,13 @@ impl LaneName {
     }
 
     /// The name, as it stands in the lane map.
+    ///
+    /// ```
+    /// use tally::LaneName;
+    ///
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// assert_eq!(lane.as_str(), "orders-3");
+    /// ```
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -66,6 +92,13 @@ impl FromStr for LaneName {
 }
 
 /// A string that cannot name a lane.
+///
+/// ```
+/// use tally::{BadLaneName, LaneName};
+///
+/// let bad: BadLaneName = LaneName::new("a".repeat(200)).unwrap_err();
+/// assert!(bad.to_string().contains("1 to 128 bytes"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("lane name {name:?} {reason}")]
 pub struct BadLaneName {
@@ -74,6 +107,16 @@ pub struct BadLaneName {
 }
 
 /// A lane: its key in the counter's lane map.
+///
+/// ```
+/// use tally::{LaneId, LaneName};
+///
+/// let named = LaneId::Named(LaneName::new("orders-3").expect("a lane name"));
+/// assert_eq!(named.key(), "orders-3");
+/// // A lane a handle minted is an ObjectId, its key the 24 hex digits.
+/// let minted: LaneId = "65f1a2b3c4d5e6f708192a3b".parse().expect("a lane");
+/// assert!(matches!(minted, LaneId::Minted(_)));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum LaneId {
     /// Minted by a [`Counters`](crate::Counters) handle: the key is the
@@ -87,6 +130,14 @@ pub enum LaneId {
 
 impl LaneId {
     /// The lane's key in the lane map.
+    ///
+    /// ```
+    /// use mongodb::bson::oid::ObjectId;
+    /// use tally::LaneId;
+    ///
+    /// let oid = ObjectId::new();
+    /// assert_eq!(LaneId::Minted(oid).key(), oid.to_hex());
+    /// ```
     pub fn key(&self) -> String {
         match self {
             Self::Minted(oid) => oid.to_hex(),
@@ -96,6 +147,18 @@ impl LaneId {
 
     /// A minted lane's age at `now` (from the whole seconds in its id, so
     /// never under-estimated); `None` for a named lane, which has no age.
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use mongodb::bson::oid::ObjectId;
+    /// use tally::{LaneId, LaneName};
+    ///
+    /// let minted = LaneId::Minted(ObjectId::new());
+    /// let later = SystemTime::now() + Duration::from_secs(60);
+    /// assert!(minted.age(later).is_some_and(|age| age >= Duration::from_secs(60)));
+    /// let named = LaneId::Named(LaneName::new("orders-3").expect("a lane name"));
+    /// assert_eq!(named.age(later), None, "a named lane has no age");
+    /// ```
     pub fn age(&self, now: SystemTime) -> Option<Duration> {
         match self {
             Self::Minted(oid) => {

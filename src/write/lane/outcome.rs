@@ -20,6 +20,25 @@ use crate::write::counter::NotCounted;
 /// [`Counters::add`]: crate::Counters::add
 /// [`Counters::add_from`]: crate::Counters::add_from
 /// [`Counters::resume_lane`]: crate::Counters::resume_lane
+///
+/// ```no_run
+/// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+/// use tally::LaneIncrement;
+///
+/// match views.add("home", 1).await {
+///     LaneIncrement::Counted(_) => {}
+///     // Harmless to resume any number of times: the lane's number applies once.
+///     LaneIncrement::Unknown(ticket) => {
+///         if let LaneIncrement::Unknown(still) = views.resume_lane(ticket).await? {
+///             eprintln!("resume later: {}", views.lane_ticket(&still).unwrap_or_default());
+///         }
+///     }
+///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
+///     // Only a named lane (`add_from`) can be out of order.
+///     LaneIncrement::OutOfOrder(_) => {}
+/// }
+/// # Ok(()) }
+/// ```
 #[must_use = "an increment may be unknown and need resuming"]
 #[derive(Debug)]
 pub enum LaneIncrement {
@@ -51,6 +70,13 @@ pub enum LaneIncrement {
 impl LaneIncrement {
     /// The outcome's name: `counted`, `unknown`, `not_counted` or
     /// `out_of_order`.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let outcome = views.add("home", 1).await;
+    /// println!("add to home: {}", outcome.name());
+    /// # }
+    /// ```
     pub fn name(&self) -> &'static str {
         match self {
             Self::Counted(_) => "counted",
@@ -61,6 +87,13 @@ impl LaneIncrement {
     }
 
     /// The counter's `_id`.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let outcome = views.add("home", 1).await;
+    /// assert_eq!(outcome.key().as_str(), Some("home"));
+    /// # }
+    /// ```
     pub fn key(&self) -> &Bson {
         match self {
             Self::Counted(c) => &c.key,
@@ -72,6 +105,15 @@ impl LaneIncrement {
 
     /// The lane the update went through (absent only when the increment
     /// was refused before a lane was taken).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let outcome = views.add("home", 1).await;
+    /// if let (Some(lane), Some(number)) = (outcome.lane(), outcome.position()) {
+    ///     println!("{} through lane {lane}, number {number}", outcome.name());
+    /// }
+    /// # }
+    /// ```
     pub fn lane(&self) -> Option<&LaneId> {
         match self {
             Self::Counted(c) => Some(&c.lane),
@@ -82,6 +124,14 @@ impl LaneIncrement {
     }
 
     /// The lane's number for this increment (absent when no lane was taken).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let lane = tally::LaneName::new("orders-3").expect("a lane name");
+    /// let outcome = views.add_from("home", 1, &lane, 41).await;
+    /// assert!(outcome.position().is_none_or(|position| position == 41));
+    /// # }
+    /// ```
     pub fn position(&self) -> Option<i64> {
         match self {
             Self::Counted(c) => Some(c.position),
@@ -94,6 +144,13 @@ impl LaneIncrement {
     /// The amount this increment adds (or would have added); for an
     /// unknown one, the whole update's (its ticket's
     /// [`share`](LaneTicket::share) is this caller's).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let outcome = views.add("home", 3).await;
+    /// assert_eq!(outcome.amount(), 3);
+    /// # }
+    /// ```
     pub fn amount(&self) -> i64 {
         match self {
             Self::Counted(c) => c.amount,
@@ -104,6 +161,15 @@ impl LaneIncrement {
     }
 
     /// The error that kept this increment from being counted, if any.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let outcome = views.add("home", 1).await;
+    /// if let Some(cause) = outcome.cause() {
+    ///     eprintln!("home: {} ({cause})", outcome.name());
+    /// }
+    /// # }
+    /// ```
     pub fn cause(&self) -> Option<&Error> {
         match self {
             Self::Counted(_) | Self::OutOfOrder(_) => None,
@@ -113,23 +179,43 @@ impl LaneIncrement {
     }
 }
 
-/// The accessors shared by the counted outcome and the ticket.
+/// The accessors shared by the counted outcome and the ticket. Each
+/// example is one of `$fence` (the fence's first line), `$setup` (making
+/// one, `outcome`), the method's own lines and `$end`.
 macro_rules! lane_accessors {
-    ($ty:ident, $amount_doc:literal) => {
+    ($ty:ident, $amount_doc:literal, $fence:literal, $setup:literal, $end:literal) => {
         impl $ty {
             /// The counter's `_id`.
+            ///
+            #[doc = concat!($fence, $setup)]
+            /// println!("the counter {}", outcome.key());
+            #[doc = concat!($end, "```")]
             pub fn key(&self) -> &Bson {
                 &self.key
             }
             /// The lane.
+            ///
+            #[doc = concat!($fence, $setup)]
+            /// if let tally::LaneId::Named(name) = outcome.lane() {
+            ///     println!("through the source's lane {name}");
+            /// }
+            #[doc = concat!($end, "```")]
             pub fn lane(&self) -> &LaneId {
                 &self.lane
             }
             /// The lane's number for this increment.
+            ///
+            #[doc = concat!($fence, $setup)]
+            /// println!("lane {}, number {}", outcome.lane(), outcome.position());
+            #[doc = concat!($end, "```")]
             pub fn position(&self) -> i64 {
                 self.position
             }
             #[doc = $amount_doc]
+            ///
+            #[doc = concat!($fence, $setup)]
+            /// println!("{:+} to {}", outcome.amount(), outcome.key());
+            #[doc = concat!($end, "```")]
             pub fn amount(&self) -> i64 {
                 self.amount
             }
@@ -138,6 +224,16 @@ macro_rules! lane_accessors {
 }
 
 /// An increment through a lane that is counted.
+///
+/// ```no_run
+/// # async fn demo(views: tally::Counters) {
+/// use tally::LaneIncrement;
+///
+/// if let LaneIncrement::Counted(counted) = views.add("home", 1).await {
+///     println!("{:+} to {} through lane {}", counted.amount(), counted.key(), counted.lane());
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct LaneCounted {
     pub(super) key: Bson,
@@ -147,13 +243,34 @@ pub struct LaneCounted {
     pub(super) settled_earlier: bool,
 }
 
-lane_accessors!(LaneCounted, "The amount added.");
+lane_accessors!(
+    LaneCounted,
+    "The amount added.",
+    "```no_run\n",
+    "# async fn demo(views: tally::Counters) {\n\
+     if let tally::LaneIncrement::Counted(outcome) = views.add(\"home\", 5).await {\n",
+    "}\n# }\n"
+);
 
 impl LaneCounted {
     /// True when this call did not apply it because it had applied
     /// already — the lane holds exactly this position: an earlier attempt
     /// whose reply was lost, an earlier resume (from any process), or — for
     /// a named lane — an earlier delivery of the same position.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// use tally::{LaneIncrement, LaneName};
+    ///
+    /// // The source delivered offset 41 of `orders-3` again.
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// if let LaneIncrement::Counted(counted) = views.add_from("home", 1, &lane, 41).await
+    ///     && counted.settled_earlier()
+    /// {
+    ///     println!("offset 41 was counted before: not again");
+    /// }
+    /// # }
+    /// ```
     pub fn settled_earlier(&self) -> bool {
         self.settled_earlier
     }
@@ -161,6 +278,17 @@ impl LaneCounted {
 
 /// An increment through a lane that holds a later position than the
 /// increment's: nothing was written (see [`LaneIncrement::OutOfOrder`]).
+///
+/// ```no_run
+/// # async fn demo(views: tally::Counters) {
+/// use tally::{LaneIncrement, LaneName};
+///
+/// let lane = LaneName::new("orders-3").expect("a lane name");
+/// if let LaneIncrement::OutOfOrder(old) = views.add_from("home", 1, &lane, 41).await {
+///     println!("offset {} is behind the lane's {}: nothing written", old.position(), old.held());
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct LaneOutOfOrder {
     pub(super) key: Bson,
@@ -170,10 +298,29 @@ pub struct LaneOutOfOrder {
     pub(super) held: i64,
 }
 
-lane_accessors!(LaneOutOfOrder, "The amount the increment would add.");
+lane_accessors!(
+    LaneOutOfOrder,
+    "The amount the increment would add.",
+    "```no_run\n",
+    "# async fn demo(views: tally::Counters) {\n\
+     let lane = tally::LaneName::new(\"orders-3\").expect(\"a lane name\");\n\
+     if let tally::LaneIncrement::OutOfOrder(outcome) = views.add_from(\"home\", 5, &lane, 41).await {\n",
+    "}\n# }\n"
+);
 
 impl LaneOutOfOrder {
     /// The later position the lane holds in the counter document.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// use tally::{LaneIncrement, LaneName};
+    ///
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// if let LaneIncrement::OutOfOrder(old) = views.add_from("home", 1, &lane, 41).await {
+    ///     assert!(old.held() > 41);
+    /// }
+    /// # }
+    /// ```
     pub fn held(&self) -> i64 {
         self.held
     }
@@ -185,6 +332,19 @@ impl LaneOutOfOrder {
 /// commit several callers' increments travel in one update: each gets the
 /// same update in its ticket ([`LaneTicket::amount`], their sum) and its
 /// own [`share`](LaneTicket::share); resuming any of them settles all.
+///
+/// ```no_run
+/// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+/// use tally::LaneIncrement;
+///
+/// if let LaneIncrement::Unknown(ticket) = views.add("home", 1).await {
+///     // Keep it (it is `Clone`): any caller may resume it, any number of times.
+///     eprintln!("unknown: {ticket}");
+///     let settled = views.resume_lane(ticket.clone()).await?;
+///     println!("{}", settled.name());
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct LaneTicket {
     pub(super) key: Bson,
@@ -197,7 +357,12 @@ pub struct LaneTicket {
 
 lane_accessors!(
     LaneTicket,
-    "The amount the update adds: the sum of every share it carries."
+    "The amount the update adds: the sum of every share it carries.",
+    "```\n",
+    "# fn main() -> Result<(), tally::Error> {\n\
+     let lane = tally::LaneName::new(\"orders-3\").expect(\"a lane name\");\n\
+     let outcome = tally::LaneTicket::new(\"home\", tally::LaneId::Named(lane), 41, 5)?;\n",
+    "# Ok(()) }\n"
 );
 
 impl LaneTicket {
@@ -209,6 +374,18 @@ impl LaneTicket {
     /// positions start at 1, a named lane's at 0. The amount may be zero:
     /// a group's shares may add up to nothing, and its update must still
     /// be settled.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
+    /// use tally::{LaneId, LaneName, LaneTicket};
+    ///
+    /// // What another process logged for its unknown increment through `orders-3`.
+    /// let lane = LaneId::Named(LaneName::new("orders-3").expect("a lane name"));
+    /// let ticket = LaneTicket::new("home", lane, 41, 5)?;
+    /// let settled = views.resume_lane(ticket).await?;
+    /// println!("{}", settled.name());
+    /// # Ok(()) }
+    /// ```
     pub fn new(
         key: impl Into<Bson>,
         lane: LaneId,
@@ -228,12 +405,36 @@ impl LaneTicket {
 
     /// This caller's own increment within the update (the whole amount for
     /// a ticket rebuilt with [`LaneTicket::new`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// use tally::LaneIncrement;
+    ///
+    /// if let LaneIncrement::Unknown(ticket) = views.add("home", 2).await {
+    ///     // The update carries the whole group; this caller added 2 of it.
+    ///     assert_eq!(ticket.share(), 2);
+    ///     println!("the update adds {}, of which {} is ours", ticket.amount(), ticket.share());
+    /// }
+    /// # }
+    /// ```
     pub fn share(&self) -> i64 {
         self.share
     }
 
     /// Why the update was not confirmed (none when rebuilt with
     /// [`LaneTicket::new`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// use tally::LaneIncrement;
+    ///
+    /// if let LaneIncrement::Unknown(ticket) = views.add("home", 1).await
+    ///     && let Some(cause) = ticket.cause()
+    /// {
+    ///     eprintln!("unknown after: {cause}");
+    /// }
+    /// # }
+    /// ```
     pub fn cause(&self) -> Option<&Error> {
         self.cause.as_ref()
     }

@@ -90,6 +90,16 @@ impl<K: Eq + std::hash::Hash + Clone> LaneBook<K> {
 }
 
 /// What a handle's group commit has done so far: [`Counters::lane_stats`].
+///
+/// ```no_run
+/// # fn demo(views: tally::Counters) {
+/// let stats = views.lane_stats();
+/// println!(
+///     "{} updates carried {} increments ({:.1} each); {} waiting, {} lanes retired",
+///     stats.updates, stats.increments, stats.group_size(), stats.waiting, stats.retired,
+/// );
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LaneStats {
     /// Updates sent by [`Counters::add`] (each a group of increments).
@@ -106,6 +116,14 @@ pub struct LaneStats {
 impl LaneStats {
     /// Increments per update: how much group commit saved (1 when every
     /// increment went alone; 0 before the first update).
+    ///
+    /// ```
+    /// use tally::LaneStats;
+    ///
+    /// let stats = LaneStats { updates: 4, increments: 10, ..LaneStats::default() };
+    /// assert_eq!(stats.group_size(), 2.5);
+    /// assert_eq!(LaneStats::default().group_size(), 0.0);
+    /// ```
     pub fn group_size(&self) -> f64 {
         if self.updates == 0 {
             0.0
@@ -242,7 +260,9 @@ impl Counters {
     /// match views.add("home", 1).await {
     ///     LaneIncrement::Counted(_) => {}
     ///     LaneIncrement::Unknown(ticket) => {
-    ///         let _ = views.resume_lane(ticket).await?;
+    ///         if let LaneIncrement::Unknown(still) = views.resume_lane(ticket).await? {
+    ///             eprintln!("resume later: {}", views.lane_ticket(&still).unwrap_or_default());
+    ///         }
     ///     }
     ///     LaneIncrement::NotCounted(not) => return Err(not.cause().clone()),
     ///     LaneIncrement::OutOfOrder(_) => unreachable!("only named lanes"),
@@ -322,6 +342,14 @@ impl Counters {
     /// What this handle's group commit has done so far: updates sent,
     /// increments they carried (their ratio is the mean group size), and
     /// counters whose lane was retired after an unknown outcome.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters) {
+    /// let _ = views.add("home", 1).await;
+    /// let stats = views.lane_stats();
+    /// assert!(stats.increments >= stats.updates);
+    /// # }
+    /// ```
     pub fn lane_stats(&self) -> LaneStats {
         self.lanes
             .as_ref()

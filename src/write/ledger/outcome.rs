@@ -9,6 +9,14 @@ use crate::error::Error;
 
 /// One event: its key (the idempotency key), the counter it counts on and
 /// the amount it adds.
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) {
+/// let recording = orders.record("order-1042", "2026-05", 3).await;
+/// let event = recording.event();
+/// println!("{} adds {} to {}", event.key(), event.amount(), event.counter());
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
     pub(super) key: String,
@@ -18,16 +26,37 @@ pub struct Event {
 
 impl Event {
     /// The event's key: the `_id` of its document in the events collection.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// assert_eq!(recording.event().key(), "order-1042");
+    /// # }
+    /// ```
     pub fn key(&self) -> &str {
         &self.key
     }
 
     /// The `_id` of the counter the event counts on.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// assert_eq!(recording.event().counter().as_str(), Some("2026-05"));
+    /// # }
+    /// ```
     pub fn counter(&self) -> &Bson {
         &self.counter
     }
 
     /// The amount the event adds to its counter.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// assert_eq!(recording.event().amount(), 3);
+    /// # }
+    /// ```
     pub fn amount(&self) -> i64 {
         self.amount
     }
@@ -39,6 +68,24 @@ impl Event {
 /// [`Ledger::record`]: crate::Ledger::record
 /// [`Ledger::record_many`]: crate::Ledger::record_many
 /// [`Ledger::record_again`]: crate::Ledger::record_again
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+/// use tally::Recording;
+///
+/// let mut recording = orders.record("order-1042", "2026-05", 3).await;
+/// if let Recording::Unknown(ticket) = recording {
+///     // The insert may have landed: sending the same event again is safe.
+///     recording = orders.record_again(ticket).await?;
+/// }
+/// match recording {
+///     Recording::Recorded(_) | Recording::Duplicate(_) => {}
+///     Recording::Unknown(ticket) => eprintln!("{}: send it again later", ticket.event().key()),
+///     Recording::Conflict(conflict) => eprintln!("{conflict}"),
+///     Recording::NotRecorded(not) => return Err(not.cause().clone()),
+/// }
+/// # Ok(()) }
+/// ```
 #[must_use = "a recording may be unknown and need sending again"]
 #[derive(Debug)]
 pub enum Recording {
@@ -65,6 +112,13 @@ pub enum Recording {
 impl Recording {
     /// The outcome's name as the CLI prints it: `recorded`, `duplicate`,
     /// `conflict`, `unknown` or `not_recorded`.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// println!("order-1042: {}", recording.name());
+    /// # }
+    /// ```
     pub fn name(&self) -> &'static str {
         match self {
             Self::Recorded(_) => "recorded",
@@ -76,6 +130,13 @@ impl Recording {
     }
 
     /// The event as this call gave it.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// assert_eq!(recording.event().key(), "order-1042");
+    /// # }
+    /// ```
     pub fn event(&self) -> &Event {
         match self {
             Self::Recorded(e) | Self::Duplicate(e) => e,
@@ -87,6 +148,15 @@ impl Recording {
 
     /// True for the outcomes after which the event is counted exactly once:
     /// recorded and duplicate.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if !recording.is_counted() {
+    ///     eprintln!("order-1042 is {}: not counted yet", recording.name());
+    /// }
+    /// # }
+    /// ```
     pub fn is_counted(&self) -> bool {
         matches!(self, Self::Recorded(_) | Self::Duplicate(_))
     }
@@ -94,6 +164,15 @@ impl Recording {
 
 /// An event key recorded before for another counter or amount: nothing
 /// was written.
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) {
+/// if let tally::Recording::Conflict(conflict) = orders.record("order-1042", "2026-05", 3).await {
+///     // One sentence for people: the key, both counters and amounts.
+///     eprintln!("{conflict}");
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
     "event {key:?} was recorded before as {stored_amount} on counter {stored}, not {given_amount} \
@@ -111,16 +190,43 @@ pub struct Conflict {
 
 impl Conflict {
     /// The event as this call gave it.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if let tally::Recording::Conflict(conflict) = recording {
+    ///     assert_eq!(conflict.event().amount(), 3);
+    /// }
+    /// # }
+    /// ```
     pub fn event(&self) -> &Event {
         &self.event
     }
 
     /// The counter the key was recorded for before.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if let tally::Recording::Conflict(conflict) = recording {
+    ///     eprintln!("order-1042 counts on {} already", conflict.stored_counter());
+    /// }
+    /// # }
+    /// ```
     pub fn stored_counter(&self) -> &Bson {
         &self.stored_counter
     }
 
     /// The amount the key was recorded with before.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if let tally::Recording::Conflict(conflict) = recording {
+    ///     eprintln!("order-1042 was recorded with {}", conflict.stored_amount());
+    /// }
+    /// # }
+    /// ```
     pub fn stored_amount(&self) -> i64 {
         self.stored_amount
     }
@@ -130,6 +236,17 @@ impl Conflict {
 /// lane and number it was sent with — so that finding the event already
 /// there with one of them says "an attempt of ours landed" (recorded), not
 /// "someone else recorded it" (duplicate).
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+/// use tally::Recording;
+///
+/// if let Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+///     let again = orders.record_again(ticket).await?;
+///     println!("order-1042: {}", again.name());
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct EventTicket {
     pub(super) event: Event,
@@ -140,29 +257,73 @@ pub struct EventTicket {
 
 impl EventTicket {
     /// The event.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// if let tally::Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     eprintln!("{} unknown", ticket.event().key());
+    /// }
+    /// # }
+    /// ```
     pub fn event(&self) -> &Event {
         &self.event
     }
 
     /// The recorder's lane it was first sent on (`L` in the event
     /// document).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// if let tally::Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     // Where to look for it: `{L: lane, s: number}` in the events collection.
+    ///     eprintln!("sent as {}/{}", ticket.lane(), ticket.number());
+    /// }
+    /// # }
+    /// ```
     pub fn lane(&self) -> ObjectId {
         self.attempts[0].0
     }
 
     /// Its number on that lane (`s`): microseconds since the epoch by the
     /// recorder's clock when it was first sent.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// if let tally::Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     assert!(ticket.number() > 0);
+    /// }
+    /// # }
+    /// ```
     pub fn number(&self) -> i64 {
         self.attempts[0].1
     }
 
     /// Why the insert was not confirmed.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// if let tally::Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     if let Some(cause) = ticket.cause() {
+    ///         eprintln!("unknown after: {cause}");
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub fn cause(&self) -> Option<&Error> {
         self.cause.as_ref()
     }
 }
 
 /// An event that was definitely not recorded, and why.
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) {
+/// if let tally::Recording::NotRecorded(not) = orders.record("order-1042", "2026-05", 3).await {
+///     // Nothing was written: record it again later, or give up.
+///     eprintln!("{} not recorded: {}", not.event().key(), not.cause());
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct NotRecorded {
     pub(super) event: Event,
@@ -171,11 +332,29 @@ pub struct NotRecorded {
 
 impl NotRecorded {
     /// The event.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if let tally::Recording::NotRecorded(not) = recording {
+    ///     assert_eq!(not.event().key(), "order-1042");
+    /// }
+    /// # }
+    /// ```
     pub fn event(&self) -> &Event {
         &self.event
     }
 
     /// Why nothing was written.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// let recording = orders.record("order-1042", "2026-05", 3).await;
+    /// if let tally::Recording::NotRecorded(not) = recording {
+    ///     eprintln!("not recorded: {}", not.cause());
+    /// }
+    /// # }
+    /// ```
     pub fn cause(&self) -> &Error {
         &self.cause
     }

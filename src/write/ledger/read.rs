@@ -38,6 +38,14 @@ const READ_ROUNDS: u32 = 20;
 
 /// A counter read exactly: what its document holds and what its recorded
 /// events not folded into it yet add.
+///
+/// ```no_run
+/// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+/// let may = orders.value("2026-05").await?;
+/// assert_eq!(may.value, may.folded + may.unfolded);
+/// println!("{} ({} events not folded yet)", may.value, may.unfolded_events);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExactValue {
     /// The counter's `_id`.
@@ -65,6 +73,19 @@ impl Ledger {
     /// The counter `key` read exactly: the counter plus its recorded events
     /// not folded into it yet. [`Error::ReadContended`] when a fold pass
     /// moved during every one of 20 double reads.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// use tally::Error;
+    ///
+    /// match orders.value("2026-05").await {
+    ///     Ok(exact) => println!("May: {}", exact.value),
+    ///     // A fold kept moving under every read: read again later.
+    ///     Err(Error::ReadContended { rounds, .. }) => eprintln!("busy after {rounds} reads"),
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn value(&self, key: impl Into<Bson>) -> Result<ExactValue, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;
