@@ -1,0 +1,339 @@
+//! The events ledger under the adversarial review of issue 21 (r21): each
+//! test is one finding, and fails on the code as merged.
+//!
+//! Time is moved by the `now` each fold step is given (the server's clock
+//! plus hours or days), as `ledger_prune` does; inserts are held up in the
+//! network by the black-pipe proxy. The oracle is what the test recorded
+//! and what is stored, never what the code under test reports.
+
+use std::time::{Duration, SystemTime};
+
+use mongodb::bson::doc;
+use tally::{EventTicket, Ledger, Reconciler, Recording, Store};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::proxy::{Action, Proxy, Release, Rule, upstream_of};
+use crate::common::{TestContext, counter};
+use crate::ledger::{assert_outcome, fold_of, ledger_on};
+
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// The server's clock.
+async fn server_now(store: &Store) -> SystemTime {
+    Reconciler::new(store)
+        .server_time()
+        .await
+        .expect("server time")
+}
+
+/// Records `event` through `recorder` while the proxy holds its insert up
+/// in the network (the first attempt) and cuts its retry: the caller is
+/// told unknown, and the insert lands when the test releases it.
+async fn record_held(
+    proxy: &Proxy,
+    recorder: &Ledger,
+    event: &str,
+    key: &str,
+    amount: i64,
+) -> EventTicket {
+    let _held = [
+        proxy.rule(
+            Rule::command("insert")
+                .collection("views_events")
+                .nth(1)
+                .then(Action::HoldRequest(Release::WhenReleased)),
+        ),
+        proxy.rule(
+            Rule::command("insert")
+                .collection("views_events")
+                .nth(2)
+                .then(Action::CloseBeforeForwarding),
+        ),
+    ];
+    match recorder.record(event, key, amount).await {
+        Recording::Unknown(ticket) => ticket,
+        other => panic!("expected unknown, got {other:?}"),
+    }
+}
+
+/// Finding 1 (lost for good). A recorder's lane whose first inserts were
+/// all duplicates (a consumer replaying a queue's already-recorded
+/// events) has nothing folded, so the fold state keeps no folded number
+/// for it. Its next insert is held up in the network past the lane's
+/// seal; the fold seals the lane (an empty survey) and forgets it. The
+/// insert then lands, `record_again` finds it and says `recorded` — and
+/// nothing ever counts it: the sweep only looks for late events on lanes
+/// that have a folded number, so no pass, no sweep, no exact read ever
+/// sees this lane again. The design's limit promises such an insert is
+/// "folded only when the sweep finds it, late"; it is never found.
+#[tokio::test]
+async fn a_late_insert_on_a_sealed_lane_that_never_folded_an_event_is_counted() {
+    let ctx = TestContext::new("review_ledger_late_unfolded_lane").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let recorder = Ledger::new(
+        &ctx.client_through(&proxy, false).await.store(),
+        ledger.spec().clone(),
+    );
+    // Another process recorded the replayed event first.
+    assert_outcome(&ledger.record("replayed", "a", 1).await, "recorded");
+    // The recorder's lane is minted and registered; its insert stops at
+    // the duplicate: nothing of its own lands on it.
+    assert_outcome(&recorder.record("replayed", "a", 1).await, "duplicate");
+    let ticket = record_held(&proxy, &recorder, "late", "a", 10).await;
+
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let now = server_now(&store).await;
+    fold.fold(now, &stop).await.expect("a pass");
+    // Past its registration, the span, the grace and the attempts: the
+    // fold seals the recorder's lane (nothing on it to fold).
+    let run = fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
+    assert!(run.lanes_sealed >= 1, "{run:?}");
+    // The held insert lands; the ticket sent again finds it: recorded.
+    let released = proxy.release_held().await;
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
+    let again = recorder
+        .record_again(ticket)
+        .await
+        .expect("within the horizon");
+    assert_outcome(&again, "recorded");
+
+    // Pass after pass, sweep after sweep, past the dedupe window.
+    for later in [3 * HOUR, 8 * DAY, 30 * DAY] {
+        fold.sweep(now + later).await.expect("a sweep");
+        fold.fold(now + later, &stop).await.expect("a pass");
+    }
+    let stored = direct
+        .collection("views_events")
+        .count_documents(doc! { "_id": "late" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "the late event is in the log");
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        11,
+        "30 days on, the fold has counted the recorded event"
+    );
+    assert_eq!(
+        ledger.value("a").await.unwrap().value,
+        11,
+        "an exact read counts the recorded event"
+    );
+}
+
+/// Finding 2 (counted a week late, invisible meanwhile). An insert held up
+/// in the network a few minutes past its lane's end lands after the fold
+/// sealed the lane. The design says only an insert held "longer than an
+/// hour past its lane's end is folded only when the sweep finds it, late";
+/// but the sweep looks for late events only on lanes whose folded number is
+/// older than the whole dedupe window (7 days by default). Until then the
+/// event — `recorded`, says `record_again` — is in no counter, in no exact
+/// read (`get`), and in no backlog or alert.
+#[tokio::test]
+async fn a_late_insert_on_a_sealed_lane_is_counted_and_read_before_the_window_passes() {
+    let ctx = TestContext::new("review_ledger_late_sealed_lane").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let recorder = Ledger::new(
+        &ctx.client_through(&proxy, false).await.store(),
+        ledger.spec().clone(),
+    );
+    assert_outcome(&recorder.record("first", "a", 1).await, "recorded");
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let now = server_now(&store).await;
+    fold.fold(now, &stop).await.expect("a pass");
+    let ticket = record_held(&proxy, &recorder, "late", "a", 10).await;
+    let run = fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
+    assert!(run.lanes_sealed >= 1, "{run:?}");
+    let released = proxy.release_held().await;
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
+    let again = recorder
+        .record_again(ticket)
+        .await
+        .expect("within the horizon");
+    assert_outcome(&again, "recorded");
+
+    assert_eq!(
+        ledger.value("a").await.unwrap().value,
+        11,
+        "an exact read counts the recorded event"
+    );
+    // An hour later (three past the lane's registration), sweep and pass.
+    fold.sweep(now + 3 * HOUR).await.expect("a sweep");
+    let run = fold.fold(now + 3 * HOUR, &stop).await.expect("a pass");
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        11,
+        "the late event is folded within hours, not after the dedupe window: {run:?}"
+    );
+}
+
+/// Finding 3 (a counter blocked for good after it was fixed). Negative
+/// amounts are events too (a refund): a held sum can come to zero — the
+/// counter refused +8 (a validator), and a later -8 was merged into it.
+/// A zero sum is sent and refused by the lanes protocol ("the amount must
+/// not be zero"); once a pass was resumed (any transient failure, any
+/// crash before the commit) that refusal is "maybe applied", so nothing is
+/// ever merged into it again, and it can never be taken. After the
+/// counter is fixed, every later sum of it waits behind that zero for
+/// good: the counter never gets its events, and `events_held` blames the
+/// counter ("the amount must not be zero") for what is the fold's own.
+#[tokio::test]
+async fn a_held_sum_that_comes_to_zero_never_blocks_its_counter_once_the_counter_is_fixed() {
+    let ctx = TestContext::new("review_ledger_zero_held").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let db = direct.client.database(&ctx.db_name);
+    db.run_command(doc! { "create": "views", "validator": { "counter": { "$lte": 5 } } })
+        .await
+        .unwrap();
+    let ledger = ledger_on(&store, "views").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let fold = fold_of(&ctx.client_through(&proxy, false).await.store(), "views");
+    let stop = CancellationToken::new();
+    let pass = || async { fold.fold(SystemTime::now(), &stop).await };
+
+    assert_outcome(&ledger.record("sale", "big", 8).await, "recorded");
+    let run = pass().await.expect("a pass");
+    assert_eq!(run.backlog.held.len(), 1, "refused and held: {run:?}");
+    assert_outcome(&ledger.record("refund", "big", -8).await, "recorded");
+    let run = pass().await.expect("a pass");
+    assert_eq!(run.backlog.held.len(), 1, "merged: {run:?}");
+    assert_eq!(run.backlog.held[0].amount, "0", "{run:?}");
+    {
+        // A pass stops before its commit (a crash, a network failure).
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("$unset")
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(pass().await.is_err(), "the pass stops before its commit");
+    }
+    pass().await.expect("the pass resumed");
+    // The counter is fixed; it gets a new event.
+    db.run_command(doc! { "collMod": "views", "validator": {} })
+        .await
+        .unwrap();
+    assert_outcome(&ledger.record("sale2", "big", 3).await, "recorded");
+    let mut run = pass().await.expect("a pass");
+    for _ in 0..3 {
+        run = pass().await.expect("a pass");
+    }
+    assert_eq!(ledger.value("big").await.unwrap().value, 3);
+    assert_eq!(
+        counter(&direct.collection("views"), "big").await,
+        3,
+        "the fixed counter takes its events: {run:?}"
+    );
+    assert!(run.backlog.held.is_empty(), "nothing is held: {run:?}");
+}
+
+/// Finding 4 (the fold state dropped by hand). The design says dropping
+/// `<events>_fold` "would fold the events still kept again". It does the
+/// opposite, silently: passes are numbered from 1 again, so a counter whose
+/// fold lane holds an old pass takes a new pass of the same number as
+/// "counted earlier" and drops its events without a word; and the lanes
+/// registered before the drop are known to no one any more, so what the
+/// running recorders record on them is never surveyed, never in an exact
+/// read, never in the backlog. A fold that cannot count must say so
+/// (refuse, alert); it must not report a clean pass while dropping
+/// recorded events, nor an exact read lie.
+#[tokio::test]
+async fn a_dropped_fold_state_never_drops_recorded_events_in_silence() {
+    let ctx = TestContext::new("review_ledger_state_dropped").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    for i in 0..3 {
+        assert_outcome(&ledger.record(format!("e{i}"), "a", 1).await, "recorded");
+    }
+    fold.fold(SystemTime::now(), &stop).await.expect("a pass");
+    assert_eq!(counter(&direct.collection("views"), "a").await, 3);
+
+    direct
+        .collection("views_events_fold")
+        .drop()
+        .await
+        .expect("drop the fold state");
+    // The running process goes on recording on its lane; a new process
+    // records on a fresh one.
+    assert_outcome(&ledger.record("e3", "a", 1).await, "recorded");
+    assert_outcome(&ledger.record("e4", "a", 1).await, "recorded");
+    let other = Ledger::new(&store, ledger.spec().clone());
+    assert_outcome(&other.record("e5", "a", 1).await, "recorded");
+
+    let mut refused = false;
+    for _ in 0..3 {
+        match fold.fold(SystemTime::now(), &stop).await {
+            Ok(run) => assert!(
+                run.backlog.events + run.backlog.held_events() > 0
+                    || counter(&direct.collection("views"), "a").await == 6,
+                "a clean pass, nothing left, nothing held, and the counter at {}: three recorded \
+                 events dropped in silence ({run:?})",
+                counter(&direct.collection("views"), "a").await
+            ),
+            Err(_) => refused = true,
+        }
+    }
+    match ledger.value("a").await {
+        Ok(exact) => assert_eq!(exact.value, 6, "an exact read is exact or refused"),
+        Err(err) => assert!(refused, "the read refuses ({err}) but the fold did not"),
+    }
+}
+
+/// Finding 5 (an exact read the fold contradicts). An event written by
+/// hand from the shell carries its amount as a double (`n: 2`) — the case
+/// the design reads and reports. The fold sums only int32 and int64
+/// amounts and leaves the double out as malformed; the exact read counts
+/// it (`integer_value` takes an integral double). So `get` says 3, the
+/// pass runs, and `get` says 1 with nothing new recorded: one of the two is
+/// untrue.
+#[tokio::test]
+async fn an_exact_read_and_the_fold_agree_on_an_amount_stored_as_a_double() {
+    let ctx = TestContext::new("review_ledger_double_amount").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+    let events = direct.collection("views_events");
+    let first = events
+        .find_one(doc! { "_id": "e1" })
+        .await
+        .unwrap()
+        .unwrap();
+    // The next number on the same lane, as the shell writes it.
+    events
+        .insert_one(doc! {
+            "_id": "by_hand", "k": "a", "n": 2.0,
+            "at": mongodb::bson::DateTime::now(),
+            "L": first.get_object_id("L").unwrap(),
+            "s": first.get_i64("s").unwrap() + 1,
+        })
+        .await
+        .unwrap();
+    let before = ledger.value("a").await.unwrap().value;
+    let fold = fold_of(&store, "views");
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("a pass");
+    let after = ledger.value("a").await.unwrap().value;
+    assert_eq!(
+        before, after,
+        "nothing was recorded between the two reads, yet the exact value moved"
+    );
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        after,
+        "the counter is what the exact read said"
+    );
+}
