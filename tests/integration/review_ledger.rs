@@ -337,3 +337,118 @@ async fn an_exact_read_and_the_fold_agree_on_an_amount_stored_as_a_double() {
         "the counter is what the exact read said"
     );
 }
+
+/// Finding 6 (a ticket settled on the wrong ledger). An `EventTicket`
+/// does not name its events collection, so `record_again` takes another
+/// ledger's ticket — a retry queue shared by two ledgers, a ticket pasted
+/// into the wrong handle — and records the event there. The first insert
+/// had landed in `views_events`: the event is now counted on both ledgers'
+/// counters, and the caller was told `recorded`. (Lane tickets refuse
+/// another collection before anything is sent since the ticket review.)
+#[tokio::test]
+async fn a_ticket_is_refused_by_another_ledger_before_anything_is_sent() {
+    let ctx = TestContext::new("review_ledger_ticket_elsewhere").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let views = ledger_on(&store, "views").await;
+    let views = Ledger::new(
+        &ctx.client_through(&proxy, false).await.store(),
+        views.spec().clone(),
+    );
+    let clicks = ledger_on(&store, "clicks").await;
+    let recording = {
+        // Both attempts land; both replies are lost.
+        let _lost = [
+            proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply)),
+            proxy.rule(Rule::command("insert").nth(2).then(Action::DropReply)),
+        ];
+        views.record("evt_1", "home", 1).await
+    };
+    let Recording::Unknown(ticket) = recording else {
+        panic!("expected unknown, got {recording:?}");
+    };
+    let landed = direct
+        .collection("views_events")
+        .count_documents(doc! { "_id": "evt_1" })
+        .await
+        .unwrap();
+    assert_eq!(landed, 1, "the first attempt landed in views_events");
+    let settled = clicks.record_again(ticket).await;
+    let written = direct
+        .collection("clicks_events")
+        .count_documents(doc! {})
+        .await
+        .unwrap();
+    assert_eq!(
+        written, 0,
+        "the views event was recorded in clicks_events too ({settled:?}): counted on two ledgers"
+    );
+    assert!(settled.is_err(), "refused: {settled:?}");
+}
+
+/// Finding 7 (the dedupe window shrinks by a recorder's clock error). An
+/// event's age is read from its number, the recorder's clock; the sweep
+/// deletes a lane's folded events once that number is older than
+/// `event_retention` by the server's clock. A recorder host whose clock is
+/// two hours behind (a hardware clock kept in local time, a stalled NTP)
+/// has its events forgotten two hours before the window ends, and a
+/// redelivery inside the window is recorded and counted again — a day
+/// behind, a day early; past the window, right after its lane is sealed.
+/// The retention floor's hour covers resends within the retry horizon, not
+/// this; nothing measures or alerts on a recorder's clock. (The server's
+/// clock is moved here instead of the recorder's: the recorder records at
+/// the test's real time, the server reads two hours later.)
+#[tokio::test]
+async fn a_redelivery_inside_the_window_is_a_duplicate_whatever_the_recorders_clock() {
+    let ctx = TestContext::new("review_ledger_recorder_behind").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    let skew = 2 * HOUR;
+    // Recorded at `server`, by the server's clock; numbered two hours
+    // earlier by the recorder's.
+    assert_outcome(&ledger.record("evt_1", "a", 1).await, "recorded");
+    let server = server_now(&store).await + skew;
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let first = fold.fold(server, &stop).await.expect("a pass");
+    let run = fold.fold(server + 2 * HOUR, &stop).await.expect("a pass");
+    assert_eq!(first.lanes_sealed + run.lanes_sealed, 1, "{run:?}");
+    // Six days and 23 hours after it was recorded (the window is 7 days),
+    // the queue delivers the event again, to another consumer.
+    let inside = server + 7 * DAY - HOUR;
+    fold.sweep(inside).await.expect("a sweep");
+    let consumer = Ledger::new(&store, ledger.spec().clone());
+    let again = consumer.record("evt_1", "a", 1).await;
+    fold.fold(inside, &stop).await.expect("a pass");
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        1,
+        "the event, delivered again inside the dedupe window, was counted twice ({again:?})"
+    );
+    assert_outcome(&again, "duplicate");
+}
+
+/// Finding 8 (a message people read). `check-config` refusing an events
+/// collection prints a run of 26 spaces in the middle of its sentence (a
+/// string continued onto the next source line without its `\`).
+#[tokio::test]
+async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
+    let ctx = TestContext::new("review_ledger_clash_message").await;
+    let dir = tempfile::tempdir().unwrap();
+    let body = "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname \
+                = \"b\"\nevents_collection = \"log\"\n";
+    let path = crate::cli::write_config(dir.path(), &ctx.config_toml(false, body));
+    let output = crate::cli::tallyd(&["--config", &path, "check-config"], &[]).await;
+    let shown = crate::cli::text(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    let line = shown
+        .lines()
+        .find(|l| l.contains("collections[1].events_collection"))
+        .unwrap_or_else(|| panic!("the clash is named: {shown}"));
+    assert!(
+        !line.contains("   "),
+        "a run of spaces inside the message: {line:?}"
+    );
+}
