@@ -452,3 +452,88 @@ async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
         "a run of spaces inside the message: {line:?}"
     );
 }
+
+/// Finding 9 (one counter stops its ledger, on the project's own test
+/// server). Events whose amounts sum past 2^63 in one pass: the design
+/// counts on `$sum` turning an int64 overflow into a double (real MongoDB
+/// does), which sends the counter to the exact sum and holds it. The test
+/// server answers the `$group` with `InternalError` instead, so the pass
+/// fails, and every pass after it, for every counter of the ledger: `b`
+/// is never folded. The fold's isolation of one bad counter hangs on one
+/// server's `$sum`; summing as decimals (exact to 34 digits), or falling
+/// back to the exact sum when the `$group` fails, would not.
+#[tokio::test]
+async fn amounts_summing_past_2_63_in_one_pass_never_stop_the_other_counters() {
+    let ctx = TestContext::new("review_ledger_sum_overflow").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    assert_outcome(&ledger.record("big1", "a", i64::MAX).await, "recorded");
+    assert_outcome(&ledger.record("big2", "a", 1).await, "recorded");
+    assert_outcome(&ledger.record("small", "b", 1).await, "recorded");
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let mut last = None;
+    for _ in 0..3 {
+        last = Some(fold.fold(SystemTime::now(), &stop).await);
+    }
+    assert_eq!(
+        counter(&direct.collection("views"), "b").await,
+        1,
+        "the other counter is folded: {last:?}"
+    );
+    let run = last.expect("three passes").expect("the pass holds a's sum");
+    assert_eq!(run.backlog.held.len(), 1, "{run:?}");
+    assert_eq!(
+        run.backlog.held[0].amount,
+        (i128::from(i64::MAX) + 1).to_string()
+    );
+}
+
+/// Finding 10 (cost grows with recorder processes, not events). Every
+/// handle mints a lane, and a lane stays registered (surveyed by every
+/// pass, read by every exact read) for an hour and more, and keeps an
+/// entry in the state document's `folded` map for the whole dedupe window.
+/// `tallyd record` is one process — one lane — per event; so is a
+/// serverless webhook handler making its `Ledger` per invocation. With the
+/// 120 recorder processes of two minutes at one event a second, one exact
+/// read of one counter sends 125 commands (one `find` per live lane, plus
+/// every registration read twice), and a pass with nothing to fold 605
+/// (four survey probes and a backlog count per lane); with the hour's
+/// 4,000 live lanes, thirty times that. At that rate the `folded` map gains 86,400 entries a day, each
+/// kept 7 days (34 bytes each: 20 MB, past the 16 MB document limit, in
+/// under 6 days, after which no commit fits). The design promises "exact
+/// reads cost the counter document plus that counter's events not yet
+/// folded".
+#[tokio::test]
+async fn an_exact_read_and_an_idle_pass_cost_the_same_with_many_recorder_processes() {
+    let ctx = TestContext::new("review_ledger_many_lanes").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    for i in 0..120 {
+        // One short-lived recorder process per event.
+        let process = Ledger::new(&store, ledger.spec().clone());
+        assert_outcome(&process.record(format!("e{i}"), "a", 1).await, "recorded");
+    }
+    let fold = fold_of(&store, "views");
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("a pass");
+    client.events.clear();
+    assert_eq!(ledger.value("a").await.unwrap().value, 120);
+    let read = client.events.sent().len();
+    client.events.clear();
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("an idle pass");
+    let idle = client.events.sent().len();
+    assert!(
+        read <= 10,
+        "one exact read of one counter sent {read} commands (an idle pass: {idle})"
+    );
+    assert!(
+        idle <= 20,
+        "a pass with nothing to fold sent {idle} commands"
+    );
+}
