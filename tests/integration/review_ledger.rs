@@ -236,6 +236,64 @@ async fn a_held_sum_that_comes_to_zero_never_blocks_its_counter_once_the_counter
     assert!(run.backlog.held.is_empty(), "nothing is held: {run:?}");
 }
 
+/// Finding 3b (a fixed counter blocked for good by a crash). A counter
+/// refused its sum (held at pass 1), and was fixed. The next pass sends
+/// the held sum (position 1) and the counter's new sum (position 2): both
+/// apply. The pass stops before its commit (a daemon restarted, a network
+/// failure at the commit) and is resumed: the held sum, still in the
+/// state, goes out again at position 1 — the counter's fold lane holds 2
+/// — and comes back `OutOfOrder`, which the fold takes for a refusal
+/// ("its fold state was reset"), not for what it is here (applied before
+/// the newer one, the only order the fold sends in). It is held again,
+/// for good; every later sum of the counter waits behind it. The counter
+/// never counts again; `events_held` blames a reset that never happened.
+#[tokio::test]
+async fn a_pass_resumed_after_a_fixed_counter_took_its_held_sum_never_blocks_the_counter() {
+    let ctx = TestContext::new("review_ledger_resumed_held").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let db = direct.client.database(&ctx.db_name);
+    db.run_command(doc! { "create": "views", "validator": { "counter": { "$lte": 5 } } })
+        .await
+        .unwrap();
+    let ledger = ledger_on(&store, "views").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let fold = fold_of(&ctx.client_through(&proxy, false).await.store(), "views");
+    let stop = CancellationToken::new();
+    let pass = || async { fold.fold(SystemTime::now(), &stop).await };
+
+    assert_outcome(&ledger.record("s1", "big", 8).await, "recorded");
+    let run = pass().await.expect("a pass");
+    assert_eq!(run.backlog.held.len(), 1, "refused and held: {run:?}");
+    db.run_command(doc! { "collMod": "views", "validator": {} })
+        .await
+        .unwrap();
+    assert_outcome(&ledger.record("s2", "big", 1).await, "recorded");
+    {
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("$unset")
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(pass().await.is_err(), "the pass stops before its commit");
+    }
+    assert_eq!(counter(&direct.collection("views"), "big").await, 9);
+    pass().await.expect("the pass resumed");
+    assert_outcome(&ledger.record("s3", "big", 1).await, "recorded");
+    let mut run = pass().await.expect("a pass");
+    for _ in 0..2 {
+        run = pass().await.expect("a pass");
+    }
+    assert_eq!(ledger.value("big").await.unwrap().value, 10);
+    assert_eq!(
+        counter(&direct.collection("views"), "big").await,
+        10,
+        "the fixed counter takes its new events: {run:?}"
+    );
+    assert!(run.backlog.held.is_empty(), "nothing is held: {run:?}");
+}
+
 /// Finding 4 (the fold state dropped by hand). The design says dropping
 /// `<events>_fold` "would fold the events still kept again". It does the
 /// opposite, silently: passes are numbered from 1 again, so a counter whose
