@@ -6,6 +6,8 @@
 //! network by the black-pipe proxy. The oracle is what the test recorded
 //! and what is stored, never what the code under test reports.
 
+mod cli;
+
 use std::time::{Duration, SystemTime};
 
 use mongodb::bson::doc;
@@ -486,29 +488,6 @@ async fn a_redelivery_inside_the_window_is_a_duplicate_whatever_the_recorders_cl
         "the event, delivered again inside the dedupe window, was counted twice ({again:?})"
     );
     assert_outcome(&again, "duplicate");
-}
-
-/// Finding 8 (a message people read). `check-config` refusing an events
-/// collection prints a run of 26 spaces in the middle of its sentence (a
-/// string continued onto the next source line without its `\`).
-#[tokio::test]
-async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
-    let ctx = TestContext::new("review_ledger_clash_message").await;
-    let dir = tempfile::tempdir().unwrap();
-    let body = "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname \
-                = \"b\"\nevents_collection = \"log\"\n";
-    let path = crate::cli::write_config(dir.path(), &ctx.config_toml(false, body));
-    let output = crate::cli::tallyd(&["--config", &path, "check-config"], &[]).await;
-    let shown = crate::cli::text(&output);
-    assert_eq!(output.status.code(), Some(78), "{shown}");
-    let line = shown
-        .lines()
-        .find(|l| l.contains("collections[1].events_collection"))
-        .unwrap_or_else(|| panic!("the clash is named: {shown}"));
-    assert!(
-        !line.contains("   "),
-        "a run of spaces inside the message: {line:?}"
-    );
 }
 
 /// Finding 9 (one counter stops its ledger, on the project's own test
