@@ -447,6 +447,81 @@ async fn a_ticket_is_refused_by_another_ledger_before_anything_is_sent() {
     assert!(settled.is_err(), "refused: {settled:?}");
 }
 
+/// Finding 6b (`not_recorded` for an event that landed). `record_again`
+/// sends an unknown event again; when that resend is refused — its fresh
+/// lane's registration fails (a network failure, twice), or its insert
+/// meets a command error — the outcome is `NotRecorded`: "definitely not
+/// recorded: nothing was written". But the ticket's first attempt landed
+/// (or still may: it can be held up in the network), and the fold counts
+/// it. A resend can never say more than "unknown" about the attempts
+/// before it — the lanes protocol's resume says exactly that.
+#[tokio::test]
+async fn a_refused_resend_of_an_unknown_event_is_unknown_never_not_recorded() {
+    let ctx = TestContext::new("review_ledger_resend_refused").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let ledger = ledger_on(&store, "views").await;
+    let recorder = Ledger::new(
+        &ctx.client_through(&proxy, false).await.store(),
+        ledger.spec().clone(),
+    );
+    let landed_unknown = |event: &'static str| {
+        let (proxy, recorder) = (&proxy, &recorder);
+        async move {
+            let _lost = [
+                proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply)),
+                proxy.rule(Rule::command("insert").nth(2).then(Action::DropReply)),
+            ];
+            match recorder.record(event, "home", 1).await {
+                Recording::Unknown(ticket) => ticket,
+                other => panic!("expected unknown, got {other:?}"),
+            }
+        }
+    };
+    // The resend's fresh lane cannot be registered.
+    let ticket = landed_unknown("evt_1").await;
+    let again = {
+        let _cut = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .then(Action::CloseBeforeForwarding),
+        );
+        recorder
+            .record_again(ticket)
+            .await
+            .expect("within the horizon")
+    };
+    // The resend's insert meets a command error.
+    let ticket = landed_unknown("evt_2").await;
+    assert_outcome(&recorder.record("warm", "other", 1).await, "recorded");
+    let again_2 = {
+        let _refused = proxy.rule(Rule::command("insert").nth(1).then(Action::error(
+            13,
+            "Unauthorized",
+            &[],
+        )));
+        recorder
+            .record_again(ticket)
+            .await
+            .expect("within the horizon")
+    };
+    let fold = fold_of(&store, "views");
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("a pass");
+    assert_eq!(
+        counter(&direct.collection("views"), "home").await,
+        2,
+        "both events landed and count"
+    );
+    assert_eq!(
+        (again.name(), again_2.name()),
+        ("unknown", "unknown"),
+        "two landed events told not recorded: {again:?} / {again_2:?}"
+    );
+}
+
 /// Finding 7 (the dedupe window shrinks by a recorder's clock error). An
 /// event's age is read from its number, the recorder's clock; the sweep
 /// deletes a lane's folded events once that number is older than
