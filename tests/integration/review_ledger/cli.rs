@@ -9,30 +9,7 @@ use crate::cli::{tallyd, text, write_config};
 use crate::common::TestContext;
 use crate::ledger::ledger_on;
 
-/// Finding 8 (a message people read). `check-config` refusing an events
-/// collection prints a run of 26 spaces in the middle of its sentence (a
-/// string continued onto the next source line without its `\`).
-#[tokio::test]
-async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
-    let ctx = TestContext::new("review_ledger_clash_message").await;
-    let dir = tempfile::tempdir().unwrap();
-    let body = "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname \
-                = \"b\"\nevents_collection = \"log\"\n";
-    let path = write_config(dir.path(), &ctx.config_toml(false, body));
-    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
-    let shown = text(&output);
-    assert_eq!(output.status.code(), Some(78), "{shown}");
-    let line = shown
-        .lines()
-        .find(|l| l.contains("collections[1].events_collection"))
-        .unwrap_or_else(|| panic!("the clash is named: {shown}"));
-    assert!(
-        !line.contains("   "),
-        "a run of spaces inside the message: {line:?}"
-    );
-}
-
-/// Finding 11 (a queue's events held unrecorded in the pipe). `tallyd
+/// Finding 10 (a queue's events held unrecorded in the pipe). `tallyd
 /// record --from -` is offered "for backfills from logs and queues", but
 /// it sends nothing until it has read 1,000 lines or the end of its input.
 /// Fed by a queue consumer (`consumer | tallyd record --from - --json`),
@@ -84,5 +61,28 @@ async fn record_from_standard_input_records_each_line_without_waiting_for_a_thou
         recorded, 2,
         "15 s after two lines were read, {recorded} of them were recorded (they wait for 998 \
          more lines or the end of the input)"
+    );
+}
+
+/// Finding 13 (a message people read). `check-config` refusing an events
+/// collection prints a run of 26 spaces in the middle of its sentence (a
+/// string continued onto the next source line without its `\`).
+#[tokio::test]
+async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
+    let ctx = TestContext::new("review_ledger_clash_message").await;
+    let dir = tempfile::tempdir().unwrap();
+    let body = "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname \
+                = \"b\"\nevents_collection = \"log\"\n";
+    let path = write_config(dir.path(), &ctx.config_toml(false, body));
+    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    let line = shown
+        .lines()
+        .find(|l| l.contains("collections[1].events_collection"))
+        .unwrap_or_else(|| panic!("the clash is named: {shown}"));
+    assert!(
+        !line.contains("   "),
+        "a run of spaces inside the message: {line:?}"
     );
 }
