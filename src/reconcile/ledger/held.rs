@@ -161,6 +161,7 @@ where
     done.held.push(new);
     Ok(done)
 }
+
 /// What `sent` says of the sum at `position`: `None` when the counter has
 /// it, else why it is held and whether a send of it may have applied.
 ///
