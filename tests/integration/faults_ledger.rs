@@ -128,15 +128,18 @@ fn expected(site: Site, fault: Fault) -> Expected {
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
-        // The survey and the sum are reads, retried once; refused, the
-        // pass stops (after the intent, for the sum: the next pass resumes
-        // it). The survey's counts include the backlog's survey after the
-        // pass (an aggregate that does not count events per counter).
+        // The survey and the sum are reads, retried once; a survey refused
+        // stops the pass. The survey's counts include the backlog's survey
+        // after the pass (an aggregate that does not count events per
+        // counter).
         (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 3, 3),
         (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
         (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Survey | Sum, CommandError) => ("failed (command)", 1, 0),
+        (Survey, CommandError) => ("failed (command)", 1, 0),
+        // A `$group` the server refuses (an int64 overflow on the test
+        // server) has the range summed event by event, by a `find`.
+        (Sum, CommandError) => ("folded 3", 1, 0),
         // The intent: an insert retried once; the retry's duplicate key is
         // our own first attempt (read back: ours).
         (Intent, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),

@@ -14,7 +14,15 @@
 //! position) only when no send of either may have applied: the older was
 //! refused by a definite answer to the one send this fold made of it, the
 //! newer was never sent. Sums of a recovered pass — whose earlier owner may
-//! have sent anything — are never merged.
+//! have sent anything — are never merged. A held sum merged to zero (a
+//! refund after a refused sale) is taken without a write: it adds nothing,
+//! and neither part of it applied.
+//!
+//! A recovered pass sends again what its earlier attempt may have applied:
+//! a held sum whose counter's fold lane is already at a later position of
+//! the pass's own sequence for that counter was applied before it (see
+//! `refusal`); only a position the pass never sends says the lane was
+//! reset.
 
 use std::future::Future;
 use std::time::SystemTime;
@@ -33,6 +41,10 @@ pub(super) enum Applied {
     /// The server refused it for this counter's own reasons; `maybe_applied`
     /// when an earlier send of it may still have applied.
     Refused { cause: String, maybe_applied: bool },
+    /// The counter's fold lane holds the later position `held`: nothing was
+    /// written. [`apply`] tells whether that position came after this sum
+    /// applied, or says the lane was reset.
+    Behind { held: i64 },
 }
 
 /// A counter's work in a pass.
@@ -72,32 +84,46 @@ where
     Fut: Future<Output = Result<Applied, Error>>,
 {
     let unusable = crate::document::check_key(&work.key).err();
+    let new = work.new.filter(|s| s.amount != 0);
+    // The positions this pass sends the counter, in order: its held sums
+    // (a zero one needs no write), then its new sum.
+    let positions: Vec<i64> = work
+        .held
+        .iter()
+        .filter(|h| h.amount != 0)
+        .map(|h| h.pass)
+        .chain(new.as_ref().map(|_| pass))
+        .collect();
     let mut done = Done::default();
     let mut blocked = false;
     for mut held in work.held {
         held.maybe_applied |= recovered;
         if !blocked {
+            // Merged to zero (a refund after a refused sale; merged only
+            // when neither part may have applied): nothing to add, and the
+            // lanes protocol takes no zero amount. Taken without a write.
+            if held.amount == 0 {
+                continue;
+            }
             match sendable(held.amount, unusable.as_ref()) {
                 Err(cause) => held.cause = cause,
                 Ok(amount) => {
                     done.written += 1;
-                    match send(held.pass, amount, held.maybe_applied).await? {
-                        Applied::Counted => continue,
-                        Applied::Refused {
-                            cause,
-                            maybe_applied,
-                        } => {
-                            held.cause = cause;
-                            held.maybe_applied |= maybe_applied;
-                        }
-                    }
+                    let sent = send(held.pass, amount, held.maybe_applied).await?;
+                    let Some((cause, maybe_applied)) =
+                        refusal(sent, held.pass, recovered, &positions)
+                    else {
+                        continue;
+                    };
+                    held.cause = cause;
+                    held.maybe_applied |= maybe_applied;
                 }
             }
         }
         blocked = true;
         done.held.push(held);
     }
-    let Some(share) = work.new.filter(|s| s.amount != 0) else {
+    let Some(share) = new else {
         return Ok(done);
     };
     let mut new = Held {
@@ -124,20 +150,54 @@ where
         Err(cause) => new.cause = cause,
         Ok(amount) => {
             done.written += 1;
-            match send(pass, amount, recovered).await? {
-                Applied::Counted => return Ok(done),
-                Applied::Refused {
-                    cause,
-                    maybe_applied,
-                } => {
-                    new.cause = cause;
-                    new.maybe_applied |= maybe_applied;
-                }
-            }
+            let sent = send(pass, amount, recovered).await?;
+            let Some((cause, maybe_applied)) = refusal(sent, pass, recovered, &positions) else {
+                return Ok(done);
+            };
+            new.cause = cause;
+            new.maybe_applied |= maybe_applied;
         }
     }
     done.held.push(new);
     Ok(done)
+}
+
+/// What `sent` says of the sum at `position`: `None` when the counter has
+/// it, else why it is held and whether a send of it may have applied.
+///
+/// The fold lane holding a later position is the only answer that needs
+/// judging. The fold sends a counter's sums in order, each only once the
+/// one before it was counted, and a position above this pass's only once
+/// this pass committed. So in a recovered pass, a lane at a later position
+/// of this very pass's sequence for the counter (`positions`) got there
+/// after this sum applied, in an earlier attempt of the pass: counted.
+/// Anything else — a position this pass never sends the counter, or one
+/// found outside a recovery — means the lane did not come from this fold's
+/// sends (its state was reset, or another ledger folds under the same
+/// name): refused, and nothing was written, so it counts nowhere twice.
+fn refusal(
+    sent: Applied,
+    position: i64,
+    recovered: bool,
+    positions: &[i64],
+) -> Option<(String, bool)> {
+    match sent {
+        Applied::Counted => None,
+        Applied::Refused {
+            cause,
+            maybe_applied,
+        } => Some((cause, maybe_applied)),
+        Applied::Behind { held } if recovered && held > position && positions.contains(&held) => {
+            None
+        }
+        Applied::Behind { held } => Some((
+            format!(
+                "the counter's fold lane is at pass {held} already, past {position}: its fold \
+                 state was reset, or another ledger folds into it under the same name"
+            ),
+            false,
+        )),
+    }
 }
 
 /// The amount to send, or why no counter update can carry it.
@@ -171,8 +231,14 @@ mod tests {
 
     impl Counter {
         fn update(&mut self, position: i64, amount: i64) -> Applied {
-            if self.position >= position {
+            assert_ne!(amount, 0, "the lanes protocol takes no zero amount");
+            if self.position == position {
                 return Applied::Counted;
+            }
+            if self.position > position {
+                return Applied::Behind {
+                    held: self.position,
+                };
             }
             if self.refusing {
                 return Applied::Refused {
@@ -204,16 +270,121 @@ mod tests {
     }
 
     fn run(counter: &RefCell<Counter>, held: Vec<Held>, new: Option<Share>, pass: i64) -> Done {
+        attempt(counter, held, new, pass, false, None).expect("no transient failure")
+    }
+
+    /// Where an attempt of a pass stops: at its `nth` send (0 the first),
+    /// before the counter sees it or after it applied (its reply lost).
+    #[derive(Debug, Clone, Copy)]
+    struct Crash {
+        nth: usize,
+        applied: bool,
+    }
+
+    /// One attempt of a pass; `Err` when it stopped at `crash`.
+    fn attempt(
+        counter: &RefCell<Counter>,
+        held: Vec<Held>,
+        new: Option<Share>,
+        pass: i64,
+        recovered: bool,
+        crash: Option<Crash>,
+    ) -> Result<Done, Error> {
         let work = Work {
             key: Bson::from("c"),
             held,
             new,
         };
-        let sent = apply(work, pass, false, SystemTime::UNIX_EPOCH, |p, n, _| {
-            let answer = counter.borrow_mut().update(p, n);
-            async move { Ok(answer) }
+        let sends = std::cell::Cell::new(0);
+        let sent = apply(work, pass, recovered, SystemTime::UNIX_EPOCH, |p, n, _| {
+            let nth = sends.replace(sends.get() + 1);
+            let answer = match crash {
+                Some(crash) if crash.nth == nth => {
+                    if crash.applied {
+                        let _ = counter.borrow_mut().update(p, n);
+                    }
+                    Err(Error::InvalidArgument("the pass stopped".into()))
+                }
+                _ => Ok(counter.borrow_mut().update(p, n)),
+            };
+            async move { answer }
         });
-        block_on(sent).expect("no transient failure")
+        block_on(sent)
+    }
+
+    fn held(pass: i64, amount: i128) -> Held {
+        Held {
+            key: Bson::from("c"),
+            pass,
+            amount,
+            events: 1,
+            maybe_applied: false,
+            cause: "refused".into(),
+            since: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn a_held_sum_merged_to_zero_is_taken_without_a_write() {
+        let counter = RefCell::new(Counter::default());
+        let done = run(&counter, vec![held(1, 0)], Some(share(3, 1)), 2);
+        assert!(done.held.is_empty(), "{done:?}");
+        assert_eq!(done.written, 1, "only the new sum is sent");
+        assert_eq!(
+            (counter.borrow().value, counter.borrow().applied.clone()),
+            (3, vec![2])
+        );
+    }
+
+    #[test]
+    fn a_resumed_pass_finds_its_held_sums_applied_before_its_new_one() {
+        // The first attempt applied the held sum (1) and the new one (2),
+        // then stopped before its commit.
+        let counter = RefCell::new(Counter::default());
+        let stopped = attempt(
+            &counter,
+            vec![held(1, 8)],
+            Some(share(1, 1)),
+            2,
+            false,
+            Some(Crash {
+                nth: 1,
+                applied: true,
+            }),
+        );
+        assert!(stopped.is_err());
+        let done =
+            attempt(&counter, vec![held(1, 8)], Some(share(1, 1)), 2, true, None).expect("resumed");
+        assert!(done.held.is_empty(), "{done:?}");
+        assert_eq!(counter.borrow().value, 9, "counted once");
+    }
+
+    #[test]
+    fn a_fold_lane_past_anything_the_pass_sends_is_a_refusal_even_when_resumed() {
+        // The lane is at 7: no send of this fold's put it there (a reset).
+        let counter = RefCell::new(Counter {
+            position: 7,
+            ..Counter::default()
+        });
+        for recovered in [false, true] {
+            let done = attempt(
+                &counter,
+                vec![held(1, 8)],
+                Some(share(1, 1)),
+                2,
+                recovered,
+                None,
+            )
+            .expect("no transient failure");
+            let kept: i128 = done.held.iter().map(|h| h.amount).sum();
+            assert_eq!(kept, 9, "both sums held (merged when definite): {done:?}");
+            assert!(
+                done.held[0].cause.contains("at pass 7"),
+                "{}",
+                done.held[0].cause
+            );
+        }
+        assert_eq!(counter.borrow().value, 0);
     }
 
     #[test]
@@ -290,16 +461,28 @@ mod tests {
         /// of what the counter lacks.
         #[test]
         fn every_sum_is_in_the_counter_or_held_exactly_once(
-            passes in proptest::collection::vec((0i64..5, any::<bool>()), 1..40)
+            passes in proptest::collection::vec(
+                (-4i64..5, any::<bool>(), proptest::option::of((0usize..4, any::<bool>()))),
+                1..40,
+            )
         ) {
             let counter = RefCell::new(Counter::default());
             let mut held = Vec::new();
             let mut total = 0i128;
-            for (pass, (amount, refusing)) in passes.into_iter().enumerate() {
+            for (pass, (amount, refusing, crash)) in passes.into_iter().enumerate() {
+                let pass = pass as i64 + 1;
                 counter.borrow_mut().refusing = refusing;
                 total += i128::from(amount);
                 let new = (amount != 0).then(|| share(amount.into(), 1));
-                held = run(&counter, held, new, pass as i64 + 1).held;
+                // An attempt may stop at any send, applied or not; the pass
+                // is then resumed (recovered) from the same state.
+                let crash = crash.map(|(nth, applied)| Crash { nth, applied });
+                held = match attempt(&counter, held.clone(), new.clone(), pass, false, crash) {
+                    Ok(done) => done.held,
+                    Err(_) => attempt(&counter, held, new, pass, true, None)
+                        .expect("a resumed pass")
+                        .held,
+                };
                 let kept: i128 = held.iter().map(|h| h.amount).sum();
                 prop_assert_eq!(counter.borrow().value + kept, total);
                 let applied = counter.borrow().applied.clone();

@@ -345,14 +345,7 @@ impl EventFold {
         };
         match &outcome {
             LaneIncrement::Counted(_) => Ok(Applied::Counted),
-            LaneIncrement::OutOfOrder(late) => Ok(Applied::Refused {
-                cause: format!(
-                    "the counter's fold lane is at pass {} already, past {position}: its fold \
-                     state was reset, or another ledger folds into it under the same name",
-                    late.held()
-                ),
-                maybe_applied: false,
-            }),
+            LaneIncrement::OutOfOrder(late) => Ok(Applied::Behind { held: late.held() }),
             LaneIncrement::NotCounted(_) | LaneIncrement::Unknown(_) => {
                 let maybe_applied = matches!(outcome, LaneIncrement::Unknown(_));
                 let cause = outcome

@@ -14,7 +14,7 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::options::ReadConcern;
 
 use crate::document::{CanonicalKey, integer_value};
-use crate::error::{Error, Failure, RetryBudget};
+use crate::error::{Error, ErrorClass, Facts, Failure, FailureKind, RetryBudget};
 use crate::store::Store;
 use crate::write::ledger::field;
 
@@ -154,17 +154,21 @@ pub(super) struct Share {
     pub(super) amount: i128,
     /// Its events, malformed ones included.
     pub(super) events: u64,
-    /// Its events whose amount is not an integer: reported, not counted.
+    /// Its events whose amount is not an integer (an integral double is
+    /// one): reported, not counted.
     pub(super) malformed: u64,
 }
 
 /// The shares of the counters of `lane`'s events in `(from, to]`, added to
 /// `shares` (keyed by the counter key's canonical bytes: the server's
 /// `_id` equality). The server sums each counter's amounts and reports
-/// their lowest and highest; where those are not all integers — an event
-/// whose amount is not an integer (written by hand), or a sum past what
-/// `$sum` keeps exact — that counter's events of the range are read and
-/// summed here, the integers counted, the others reported.
+/// their lowest and highest; where those are not all int32 or int64 — an
+/// amount written by hand as a double or a string, or a sum past what
+/// `$sum` keeps exact (real MongoDB turns an int64 overflow into a double)
+/// — that counter's events of the range are read and summed here exactly.
+/// A server that refuses the `$group` itself (the test server answers an
+/// int64 overflow with `InternalError`) has the whole range summed here:
+/// one counter's events never stop the others'.
 pub(super) async fn sum_lane(
     store: &Store,
     events: &Collection<Document>,
@@ -183,72 +187,103 @@ pub(super) async fn sum_lane(
             "hi": { "$max": &amount },
         } },
     ];
-    let rows = aggregate_all(store, events, pipeline, "ledger.fold.sum").await?;
+    let rows = match aggregate_all(store, events, pipeline, "ledger.fold.sum").await {
+        Ok(rows) => rows,
+        Err(err) if refused_by_the_server(&err) => {
+            tracing::warn!(
+                events = %events.name(),
+                lane = %lane.to_hex(),
+                cause = %err,
+                "the server refused to sum a lane's events; summing them one by one"
+            );
+            return sum_exactly(store, events, range(lane, Some(from), Some(to)), shares).await;
+        }
+        Err(err) => return Err(err),
+    };
     for row in rows {
         let key = row.get("_id").cloned().unwrap_or(Bson::Null);
+        let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
+        if !(integral("n") && integral("lo") && integral("hi")) {
+            let mut filter = range(lane, Some(from), Some(to));
+            filter.insert(field::COUNTER, key);
+            sum_exactly(store, events, filter, shares).await?;
+            continue;
+        }
         let events_of = row
             .get("e")
             .and_then(integer_value)
             .and_then(|n| u64::try_from(n).ok())
             .unwrap_or(0);
-        let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
-        let (amount, malformed) = if integral("n") && integral("lo") && integral("hi") {
-            (
-                i128::from(row.get("n").and_then(integer_value).unwrap_or(0)),
-                0,
-            )
-        } else {
-            exact_sum(store, events, &key, lane, (from, to)).await?
-        };
-        let share = shares
-            .entry(CanonicalKey::of(&key))
-            .or_insert_with(|| Share {
-                key,
-                amount: 0,
-                events: 0,
-                malformed: 0,
-            });
-        share.amount += amount;
+        let share = share_of(shares, key);
+        share.amount += i128::from(row.get("n").and_then(integer_value).unwrap_or(0));
         share.events += events_of;
-        share.malformed += malformed;
     }
     Ok(())
 }
 
-/// The exact sum of one counter's integer amounts in a lane's range, and
-/// how many of its events have an amount that is not an integer (left
-/// out), read event by event (through `{k, L, s}`).
-async fn exact_sum(
+/// The share of `key` in `shares`, added empty when it is not there yet.
+fn share_of(shares: &mut HashMap<CanonicalKey, Share>, key: Bson) -> &mut Share {
+    shares
+        .entry(CanonicalKey::of(&key))
+        .or_insert_with(|| Share {
+            key,
+            amount: 0,
+            events: 0,
+            malformed: 0,
+        })
+}
+
+/// Whether `err` is the server's definite answer to the command (`ok: 0`,
+/// not a transient code) — not an outage, which summing event by event
+/// would only meet again.
+fn refused_by_the_server(err: &Error) -> bool {
+    match err {
+        Error::Server(failure) => {
+            failure.class == ErrorClass::Command
+                && matches!(Facts::of(&failure.source).kind, FailureKind::Command(_))
+        }
+        _ => false,
+    }
+}
+
+/// Adds the events matching `filter` (one lane's range, maybe one
+/// counter's) to `shares`, read event by event (through `{L, s}` or `{k,
+/// L, s}`) and summed here exactly: the integer amounts counted, the others
+/// counted as malformed and left out. Streams the cursor: a lane's whole
+/// backlog is never held in memory.
+async fn sum_exactly(
     store: &Store,
     events: &Collection<Document>,
-    key: &Bson,
-    lane: ObjectId,
-    (from, to): (i64, i64),
-) -> Result<(i128, u64), Error> {
-    let mut filter = range(lane, Some(from), Some(to));
-    filter.insert(field::COUNTER, key.clone());
-    let mut budget = RetryBudget::read_once("ledger.fold.exact_sum");
-    let cursor = store
+    filter: Document,
+    shares: &mut HashMap<CanonicalKey, Share>,
+) -> Result<(), Error> {
+    const OPERATION: &str = "ledger.fold.exact_sum";
+    let mut budget = RetryBudget::read_once(OPERATION);
+    let mut cursor = store
         .with_retry(&mut budget, || {
             events
                 .find(filter.clone())
-                .projection(doc! { field::AMOUNT: 1 })
+                .projection(doc! { field::COUNTER: 1, field::AMOUNT: 1 })
                 .read_concern(ReadConcern::majority())
         })
         .await
         .map_err(Error::Server)?;
-    let found: Vec<Document> = cursor
-        .try_collect()
+    while let Some(event) = cursor
+        .try_next()
         .await
-        .map_err(|err| Error::Server(Failure::once("ledger.fold.exact_sum", err)))?;
-    let mut sum = 0i128;
-    let mut malformed = 0;
-    for event in &found {
-        match event.get(field::AMOUNT) {
-            Some(Bson::Int32(n)) => sum += i128::from(*n),
-            Some(Bson::Int64(n)) => sum += i128::from(*n),
-            _ => malformed += 1,
+        .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?
+    {
+        let key = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
+        let share = share_of(shares, key);
+        share.events += 1;
+        // The exact read's conversion (`integer_value`), so the fold and
+        // `Ledger::value` agree on every event: an integral double (what a
+        // shell or a JavaScript driver writes for `2`) counts as its
+        // integer, anything else is left out and reported.
+        match event.get(field::AMOUNT).and_then(integer_value) {
+            Some(n) => share.amount += i128::from(n),
+            None => share.malformed += 1,
         }
     }
-    Ok((sum, malformed))
+    Ok(())
 }
