@@ -13,9 +13,13 @@
 //!
 //! `record --from FILE` (`-`: standard input) records newline-delimited
 //! JSON events, `{"event": "…", "key": …, "by": N}` (`by` defaults to 1),
-//! in batches — a backfill from logs or a queue. Each line gets its
-//! outcome (one JSON line each with `--json`; the refused ones otherwise,
-//! and a summary); a line that is not such an event is reported with its
+//! in batches — a backfill from logs or a queue. A batch goes out at 1,000
+//! lines, or 200 ms after its first line was read, whichever comes
+//! first: fed by a quiet queue, each event is recorded (and its outcome
+//! printed) within a fraction of a second, never held in the process until
+//! more lines come. Each line gets its outcome (one JSON line each with
+//! `--json`; the refused ones otherwise, and a summary), printed as its
+//! batch settles; a line that is not such an event is reported with its
 //! number and records nothing, and the others still go. It exits 0 only
 //! when every event was recorded or a duplicate; 75 when some are unknown
 //! and nothing else went wrong (run it again: what landed is a duplicate
@@ -25,6 +29,7 @@ use crate::cli::out;
 use std::io::{BufRead, IsTerminal};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
+use tokio::sync::mpsc;
 
 use clap::Args;
 use mongodb::bson::Bson;
@@ -41,6 +46,10 @@ use crate::write::ledger::{Ledger, Recording};
 
 /// Events per `record_many` of `record --from`.
 const FROM_BATCH: usize = 1000;
+/// How long `record --from` holds a line it read before recording it
+/// with whatever came after it: a batch goes out this long after its first
+/// line, or at [`FROM_BATCH`] lines, whichever comes first.
+const FROM_WAIT: Duration = Duration::from_millis(200);
 
 /// `tallyd record EVENT_KEY COUNTER_KEY [--by N]`, or `tallyd record --from
 /// FILE`.
@@ -271,40 +280,27 @@ impl Tally {
 
 /// `record --from`: every line of `from`, in batches.
 async fn record_from(from: &str, ledger: &Ledger, json: bool, secrets: &Secrets) -> ExitCode {
-    let input: Box<dyn BufRead> = if from == "-" {
-        Box::new(std::io::stdin().lock())
+    let file = if from == "-" {
+        None
     } else {
         match std::fs::File::open(from) {
-            Ok(file) => Box::new(std::io::BufReader::new(file)),
+            Ok(file) => Some(file),
             Err(err) => {
                 let message = format!("cannot read {from}: {err}");
                 return fail(json, &message, secrets, EXIT_USAGE);
             }
         }
     };
+    let mut lines = read_lines(file);
     let progress = !json && std::io::stderr().is_terminal();
     let mut tally = Tally::default();
-    let mut batch: Vec<(u64, Line)> = Vec::with_capacity(FROM_BATCH);
-    let mut lines = input.lines();
-    let mut number = 0u64;
     loop {
-        let next = lines.next();
-        let finished = next.is_none();
-        if let Some(read) = next {
-            number += 1;
-            match read {
-                Ok(text) if text.trim().is_empty() => continue,
-                Ok(text) => batch.push((number, parse_line(&text))),
-                Err(err) => batch.push((number, Err(format!("cannot read the line: {err}")))),
+        let (batch, finished) = next_batch(&mut lines).await;
+        if !batch.is_empty() {
+            record_batch(batch, ledger, json, secrets, &mut tally).await;
+            if progress {
+                eprint!("\r{} lines: {}", tally.lines(), tally.summary());
             }
-            if batch.len() < FROM_BATCH {
-                continue;
-            }
-        }
-        let lines_done = std::mem::take(&mut batch);
-        record_batch(lines_done, ledger, json, secrets, &mut tally).await;
-        if progress {
-            eprint!("\r{} lines: {}", tally.lines(), tally.summary());
         }
         if finished {
             break;
@@ -322,6 +318,54 @@ async fn record_from(from: &str, ledger: &Ledger, json: bool, secrets: &Secrets)
         }
     }
     ExitCode::from(tally.code())
+}
+
+/// Reads `file` (standard input when `None`) on a thread of its own, line
+/// by line, numbered, the blank ones left out: a blocking read never holds
+/// up the recording of the lines before it. At most two batches wait
+/// unread, so a fast file is read no further ahead than that.
+fn read_lines(file: Option<std::fs::File>) -> mpsc::Receiver<(u64, Line)> {
+    let (sender, receiver) = mpsc::channel(2 * FROM_BATCH);
+    std::thread::spawn(move || {
+        let input: Box<dyn BufRead> = match file {
+            Some(file) => Box::new(std::io::BufReader::new(file)),
+            None => Box::new(std::io::stdin().lock()),
+        };
+        for (number, read) in (1u64..).zip(input.lines()) {
+            let (line, last) = match read {
+                Ok(text) if text.trim().is_empty() => continue,
+                Ok(text) => (parse_line(&text), false),
+                // A line that is not UTF-8 was read past; any other error
+                // ends the input (reading on could fail forever).
+                Err(err) => (
+                    Err(format!("cannot read the line: {err}")),
+                    err.kind() != std::io::ErrorKind::InvalidData,
+                ),
+            };
+            if sender.blocking_send((number, line)).is_err() || last {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// The next batch of lines: up to [`FROM_BATCH`], those read within
+/// [`FROM_WAIT`] of its first; and whether the input has ended.
+async fn next_batch(lines: &mut mpsc::Receiver<(u64, Line)>) -> (Vec<(u64, Line)>, bool) {
+    let Some(first) = lines.recv().await else {
+        return (Vec::new(), true);
+    };
+    let due = tokio::time::Instant::now() + FROM_WAIT;
+    let mut batch = vec![first];
+    while batch.len() < FROM_BATCH {
+        match tokio::time::timeout_at(due, lines.recv()).await {
+            Ok(Some(line)) => batch.push(line),
+            Ok(None) => return (batch, true),
+            Err(_) => break,
+        }
+    }
+    (batch, false)
 }
 
 /// Records the well-formed lines of `lines` with one `record_many`, and

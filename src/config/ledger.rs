@@ -84,14 +84,21 @@ fn check_names(config: &Config, issues: &mut Issues) {
                 Some(first) if !issues.has(&key) => issues.push(
                     &key,
                     format!(
-                        "{name:?} is already {} ({}): a ledger's events and its fold state                          ({name:?} and \"<events>_fold\") each need a collection of their own; \
+                        "{name:?} is already {} ({}): a ledger's events and its fold state \
+                         ({name:?} and \"<events>_fold\") each need a collection of their own; \
                          name another",
                         first.what, first.key
                     ),
                 ),
                 Some(_) => {}
                 None => {
-                    used.insert(name, Use { key: key.clone(), what });
+                    used.insert(
+                        name,
+                        Use {
+                            key: key.clone(),
+                            what,
+                        },
+                    );
                 }
             }
         }
@@ -197,7 +204,9 @@ mod tests {
         for (text, key, what) in cases {
             let issues = refused(text);
             assert!(
-                issues.iter().any(|(k, m)| k == key && m.contains(what)),
+                issues
+                    .iter()
+                    .any(|(k, m)| k == key && m.contains(what) && !m.contains("  ")),
                 "{text}: {issues:?}"
             );
         }

@@ -19,9 +19,9 @@
 //! **A pass** ([`EventFold::fold`]):
 //!
 //! 1. **Survey.** For each registered lane (recorders register a lane
-//!    before its first insert), a number visible above `M_L`, as high as
-//!    found cheaply (its newest events first; see `query::highest`): the
-//!    range's end `M'_L`.
+//!    before its first insert), the highest number visible above `M_L`:
+//!    the range's end `M'_L` — every lane in one aggregate (see
+//!    `query::survey_lanes`), whatever the number of lanes.
 //! 2. **Intent.** One conditioned write records the pass `P = pass + 1`,
 //!    the ranges `(M_L, M'_L]`, its owner and a deadline (renewed while it
 //!    works), conditioned on the state's version: two folds never record
@@ -74,7 +74,9 @@ use crate::error::Error;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::LaneName;
-use crate::write::ledger::{DEFAULT_EVENT_RETENTION, LANE_SPAN, fold_lane, index, state};
+use crate::write::ledger::{
+    DEFAULT_EVENT_RETENTION, LANE_SPAN, fold_lane, folded_numbers, index, state,
+};
 pub(crate) use reconciler::Folds;
 
 /// How many counters a pass applies at once.
@@ -461,14 +463,12 @@ impl EventFold {
             held: state.held.iter().map(held_sum).collect(),
             ..Backlog::default()
         };
+        let lanes = folded_numbers(&state, state.live_lanes());
+        let surveyed = query::survey_lanes(&self.store, &self.events, &lanes).await?;
         let mut oldest = None::<i64>;
-        for lane in state.live_lanes() {
-            let above = state.folded.get(&lane).copied();
-            if let Some(survey) = query::survey_lane(&self.store, &self.events, lane, above).await?
-            {
-                backlog.events += survey.events;
-                oldest = Some(oldest.map_or(survey.lowest, |o| o.min(survey.lowest)));
-            }
+        for survey in surveyed.values() {
+            backlog.events += survey.events;
+            oldest = Some(oldest.map_or(survey.lowest, |o| o.min(survey.lowest)));
         }
         backlog.oldest_age = oldest.map(|s| {
             now.duration_since(crate::write::ledger::time_of(s))

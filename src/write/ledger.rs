@@ -46,6 +46,7 @@ use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub use read::ExactValue;
+pub(crate) use read::{folded_numbers, unfolded_stages};
 pub(crate) use recorder::{LANE_GRACE, LANE_SPAN, time_of, unix_micros};
 
 use super::counter::{CollectionConfig, WriterConfig};
@@ -250,13 +251,19 @@ impl Ledger {
     /// a fresh number: [`Recording::Recorded`] when it (or an earlier
     /// attempt of it) landed, [`Recording::Duplicate`] when another
     /// recording of the key did. Safe any number of times, from any
-    /// process, within the retry horizon of its first attempt.
+    /// process, within the retry horizon of its first attempt. A resend
+    /// that is refused (its lane cannot be registered, its insert meets a
+    /// command error) is still [`Recording::Unknown`], never
+    /// [`Recording::NotRecorded`]: the earlier attempts may have landed, or
+    /// still may; send the ticket it returns again.
     ///
     /// `Err` means refused, nothing sent:
     /// [`Error::EventRetryHorizonExceeded`] once the first attempt is older
     /// than the retry horizon — the event may have been folded and its key
     /// forgotten, and sending it again could count it twice; it is recorded
-    /// at most once.
+    /// at most once. [`Error::InvalidArgument`] for a ticket of another
+    /// events collection ([`EventTicket::events_collection`]): recording it
+    /// here would count the event on two ledgers.
     ///
     /// ```no_run
     /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
@@ -275,6 +282,14 @@ impl Ledger {
     /// # Ok(()) }
     /// ```
     pub async fn record_again(&self, ticket: EventTicket) -> Result<Recording, Error> {
+        let events = self.events.namespace();
+        if ticket.events != events {
+            return Err(Error::InvalidArgument(format!(
+                "event {}: the ticket was issued for the events collection {}, not this \
+                 ledger's {}: nothing was sent; settle it with a ledger of {}",
+                ticket.event.key, ticket.events, events, ticket.events
+            )));
+        }
         let Some(&(_, first)) = ticket.attempts.first() else {
             return Err(Error::InvalidArgument(format!(
                 "event {}: the ticket names no attempt, so its age is unknown; nothing was sent",
@@ -361,13 +376,14 @@ impl Ledger {
             let outcome = receiver.await.unwrap_or_else(|_| {
                 // The sender was stopped (the runtime is shutting down)
                 // with this event possibly in flight.
-                Recording::Unknown(EventTicket {
+                Recording::Unknown(EventTicket::new(
                     event,
-                    attempts: earlier,
-                    cause: Some(Error::InvalidArgument(
+                    &self.events.namespace(),
+                    earlier,
+                    Error::InvalidArgument(
                         "the recorder stopped with the event possibly in flight".into(),
-                    )),
-                })
+                    ),
+                ))
             });
             outcomes[i] = Some(outcome);
         }

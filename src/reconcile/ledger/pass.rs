@@ -15,6 +15,7 @@ use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
 use crate::error::{Error, ErrorClass, RetryBudget};
 use crate::write::lane::{LaneId, LaneIncrement};
+use crate::write::ledger::folded_numbers;
 use crate::write::ledger::state::{self, FoldState, Held, Intent, STATE_ID, field};
 
 /// What applying a pass came to.
@@ -51,7 +52,7 @@ impl EventFold {
             }
             None => {
                 let surveyed = clock();
-                let ranges = self.survey(&state, surveyed).await?;
+                let ranges = self.survey(&state).await?;
                 if ranges.is_empty() && state.held.is_empty() {
                     run.lanes_sealed = self.seal(&state, surveyed).await?;
                     return Ok(run);
@@ -83,25 +84,19 @@ impl EventFold {
     }
 
     /// Step 1: each registered lane's events above its folded number, as
-    /// the ranges a pass folds (up to a visible number; `now` is the
-    /// server's clock).
-    async fn survey(
-        &self,
-        state: &FoldState,
-        now: SystemTime,
-    ) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
-        let mut ranges = BTreeMap::new();
-        for registered in &state.registered {
-            let lane = registered.lane;
-            let folded = state.folded.get(&lane).copied();
-            if let Some(highest) =
-                query::highest(&self.store, &self.events, lane, folded, now).await?
-            {
-                // Numbers are positive: 0 is below every one.
-                ranges.insert(lane, (folded.unwrap_or(0), highest));
-            }
-        }
-        Ok(ranges)
+    /// the ranges a pass folds (up to the highest visible number).
+    async fn survey(&self, state: &FoldState) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
+        let lanes = folded_numbers(state, state.registered.iter().map(|r| r.lane));
+        // One command whatever the number of lanes; numbers are positive:
+        // 0 is below every one.
+        let surveyed = query::survey_lanes(&self.store, &self.events, &lanes).await?;
+        Ok(lanes
+            .into_iter()
+            .filter_map(|(lane, folded)| {
+                let highest = surveyed.get(&lane)?.highest;
+                Some((lane, (folded.unwrap_or(0), highest)))
+            })
+            .collect())
     }
 
     /// Step 2: records the pass, conditioned on the state not having

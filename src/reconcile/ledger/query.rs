@@ -1,12 +1,12 @@
-//! The fold's reads of the events collection, each one index range of one
-//! lane on `{L: 1, s: 1}`: a lane's survey (its highest number above what
-//! was folded, with the backlog's count and oldest number) and a range's
-//! sums per counter.
+//! The fold's reads of the events collection, by index ranges of lanes on
+//! `{L: 1, s: 1}`: the survey of every lane at once (per lane, its highest
+//! number above what was folded, with the backlog's count and oldest
+//! number), and a range's sums per counter.
 //!
 //! Reads that decide what a pass folds use read concern `majority`: the
 //! fold must never fold an event a failover could still roll back.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use futures::TryStreamExt;
 use mongodb::Collection;
@@ -16,7 +16,7 @@ use mongodb::options::ReadConcern;
 use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, ErrorClass, Facts, Failure, FailureKind, RetryBudget};
 use crate::store::Store;
-use crate::write::ledger::field;
+use crate::write::ledger::{field, unfolded_stages};
 
 /// Runs `pipeline` on `collection` at read concern `majority` (retried
 /// once on a transient failure) and collects its rows.
@@ -103,46 +103,53 @@ pub(super) async fn survey_lane(
     }
 }
 
-/// How far back from `now` the survey first looks for a lane's newest
-/// events, before it reads the lane's whole backlog.
-const PROBES: [std::time::Duration; 3] = [
-    std::time::Duration::from_millis(100),
-    std::time::Duration::from_secs(1),
-    std::time::Duration::from_secs(10),
-];
-
-/// A number of an event visible on `lane` above `above`, as high as found
-/// cheaply; `None` when the lane has no event above it. Any visible number
-/// will do as a pass's range end — every event below it is visible too —
-/// so the events of the last moments (by their numbers: their recording
-/// time) are read first, and only when there are none the whole backlog.
-pub(super) async fn highest(
+/// Each of `lanes`' events above its folded number (all of a lane's for
+/// `None`): per lane that has some, how many and their lowest and highest
+/// numbers. One aggregate whatever the number of lanes (see
+/// [`unfolded_stages`]); a lane without such events is not in the map.
+pub(super) async fn survey_lanes(
     store: &Store,
     events: &Collection<Document>,
-    lane: ObjectId,
-    above: Option<i64>,
-    now: std::time::SystemTime,
-) -> Result<Option<i64>, Error> {
+    lanes: &[(ObjectId, Option<i64>)],
+) -> Result<BTreeMap<ObjectId, LaneSurvey>, Error> {
+    if lanes.is_empty() {
+        return Ok(BTreeMap::new());
+    }
     let number = format!("${}", field::NUMBER);
-    for window in PROBES {
-        let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
-        let from = above.map_or(recent, |a| a.max(recent));
-        let pipeline = vec![
-            doc! { "$match": range(lane, Some(from), None) },
-            doc! { "$group": { "_id": Bson::Null, "hi": { "$max": &number } } },
-        ];
-        let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
-        if let Some(highest) = rows
-            .first()
-            .and_then(|row| row.get("hi"))
-            .and_then(integer_value)
-        {
-            return Ok(Some(highest));
+    let mut pipeline = unfolded_stages(None, lanes);
+    pipeline.push(doc! { "$group": {
+        "_id": format!("${}", field::LANE),
+        "n": { "$sum": 1 },
+        "lo": { "$min": &number },
+        "hi": { "$max": &number },
+    } });
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+    let mut surveyed = BTreeMap::new();
+    for row in rows {
+        let get = |name| row.get(name).and_then(integer_value);
+        match (row.get_object_id("_id"), get("n"), get("lo"), get("hi")) {
+            (Ok(lane), Some(n), Some(lowest), Some(highest)) => {
+                let events = u64::try_from(n).unwrap_or(0);
+                surveyed.insert(
+                    lane,
+                    LaneSurvey {
+                        events,
+                        lowest,
+                        highest,
+                    },
+                );
+            }
+            (lane, ..) => {
+                return Err(Error::Malformed {
+                    collection: events.name().to_owned(),
+                    id: lane
+                        .map_or_else(|_| "a lane".to_owned(), |l| format!("lane {}", l.to_hex())),
+                    reason: "its events' numbers s are not all integers".into(),
+                });
+            }
         }
     }
-    Ok(survey_lane(store, events, lane, above)
-        .await?
-        .map(|survey| survey.highest))
+    Ok(surveyed)
 }
 
 /// One counter's share of a pass.

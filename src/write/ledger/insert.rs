@@ -21,12 +21,12 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use futures::TryStreamExt;
-use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::error::ErrorKind;
+use mongodb::{Collection, Namespace};
 
 use super::field;
-use super::outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
+use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
 use crate::document::{integer_value, same_key};
 use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
 use crate::store::Store;
@@ -59,21 +59,35 @@ impl Item {
         Recording::Recorded(self.event.clone())
     }
 
-    fn not_recorded(&self, cause: Error) -> Recording {
-        Recording::NotRecorded(NotRecorded {
-            event: self.event.clone(),
-            cause,
-        })
+    /// The outcome when this attempt may have landed (`maybe_applied`)
+    /// and its fate is still unknown, or when it wrote nothing: unknown, or
+    /// refused — which for a resent ticket is unknown still (its earlier
+    /// attempts may land).
+    fn undecided(&self, maybe_applied: bool, events: &Namespace, cause: Error) -> Recording {
+        if maybe_applied {
+            self.unknown(events, cause)
+        } else {
+            refused(self.event.clone(), self.earlier.clone(), events, cause)
+        }
     }
 
-    fn unknown(&self, cause: Error) -> Recording {
+    /// Unknown: this attempt may have landed.
+    fn unknown(&self, events: &Namespace, cause: Error) -> Recording {
         let mut attempts = self.earlier.clone();
         attempts.push((self.lane, self.number));
-        Recording::Unknown(EventTicket {
-            event: self.event.clone(),
+        Recording::Unknown(EventTicket::new(
+            self.event.clone(),
+            events,
             attempts,
-            cause: Some(cause),
-        })
+            cause,
+        ))
+    }
+
+    /// Whether `outcome` leaves this attempt's fate unknown: then nothing
+    /// newer may go out on its lane.
+    fn left_in_doubt(&self, outcome: &Recording) -> bool {
+        matches!(outcome, Recording::Unknown(ticket)
+            if ticket.attempts.last() == Some(&(self.lane, self.number)))
     }
 
     /// What the event already stored under this key says.
@@ -117,6 +131,8 @@ pub(super) async fn send(
     items: &[Item],
     send_by: Instant,
 ) -> Sent {
+    let namespace = events.namespace();
+    let ns = &namespace;
     let mut outcomes: Vec<Option<Recording>> = items.iter().map(|_| None).collect();
     let mut maybe_applied = vec![false; items.len()];
     let mut left: Vec<usize> = (0..items.len()).collect();
@@ -128,11 +144,7 @@ pub(super) async fn send(
                     .into(),
             );
             for i in left.drain(..) {
-                outcomes[i] = Some(if maybe_applied[i] {
-                    items[i].unknown(cause.clone())
-                } else {
-                    items[i].not_recorded(cause.clone())
-                });
+                outcomes[i] = Some(items[i].undecided(maybe_applied[i], ns, cause.clone()));
             }
             break;
         }
@@ -182,24 +194,18 @@ pub(super) async fn send(
                     Ok(()) => {}
                     Err(read) => {
                         // The key is there, but whose it is cannot be told.
-                        outcomes[stopped] = Some(items[stopped].unknown(read));
+                        outcomes[stopped] = Some(items[stopped].unknown(ns, read));
                     }
                 }
                 if outcomes[stopped].is_none() {
                     // Not under `_id`: another unique index of the events
                     // collection refused it.
-                    outcomes[stopped] = Some(if maybe_applied[stopped] {
-                        items[stopped].unknown(cause())
-                    } else {
-                        items[stopped].not_recorded(cause())
-                    });
+                    outcomes[stopped] =
+                        Some(items[stopped].undecided(maybe_applied[stopped], ns, cause()));
                 }
             } else {
-                outcomes[stopped] = Some(if maybe_applied[stopped] {
-                    items[stopped].unknown(cause())
-                } else {
-                    items[stopped].not_recorded(cause())
-                });
+                outcomes[stopped] =
+                    Some(items[stopped].undecided(maybe_applied[stopped], ns, cause()));
             }
             left.extend(rest.into_iter().filter(|&i| outcomes[i].is_none()));
             if unconfirmed {
@@ -208,11 +214,8 @@ pub(super) async fn send(
                     Next::GiveUp(failure) => {
                         let failure = Error::Server(failure);
                         for i in left.drain(..) {
-                            outcomes[i] = Some(if maybe_applied[i] {
-                                items[i].unknown(failure.clone())
-                            } else {
-                                items[i].not_recorded(failure.clone())
-                            });
+                            outcomes[i] =
+                                Some(items[i].undecided(maybe_applied[i], ns, failure.clone()));
                         }
                         break;
                     }
@@ -232,12 +235,8 @@ pub(super) async fn send(
             Next::GiveUp(failure) => {
                 let failure = Error::Server(failure);
                 for i in left.drain(..) {
-                    let outcome = if maybe_applied[i] || effect != Effect::NotApplied {
-                        items[i].unknown(failure.clone())
-                    } else {
-                        items[i].not_recorded(failure.clone())
-                    };
-                    outcomes[i] = Some(outcome);
+                    let maybe = maybe_applied[i] || effect != Effect::NotApplied;
+                    outcomes[i] = Some(items[i].undecided(maybe, ns, failure.clone()));
                 }
             }
         }
@@ -246,7 +245,10 @@ pub(super) async fn send(
         .into_iter()
         .map(|o| o.expect("every event of a batch gets an outcome"))
         .collect();
-    let retire = outcomes.iter().any(|o| matches!(o, Recording::Unknown(_)));
+    let retire = items
+        .iter()
+        .zip(&outcomes)
+        .any(|(item, outcome)| item.left_in_doubt(outcome));
     Sent { outcomes, retire }
 }
 
@@ -353,10 +355,46 @@ mod tests {
             earlier: vec![(first, 3)],
             ..item("a", 1, now, 9)
         };
-        let Recording::Unknown(ticket) = resumed.unknown(Error::InvalidArgument("x".into())) else {
+        let events = namespace();
+        let unknown = resumed.unknown(&events, Error::InvalidArgument("x".into()));
+        assert!(resumed.left_in_doubt(&unknown));
+        let Recording::Unknown(ticket) = unknown else {
             panic!("unknown");
         };
         assert_eq!((ticket.lane(), ticket.number()), (first, 3));
         assert_eq!(ticket.attempts, vec![(first, 3), (now, 9)]);
+        assert_eq!(ticket.events_collection(), &events);
+    }
+
+    fn namespace() -> Namespace {
+        Namespace {
+            db: "app".into(),
+            coll: "views_events".into(),
+        }
+    }
+
+    #[test]
+    fn a_refused_resend_stays_unknown_and_a_refused_first_attempt_is_not_recorded() {
+        let (first, now) = (ObjectId::new(), ObjectId::new());
+        let cause = || Error::InvalidArgument("refused".into());
+        let events = namespace();
+        let fresh = item("a", 1, now, 9);
+        assert!(matches!(
+            fresh.undecided(false, &events, cause()),
+            Recording::NotRecorded(_)
+        ));
+        let resumed = Item {
+            earlier: vec![(first, 3)],
+            ..item("a", 1, now, 9)
+        };
+        let outcome = resumed.undecided(false, &events, cause());
+        assert!(
+            !resumed.left_in_doubt(&outcome),
+            "nothing of this attempt can land: its lane goes on"
+        );
+        let Recording::Unknown(ticket) = outcome else {
+            panic!("a resend says no more than unknown: {outcome:?}");
+        };
+        assert_eq!(ticket.attempts, vec![(first, 3)]);
     }
 }

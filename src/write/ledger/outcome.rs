@@ -2,6 +2,7 @@
 //! ([`Recording`]), the conflict a reused event key is ([`Conflict`]), and
 //! the ticket that settles the uncertain outcome ([`EventTicket`]).
 
+use mongodb::Namespace;
 use mongodb::bson::{Bson, oid::ObjectId};
 
 use crate::document::display_id;
@@ -105,7 +106,11 @@ pub enum Recording {
     ///
     /// [`Ledger::record_again`]: crate::Ledger::record_again
     Unknown(EventTicket),
-    /// Definitely not recorded: nothing was written.
+    /// Definitely not recorded: nothing was written. Never the outcome of
+    /// [`Ledger::record_again`]: a refused resend is still `Unknown`, as
+    /// the attempts before it may have landed.
+    ///
+    /// [`Ledger::record_again`]: crate::Ledger::record_again
     NotRecorded(NotRecorded),
 }
 
@@ -232,10 +237,12 @@ impl Conflict {
     }
 }
 
-/// An event whose insert may or may not have landed: the event, and every
-/// lane and number it was sent with — so that finding the event already
-/// there with one of them says "an attempt of ours landed" (recorded), not
-/// "someone else recorded it" (duplicate).
+/// An event whose insert may or may not have landed: the event, the
+/// events collection it was sent to, and every lane and number it was sent
+/// with — so that finding the event already there with one of them says
+/// "an attempt of ours landed" (recorded), not "someone else recorded it"
+/// (duplicate). Only a ledger of that events collection settles it: in
+/// another one the event would be recorded, and counted, a second time.
 ///
 /// ```no_run
 /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
@@ -250,6 +257,8 @@ impl Conflict {
 #[derive(Debug, Clone)]
 pub struct EventTicket {
     pub(super) event: Event,
+    /// The database and events collection its attempts went to.
+    pub(super) events: Namespace,
     /// The lanes and numbers it was sent with, first attempt first.
     pub(super) attempts: Vec<(ObjectId, i64)>,
     pub(super) cause: Option<Error>,
@@ -267,6 +276,25 @@ impl EventTicket {
     /// ```
     pub fn event(&self) -> &Event {
         &self.event
+    }
+
+    /// The database and events collection the event was sent to: the
+    /// ledger whose [`Ledger::record_again`] settles the ticket (a queue
+    /// of tickets shared by several ledgers routes each by it).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// if let tally::Recording::Unknown(ticket) = orders.record("order-1042", "2026-05", 3).await {
+    ///     // Queue it for the ledger of this collection, e.g. "app.orders_events".
+    ///     let route = ticket.events_collection().to_string();
+    ///     eprintln!("order-1042 unknown: settle it with the ledger of {route}");
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// [`Ledger::record_again`]: crate::Ledger::record_again
+    pub fn events_collection(&self) -> &Namespace {
+        &self.events
     }
 
     /// The recorder's lane it was first sent on (`L` in the event
@@ -311,6 +339,41 @@ impl EventTicket {
     /// ```
     pub fn cause(&self) -> Option<&Error> {
         self.cause.as_ref()
+    }
+}
+
+impl EventTicket {
+    /// The ticket of `event`, sent to `events` with `attempts`.
+    pub(super) fn new(
+        event: Event,
+        events: &Namespace,
+        attempts: Vec<(ObjectId, i64)>,
+        cause: Error,
+    ) -> Self {
+        Self {
+            event,
+            events: events.clone(),
+            attempts,
+            cause: Some(cause),
+        }
+    }
+}
+
+/// What the caller learns of an attempt that wrote nothing (refused, or
+/// never sent): `NotRecorded` for an event's first attempt. A resent
+/// ticket's `earlier` attempts may have landed, or still may (held up in
+/// the network): a resend never says more than unknown about them, so it
+/// stays `Unknown`, its ticket as it was, to be sent again.
+pub(super) fn refused(
+    event: Event,
+    earlier: Vec<(ObjectId, i64)>,
+    events: &Namespace,
+    cause: Error,
+) -> Recording {
+    if earlier.is_empty() {
+        Recording::NotRecorded(NotRecorded { event, cause })
+    } else {
+        Recording::Unknown(EventTicket::new(event, events, earlier, cause))
     }
 }
 

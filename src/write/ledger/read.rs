@@ -13,8 +13,10 @@
 //! its lane's `M_L` — except those of the intent's ranges when the counter
 //! has the intent's pass — plus every held sum the counter does not have.
 //! Only lanes that may hold such events are read (the registered lanes and
-//! the intent's), each with one index range on `{k, L, s}`: never the
-//! counter's history.
+//! the intent's), all in one command ([`unfolded_stages`]): one index range
+//! on `{k, L, s}` per lane on the server, never the counter's history, and
+//! never a round trip per lane — a deployment of many short-lived recorder
+//! processes (one lane each) reads as fast as one of a few.
 //!
 //! The state, the counter and the events are not read atomically, so the
 //! state is read before and after (an optimistic double read): when both
@@ -26,6 +28,7 @@
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::options::AggregateOptions;
 
 use super::state::{self, FoldState};
 use super::{Ledger, field, fold_lane};
@@ -35,6 +38,55 @@ use crate::error::{Error, Failure, RetryBudget};
 /// How many double reads [`Ledger::value`] tries before it reports
 /// [`Error::ReadContended`].
 const READ_ROUNDS: u32 = 20;
+
+/// Unfolded events per batch of an exact read: the first reply carries
+/// them all, unless the backlog is long.
+const UNFOLDED_BATCH: u32 = 10_000;
+
+/// `lanes` with their folded numbers in `state` (`None`: nothing folded on
+/// the lane yet), as [`unfolded_stages`] takes them.
+pub(crate) fn folded_numbers(
+    state: &FoldState,
+    lanes: impl IntoIterator<Item = ObjectId>,
+) -> Vec<(ObjectId, Option<i64>)> {
+    lanes
+        .into_iter()
+        .map(|lane| (lane, state.folded.get(&lane).copied()))
+        .collect()
+}
+
+/// The aggregation stages that keep the events above their lane's folded
+/// number on each of `lanes` (every event of a lane whose number is
+/// `None`), of the counter `counter` when given: a `$match` on the lanes
+/// (and the counter), then one on an `$or` of each lane's range. One
+/// command, whatever the number of lanes: MongoDB merges the two stages and
+/// reads each branch as one index range (`{L, s}`, or `{k, L, s}` with a
+/// counter), so only the events asked for are read; a server that does
+/// not merge them reads the lanes' events (of the counter) through the
+/// first stage's index and filters them. `lanes` must not be empty (an
+/// empty `$or` is refused).
+pub(crate) fn unfolded_stages(
+    counter: Option<&Bson>,
+    lanes: &[(ObjectId, Option<i64>)],
+) -> Vec<Document> {
+    let ids: Vec<ObjectId> = lanes.iter().map(|&(lane, _)| lane).collect();
+    let mut first = Document::new();
+    if let Some(counter) = counter {
+        first.insert(field::COUNTER, counter.clone());
+    }
+    first.insert(field::LANE, doc! { "$in": ids });
+    let branches: Vec<Document> = lanes
+        .iter()
+        .map(|&(lane, folded)| match folded {
+            Some(folded) => doc! { field::LANE: lane, field::NUMBER: { "$gt": folded } },
+            None => doc! { field::LANE: lane },
+        })
+        .collect();
+    vec![
+        doc! { "$match": first },
+        doc! { "$match": { "$or": branches } },
+    ]
+}
 
 /// A counter read exactly: what its document holds and what its recorded
 /// events not folded into it yet add.
@@ -207,39 +259,42 @@ impl Ledger {
     }
 
     /// The counter's events above their lane's folded number, on every lane
-    /// that may hold some (one index range each, read at once), with their
-    /// lanes.
+    /// that may hold some, with their lanes: one aggregate, whatever the
+    /// number of lanes.
     async fn unfolded_events(
         &self,
         key: &Bson,
         state: &FoldState,
     ) -> Result<Vec<(ObjectId, Document)>, Error> {
-        let reads = state.live_lanes().into_iter().map(|lane| {
-            let mut filter = doc! { field::COUNTER: key, field::LANE: lane };
-            if let Some(&folded) = state.folded.get(&lane) {
-                filter.insert(field::NUMBER, doc! { "$gt": folded });
-            }
-            async move {
-                let projection = doc! { field::AMOUNT: 1, field::NUMBER: 1 };
-                let mut budget = RetryBudget::read_once("ledger.read_unfolded");
-                let cursor = self
-                    .store
-                    .with_retry(&mut budget, || {
-                        self.events
-                            .find(filter.clone())
-                            .projection(projection.clone())
-                    })
-                    .await
-                    .map_err(Error::Server)?;
-                let found: Vec<Document> = cursor
-                    .try_collect()
-                    .await
-                    .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))?;
-                Ok::<_, Error>(found.into_iter().map(move |d| (lane, d)))
-            }
-        });
-        let lanes = futures::future::try_join_all(reads).await?;
-        Ok(lanes.into_iter().flatten().collect())
+        let lanes = folded_numbers(state, state.live_lanes());
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipeline = unfolded_stages(Some(key), &lanes);
+        pipeline.push(doc! { "$project": { field::AMOUNT: 1, field::NUMBER: 1, field::LANE: 1 } });
+        let mut budget = RetryBudget::read_once("ledger.read_unfolded");
+        let cursor = self
+            .store
+            .with_retry(&mut budget, || {
+                self.events.aggregate(pipeline.clone()).with_options(
+                    AggregateOptions::builder()
+                        .batch_size(UNFOLDED_BATCH)
+                        .build(),
+                )
+            })
+            .await
+            .map_err(Error::Server)?;
+        let found: Vec<Document> = cursor
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))?;
+        found
+            .into_iter()
+            .map(|event| match event.get_object_id(field::LANE) {
+                Ok(lane) => Ok((lane, event)),
+                Err(_) => Err(self.malformed_event(&event, "its lane L is not an ObjectId")),
+            })
+            .collect()
     }
 
     fn malformed_event(&self, event: &Document, reason: &str) -> Error {

@@ -33,7 +33,7 @@ use tokio::sync::oneshot;
 
 use super::event_document;
 use super::insert::{self, Item};
-use super::outcome::{Event, NotRecorded, Recording};
+use super::outcome::{Event, Recording, refused};
 use crate::error::Error;
 use crate::store::Store;
 
@@ -158,12 +158,11 @@ impl Recorder {
                 None => match self.mint().await {
                     Ok(lane) => lane,
                     Err(cause) => {
+                        let events = self.events.namespace();
                         for waiting in batch {
-                            let refused = Recording::NotRecorded(NotRecorded {
-                                event: waiting.event,
-                                cause: cause.clone(),
-                            });
-                            let _ = waiting.reply.send(refused);
+                            let outcome =
+                                refused(waiting.event, waiting.earlier, &events, cause.clone());
+                            let _ = waiting.reply.send(outcome);
                         }
                         continue;
                     }

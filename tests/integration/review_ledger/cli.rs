@@ -54,6 +54,20 @@ async fn record_from_standard_input_records_each_line_without_waiting_for_a_thou
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Their outcomes are printed as they settle, the input still open.
+    let printed = {
+        use tokio::io::AsyncBufReadExt;
+        let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut printed = Vec::new();
+        while printed.len() < 2 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match tokio::time::timeout(left, stdout.next_line()).await {
+                Ok(Ok(Some(line))) => printed.push(line),
+                _ => break,
+            }
+        }
+        printed
+    };
     drop(stdin);
     let output = child.wait_with_output().await.unwrap();
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
@@ -61,6 +75,10 @@ async fn record_from_standard_input_records_each_line_without_waiting_for_a_thou
         recorded, 2,
         "15 s after two lines were read, {recorded} of them were recorded (they wait for 998 \
          more lines or the end of the input)"
+    );
+    assert!(
+        printed.len() == 2 && printed.iter().all(|l| l.contains("\"recorded\"")),
+        "the outcomes are printed before the input ends: {printed:?}"
     );
 }
 
