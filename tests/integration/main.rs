@@ -30,6 +30,7 @@ mod proxy;
 mod pruning;
 mod reconcile;
 mod review_lanes;
+mod review_ledger;
 mod sequence;
 mod settle;
 mod shown_commands;
