@@ -39,6 +39,9 @@ impl EventFold {
             return Ok(run);
         }
         let state = state::read(&self.store, &self.state).await?;
+        if !state.exists {
+            self.check_lanes_registered(&state).await?;
+        }
         let intent = match &state.intent {
             Some(intent) if intent.owner == self.owner => {
                 run.recovered = true;
@@ -55,6 +58,9 @@ impl EventFold {
                 if ranges.is_empty() && state.held.is_empty() {
                     run.lanes_sealed = self.seal(&state, surveyed).await?;
                     return Ok(run);
+                }
+                if !state.exists {
+                    self.check_no_counter_folded().await?;
                 }
                 self.intend(&state, ranges, surveyed, clock()).await?
             }
@@ -91,7 +97,7 @@ impl EventFold {
         now: SystemTime,
     ) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
         let mut ranges = BTreeMap::new();
-        for registered in &state.registered {
+        for registered in state.registered.iter().filter(|r| r.sealed.is_none()) {
             let lane = registered.lane;
             let folded = state.folded.get(&lane).copied();
             if let Some(highest) =
@@ -424,23 +430,28 @@ impl EventFold {
         }
     }
 
-    /// Drops the registrations of the lanes that could receive no insert
-    /// after `surveyed` — a pass that began then, and committed, folded
-    /// them whole. Returns how many.
+    /// Seals the lanes that could receive no insert after `surveyed` — a
+    /// pass that began then, and committed, folded them whole — dated
+    /// `surveyed` (the fold's clock): passes stop surveying them, and the
+    /// sweep deletes their events a dedupe window after that date. Returns
+    /// how many.
     async fn seal(&self, state: &FoldState, surveyed: SystemTime) -> Result<u64, Error> {
         let sealed: Vec<ObjectId> = state
             .registered
             .iter()
-            .filter(|r| self.sealed_after(r.at) <= surveyed)
+            .filter(|r| r.sealed.is_none() && self.sealed_after(r.at) <= surveyed)
             .map(|r| r.lane)
             .collect();
         if sealed.is_empty() {
             return Ok(0);
         }
-        let filter = doc! { "_id": { "$in": sealed.clone() } };
+        let filter = doc! { "_id": { "$in": sealed.clone() }, field::SEALED: { "$exists": false } };
+        let update = doc! { "$set": { field::SEALED: DateTime::from_system_time(surveyed) } };
         let mut budget = RetryBudget::retry_once("ledger.fold.seal");
         self.store
-            .with_retry(&mut budget, || self.state.delete_many(filter.clone()))
+            .with_retry(&mut budget, || {
+                self.state.update_many(filter.clone(), update.clone())
+            })
             .await
             .map_err(Error::Server)?;
         tracing::debug!(events = %self.events_name, lanes = sealed.len(), "recorder lanes sealed");
