@@ -539,6 +539,23 @@ pub enum Error {
         missing: Vec<String>,
     },
 
+    /// A ledger's fold state (`<events>_fold`) is missing while its
+    /// counters or its events show it existed: it was dropped or lost.
+    /// Folding again from nothing would count events twice or drop them,
+    /// so the fold and exact reads of the ledger refuse until it is
+    /// restored (from a backup).
+    #[error(
+        "the fold state {collection} is missing, yet {evidence}: it was dropped or lost; the \
+         fold and exact reads of this ledger refuse rather than count events twice or drop \
+         them: restore {collection} from a backup"
+    )]
+    FoldStateLost {
+        /// The fold state's collection.
+        collection: String,
+        /// What shows that it existed.
+        evidence: String,
+    },
+
     /// The optimistic insert loop lost every race it was allowed to run.
     #[error("gave up after {attempts} attempts: every candidate _id was taken by another writer")]
     InsertAttemptsExhausted {

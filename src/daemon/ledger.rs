@@ -303,7 +303,10 @@ impl LedgerFolder {
         let refusing = matches!(
             refused,
             Some(
-                Error::IndexesMissing { .. } | Error::InvalidArgument(_) | Error::Malformed { .. }
+                Error::IndexesMissing { .. }
+                    | Error::InvalidArgument(_)
+                    | Error::Malformed { .. }
+                    | Error::FoldStateLost { .. }
             )
         );
         let observation = (stuck || refusing).then(|| Observation {

@@ -20,8 +20,8 @@
 //!
 //! 1. **Survey.** For each registered lane (recorders register a lane
 //!    before its first insert), the highest number visible above `M_L`:
-//!    the range's end `M'_L` — every lane in one aggregate (see
-//!    `query::survey_lanes`), whatever the number of lanes.
+//!    the range's end `M'_L` — one index range per live lane, the lanes at
+//!    once (the last moments' events first: `query::highest`).
 //! 2. **Intent.** One conditioned write records the pass `P = pass + 1`,
 //!    the ranges `(M_L, M'_L]`, its owner and a deadline (renewed while it
 //!    works), conditioned on the state's version: two folds never record
@@ -48,14 +48,18 @@
 //! **Sealing and deletion.** A recorder uses a lane for at most an hour
 //! (`LANE_SPAN`, plus a grace for the insert in flight); the fold keeps
 //! surveying a registered lane until no insert on it can land any more,
-//! then seals it (drops its registration) after a pass that surveyed it.
-//! Events are deleted only once folded and older than `event_retention`:
-//! per sealed lane, when its highest folded number is older than the
-//! window (by the server's clock), one `deleteMany` of its folded range —
-//! late and in bulk; the lane then leaves the state. There is no TTL index.
-//! The window has a floor, the writers' retry horizon plus one attempt plus
-//! a margin for the clocks ([`retention_floor`]): a resend of an event
-//! never finds its key forgotten.
+//! then seals it (dates its registration, by the fold's clock) after a pass
+//! that surveyed it. The sweep (`sweep`) finds inserts that land on a
+//! sealed lane all the same, and deletes a sealed lane's events once
+//! folded and `event_retention` past its seal — late and in bulk; the lane
+//! then leaves the state. There is no TTL index. The window has a floor,
+//! the writers' retry horizon plus one attempt plus a margin
+//! ([`retention_floor`]): a resend of an event never finds its key
+//! forgotten.
+//!
+//! **A lost state** (`<events>_fold` dropped) is refused, never folded
+//! over: see `EventFold::check_lanes_registered` and
+//! `EventFold::check_no_counter_folded`.
 
 mod held;
 mod pass;
@@ -66,25 +70,29 @@ mod sweep;
 use std::time::{Duration, Instant, SystemTime};
 
 use mongodb::Collection;
-use mongodb::bson::{Bson, Document, oid::ObjectId};
+use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
+use crate::document::display_id;
 use crate::error::Error;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::LaneName;
 use crate::write::ledger::{
-    DEFAULT_EVENT_RETENTION, LANE_SPAN, fold_lane, folded_numbers, index, state,
+    DEFAULT_EVENT_RETENTION, LANE_SPAN, field, fold_lane, folded_numbers, index, state,
 };
 pub(crate) use reconciler::Folds;
 
 /// How many counters a pass applies at once.
 const APPLY_CONCURRENCY: usize = 16;
 
+/// How many times a fold with no state document reads the registrations
+/// again while recorders register new lanes under it.
+const CHECK_ROUNDS: usize = 5;
+
 /// The part of the dedupe window's floor beyond the retry horizon and one
-/// attempt: room for recorders' clocks behind the server's (an event's age
-/// is read from its number, the recorder's clock).
+/// attempt: room for the fold's lag and the clocks.
 pub const RETENTION_MARGIN: Duration = Duration::from_secs(3600);
 
 /// The shortest dedupe window that is safe with writers retrying for
@@ -391,6 +399,79 @@ impl EventFold {
             + crate::write::ledger::LANE_GRACE
             + self.store.attempt_timeout() * 2
             + Duration::from_secs(60)
+    }
+
+    /// Refuses a ledger whose state document is missing although it had
+    /// one ([`Error::FoldStateLost`]): an event on a lane no registration
+    /// names — every lane is registered before its first insert and stays
+    /// so until the sweep deletes its events, so the registrations went
+    /// with the state. Run on every pass while the document is missing (a
+    /// ledger before its first pass, or one that lost it); one read of the
+    /// lane index outside the registered lanes.
+    pub(super) async fn check_lanes_registered(
+        &self,
+        state: &state::FoldState,
+    ) -> Result<(), Error> {
+        let mut registered: Vec<ObjectId> = state.registered.iter().map(|r| r.lane).collect();
+        // A recorder registering a lane and inserting on it after the
+        // registrations were read: read them again, a few times.
+        for _ in 0..CHECK_ROUNDS {
+            let filter = doc! { field::LANE: { "$type": "objectId", "$nin": registered.clone() } };
+            let projection = doc! { "_id": 1, field::LANE: 1 };
+            let Some(event) = self
+                .store
+                .find_one(&self.events, filter, projection, "ledger.fold.check_state")
+                .await?
+            else {
+                return Ok(());
+            };
+            let now = state::read(&self.store, &self.state).await?;
+            let lane = event.get_object_id(field::LANE).unwrap_or_default();
+            if now.exists {
+                // Another fold made it: past these checks.
+                return Ok(());
+            }
+            if now.registered.iter().any(|r| r.lane == lane) {
+                registered = now.registered.iter().map(|r| r.lane).collect();
+                continue;
+            }
+            let id = event.get("_id").map_or_else(String::new, display_id);
+            return Err(state::lost(
+                &self.state,
+                format!(
+                    "event {id} of {} is on lane {}, which no registration names",
+                    self.events_name,
+                    lane.to_hex()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses to make a ledger's first state document when a counter
+    /// holds a fold pass ([`Error::FoldStateLost`]): the state was lost,
+    /// and passes numbered from 1 again would be taken for counted by a
+    /// counter past them, dropping their sums. Run before the intent that
+    /// would make the document: once per ledger (a scan of its counters),
+    /// and on every pass with events to fold of a ledger that lost it.
+    pub(super) async fn check_no_counter_folded(&self) -> Result<(), Error> {
+        let spec = self.counters.spec();
+        let position = format!("{}.{}", spec.lanes_field, self.fold_lane.clone()?.as_str());
+        let counters: Collection<Document> = self.store.collection(&spec.name);
+        let filter = doc! { &position: { "$exists": true } };
+        let projection = doc! { "_id": 1 };
+        let folded = self
+            .store
+            .find_one(&counters, filter, projection, "ledger.fold.check_state")
+            .await?;
+        match folded {
+            None => Ok(()),
+            Some(counter) => {
+                let id = counter.get("_id").map_or_else(String::new, display_id);
+                let evidence = format!("counter {id} of {} holds a fold pass", spec.name);
+                Err(state::lost(&self.state, evidence))
+            }
+        }
     }
 
     /// One fold pass (see the module docs) — after resuming an unfinished

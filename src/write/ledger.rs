@@ -46,7 +46,7 @@ use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub use read::ExactValue;
-pub(crate) use read::{folded_numbers, unfolded_stages};
+pub(crate) use read::folded_numbers;
 pub(crate) use recorder::{LANE_GRACE, LANE_SPAN, time_of, unix_micros};
 
 use super::counter::{CollectionConfig, WriterConfig};

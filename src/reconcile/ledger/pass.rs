@@ -15,7 +15,6 @@ use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
 use crate::error::{Error, ErrorClass, RetryBudget};
 use crate::write::lane::{LaneId, LaneIncrement};
-use crate::write::ledger::folded_numbers;
 use crate::write::ledger::state::{self, FoldState, Held, Intent, STATE_ID, field};
 
 /// What applying a pass came to.
@@ -40,6 +39,9 @@ impl EventFold {
             return Ok(run);
         }
         let state = state::read(&self.store, &self.state).await?;
+        if !state.exists {
+            self.check_lanes_registered(&state).await?;
+        }
         let intent = match &state.intent {
             Some(intent) if intent.owner == self.owner => {
                 run.recovered = true;
@@ -52,10 +54,13 @@ impl EventFold {
             }
             None => {
                 let surveyed = clock();
-                let ranges = self.survey(&state).await?;
+                let ranges = self.survey(&state, surveyed).await?;
                 if ranges.is_empty() && state.held.is_empty() {
                     run.lanes_sealed = self.seal(&state, surveyed).await?;
                     return Ok(run);
+                }
+                if !state.exists {
+                    self.check_no_counter_folded().await?;
                 }
                 self.intend(&state, ranges, surveyed, clock()).await?
             }
@@ -84,18 +89,32 @@ impl EventFold {
     }
 
     /// Step 1: each registered lane's events above its folded number, as
-    /// the ranges a pass folds (up to the highest visible number).
-    async fn survey(&self, state: &FoldState) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
-        let lanes = folded_numbers(state, state.registered.iter().map(|r| r.lane));
-        // One command whatever the number of lanes; numbers are positive:
-        // 0 is below every one.
-        let surveyed = query::survey_lanes(&self.store, &self.events, &lanes).await?;
-        Ok(lanes
+    /// the ranges a pass folds (up to a visible number; `now` is the
+    /// server's clock).
+    async fn survey(
+        &self,
+        state: &FoldState,
+        now: SystemTime,
+    ) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
+        // One probe per live lane, sent at once (see `query::survey_lanes`
+        // for why not one aggregate over every lane).
+        let probes =
+            state
+                .registered
+                .iter()
+                .filter(|r| r.sealed.is_none())
+                .map(|registered| async move {
+                    let lane = registered.lane;
+                    let folded = state.folded.get(&lane).copied();
+                    let highest =
+                        query::highest(&self.store, &self.events, lane, folded, now).await?;
+                    // Numbers are positive: 0 is below every one.
+                    Ok::<_, Error>(highest.map(|highest| (lane, (folded.unwrap_or(0), highest))))
+                });
+        Ok(futures::future::try_join_all(probes)
+            .await?
             .into_iter()
-            .filter_map(|(lane, folded)| {
-                let highest = surveyed.get(&lane)?.highest;
-                Some((lane, (folded.unwrap_or(0), highest)))
-            })
+            .flatten()
             .collect())
     }
 
@@ -412,23 +431,28 @@ impl EventFold {
         }
     }
 
-    /// Drops the registrations of the lanes that could receive no insert
-    /// after `surveyed` — a pass that began then, and committed, folded
-    /// them whole. Returns how many.
+    /// Seals the lanes that could receive no insert after `surveyed` — a
+    /// pass that began then, and committed, folded them whole — dated
+    /// `surveyed` (the fold's clock): passes stop surveying them, and the
+    /// sweep deletes their events a dedupe window after that date. Returns
+    /// how many.
     async fn seal(&self, state: &FoldState, surveyed: SystemTime) -> Result<u64, Error> {
         let sealed: Vec<ObjectId> = state
             .registered
             .iter()
-            .filter(|r| self.sealed_after(r.at) <= surveyed)
+            .filter(|r| r.sealed.is_none() && self.sealed_after(r.at) <= surveyed)
             .map(|r| r.lane)
             .collect();
         if sealed.is_empty() {
             return Ok(0);
         }
-        let filter = doc! { "_id": { "$in": sealed.clone() } };
+        let filter = doc! { "_id": { "$in": sealed.clone() }, field::SEALED: { "$exists": false } };
+        let update = doc! { "$set": { field::SEALED: DateTime::from_system_time(surveyed) } };
         let mut budget = RetryBudget::retry_once("ledger.fold.seal");
         self.store
-            .with_retry(&mut budget, || self.state.delete_many(filter.clone()))
+            .with_retry(&mut budget, || {
+                self.state.update_many(filter.clone(), update.clone())
+            })
             .await
             .map_err(Error::Server)?;
         tracing::debug!(events = %self.events_name, lanes = sealed.len(), "recorder lanes sealed");

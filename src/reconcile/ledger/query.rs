@@ -16,7 +16,7 @@ use mongodb::options::ReadConcern;
 use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, ErrorClass, Facts, Failure, FailureKind, RetryBudget};
 use crate::store::Store;
-use crate::write::ledger::{field, unfolded_stages};
+use crate::write::ledger::field;
 
 /// Runs `pipeline` on `collection` at read concern `majority` (retried
 /// once on a transient failure) and collects its rows.
@@ -105,51 +105,70 @@ pub(super) async fn survey_lane(
 
 /// Each of `lanes`' events above its folded number (all of a lane's for
 /// `None`): per lane that has some, how many and their lowest and highest
-/// numbers. One aggregate whatever the number of lanes (see
-/// [`unfolded_stages`]); a lane without such events is not in the map.
+/// numbers; a lane without such events is not in the map. One index range
+/// per lane, sent at once: a single aggregate over every lane (an `$in`
+/// and an `$or`) is one command, but a server that does not bound its index
+/// scan by each branch — the test server — then reads every event the lanes
+/// keep, folded ones included, which grows with the dedupe window.
 pub(super) async fn survey_lanes(
     store: &Store,
     events: &Collection<Document>,
     lanes: &[(ObjectId, Option<i64>)],
 ) -> Result<BTreeMap<ObjectId, LaneSurvey>, Error> {
-    if lanes.is_empty() {
-        return Ok(BTreeMap::new());
-    }
+    let surveys = lanes.iter().map(|&(lane, above)| async move {
+        Ok::<_, Error>(
+            survey_lane(store, events, lane, above)
+                .await?
+                .map(|survey| (lane, survey)),
+        )
+    });
+    Ok(futures::future::try_join_all(surveys)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect())
+}
+
+/// How far back from `now` the survey first looks for a lane's newest
+/// events, before it reads the lane's whole backlog.
+const PROBES: [std::time::Duration; 3] = [
+    std::time::Duration::from_millis(100),
+    std::time::Duration::from_secs(1),
+    std::time::Duration::from_secs(10),
+];
+
+/// A number of an event visible on `lane` above `above`, as high as found
+/// cheaply; `None` when the lane has no event above it. Any visible number
+/// will do as a pass's range end — every event below it is visible too —
+/// so the events of the last moments (by their numbers: their recording
+/// time) are read first, and only when there are none the whole backlog.
+pub(super) async fn highest(
+    store: &Store,
+    events: &Collection<Document>,
+    lane: ObjectId,
+    above: Option<i64>,
+    now: std::time::SystemTime,
+) -> Result<Option<i64>, Error> {
     let number = format!("${}", field::NUMBER);
-    let mut pipeline = unfolded_stages(None, lanes);
-    pipeline.push(doc! { "$group": {
-        "_id": format!("${}", field::LANE),
-        "n": { "$sum": 1 },
-        "lo": { "$min": &number },
-        "hi": { "$max": &number },
-    } });
-    let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
-    let mut surveyed = BTreeMap::new();
-    for row in rows {
-        let get = |name| row.get(name).and_then(integer_value);
-        match (row.get_object_id("_id"), get("n"), get("lo"), get("hi")) {
-            (Ok(lane), Some(n), Some(lowest), Some(highest)) => {
-                let events = u64::try_from(n).unwrap_or(0);
-                surveyed.insert(
-                    lane,
-                    LaneSurvey {
-                        events,
-                        lowest,
-                        highest,
-                    },
-                );
-            }
-            (lane, ..) => {
-                return Err(Error::Malformed {
-                    collection: events.name().to_owned(),
-                    id: lane
-                        .map_or_else(|_| "a lane".to_owned(), |l| format!("lane {}", l.to_hex())),
-                    reason: "its events' numbers s are not all integers".into(),
-                });
-            }
+    for window in PROBES {
+        let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
+        let from = above.map_or(recent, |a| a.max(recent));
+        let pipeline = vec![
+            doc! { "$match": range(lane, Some(from), None) },
+            doc! { "$group": { "_id": Bson::Null, "hi": { "$max": &number } } },
+        ];
+        let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+        if let Some(highest) = rows
+            .first()
+            .and_then(|row| row.get("hi"))
+            .and_then(integer_value)
+        {
+            return Ok(Some(highest));
         }
     }
-    Ok(surveyed)
+    Ok(survey_lane(store, events, lane, above)
+        .await?
+        .map(|survey| survey.highest))
 }
 
 /// One counter's share of a pass.

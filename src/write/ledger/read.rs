@@ -65,10 +65,7 @@ pub(crate) fn folded_numbers(
 /// not merge them reads the lanes' events (of the counter) through the
 /// first stage's index and filters them. `lanes` must not be empty (an
 /// empty `$or` is refused).
-pub(crate) fn unfolded_stages(
-    counter: Option<&Bson>,
-    lanes: &[(ObjectId, Option<i64>)],
-) -> Vec<Document> {
+fn unfolded_stages(counter: Option<&Bson>, lanes: &[(ObjectId, Option<i64>)]) -> Vec<Document> {
     let ids: Vec<ObjectId> = lanes.iter().map(|&(lane, _)| lane).collect();
     let mut first = Document::new();
     if let Some(counter) = counter {
@@ -150,6 +147,7 @@ impl Ledger {
             if before.seen() != after.seen() {
                 continue;
             }
+            self.check_state_kept(&key, &counter, &events, &after)?;
             let held = counter.fold_position.unwrap_or(i64::MIN);
             let mut unfolded = 0i128;
             let mut unfolded_events = 0u64;
@@ -258,15 +256,62 @@ impl Ledger {
         })
     }
 
+    /// Refuses a read whose fold state was lost ([`Error::FoldStateLost`]):
+    /// the counter holds a fold pass past any the state knows (passes were
+    /// numbered again), or, with no state document, one of the counter's
+    /// events is on a lane no registration names (registered, as every
+    /// lane is, before its first insert: the registrations went with the
+    /// state).
+    fn check_state_kept(
+        &self,
+        key: &Bson,
+        counter: &CounterState,
+        events: &[(ObjectId, Document)],
+        after: &FoldState,
+    ) -> Result<(), Error> {
+        let known = after
+            .intent
+            .as_ref()
+            .map_or(after.pass, |i| i.pass.max(after.pass));
+        if let Some(position) = counter.fold_position.filter(|&p| p > known) {
+            let evidence = format!(
+                "counter {} holds fold pass {position}, past the last one recorded ({known})",
+                display_id(key)
+            );
+            return Err(state::lost(&self.state, evidence));
+        }
+        if !after.exists
+            && let Some((lane, event)) = events
+                .iter()
+                .find(|(lane, _)| !after.registered.iter().any(|r| r.lane == *lane))
+        {
+            let id = event.get("_id").map_or_else(String::new, display_id);
+            let evidence = format!("event {id} is on lane {lane}, which no registration names");
+            return Err(state::lost(&self.state, evidence));
+        }
+        Ok(())
+    }
+
     /// The counter's events above their lane's folded number, on every lane
     /// that may hold some, with their lanes: one aggregate, whatever the
-    /// number of lanes.
+    /// number of lanes. Without a state document nothing was folded (the
+    /// first pass makes it): every event of the counter, on any lane.
     async fn unfolded_events(
         &self,
         key: &Bson,
         state: &FoldState,
     ) -> Result<Vec<(ObjectId, Document)>, Error> {
-        let lanes = folded_numbers(state, state.live_lanes());
+        if !state.exists {
+            let filter = doc! { field::COUNTER: key };
+            let projection = doc! { field::AMOUNT: 1, field::NUMBER: 1, field::LANE: 1 };
+            let found = self.find_events(filter, projection).await?;
+            // An event without a lane (written by hand) is never folded.
+            return Ok(found
+                .into_iter()
+                .filter_map(|event| Some((event.get_object_id(field::LANE).ok()?, event)))
+                .collect());
+        }
+        let lanes = folded_numbers(state, state.readable_lanes());
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
@@ -295,6 +340,28 @@ impl Ledger {
                 Err(_) => Err(self.malformed_event(&event, "its lane L is not an ObjectId")),
             })
             .collect()
+    }
+
+    /// The events `filter` matches, with the fields of `projection`.
+    async fn find_events(
+        &self,
+        filter: Document,
+        projection: Document,
+    ) -> Result<Vec<Document>, Error> {
+        let mut budget = RetryBudget::read_once("ledger.read_unfolded");
+        let cursor = self
+            .store
+            .with_retry(&mut budget, || {
+                self.events
+                    .find(filter.clone())
+                    .projection(projection.clone())
+            })
+            .await
+            .map_err(Error::Server)?;
+        cursor
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))
     }
 
     fn malformed_event(&self, event: &Document, reason: &str) -> Error {

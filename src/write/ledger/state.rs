@@ -8,7 +8,8 @@
 //!             owner: ObjectId, deadline: <date>, recovered: <bool> },
 //!   held: [ { k: <counter key>, p: <pass>, n: <int64>, e: <events>,
 //!             a: <maybe applied>, why: <string>, at: <date> }, ... ] }
-//! { _id: <lane ObjectId>, at: <date, the server's clock> }
+//! { _id: <lane ObjectId>, at: <date, the server's clock>,
+//!   sealed: <date, the fold's clock>, quiet: true }
 //! ```
 //!
 //! - `pass` is the last committed pass; `v` changes with every write that
@@ -24,7 +25,12 @@
 //! - a lane registration is written by a recorder before its first insert
 //!   on a fresh lane (`at` from the server's clock): the fold surveys every
 //!   registered lane on every pass, and seals a lane once no insert on it
-//!   can land any more (see the fold's module docs).
+//!   can land any more (`sealed`: when, by the fold's clock, the server's).
+//!   A sealed lane keeps its registration until the sweep deletes its
+//!   events: every event's lane is registered, so an insert that lands late
+//!   is found, and a lost state is told from a fresh one. Exact reads still
+//!   read a sealed lane until the sweep has found it quiet (`quiet`) a
+//!   while after its seal (see the fold's module docs).
 //!
 //! The recorder writes registrations; everything else is the fold's. This
 //! module reads both, for the fold and for exact reads.
@@ -62,6 +68,11 @@ pub(crate) mod field {
     pub(crate) const HELD: &str = "held";
     /// A registration's time, and a held sum's.
     pub(crate) const AT: &str = "at";
+    /// When a registered lane was sealed (the fold's clock).
+    pub(crate) const SEALED: &str = "sealed";
+    /// A sealed lane the sweep found with nothing late a while after its
+    /// seal: exact reads skip it.
+    pub(crate) const QUIET: &str = "quiet";
 }
 
 /// The pass in progress.
@@ -110,6 +121,11 @@ pub(crate) struct Registered {
     pub(crate) lane: ObjectId,
     /// When it was registered, by the server's clock.
     pub(crate) at: SystemTime,
+    /// When the fold sealed it (no insert on it can land any more), by the
+    /// fold's clock; `None` while it is live.
+    pub(crate) sealed: Option<SystemTime>,
+    /// Sealed, and found with nothing late a while after its seal.
+    pub(crate) quiet: bool,
 }
 
 /// Everything the fold keeps, as read.
@@ -132,10 +148,27 @@ pub(crate) struct FoldState {
 }
 
 impl FoldState {
-    /// The lanes that may hold events above their folded number: the
-    /// registered ones, and those of the pass in progress.
+    /// The lanes a pass surveys and the backlog counts: the registered
+    /// lanes not sealed, and those of the pass in progress.
     pub(crate) fn live_lanes(&self) -> Vec<ObjectId> {
-        let mut lanes: Vec<ObjectId> = self.registered.iter().map(|r| r.lane).collect();
+        self.lanes_where(|r| r.sealed.is_none())
+    }
+
+    /// The lanes that may hold events above their folded number, where an
+    /// exact read looks: the live lanes, and the sealed ones the sweep has
+    /// not found quiet yet (an insert held up in the network may land on a
+    /// lane after its seal).
+    pub(crate) fn readable_lanes(&self) -> Vec<ObjectId> {
+        self.lanes_where(|r| !r.quiet)
+    }
+
+    fn lanes_where(&self, keep: impl Fn(&Registered) -> bool) -> Vec<ObjectId> {
+        let mut lanes: Vec<ObjectId> = self
+            .registered
+            .iter()
+            .filter(|r| keep(r))
+            .map(|r| r.lane)
+            .collect();
         if let Some(intent) = &self.intent {
             lanes.extend(intent.ranges.keys().copied());
         }
@@ -154,15 +187,40 @@ impl FoldState {
     }
 }
 
-/// Reads the fold state of `collection` (every document of it: the state
-/// and the registrations).
+/// Reads the fold state of `collection`: the state document and the
+/// registrations but the quiet ones (sealed lanes the passes and exact
+/// reads no longer look at, kept only until the sweep deletes their
+/// events): what a pass or a read costs does not grow with the dedupe
+/// window's lanes.
 pub(crate) async fn read(
     store: &Store,
     collection: &Collection<Document>,
 ) -> Result<FoldState, Error> {
+    read_matching(
+        store,
+        collection,
+        doc! { field::QUIET: { "$exists": false } },
+    )
+    .await
+}
+
+/// Reads the fold state of `collection` with every registration, the quiet
+/// ones included (for the sweep, which deletes their events).
+pub(crate) async fn read_all(
+    store: &Store,
+    collection: &Collection<Document>,
+) -> Result<FoldState, Error> {
+    read_matching(store, collection, Document::new()).await
+}
+
+async fn read_matching(
+    store: &Store,
+    collection: &Collection<Document>,
+    filter: Document,
+) -> Result<FoldState, Error> {
     let mut budget = RetryBudget::read_once("ledger.fold_state");
     let cursor = store
-        .with_retry(&mut budget, || collection.find(Document::new()))
+        .with_retry(&mut budget, || collection.find(filter.clone()))
         .await
         .map_err(Error::Server)?;
     let documents: Vec<Document> = cursor
@@ -186,9 +244,18 @@ pub(crate) async fn read(
                 let at = document
                     .get_datetime(field::AT)
                     .map_err(|_| malformed(&lane.to_hex(), "its at is not a date".into()))?;
+                let sealed = match document.get(field::SEALED) {
+                    None => None,
+                    Some(Bson::DateTime(sealed)) => Some(sealed.to_system_time()),
+                    Some(_) => {
+                        return Err(malformed(&lane.to_hex(), "its sealed is not a date".into()));
+                    }
+                };
                 registered.push(Registered {
                     lane: *lane,
                     at: at.to_system_time(),
+                    sealed,
+                    quiet: document.get_bool(field::QUIET).unwrap_or(false),
                 });
             }
             // Not the fold's: left alone.
@@ -202,14 +269,41 @@ pub(crate) async fn read(
 
 /// Registers the recorder lane `lane` in the fold state `collection` (an
 /// idempotent upsert; `at` from the server's clock, which the fold seals
-/// lanes by). A recorder does it before its first insert on a fresh lane;
-/// the fold, again, for a sealed lane that got an event after all.
+/// lanes by). A recorder does it before its first insert on a fresh lane.
 pub(crate) async fn register(
     store: &Store,
     collection: &Collection<Document>,
     lane: ObjectId,
 ) -> Result<(), Error> {
-    let register = doc! { "$currentDate": { field::AT: true } };
+    upsert_registration(
+        store,
+        collection,
+        lane,
+        doc! { "$currentDate": { field::AT: true } },
+    )
+    .await
+}
+
+/// Registers the sealed lane `lane` again, live from now (the server's
+/// clock): it got an event after its seal, which the next passes fold.
+pub(crate) async fn register_again(
+    store: &Store,
+    collection: &Collection<Document>,
+    lane: ObjectId,
+) -> Result<(), Error> {
+    let live = doc! {
+        "$currentDate": { field::AT: true },
+        "$unset": { field::SEALED: "", field::QUIET: "" },
+    };
+    upsert_registration(store, collection, lane, live).await
+}
+
+async fn upsert_registration(
+    store: &Store,
+    collection: &Collection<Document>,
+    lane: ObjectId,
+    register: Document,
+) -> Result<(), Error> {
     let mut budget = RetryBudget::retry_once("ledger.register_lane");
     store
         .with_retry(&mut budget, || {
@@ -220,6 +314,15 @@ pub(crate) async fn register(
         .await
         .map(|_| ())
         .map_err(Error::Server)
+}
+
+/// The error of a fold state found missing although `evidence` shows it
+/// existed.
+pub(crate) fn lost(collection: &Collection<Document>, evidence: String) -> Error {
+    Error::FoldStateLost {
+        collection: collection.name().to_owned(),
+        evidence,
+    }
 }
 
 /// The state document read into its parts, or what is wrong with it.
