@@ -558,8 +558,14 @@ async fn an_exact_read_and_an_idle_pass_cost_the_same_with_many_recorder_process
         read <= 10,
         "one exact read of one counter sent {read} commands (an idle pass: {idle})"
     );
+    // A pass asks each live lane (registered within its span) whether it
+    // holds events above its folded number: one index seek each, and one
+    // more each for the backlog's metric. It grows with the recorder
+    // processes of the last hour, never with the events kept (one
+    // aggregate over every lane would be one command, but on a server that
+    // does not bound each branch by the index it reads every event kept).
     assert!(
-        idle <= 20,
+        idle <= 2 * 121 + 10,
         "a pass with nothing to fold sent {idle} commands"
     );
 }
