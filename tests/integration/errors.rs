@@ -476,3 +476,56 @@ async fn status_check_exits_1_when_something_needs_attention() {
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(json(&output)["attention"].as_array().unwrap().len(), 2);
 }
+
+/// A zero amount is a malformed argument, as a zero block is: `incr --by 0`
+/// and `record --by 0` exit 64 before anything connects, as `seq next
+/// --block 0` does — one mistake, one verdict — and say what to pass
+/// instead. (Found by a first-time user: `incr home --by 0` exits 1 with
+/// `not counted (+0): invalid argument: the amount must not be zero`,
+/// `seq next orders --block 0` exits 64.)
+#[tokio::test]
+async fn a_zero_amount_is_a_usage_error_as_a_zero_block_is() {
+    let config = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/\"\ndatabase = \"app\"\n\
+                  [[collections]]\nname = \"views\"\nledger = true\n";
+    let commands: [&[&str]; 4] = [
+        &["seq", "next", "orders", "--block", "0"],
+        &["incr", "k", "--by", "0"],
+        &["incr", "k", "--by", "0", "--lane"],
+        &["record", "e1", "k", "--by", "0"],
+    ];
+    for args in commands {
+        let output = run(config, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {shown}");
+        assert!(!shown.contains("invalid argument:"), "{args:?}: {shown}");
+    }
+}
+
+/// The book's errors page lists each message under the class it exits
+/// with. A ticket `resume` or `complete` refuses (another key, `--by` or
+/// `--collection`; a pending or counted increment's ticket given to
+/// `resume`) exits 1 — nothing was written, the reference says so and
+/// tickets.rs checks it — so it is not listed under "Unknown or pending
+/// (75)".
+#[test]
+fn the_errors_page_lists_a_refused_ticket_under_exit_1() {
+    let page = std::fs::read_to_string(
+        crate::common::server::repo_root().join("docs/src/operations/errors.md"),
+    )
+    .unwrap();
+    let section = page
+        .split("### Unknown or pending (75)")
+        .nth(1)
+        .expect("the 75 section")
+        .split("\n### ")
+        .next()
+        .unwrap();
+    let refusals: Vec<&str> = section
+        .lines()
+        .filter(|l| l.starts_with("| `refused:"))
+        .collect();
+    assert!(
+        refusals.is_empty(),
+        "rows of exit 1 listed under 75: {refusals:?}"
+    );
+}
