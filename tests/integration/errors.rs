@@ -529,3 +529,39 @@ fn the_errors_page_lists_a_refused_ticket_under_exit_1() {
         "rows of exit 1 listed under 75: {refusals:?}"
     );
 }
+
+/// A configuration missing several things gets them named at once, as
+/// `check-config` promises ("names every bad key"): an empty `[mongodb]`
+/// table lacks the URI, the database and a `[[collections]]` table, and one
+/// run says all three. (Found by a first-time user: it says
+/// `mongodb.uri: missing`; with the URI set, `mongodb.database: missing`;
+/// with that set, `collections: none configured` — three rounds.)
+#[tokio::test]
+async fn an_empty_configuration_names_every_missing_key_at_once() {
+    for args in [&["check-config"][..], &["incr", "home"]] {
+        let output = run("[mongodb]\n", args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {shown}");
+        for key in ["mongodb.uri", "mongodb.database", "collections"] {
+            assert!(shown.contains(key), "{args:?} should name {key}: {shown}");
+        }
+    }
+}
+
+/// Without `--config`, and without the default file, the message says
+/// that no configuration file was read (naming the default path and
+/// `--config`), not only that a key is missing "in the file". (Found by a
+/// first-time user who left out `-c tallyd.toml`: `tallyd incr home` says
+/// `mongodb.uri: missing (set it in the file or with
+/// TALLYD__MONGODB__URI)`, naming no file.)
+#[tokio::test]
+async fn no_configuration_file_is_said_so_naming_the_default_path() {
+    if std::path::Path::new("/etc/tally/tallyd.toml").exists() {
+        return; // the package is installed here: the default file is read
+    }
+    let output = tallyd(&["incr", "home"], &[]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(shown.contains("/etc/tally/tallyd.toml"), "{shown}");
+    assert!(shown.contains("--config"), "{shown}");
+}
