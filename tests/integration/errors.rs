@@ -565,3 +565,27 @@ async fn no_configuration_file_is_said_so_naming_the_default_path() {
     assert!(shown.contains("/etc/tally/tallyd.toml"), "{shown}");
     assert!(shown.contains("--config"), "{shown}");
 }
+
+/// A URI whose `replicaSet` names another set than the server's — the
+/// README's example URI (`?replicaSet=rs0`) pointed at a server whose set
+/// has another name — never works, however long one waits: it is a
+/// configuration to fix (78), and the message names the URI's set name,
+/// not only "is there a primary, and do the hosts belong to one
+/// deployment?". (Found by a first-time user: `tallyd incr home` with
+/// `mongodb://127.0.0.1:27017/?replicaSet=rs0` against the test server
+/// (set `secantus`) exits 69, "try again later", saying `no host refused
+/// or failed; none that answers can take it: …`.)
+#[tokio::test]
+async fn a_replica_set_name_that_does_not_match_is_a_configuration_to_fix() {
+    let ctx = TestContext::new("errors_set_name").await;
+    if external() {
+        return; // the test server's set name is known; a real one's is not
+    }
+    let server = ctx.uri.split('/').nth(2).unwrap().to_owned();
+    let uri = format!("mongodb://{server}/?replicaSet=not-this-set");
+    let output = run(&quick(&uri, &ctx.db_name, ""), &["incr", "k"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(shown.contains("not-this-set"), "{shown}");
+    assert!(!shown.contains("try again"), "{shown}");
+}
