@@ -202,3 +202,24 @@ fn the_readmes_library_snippet_uses_the_outcome_of_a_resume() {
         "a LaneIncrement dropped unused: {dropped:?}"
     );
 }
+
+/// The quick start says where `tallyd` comes from when the package is not
+/// installed — the test server's block is for someone without a MongoDB,
+/// most likely without the package too — as the book's getting started
+/// does ("use `target/release/tallyd` for `tallyd` below"). (Found by a
+/// first-time user: the quick start starts the test server, then runs
+/// `tallyd -c tallyd.toml setup`, which is `command not found` until one
+/// goes back to "Install" and builds.)
+#[test]
+fn the_quick_start_says_where_tallyd_comes_from_without_the_package() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let quick_start = readme
+        .split("## Quick start")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("a section \"Quick start\"");
+    assert!(
+        quick_start.contains("target/release/tallyd"),
+        "the quick start never says tallyd is target/release/tallyd without the package"
+    );
+}
