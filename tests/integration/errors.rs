@@ -589,3 +589,29 @@ async fn a_replica_set_name_that_does_not_match_is_a_configuration_to_fix() {
     assert!(shown.contains("not-this-set"), "{shown}");
     assert!(!shown.contains("try again"), "{shown}");
 }
+
+/// `--json` answers in JSON whatever failed: a bad configuration, as a
+/// collection not configured does, prints `{"outcome": "error", "error":
+/// …}` on standard output (errors.md: "when the command failed before any
+/// outcome"), and exits 78. (Found by a first-time user: `tallyd incr home
+/// --collection nope --json` prints that object, but `tallyd -c bad.toml
+/// incr home --json` prints only `invalid configuration (2 problems): …`
+/// on standard error and nothing on standard output.)
+#[tokio::test]
+async fn json_reports_a_bad_configuration_in_json() {
+    let config = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/\"\ndatabase = \"app\"\n\
+                  bogus_key = 1\n[[collections]]\nname = \"views\"\n";
+    for args in [&["incr", "k", "--json"][..], &["status", "--json"]] {
+        let output = run(config, args).await;
+        assert_eq!(output.status.code(), Some(78), "{}", readable(&output));
+        let out = json(&output);
+        assert_eq!(out["outcome"], "error", "{args:?}: {out}");
+        assert!(
+            out["error"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("bogus_key"),
+            "{args:?}: {out}"
+        );
+    }
+}
