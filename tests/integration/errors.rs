@@ -476,3 +476,142 @@ async fn status_check_exits_1_when_something_needs_attention() {
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(json(&output)["attention"].as_array().unwrap().len(), 2);
 }
+
+/// A zero amount is a malformed argument, as a zero block is: `incr --by 0`
+/// and `record --by 0` exit 64 before anything connects, as `seq next
+/// --block 0` does — one mistake, one verdict — and say what to pass
+/// instead. (Found by a first-time user: `incr home --by 0` exits 1 with
+/// `not counted (+0): invalid argument: the amount must not be zero`,
+/// `seq next orders --block 0` exits 64.)
+#[tokio::test]
+async fn a_zero_amount_is_a_usage_error_as_a_zero_block_is() {
+    let config = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/\"\ndatabase = \"app\"\n\
+                  [[collections]]\nname = \"views\"\nledger = true\n";
+    let commands: [&[&str]; 4] = [
+        &["seq", "next", "orders", "--block", "0"],
+        &["incr", "k", "--by", "0"],
+        &["incr", "k", "--by", "0", "--lane"],
+        &["record", "e1", "k", "--by", "0"],
+    ];
+    for args in commands {
+        let output = run(config, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {shown}");
+        assert!(!shown.contains("invalid argument:"), "{args:?}: {shown}");
+    }
+}
+
+/// The book's errors page lists each message under the class it exits
+/// with. A ticket `resume` or `complete` refuses (another key, `--by` or
+/// `--collection`; a pending or counted increment's ticket given to
+/// `resume`) exits 1 — nothing was written, the reference says so and
+/// tickets.rs checks it — so it is not listed under "Unknown or pending
+/// (75)".
+#[test]
+fn the_errors_page_lists_a_refused_ticket_under_exit_1() {
+    let page = std::fs::read_to_string(
+        crate::common::server::repo_root().join("docs/src/operations/errors.md"),
+    )
+    .unwrap();
+    let section = page
+        .split("### Unknown or pending (75)")
+        .nth(1)
+        .expect("the 75 section")
+        .split("\n### ")
+        .next()
+        .unwrap();
+    let refusals: Vec<&str> = section
+        .lines()
+        .filter(|l| l.starts_with("| `refused:"))
+        .collect();
+    assert!(
+        refusals.is_empty(),
+        "rows of exit 1 listed under 75: {refusals:?}"
+    );
+}
+
+/// A configuration missing several things gets them named at once, as
+/// `check-config` promises ("names every bad key"): an empty `[mongodb]`
+/// table lacks the URI, the database and a `[[collections]]` table, and one
+/// run says all three. (Found by a first-time user: it says
+/// `mongodb.uri: missing`; with the URI set, `mongodb.database: missing`;
+/// with that set, `collections: none configured` — three rounds.)
+#[tokio::test]
+async fn an_empty_configuration_names_every_missing_key_at_once() {
+    for args in [&["check-config"][..], &["incr", "home"]] {
+        let output = run("[mongodb]\n", args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {shown}");
+        for key in ["mongodb.uri", "mongodb.database", "collections"] {
+            assert!(shown.contains(key), "{args:?} should name {key}: {shown}");
+        }
+    }
+}
+
+/// Without `--config`, and without the default file, the message says
+/// that no configuration file was read (naming the default path and
+/// `--config`), not only that a key is missing "in the file". (Found by a
+/// first-time user who left out `-c tallyd.toml`: `tallyd incr home` says
+/// `mongodb.uri: missing (set it in the file or with
+/// TALLYD__MONGODB__URI)`, naming no file.)
+#[tokio::test]
+async fn no_configuration_file_is_said_so_naming_the_default_path() {
+    if std::path::Path::new("/etc/tally/tallyd.toml").exists() {
+        return; // the package is installed here: the default file is read
+    }
+    let output = tallyd(&["incr", "home"], &[]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(shown.contains("/etc/tally/tallyd.toml"), "{shown}");
+    assert!(shown.contains("--config"), "{shown}");
+}
+
+/// A URI whose `replicaSet` names another set than the server's — the
+/// README's example URI (`?replicaSet=rs0`) pointed at a server whose set
+/// has another name — never works, however long one waits: it is a
+/// configuration to fix (78), and the message names the URI's set name,
+/// not only "is there a primary, and do the hosts belong to one
+/// deployment?". (Found by a first-time user: `tallyd incr home` with
+/// `mongodb://127.0.0.1:27017/?replicaSet=rs0` against the test server
+/// (set `secantus`) exits 69, "try again later", saying `no host refused
+/// or failed; none that answers can take it: …`.)
+#[tokio::test]
+async fn a_replica_set_name_that_does_not_match_is_a_configuration_to_fix() {
+    let ctx = TestContext::new("errors_set_name").await;
+    if external() {
+        return; // the test server's set name is known; a real one's is not
+    }
+    let server = ctx.uri.split('/').nth(2).unwrap().to_owned();
+    let uri = format!("mongodb://{server}/?replicaSet=not-this-set");
+    let output = run(&quick(&uri, &ctx.db_name, ""), &["incr", "k"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(shown.contains("not-this-set"), "{shown}");
+    assert!(!shown.contains("try again"), "{shown}");
+}
+
+/// `--json` answers in JSON whatever failed: a bad configuration, as a
+/// collection not configured does, prints `{"outcome": "error", "error":
+/// …}` on standard output (errors.md: "when the command failed before any
+/// outcome"), and exits 78. (Found by a first-time user: `tallyd incr home
+/// --collection nope --json` prints that object, but `tallyd -c bad.toml
+/// incr home --json` prints only `invalid configuration (2 problems): …`
+/// on standard error and nothing on standard output.)
+#[tokio::test]
+async fn json_reports_a_bad_configuration_in_json() {
+    let config = "[mongodb]\nuri = \"mongodb://127.0.0.1:9/\"\ndatabase = \"app\"\n\
+                  bogus_key = 1\n[[collections]]\nname = \"views\"\n";
+    for args in [&["incr", "k", "--json"][..], &["status", "--json"]] {
+        let output = run(config, args).await;
+        assert_eq!(output.status.code(), Some(78), "{}", readable(&output));
+        let out = json(&output);
+        assert_eq!(out["outcome"], "error", "{args:?}: {out}");
+        assert!(
+            out["error"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("bogus_key"),
+            "{args:?}: {out}"
+        );
+    }
+}

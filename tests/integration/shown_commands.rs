@@ -171,3 +171,55 @@ fn every_relative_link_of_the_readme_names_a_file() {
         "README links to missing files: {missing:?}"
     );
 }
+
+/// The README's library snippet compiles without a warning in an
+/// application: the outcome of `resume_lane` is a `#[must_use]`
+/// `LaneIncrement` (it can be unknown again, or not counted), so the
+/// snippet uses it instead of dropping it with `….await?;`. (Found by a
+/// first-time user who pasted the snippet into a new application: `warning:
+/// unused LaneIncrement that must be used … an increment may be unknown and
+/// need resuming`, and the code ignores whether the resume counted.)
+#[test]
+fn the_readmes_library_snippet_uses_the_outcome_of_a_resume() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let snippet = readme
+        .split("```rust")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the README's Rust snippet");
+    assert!(snippet.contains("resume_lane("), "{snippet}");
+    let dropped: Vec<&str> = snippet
+        .lines()
+        .filter(|line| {
+            line.contains("resume_lane(")
+                && !line.contains("let ")
+                && !line.contains("match ")
+                && line.contains(".await?;")
+        })
+        .collect();
+    assert!(
+        dropped.is_empty(),
+        "a LaneIncrement dropped unused: {dropped:?}"
+    );
+}
+
+/// The quick start says where `tallyd` comes from when the package is not
+/// installed — the test server's block is for someone without a MongoDB,
+/// most likely without the package too — as the book's getting started
+/// does ("use `target/release/tallyd` for `tallyd` below"). (Found by a
+/// first-time user: the quick start starts the test server, then runs
+/// `tallyd -c tallyd.toml setup`, which is `command not found` until one
+/// goes back to "Install" and builds.)
+#[test]
+fn the_quick_start_says_where_tallyd_comes_from_without_the_package() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let quick_start = readme
+        .split("## Quick start")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("a section \"Quick start\"");
+    assert!(
+        quick_start.contains("target/release/tallyd"),
+        "the quick start never says tallyd is target/release/tallyd without the package"
+    );
+}
