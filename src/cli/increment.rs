@@ -54,13 +54,33 @@ impl ProtocolArgs {
     }
 }
 
+/// `--by N` of a new increment or event: a whole number, not zero (a zero
+/// adds nothing and is refused before anything connects, as a zero
+/// `--block` is).
+pub(super) fn amount(text: &str) -> Result<i64, String> {
+    match text.parse::<i64>() {
+        Ok(0) => Err("the amount must not be zero: pass a whole number such as 1 or -1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "an amount is a whole number from {} to {}, not zero",
+            i64::MIN,
+            i64::MAX
+        )),
+    }
+}
+
 /// `tallyd incr KEY [--by N] [--lane | --two-step]`.
 #[derive(Debug, Args)]
 pub(crate) struct IncrArgs {
     /// The counter's `_id` (a string).
     pub(crate) key: String,
     /// The amount to add; negative subtracts; not zero.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        default_value_t = 1,
+        allow_negative_numbers = true,
+        value_parser = amount
+    )]
     pub(crate) by: i64,
     #[command(flatten)]
     #[allow(missing_docs)]

@@ -67,7 +67,8 @@ pub(crate) struct RecordArgs {
         long,
         default_value_t = 1,
         allow_negative_numbers = true,
-        conflicts_with = "from"
+        conflicts_with = "from",
+        value_parser = super::increment::amount
     )]
     pub(crate) by: i64,
     /// Record the events of FILE instead, one JSON object a line:
