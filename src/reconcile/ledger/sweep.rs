@@ -38,7 +38,7 @@ pub(crate) const LATE_INSERT_HORIZON: Duration = Duration::from_secs(3600);
 impl EventFold {
     /// Looks at the sealed lanes at `now` (the server's clock): registers
     /// again those with events landed after their seal, marks quiet the
-    /// recent ones past [`LATE_INSERT_HORIZON`], and deletes the events of
+    /// recent ones an hour after their seal, and deletes the events of
     /// those sealed a dedupe window ago. Returns how many events were
     /// deleted. Safe at any time, by any number of folds at once.
     ///
