@@ -96,6 +96,12 @@ pub(crate) struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub(crate) command: Command,
+
+    /// Whether the command asked for one JSON object (its `--json`): known
+    /// before the configuration is read, so that a configuration refused
+    /// is reported in JSON too.
+    #[arg(skip)]
+    pub(crate) json: bool,
 }
 
 /// `tallyd check-config`.
@@ -308,7 +314,13 @@ impl Cli {
     pub(crate) fn from_args() -> Result<Self, ExitCode> {
         command()
             .try_get_matches()
-            .and_then(|matches| <Self as clap::FromArgMatches>::from_arg_matches(&matches))
+            .and_then(|matches| {
+                let cli = <Self as clap::FromArgMatches>::from_arg_matches(&matches)?;
+                Ok(Self {
+                    json: asks_for_json(&matches),
+                    ..cli
+                })
+            })
             .map_err(|err| {
                 let _ = err.print();
                 // Help and version are written to standard output: not errors.
@@ -350,9 +362,17 @@ impl Cli {
             env.retain(|(key, _)| !file.iter().any(|(k, _)| k == key));
             env.extend(file);
         }
-        let config = Config::load(self.config.as_deref(), env)?;
-        config.check_collections()?;
-        Ok(config)
+        Config::load(self.config.as_deref(), env)
+    }
+}
+
+/// Whether the (innermost) command of `matches` was given `--json`:
+/// every command that takes it, found by the flag's name rather than
+/// command by command.
+fn asks_for_json(matches: &clap::ArgMatches) -> bool {
+    match matches.subcommand() {
+        Some((_, command)) => asks_for_json(command),
+        None => matches!(matches.try_get_one::<bool>("json"), Ok(Some(true))),
     }
 }
 
@@ -422,6 +442,11 @@ pub fn tallyd_main() -> ExitCode {
     }
     let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
+        // The problems quote no secret (a URI's password is left out where
+        // it is found): there is nothing more to scrub.
+        Err(errors) if cli.json => {
+            return fail(true, &errors.to_string(), &Secrets::default(), EXIT_CONFIG);
+        }
         Err(errors) => {
             eprintln!("{errors}");
             return ExitCode::from(EXIT_CONFIG);
@@ -465,6 +490,7 @@ pub(crate) async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode 
                 env_file: cli.env_file,
                 clock_offset: cli.clock_offset,
                 command: Command::Run,
+                json: false,
             };
             daemon::run(&reload, config, &logging).await
         }
