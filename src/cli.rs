@@ -289,12 +289,20 @@ const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
 /// answered and why — while every host of the connection string failed its
-/// last try — instead of a silence as long as server selection. Ends with
-/// the command (the runtime stops with it).
+/// last try — instead of a silence as long as server selection; once, that
+/// the hosts belong to another replica set than the connection string
+/// names. Ends with the command (the runtime stops with it).
 async fn say_while_unreachable(store: Store, selection: std::time::Duration) {
     let started = tokio::time::Instant::now();
     tokio::time::sleep(UNANSWERED_FIRST).await;
     loop {
+        if let Some(other) = store.in_another_set() {
+            eprintln!(
+                "tallyd: {other}; waiting will not help (a command gives up after {})",
+                crate::error::human_duration(selection)
+            );
+            return;
+        }
         if !store.seems_reachable() {
             let waited = started.elapsed();
             eprintln!(
