@@ -96,6 +96,12 @@ pub(crate) struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub(crate) command: Command,
+
+    /// Whether the command asked for one JSON object (its `--json`): known
+    /// before the configuration is read, so that a configuration refused
+    /// is reported in JSON too.
+    #[arg(skip)]
+    pub(crate) json: bool,
 }
 
 /// `tallyd check-config`.
@@ -283,12 +289,20 @@ const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
 /// answered and why — while every host of the connection string failed its
-/// last try — instead of a silence as long as server selection. Ends with
-/// the command (the runtime stops with it).
+/// last try — instead of a silence as long as server selection; once, that
+/// the hosts belong to another replica set than the connection string
+/// names. Ends with the command (the runtime stops with it).
 async fn say_while_unreachable(store: Store, selection: std::time::Duration) {
     let started = tokio::time::Instant::now();
     tokio::time::sleep(UNANSWERED_FIRST).await;
     loop {
+        if let Some(other) = store.in_another_set() {
+            eprintln!(
+                "tallyd: {other}; waiting will not help (a command gives up after {})",
+                crate::error::human_duration(selection)
+            );
+            return;
+        }
         if !store.seems_reachable() {
             let waited = started.elapsed();
             eprintln!(
@@ -308,7 +322,13 @@ impl Cli {
     pub(crate) fn from_args() -> Result<Self, ExitCode> {
         command()
             .try_get_matches()
-            .and_then(|matches| <Self as clap::FromArgMatches>::from_arg_matches(&matches))
+            .and_then(|matches| {
+                let cli = <Self as clap::FromArgMatches>::from_arg_matches(&matches)?;
+                Ok(Self {
+                    json: asks_for_json(&matches),
+                    ..cli
+                })
+            })
             .map_err(|err| {
                 let _ = err.print();
                 // Help and version are written to standard output: not errors.
@@ -350,9 +370,17 @@ impl Cli {
             env.retain(|(key, _)| !file.iter().any(|(k, _)| k == key));
             env.extend(file);
         }
-        let config = Config::load(self.config.as_deref(), env)?;
-        config.check_collections()?;
-        Ok(config)
+        Config::load(self.config.as_deref(), env)
+    }
+}
+
+/// Whether the (innermost) command of `matches` was given `--json`:
+/// every command that takes it, found by the flag's name rather than
+/// command by command.
+fn asks_for_json(matches: &clap::ArgMatches) -> bool {
+    match matches.subcommand() {
+        Some((_, command)) => asks_for_json(command),
+        None => matches!(matches.try_get_one::<bool>("json"), Ok(Some(true))),
     }
 }
 
@@ -422,6 +450,11 @@ pub fn tallyd_main() -> ExitCode {
     }
     let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
+        // The problems quote no secret (a URI's password is left out where
+        // it is found): there is nothing more to scrub.
+        Err(errors) if cli.json => {
+            return fail(true, &errors.to_string(), &Secrets::default(), EXIT_CONFIG);
+        }
         Err(errors) => {
             eprintln!("{errors}");
             return ExitCode::from(EXIT_CONFIG);
@@ -465,6 +498,7 @@ pub(crate) async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode 
                 env_file: cli.env_file,
                 clock_offset: cli.clock_offset,
                 command: Command::Run,
+                json: false,
             };
             daemon::run(&reload, config, &logging).await
         }

@@ -149,7 +149,8 @@ impl Config {
 
     /// Loads the file (`None`: `/etc/tally/tallyd.toml`, which may be missing) and
     /// applies `TALLYD__…` overrides from `env` (pass `std::env::vars()`;
-    /// tests pass their own).
+    /// tests pass their own): the configuration every command runs with,
+    /// checked as [`Config::for_commands`] says.
     pub(crate) fn load(
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
@@ -168,23 +169,61 @@ impl Config {
                 ));
             }
         };
-        Self::from_sources(file.as_deref(), &path.display().to_string(), env)
+        Self::for_commands(file.as_deref(), &path.display().to_string(), env)
     }
 
-    /// Builds the configuration from TOML text and environment overrides.
+    /// The configuration every command runs with, from the file's `text`
+    /// (`None`: no file was read) and `env`. Besides every key's own check,
+    /// it needs the collections the commands work on; and when something
+    /// is missing without a file, the first problem says that no file was
+    /// read and how to name one. All in one verdict: one run names every
+    /// problem.
+    fn for_commands(
+        text: Option<&str>,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigErrors> {
+        let (config, mut issues) = Self::validated(text, origin, env)?;
+        if config.collections.is_empty() && !issues.has_under("collections") {
+            issues.push(
+                "collections",
+                "none configured: the daemon would have nothing to watch or fold, and every \
+                 command works on configured collections; add a [[collections]] table",
+            );
+        }
+        if text.is_none() && !issues.is_empty() {
+            issues.push_first(
+                "--config",
+                format!(
+                    "no configuration file was read: {DEFAULT_PATH} does not exist and --config \
+                     was not given; name the file with --config PATH (variables such as \
+                     {} set single keys over it)",
+                    field::env_var("mongodb.uri")
+                ),
+            );
+        }
+        issues.into_result(config)
+    }
+
+    /// Builds the configuration from TOML text and environment overrides,
+    /// checking every key (but not what [`Config::for_commands`] adds).
     #[cfg(test)]
     pub(crate) fn from_toml(
         text: &str,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigErrors> {
-        Self::from_sources(Some(text), "(inline)", env)
+        let (config, issues) = Self::validated(Some(text), "(inline)", env)?;
+        issues.into_result(config)
     }
 
-    fn from_sources(
+    /// The file's `text` and `env` merged and every key checked: the
+    /// configuration and its problems (`Err`: the text cannot be read as
+    /// TOML at all).
+    fn validated(
         text: Option<&str>,
         origin: &str,
         env: impl IntoIterator<Item = (String, String)>,
-    ) -> Result<Self, ConfigErrors> {
+    ) -> Result<(Self, Issues), ConfigErrors> {
         let prefix = format!("{ENV_PREFIX}{ENV_SEPARATOR}");
         let all_env: HashMap<String, String> = env.into_iter().collect();
         let env: HashMap<String, String> = all_env
@@ -224,28 +263,7 @@ impl Config {
             .map_err(|err| ConfigErrors::single(origin, format!("cannot read: {err}")))?;
         let mut issues = Issues::new(from_env, in_file);
         let config = validate(raw, &all_env, &mut issues);
-        if issues.is_empty() {
-            Ok(config)
-        } else {
-            Err(ConfigErrors {
-                issues: issues.into_list(),
-            })
-        }
-    }
-
-    /// What every command needs besides a valid configuration: the
-    /// collections it works on. `tallyd` checks this for each command alike
-    /// (`check-config` answers for all), so a configuration without them
-    /// gets the same verdict from every command.
-    pub(crate) fn check_collections(&self) -> Result<(), ConfigErrors> {
-        if self.collections.is_empty() {
-            return Err(ConfigErrors::single(
-                "collections",
-                "none configured: the daemon would have nothing to watch or fold, and every \
-                 command works on configured collections; add a [[collections]] table",
-            ));
-        }
-        Ok(())
+        Ok((config, issues))
     }
 
     /// The settings for a collection: its `[[collections]]` entry, or the

@@ -33,7 +33,7 @@ pub(crate) use retry::{Next, RetryBudget};
 
 pub(crate) use message::{Reach, Readable, human_duration, words};
 #[cfg(feature = "daemon")]
-pub(crate) use message::{Trouble, server_code_and_name, trouble};
+pub(crate) use message::{Trouble, other_set, server_code_and_name, trouble_reaching};
 
 /// The class of a failed attempt, which decides whether it is retried.
 ///
@@ -378,7 +378,7 @@ impl Failure {
     /// What the failure means to the person who asked.
     #[cfg(feature = "daemon")]
     pub(crate) fn trouble(&self) -> Trouble {
-        trouble(&self.source)
+        trouble_reaching(&self.source, self.reach.as_deref())
     }
 }
 

@@ -328,10 +328,7 @@ impl Store {
                 Ok(value) => return Ok(value),
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => {
-                        let reach = self.reach_for(&failure.source);
-                        return Err(failure.with_reach(reach));
-                    }
+                    Next::GiveUp(failure) => return Err(self.reached(failure)),
                 },
             }
         }

@@ -75,6 +75,7 @@ pub(crate) fn exit_code_for(err: &Error) -> u8 {
             Trouble::Unavailable => EXIT_UNAVAILABLE,
             Trouble::PermissionDenied => EXIT_NOPERM,
             Trouble::Refused => EXIT_FAILED,
+            Trouble::Misconfigured => EXIT_CONFIG,
         },
         _ => EXIT_FAILED,
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::raw::{Section, Unknown};
-use super::{ConfigIssue, ENV_PREFIX, ENV_SEPARATOR};
+use super::{ConfigErrors, ConfigIssue, ENV_PREFIX, ENV_SEPARATOR};
 
 /// Collects configuration problems, each under the key it concerns.
 #[derive(Debug, Default)]
@@ -36,12 +36,38 @@ impl Issues {
         self.list.iter().any(|issue| issue.key == key)
     }
 
-    pub(crate) fn into_list(self) -> Vec<ConfigIssue> {
-        self.list
+    /// Whether a problem with `key` or a key below it (`collections[1].name`
+    /// is below `collections`) was reported.
+    pub(crate) fn has_under(&self, key: &str) -> bool {
+        self.list.iter().any(|issue| {
+            issue
+                .key
+                .strip_prefix(key)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+        })
+    }
+
+    /// `config` when no problem was reported, else every problem.
+    pub(crate) fn into_result<T>(self, config: T) -> Result<T, ConfigErrors> {
+        if self.list.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigErrors { issues: self.list })
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
         self.list.is_empty()
+    }
+
+    /// Records a problem that comes before all others: the one that
+    /// explains them.
+    pub(crate) fn push_first(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        let issue = ConfigIssue {
+            key: key.into(),
+            message: message.into(),
+        };
+        self.list.insert(0, issue);
     }
 
     /// Records a problem with `key`. When an environment variable set it,

@@ -186,6 +186,7 @@ pub(super) fn validate_mongodb(raw: RawMongo, issues: &mut Issues) -> StoreConfi
     issues.unknown_keys("mongodb", &raw.unknown);
     let uri = issues.required_string("mongodb.uri", raw.uri);
     let parsed = uri.as_deref().and_then(|uri| parse_uri(uri, issues));
+    let no_uri = uri.is_none();
     // The URI's own options, else tally's defaults; the keys set here win.
     let defaults =
         StoreConfig::with_uri_options(SecretString::new(uri.unwrap_or_default()), parsed.as_ref());
@@ -195,7 +196,8 @@ pub(super) fn validate_mongodb(raw: RawMongo, issues: &mut Issues) -> StoreConfi
         .or_else(|| parsed.as_ref().and_then(|p| p.default_database.clone()));
     match &database {
         Some(name) => check_database_name(name, issues),
-        None if parsed.is_some() => issues.push(
+        // A URI that cannot be read may name one: only its problem is said.
+        None if parsed.is_some() || no_uri => issues.push(
             "mongodb.database",
             "missing (set it, or name a database in the URI's path)",
         ),

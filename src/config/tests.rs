@@ -47,20 +47,21 @@ fn environment_overrides_the_file() {
     assert_eq!(config.writer.retry_horizon, Duration::from_secs(150));
 }
 
+/// The environment sets keys without a file (`[[collections]]` tables
+/// need one: see `without_a_file_the_first_problem_says_so`).
 #[test]
-fn environment_alone_is_enough() {
-    let config = Config::load(
+fn the_environment_sets_keys_without_a_file() {
+    let (config, issues) = Config::validated(
         None,
+        DEFAULT_PATH,
         env(&[
             ("TALLYD__MONGODB__URI", "mongodb://h/"),
             ("TALLYD__MONGODB__DATABASE", "d"),
         ]),
-    );
-    // The default file is normally absent on build machines; if it is
-    // there it must at least not break this.
-    if !Path::new(DEFAULT_PATH).exists() {
-        assert_eq!(config.unwrap().mongodb.database, "d");
-    }
+    )
+    .unwrap();
+    let config = issues.into_result(config).unwrap();
+    assert_eq!(config.mongodb.database, "d");
 }
 
 #[test]
@@ -460,12 +461,56 @@ fn unknown_top_level_environment_keys_name_their_variable() {
 
 #[test]
 fn the_daemon_needs_at_least_one_collection() {
-    let config = Config::from_toml(MINIMAL, []).unwrap();
-    let err = config.check_collections().unwrap_err();
+    let err = Config::for_commands(Some(MINIMAL), "(inline)", []).unwrap_err();
     assert_eq!(keys(&err), ["collections"], "{err}");
-    let with = Config::from_toml(&format!("{MINIMAL}[[collections]]\nname = \"a\"\n"), []).unwrap();
-    with.check_collections().unwrap();
+    let with = format!("{MINIMAL}[[collections]]\nname = \"a\"\n");
+    Config::for_commands(Some(&with), "(inline)", []).unwrap();
+    // A bad entry is named as itself, not as "none configured".
+    let bad = format!("{MINIMAL}[[collections]]\nname = 5\n");
+    let err = Config::for_commands(Some(&bad), "(inline)", []).unwrap_err();
+    assert_eq!(keys(&err), ["collections[0].name"], "{err}");
 }
+
+/// An empty configuration is told everything it lacks in one run: the
+/// URI, the database and the collections (not one per run).
+#[test]
+fn every_missing_key_is_named_at_once() {
+    let err = Config::for_commands(Some("[mongodb]\n"), "(inline)", []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        ["mongodb.uri", "mongodb.database", "collections"],
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("invalid configuration (3 problems):")
+    );
+    // A malformed URI may name the database: only the URI is named.
+    let text = "[mongodb]\nuri = \"mongodb://h:x/db\"\n[[collections]]\nname = \"a\"\n";
+    let err = Config::for_commands(Some(text), "(inline)", []).unwrap_err();
+    assert_eq!(keys(&err), ["mongodb.uri"], "{err}");
+}
+
+/// Without a file, what is missing comes after the reason: no file was
+/// read, and how to name one or set the keys from the environment.
+#[test]
+fn without_a_file_the_first_problem_says_so() {
+    let err = Config::for_commands(None, DEFAULT_PATH, []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        ["--config", "mongodb.uri", "mongodb.database", "collections"],
+        "{err}"
+    );
+    let first = message(&err, "--config");
+    assert!(first.contains(DEFAULT_PATH), "{first}");
+    assert!(first.contains("--config PATH"), "{first}");
+    assert!(first.contains("TALLYD__MONGODB__URI"), "{first}");
+    // What the environment sets is not named; the file is still said.
+    let uri = env(&[("TALLYD__MONGODB__URI", "mongodb://h/app")]);
+    let err = Config::for_commands(None, DEFAULT_PATH, uri).unwrap_err();
+    assert_eq!(keys(&err), ["--config", "collections"], "{err}");
+}
+
 #[test]
 fn the_settled_field_is_read_and_must_be_a_field_of_its_own() {
     let config = Config::from_toml(

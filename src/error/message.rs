@@ -34,9 +34,15 @@ pub(crate) struct Reach {
     pub(crate) selection_timeout: Duration,
     /// How long tally waits for one attempt's reply.
     pub(crate) attempt_timeout: Duration,
+    /// The replica set the connection string names (`replicaSet`), if
+    /// any.
+    pub(crate) replica_set: Option<String>,
     /// Why each host the driver could not reach failed at its last try
     /// (its monitor's last heartbeat), taken when the failure happened.
     pub(crate) unreachable: Vec<(String, MongoError)>,
+    /// The replica set each host that answered named in its last answer
+    /// (`None`: none), taken when no server could be selected.
+    pub(crate) set_names: Vec<(String, Option<String>)>,
 }
 
 impl Reach {
@@ -47,6 +53,27 @@ impl Reach {
         } else {
             words(&self.hosts)
         }
+    }
+
+    /// The hosts that answered as members of another replica set than the
+    /// connection string names (or of none), each with the set it named —
+    /// when no host answered as a member of the named one. Not empty: the
+    /// connection string cannot work as written, and no wait will help.
+    pub(crate) fn in_other_sets(&self) -> Vec<(&str, Option<&str>)> {
+        let Some(wanted) = self.replica_set.as_deref() else {
+            return Vec::new();
+        };
+        if self
+            .set_names
+            .iter()
+            .any(|(_, set)| set.as_deref() == Some(wanted))
+        {
+            return Vec::new();
+        }
+        self.set_names
+            .iter()
+            .map(|(host, set)| (host.as_str(), set.as_deref()))
+            .collect()
     }
 
     /// ` at HOST` when the connection has one host (a failure's host is
@@ -111,7 +138,14 @@ impl fmt::Display for Readable<'_> {
                  driver close its connections"
             ),
             ErrorKind::ServerSelection { .. } => match reach {
-                Some(reach) => unselectable(f, reach),
+                Some(reach) => match other_set(reach) {
+                    Some(other) => write!(
+                        f,
+                        "{other} (no server could be selected within {}, and none will be)",
+                        human_duration(reach.selection_timeout)
+                    ),
+                    None => unselectable(f, reach),
+                },
                 None => f.write_str(
                     "no server could be selected within the server selection timeout: is MongoDB \
                      running, and are the connection string's hosts right?",
@@ -174,11 +208,14 @@ pub(crate) enum Trouble {
     PermissionDenied,
     /// The server refused the operation for another reason.
     Refused,
+    /// The connection string cannot work as written (it names a replica
+    /// set its hosts do not belong to): the configuration must change.
+    Misconfigured,
 }
 
 /// What a driver error means to the person who asked, by kind and code.
 #[cfg(feature = "daemon")]
-pub(crate) fn trouble(err: &MongoError) -> Trouble {
+fn trouble(err: &MongoError) -> Trouble {
     if matches!(err.kind.as_ref(), ErrorKind::Authentication { .. })
         || matches!(
             super::server_code(err),
@@ -198,6 +235,19 @@ pub(crate) fn trouble(err: &MongoError) -> Trouble {
         | (_, super::ErrorClass::Transient) => Trouble::Unavailable,
         _ if matches!(err.kind.as_ref(), ErrorKind::DnsResolve { .. }) => Trouble::Unavailable,
         _ => Trouble::Refused,
+    }
+}
+
+/// [`trouble`], knowing where the operation went: no server selected
+/// because the hosts belong to another replica set than the connection
+/// string names is a configuration to fix, not an outage.
+#[cfg(feature = "daemon")]
+pub(crate) fn trouble_reaching(err: &MongoError, reach: Option<&Reach>) -> Trouble {
+    match (err.kind.as_ref(), reach) {
+        (ErrorKind::ServerSelection { .. }, Some(reach)) if !reach.in_other_sets().is_empty() => {
+            Trouble::Misconfigured
+        }
+        _ => trouble(err),
     }
 }
 
@@ -296,6 +346,29 @@ fn unselectable(f: &mut fmt::Formatter<'_>, reach: &Reach) -> fmt::Result {
         reach.hosts(),
         why_unreachable(reach)
     )
+}
+
+/// `the connection string names replica set rs0, but the server at HOST
+/// belongs to replica set other: …`, when [`Reach::in_other_sets`] says
+/// so.
+pub(crate) fn other_set(reach: &Reach) -> Option<String> {
+    let hosts = reach.in_other_sets();
+    if hosts.is_empty() {
+        return None;
+    }
+    let said: Vec<String> = hosts
+        .into_iter()
+        .map(|(host, set)| match set {
+            Some(set) => format!("{host} belongs to replica set {set}"),
+            None => format!("{host} belongs to no replica set"),
+        })
+        .collect();
+    Some(format!(
+        "the connection string names replica set {}, but the server at {}: correct the \
+         replicaSet option of the connection string",
+        reach.replica_set.as_deref().unwrap_or_default(),
+        words(&said),
+    ))
 }
 
 impl Reach {
@@ -494,7 +567,9 @@ mod tests {
             auth_source: Some("admin".into()),
             selection_timeout: Duration::from_secs(30),
             attempt_timeout: Duration::from_secs(60),
+            replica_set: None,
             unreachable: Vec::new(),
+            set_names: Vec::new(),
         }
     }
 
@@ -570,6 +645,32 @@ mod tests {
         assert_eq!(reach.hosts(), "a:1 and b:2");
         reach.unreachable.clear();
         assert!(why_unreachable(&reach).contains("is there a primary"));
+    }
+
+    /// A connection string naming a replica set its hosts do not belong
+    /// to: said as such (never "try again"), and only when no host answered
+    /// as a member of the named set.
+    #[test]
+    fn hosts_of_another_replica_set_are_named_with_their_set() {
+        let mut reach = one_host();
+        reach.set_names = vec![("db:27017".into(), Some("secantus".into()))];
+        assert_eq!(other_set(&reach), None, "no replicaSet named: no verdict");
+        reach.replica_set = Some("rs0".into());
+        assert_eq!(
+            other_set(&reach).unwrap(),
+            "the connection string names replica set rs0, but the server at db:27017 belongs to \
+             replica set secantus: correct the replicaSet option of the connection string"
+        );
+        reach.hosts = vec!["a:1".into(), "b:2".into()];
+        reach.set_names = vec![("a:1".into(), Some("x".into())), ("b:2".into(), None)];
+        assert!(other_set(&reach).unwrap().contains(
+            "the server at a:1 belongs to replica set x and b:2 belongs to no replica set"
+        ));
+        // One host of the named set answered: whatever fails, it is not this.
+        reach.set_names.push(("c:3".into(), Some("rs0".into())));
+        assert_eq!(other_set(&reach), None);
+        reach.set_names.clear();
+        assert_eq!(other_set(&reach), None, "no host answered: no verdict");
     }
 
     #[test]

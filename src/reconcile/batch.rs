@@ -100,7 +100,7 @@ async fn send_command(
             Ok(reply) => Reply::read(&reply)?,
             Err(err) => match budget.after_failure(err) {
                 Next::Retry => continue,
-                Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                Next::GiveUp(failure) => return Err(Error::Server(store.reached(failure))),
             },
         };
         outcome.modified += reply.modified;
@@ -136,7 +136,7 @@ async fn send_command(
                     .map(|(_, s)| s)
                     .collect();
             }
-            Next::GiveUp(failure) => return Err(Error::Server(failure)),
+            Next::GiveUp(failure) => return Err(Error::Server(store.reached(failure))),
         }
     }
 }

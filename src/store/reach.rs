@@ -13,9 +13,9 @@ use mongodb::event::sdam::SdamEvent;
 use mongodb::options::ClientOptions;
 
 use super::Store;
-use crate::error::Reach;
 #[cfg(feature = "daemon")]
 use crate::error::{Error, Readable};
+use crate::error::{Failure, Reach};
 
 /// Where a client built from `options` connects and as whom.
 pub(super) fn of(
@@ -36,40 +36,72 @@ pub(super) fn of(
         }),
         selection_timeout: server_selection_timeout,
         attempt_timeout,
+        replica_set: options.repl_set_name.clone(),
         unreachable: Vec::new(),
+        set_names: Vec::new(),
     }
 }
 
-/// The last heartbeat failure of each host that is failing them now, kept
-/// by the client's monitoring events: what a server-selection failure's
-/// message says about why.
+/// What the client's monitoring events say about each host, kept for the
+/// messages of failures: what a server-selection failure says about why.
 #[derive(Debug, Clone, Default)]
-pub(super) struct Heartbeats(Arc<Mutex<BTreeMap<String, MongoError>>>);
+pub(super) struct Heartbeats(Arc<Mutex<Monitored>>);
+
+#[derive(Debug, Default)]
+struct Monitored {
+    /// The last heartbeat failure of each host that is failing them now.
+    failures: BTreeMap<String, MongoError>,
+    /// The replica set each host named in its last answer (`None`: it
+    /// named none). A host that names another set than the connection
+    /// string is dropped by the driver, which then waits for server
+    /// selection in vain: this is how its message can say so.
+    set_names: BTreeMap<String, Option<String>>,
+}
 
 impl Heartbeats {
     /// Installs the recorder on `options` (replacing no handler: tally's
     /// clients have none).
     pub(super) fn record_from(&self, options: &mut ClientOptions) {
-        let failures = self.0.clone();
+        let monitored = self.0.clone();
         options.sdam_event_handler = Some(EventHandler::callback(move |event: SdamEvent| {
-            let mut failures = failures.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut monitored = monitored.lock().unwrap_or_else(PoisonError::into_inner);
             match event {
                 SdamEvent::ServerHeartbeatFailed(failed) => {
-                    failures.insert(failed.server_address.to_string(), failed.failure);
+                    let host = failed.server_address.to_string();
+                    monitored.failures.insert(host, failed.failure);
                 }
                 SdamEvent::ServerHeartbeatSucceeded(succeeded) => {
-                    failures.remove(&succeeded.server_address.to_string());
+                    let host = succeeded.server_address.to_string();
+                    monitored.failures.remove(&host);
+                    let set_name = succeeded.reply.get_str("setName").ok();
+                    if monitored.set_names.get(&host).map(Option::as_deref) != Some(set_name) {
+                        monitored
+                            .set_names
+                            .insert(host, set_name.map(str::to_owned));
+                    }
                 }
                 _ => {}
             }
         }));
     }
 
+    /// The hosts failing their heartbeats now, each with its last failure.
     pub(super) fn now(&self) -> Vec<(String, MongoError)> {
-        let failures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        failures
+        let monitored = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        monitored
+            .failures
             .iter()
             .map(|(h, e)| (h.clone(), e.clone()))
+            .collect()
+    }
+
+    /// The replica set each host that answered named in its last answer.
+    fn set_names(&self) -> Vec<(String, Option<String>)> {
+        let monitored = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        monitored
+            .set_names
+            .iter()
+            .map(|(h, s)| (h.clone(), s.clone()))
             .collect()
     }
 }
@@ -81,10 +113,21 @@ impl Store {
         match err.kind.as_ref() {
             ErrorKind::ServerSelection { .. } => Arc::new(Reach {
                 unreachable: self.inner.heartbeats.now(),
+                set_names: self.inner.heartbeats.set_names(),
                 ..Reach::clone(&self.inner.reach)
             }),
             _ => self.inner.reach.clone(),
         }
+    }
+
+    /// `failure`, naming where its operation went and — when no server
+    /// could be selected — why, as this store knows now: what a retry loop
+    /// returns when it gives up. (The exit code of a server selection that
+    /// failed because the hosts belong to another replica set depends on
+    /// it: a configuration to fix, not an outage.)
+    pub(crate) fn reached(&self, failure: Box<Failure>) -> Box<Failure> {
+        let reach = self.reach_for(&failure.source);
+        failure.with_reach(reach)
     }
 
     /// Where this store connects (hosts, user, timeouts): what `tallyd
@@ -115,6 +158,19 @@ impl Store {
             ..Reach::clone(&self.inner.reach)
         };
         self.scrub(&reach.unanswered(waited))
+    }
+
+    /// `the connection string names replica set rs0, but the server at
+    /// HOST belongs to replica set other: …` when the hosts that answered
+    /// belong to another set than the connection string names (so far):
+    /// what a caller waiting for the server says at once.
+    #[cfg(feature = "daemon")]
+    pub(crate) fn in_another_set(&self) -> Option<String> {
+        let reach = Reach {
+            set_names: self.inner.heartbeats.set_names(),
+            ..Reach::clone(&self.inner.reach)
+        };
+        crate::error::other_set(&reach).map(|said| self.scrub(&said))
     }
 
     /// Whether the driver's monitoring reached a server at its last try:

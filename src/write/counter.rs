@@ -423,7 +423,9 @@ impl Counters {
                 Ok(_) => return Ok(()),
                 Err(err) => match budget.after_failure(err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(Stopped::GaveUp(failure)),
+                    Next::GiveUp(failure) => {
+                        return Err(Stopped::GaveUp(self.store.reached(failure)));
+                    }
                 },
             }
         }

@@ -590,6 +590,34 @@ async fn a_replica_set_name_that_does_not_match_is_a_configuration_to_fix() {
     assert!(!shown.contains("try again"), "{shown}");
 }
 
+/// A command waiting for a server whose hosts belong to another replica
+/// set says so on standard error as soon as they answer (from 2 s on),
+/// once, not only when server selection gives up — and not "still trying".
+#[tokio::test]
+async fn a_replica_set_name_that_does_not_match_is_said_while_waiting() {
+    let ctx = TestContext::new("errors_set_name_wait").await;
+    if external() {
+        return; // the test server's set name is known; a real one's is not
+    }
+    let server = ctx.uri.split('/').nth(2).unwrap().to_owned();
+    let uri = format!("mongodb://{server}/?replicaSet=not-this-set");
+    let config = format!(
+        "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"4s\"\n\
+         [[collections]]\nname = \"views\"\n",
+        ctx.db_name
+    );
+    let output = run(&config, &["incr", "k"]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(78), "{stderr}");
+    let said: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("tallyd: the connection string names replica set"))
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(said[0].contains("waiting will not help"), "{stderr}");
+    assert!(!stderr.contains("still trying"), "{stderr}");
+}
+
 /// `--json` answers in JSON whatever failed: a bad configuration, as a
 /// collection not configured does, prints `{"outcome": "error", "error":
 /// …}` on standard output (errors.md: "when the command failed before any

@@ -212,7 +212,7 @@ pub(super) async fn send(
                 match budget.after_failure(err.clone()) {
                     Next::Retry => continue,
                     Next::GiveUp(failure) => {
-                        let failure = Error::Server(failure);
+                        let failure = Error::Server(store.reached(failure));
                         for i in left.drain(..) {
                             outcomes[i] =
                                 Some(items[i].undecided(maybe_applied[i], ns, failure.clone()));
@@ -233,7 +233,7 @@ pub(super) async fn send(
                 }
             }
             Next::GiveUp(failure) => {
-                let failure = Error::Server(failure);
+                let failure = Error::Server(store.reached(failure));
                 for i in left.drain(..) {
                     let maybe = maybe_applied[i] || effect != Effect::NotApplied;
                     outcomes[i] = Some(items[i].undecided(maybe, ns, failure.clone()));
