@@ -89,7 +89,7 @@ impl Site {
             Self::Record | Self::RecordMany => ("insert", "_events", 1),
             Self::Survey => ("aggregate", "_events", 1),
             Self::Intent => ("insert", "_events_fold", 1),
-            Self::Sum => ("aggregate", "_events", 2),
+            Self::Sum => ("aggregate", "_events", 3),
             Self::Apply => ("update", "", 1),
             Self::Commit => ("update", "_events_fold", 1),
         }
@@ -129,11 +129,12 @@ fn expected(site: Site, fault: Fault) -> Expected {
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The survey and the sum are reads, retried once; a survey refused
-        // stops the pass. The survey's counts include the backlog's survey
-        // after the pass (an aggregate that does not count events per
-        // counter).
-        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 3, 3),
-        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
+        // stops the pass. The survey is a seek for anything above the
+        // lane's folded number (the faulted request), then a probe of the
+        // last moments; its counts include the backlog's survey after the
+        // pass (aggregates that do not count events per counter).
+        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 4, 4),
+        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 4, 3),
         (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Survey, CommandError) => ("failed (command)", 1, 0),

@@ -117,9 +117,9 @@ async fn setup_record_get_and_status_from_the_command_line() {
     let conflict = run(vec!["record", "evt_1", "home", "--json"]).await;
     assert_eq!(conflict.status.code(), Some(1));
     assert_eq!(json(&conflict)["outcome"], "conflict");
+    // A zero amount is a usage error, before anything connects.
     let zero = run(vec!["record", "evt_2", "home", "--by", "0", "--json"]).await;
-    assert_eq!(zero.status.code(), Some(1));
-    assert_eq!(json(&zero)["outcome"], "not_recorded");
+    assert_eq!(zero.status.code(), Some(64), "{}", text(&zero));
 
     let got = run(vec!["get", "home", "--json"]).await;
     assert_eq!(got.status.code(), Some(0), "{}", text(&got));
