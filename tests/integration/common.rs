@@ -8,6 +8,7 @@ pub mod proxy;
 #[allow(dead_code)]
 pub mod receiver;
 pub mod server;
+pub mod shown;
 pub mod tallyd;
 
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};

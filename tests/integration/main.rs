@@ -33,6 +33,7 @@ mod review_lanes;
 mod review_ledger;
 mod sequence;
 mod settle;
+mod shown_book;
 mod shown_commands;
 mod shown_configs;
 mod soak;

@@ -7,32 +7,9 @@
 //! `run` are left out (CI runs the scripts; the daemon has tests of its
 //! own).
 
-use std::path::Path;
-use std::process::Output;
-
 use crate::common::TestContext;
 use crate::common::server::repo_root;
-
-/// The ```sh blocks of a Markdown file, in order.
-fn shell_blocks(markdown: &str) -> Vec<String> {
-    let mut blocks = Vec::new();
-    let mut open: Option<String> = None;
-    for line in markdown.lines() {
-        match &mut open {
-            None if line.trim_start() == "```sh" => open = Some(String::new()),
-            Some(block) if line.trim_start().starts_with("```") => {
-                blocks.push(std::mem::take(block));
-                open = None;
-            }
-            Some(block) => {
-                block.push_str(line);
-                block.push('\n');
-            }
-            None => {}
-        }
-    }
-    blocks
-}
+use crate::common::shown::{Fenced, fenced_blocks, local_config, run_tallyd};
 
 /// One step of a block: a file written with a here-document, or a command.
 #[derive(Debug)]
@@ -48,10 +25,10 @@ enum Step {
 }
 
 /// The steps of the blocks that can run here, in order.
-fn runnable_steps(blocks: &[String]) -> Vec<Step> {
+fn runnable_steps(blocks: &[Fenced]) -> Vec<Step> {
     let mut steps = Vec::new();
     for block in blocks {
-        let mut lines = block.lines();
+        let mut lines = block.text.lines();
         while let Some(line) = lines.next() {
             if let Some(rest) = line.strip_prefix("cat > ") {
                 let (file, marker) = rest.split_once(" <<").expect("a here-document");
@@ -83,20 +60,11 @@ fn runnable_steps(blocks: &[String]) -> Vec<Step> {
     steps
 }
 
-fn run(dir: &Path, args: &[String]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
-        .current_dir(dir)
-        .env_clear()
-        .args(args)
-        .output()
-        .expect("run tallyd")
-}
-
 #[tokio::test]
 async fn the_readmes_quick_start_runs_as_written() {
     let ctx = TestContext::new("readme_quick_start").await;
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    let steps = runnable_steps(&shell_blocks(&readme));
+    let steps = runnable_steps(&fenced_blocks(&readme, "sh"));
     let commands = steps
         .iter()
         .filter(|s| matches!(s, Step::Tallyd { .. }))
@@ -106,21 +74,13 @@ async fn the_readmes_quick_start_runs_as_written() {
         "the quick start writes its configuration, then runs tallyd: {steps:?}"
     );
     let dir = tempfile::tempdir().unwrap();
-    let shown_uri = "uri = \"mongodb://127.0.0.1:27017/?directConnection=true\"";
     for step in &steps {
         match step {
             Step::Write { file, text } => {
-                assert!(text.contains(shown_uri), "{text}");
-                let text = text
-                    .replace(shown_uri, &format!("uri = \"{}\"", ctx.child_uri(false)))
-                    .replace(
-                        "database = \"app\"",
-                        &format!("database = \"{}\"", ctx.db_name),
-                    );
-                std::fs::write(dir.path().join(file), text).unwrap();
+                std::fs::write(dir.path().join(file), local_config(&ctx, text)).unwrap();
             }
             Step::Tallyd { args, shows } => {
-                let output = run(dir.path(), args);
+                let output = run_tallyd(dir.path(), args, &[], "");
                 let stdout = String::from_utf8_lossy(&output.stdout);
                 let stderr = String::from_utf8_lossy(&output.stderr);
                 assert_eq!(

@@ -8,10 +8,11 @@
 //! configuration (say `[writer]` alone) is checked on top of the smallest
 //! whole one: a `[mongodb]` section and one collection, where it has none.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::cli::{tallyd, text, write_config};
 use crate::common::server::repo_root;
+use crate::common::shown::{book_pages, fenced_blocks};
 
 /// The sections `tallyd` reads: a block with any other top-level key is
 /// no configuration of its (a Cargo manifest).
@@ -39,32 +40,13 @@ struct Shown {
 /// The ```toml blocks of a Markdown file, each with its line number.
 fn toml_blocks(path: &Path) -> Vec<Shown> {
     let markdown = std::fs::read_to_string(path).unwrap();
-    let mut blocks = Vec::new();
-    let mut open: Option<(usize, String)> = None;
-    for (i, line) in markdown.lines().enumerate() {
-        let fence = line.trim_start();
-        match &mut open {
-            None if fence.starts_with("```toml") => open = Some((i + 1, String::new())),
-            Some((start, text)) if fence.starts_with("```") => {
-                blocks.push(Shown {
-                    place: format!("{}:{start}", relative(path)),
-                    text: std::mem::take(text),
-                });
-                open = None;
-            }
-            Some((_, text)) => {
-                text.push_str(line);
-                text.push('\n');
-            }
-            None => {}
-        }
-    }
-    assert!(
-        open.is_none(),
-        "{}: a ```toml block is never closed",
-        relative(path)
-    );
-    blocks
+    fenced_blocks(&markdown, "toml")
+        .into_iter()
+        .map(|block| Shown {
+            place: format!("{}:{}", relative(path), block.line),
+            text: block.text,
+        })
+        .collect()
 }
 
 fn relative(path: &Path) -> String {
@@ -72,21 +54,6 @@ fn relative(path: &Path) -> String {
         .unwrap_or(path)
         .display()
         .to_string()
-}
-
-/// Every Markdown file of the book, recursively.
-fn book_pages(dir: &Path, pages: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            book_pages(&path, pages);
-        } else if path.extension().is_some_and(|e| e == "md") {
-            pages.push(path);
-        }
-    }
 }
 
 /// The demo's configuration: the here-document `scripts/demo` writes, with
