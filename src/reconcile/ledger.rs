@@ -466,6 +466,10 @@ impl EventFold {
             .await?;
         match folded {
             None => Ok(()),
+            // Another fold made the state and applied its first pass since
+            // this one read the state: not lost (this fold's intent then
+            // meets the state it made, and stands back).
+            Some(_) if state::read(&self.store, &self.state).await?.exists => Ok(()),
             Some(counter) => {
                 let id = counter.get("_id").map_or_else(String::new, display_id);
                 let evidence = format!("counter {id} of {} holds a fold pass", spec.name);

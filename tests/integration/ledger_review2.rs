@@ -168,3 +168,56 @@ async fn two_folds_of_one_ledger_at_once_count_every_event_once() {
         );
     }
 }
+
+/// Two folds of a fresh ledger, one a step behind (seen under load in the
+/// suite, made certain here by the proxy): fold A reads no state document
+/// and its survey is held up in the network; fold B makes the state and
+/// applies its pass; A's check for a lost state then finds a counter
+/// holding a fold pass. The state is there — another fold made it — so A
+/// must not refuse with `FoldStateLost` (an alert, a failed run, a page
+/// for an operator); it stands back or folds, and every event counts once.
+#[tokio::test]
+async fn a_fold_a_step_behind_anothers_first_pass_is_not_told_its_state_was_lost() {
+    use crate::common::proxy::{Action, Release, Rule};
+    use crate::ledger::{fold_of, ledger_through_proxy};
+    use tokio_util::sync::CancellationToken;
+
+    let ctx = TestContext::new("ledger_review2_first_pass_race").await;
+    let direct = ctx.client(false).await;
+    let (proxy, recorder) = ledger_through_proxy(&ctx).await;
+    assert_outcome(&recorder.record("e1", "a", 1).await, "recorded");
+    let through = ctx.client_through(&proxy, false).await;
+    let behind = fold_of(&through.store(), "views");
+    let ahead = fold_of(&direct.store(), "views");
+    let _held = proxy.rule(
+        Rule::command("aggregate")
+            .collection("views_events")
+            .nth(1)
+            .then(Action::HoldRequest(Release::WhenReleased)),
+    );
+    let stop = CancellationToken::new();
+    let late = tokio::spawn({
+        let stop = stop.clone();
+        async move { behind.fold(SystemTime::now(), &stop).await }
+    });
+    proxy
+        .wait_until("fold A's survey is held", Duration::from_secs(10), |log| {
+            log.iter()
+                .any(|e| e.command.as_deref() == Some("aggregate") && !e.reached_server)
+        })
+        .await;
+    ahead
+        .fold(SystemTime::now(), &stop)
+        .await
+        .expect("fold B's first pass");
+    proxy.release_held().await;
+    let run = late.await.unwrap();
+    assert!(
+        run.is_ok(),
+        "fold A, a step behind, was told the state was lost: {run:?}"
+    );
+    assert_eq!(
+        crate::common::counter(&direct.collection("views"), "a").await,
+        1
+    );
+}
