@@ -56,6 +56,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::error::human_duration;
 use crate::reconcile::FoldTarget;
+use crate::redact::Secrets;
 use crate::store::Store;
 use alert::{AlertLedger, AlertOptions, Alerts};
 use clock::{Clock, LastSkew};
@@ -130,7 +131,6 @@ pub(crate) async fn run(
     let schedule =
         Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
     let secrets = config.secrets();
-    let metrics = kept.metrics.clone();
     let tracker = TaskTracker::new();
     let listener = bind(&config).await?;
     tracing::info!(listen = %config.http.listen, "serving /metrics, /healthz, /readyz");
@@ -138,14 +138,38 @@ pub(crate) async fn run(
     let store = Store::connect(&config.mongodb)
         .await
         .map_err(|err| DaemonError::Start(secrets.scrub(&err.to_string())))?;
-    let state = State::new(&store, &config.daemon.state_collection);
+    let served = serve(
+        &config, kept, &shutdown, &store, schedule, tracker, listener, secrets,
+    )
+    .await;
+    // Every task and handle of the run is gone: the client closes its
+    // connections before the runtime goes (a driver task left behind by a
+    // dropped client can panic on a closed pool at the runtime's end).
+    store.shutdown().await;
+    served
+}
+
+/// The daemon's work on `store`, from the first contact to the drain.
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    config: &Config,
+    kept: Kept,
+    shutdown: &CancellationToken,
+    store: &Store,
+    schedule: Schedule,
+    tracker: TaskTracker,
+    listener: TcpListener,
+    secrets: Secrets,
+) -> Result<Drained, DaemonError> {
+    let metrics = kept.metrics.clone();
+    let state = State::new(store, &config.daemon.state_collection);
     // Not active before MongoDB answered: with `[ha]` the lease keeper says
     // so once the lease is taken; without it, this instance becomes active
     // at the first contact. The sender of the fixed role lives as long as
     // this function, so watchers see a steady channel.
     metrics.lease_active.set(0);
     let (fixed_role, role) = if config.ha.enabled {
-        let lease = Lease::new(&store, &state, &config.ha.instance, config.ha.lease_ttl);
+        let lease = Lease::new(store, &state, &config.ha.instance, config.ha.lease_ttl);
         (
             None,
             lease.keep(metrics.clone(), &tracker, shutdown.clone()),
@@ -155,7 +179,7 @@ pub(crate) async fn run(
         (Some(sender), receiver)
     };
     let skew = LastSkew::default();
-    let margins = clock::margins(&config);
+    let margins = clock::margins(config);
     if let Some(tightest) = margins.first() {
         metrics.clock_skew_margin.set(tightest.margin.as_secs_f64());
     }
@@ -167,16 +191,16 @@ pub(crate) async fn run(
         shutdown.clone(),
     ));
 
-    let reached = match readiness.first_contact(&store, &secrets, &shutdown).await {
+    let reached = match readiness.first_contact(store, &secrets, shutdown).await {
         Ok(reached) => reached,
         Err(err) => {
             shutdown.cancel();
-            drain(tracker, &config, "at start").await;
+            drain(tracker, config, "at start").await;
             return Err(err);
         }
     };
     if !reached {
-        return Ok(drain(tracker, &config, "before MongoDB answered").await);
+        return Ok(drain(tracker, config, "before MongoDB answered").await);
     }
     if let Some(fixed) = &fixed_role {
         fixed.send_replace(Role::Active);
@@ -210,20 +234,20 @@ pub(crate) async fn run(
     );
     alerts.resolve_unless(|name| targets.iter().any(|t| t.spec.name == name));
     let monitor = Monitor::start(
-        &store,
+        store,
         &state,
         &targets,
         config.monitor,
         &metrics,
         &tracker,
-        &shutdown,
+        shutdown,
         config.daemon.shutdown_timeout,
     );
 
-    let reconciler = config.reconciler(&store);
+    let reconciler = config.reconciler(store);
     ledger::start(
         &reconciler,
-        &store,
+        store,
         &state,
         &targets,
         ledger::Timing {
@@ -236,7 +260,7 @@ pub(crate) async fn run(
         &alerts,
         &role,
         &tracker,
-        &shutdown,
+        shutdown,
     );
 
     let (requests, inbox) = mpsc::channel::<Request>(16);
@@ -292,7 +316,7 @@ pub(crate) async fn run(
     tracker.spawn(evaluator.run(shutdown.clone()));
 
     shutdown.cancelled().await;
-    let mut drained = drain(tracker, &config, "at shutdown").await;
+    let mut drained = drain(tracker, config, "at shutdown").await;
     for name in monitor.unsaved() {
         drained
             .not_done
