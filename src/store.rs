@@ -326,9 +326,9 @@ impl Store {
             budget.start_attempt();
             match self.attempt(operation()).await {
                 Ok(value) => return Ok(value),
-                Err(err) => match budget.after_failure(err) {
+                Err(err) => match self.after_failure(budget, err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => return Err(self.reached(failure)),
+                    Next::GiveUp(failure) => return Err(failure),
                 },
             }
         }

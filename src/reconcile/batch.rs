@@ -98,9 +98,9 @@ async fn send_command(
         budget.start_attempt();
         let reply = match store.attempt(store.database().run_command(command)).await {
             Ok(reply) => Reply::read(&reply)?,
-            Err(err) => match budget.after_failure(err) {
+            Err(err) => match store.after_failure(&mut budget, err) {
                 Next::Retry => continue,
-                Next::GiveUp(failure) => return Err(Error::Server(store.reached(failure))),
+                Next::GiveUp(failure) => return Err(Error::Server(failure)),
             },
         };
         outcome.modified += reply.modified;
@@ -127,7 +127,7 @@ async fn send_command(
         let Some(error) = failure else {
             return Ok(());
         };
-        match budget.after_failure(error) {
+        match store.after_failure(&mut budget, error) {
             Next::Retry => {
                 live = live
                     .into_iter()
@@ -136,7 +136,7 @@ async fn send_command(
                     .map(|(_, s)| s)
                     .collect();
             }
-            Next::GiveUp(failure) => return Err(Error::Server(store.reached(failure))),
+            Next::GiveUp(failure) => return Err(Error::Server(failure)),
         }
     }
 }

@@ -15,7 +15,7 @@ use mongodb::options::ClientOptions;
 use super::Store;
 #[cfg(feature = "daemon")]
 use crate::error::{Error, Readable};
-use crate::error::{Failure, Reach};
+use crate::error::{Failure, Next, Reach, RetryBudget};
 
 /// Where a client built from `options` connects and as whom.
 pub(super) fn of(
@@ -125,9 +125,19 @@ impl Store {
     /// returns when it gives up. (The exit code of a server selection that
     /// failed because the hosts belong to another replica set depends on
     /// it: a configuration to fix, not an outage.)
-    pub(crate) fn reached(&self, failure: Box<Failure>) -> Box<Failure> {
+    fn reached(&self, failure: Box<Failure>) -> Box<Failure> {
         let reach = self.reach_for(&failure.source);
         failure.with_reach(reach)
+    }
+
+    /// `budget`'s verdict on a failed attempt of an operation on this
+    /// store: every retry loop asks here, so a give-up names where its
+    /// operation went ([`Store::reached`]).
+    pub(crate) fn after_failure(&self, budget: &mut RetryBudget, err: MongoError) -> Next {
+        match budget.after_failure(err) {
+            Next::GiveUp(failure) => Next::GiveUp(self.reached(failure)),
+            retry => retry,
+        }
     }
 
     /// Where this store connects (hosts, user, timeouts): what `tallyd

@@ -421,11 +421,9 @@ impl Counters {
                 .await;
             match result {
                 Ok(_) => return Ok(()),
-                Err(err) => match budget.after_failure(err) {
+                Err(err) => match self.store.after_failure(budget, err) {
                     Next::Retry => continue,
-                    Next::GiveUp(failure) => {
-                        return Err(Stopped::GaveUp(self.store.reached(failure)));
-                    }
+                    Next::GiveUp(failure) => return Err(Stopped::GaveUp(failure)),
                 },
             }
         }

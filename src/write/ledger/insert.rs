@@ -209,10 +209,10 @@ pub(super) async fn send(
             }
             left.extend(rest.into_iter().filter(|&i| outcomes[i].is_none()));
             if unconfirmed {
-                match budget.after_failure(err.clone()) {
+                match store.after_failure(&mut budget, err.clone()) {
                     Next::Retry => continue,
                     Next::GiveUp(failure) => {
-                        let failure = Error::Server(store.reached(failure));
+                        let failure = Error::Server(failure);
                         for i in left.drain(..) {
                             outcomes[i] =
                                 Some(items[i].undecided(maybe_applied[i], ns, failure.clone()));
@@ -226,14 +226,14 @@ pub(super) async fn send(
             continue;
         }
         let effect = Facts::of(&err).effect();
-        match budget.after_failure(err.clone()) {
+        match store.after_failure(&mut budget, err.clone()) {
             Next::Retry => {
                 if effect != Effect::NotApplied {
                     left.iter().for_each(|&i| maybe_applied[i] = true);
                 }
             }
             Next::GiveUp(failure) => {
-                let failure = Error::Server(store.reached(failure));
+                let failure = Error::Server(failure);
                 for i in left.drain(..) {
                     let maybe = maybe_applied[i] || effect != Effect::NotApplied;
                     outcomes[i] = Some(items[i].undecided(maybe, ns, failure.clone()));
