@@ -34,7 +34,7 @@ use crate::common::tallyd::Tallyd;
 use crate::daemon::Conf;
 use crate::soak::{ATTEMPT, Claim, DELAY, Rig, counters, fold_out_and_stop, seed};
 use crate::soak_lanes::{
-    LaneClaim, agrees, applied_lane_updates, lanes_pruned, reached, resume_elsewhere,
+    LaneClaim, applied_lane_updates, judge_lane_claims, lanes_pruned, resume_elsewhere,
 };
 
 const AT_ONCE: usize = 8;
@@ -172,23 +172,7 @@ async fn writer_processes_in_groups_killed_and_resumed_elsewhere_count_exactly_o
         }
     }
     let mut told: HashMap<(&str, Claim), usize> = HashMap::new();
-    for c in &claims {
-        let applied = lanes
-            .get(&c.key)
-            .is_some_and(|l| l.contains_key(&(c.lane.clone(), c.position)));
-        *told.entry((c.by, c.claim)).or_default() += 1;
-        if !agrees(c.claim, applied) {
-            wrong.push(format!(
-                "{}: lane {} s = {} was {:?} by {}, but its update {}",
-                c.key,
-                c.lane,
-                c.position,
-                c.claim,
-                c.by,
-                reached(applied)
-            ));
-        }
-    }
+    judge_lane_claims(&claims, &lanes, &mut told, &mut wrong);
     // Lane entries: one per writer process that wrote the counter, plus
     // one per unknown outcome (its counter's fresh lane), at most.
     let bound = started_processes + unknown.len();

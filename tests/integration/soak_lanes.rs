@@ -223,23 +223,7 @@ async fn lane_and_two_step_writers_killed_processes_and_pruning_count_exactly_on
             ));
         }
     }
-    for c in &lane_claims {
-        let applied = lanes
-            .get(&c.key)
-            .is_some_and(|l| l.contains_key(&(c.lane.clone(), c.position)));
-        *told.entry((c.by, c.claim)).or_default() += 1;
-        if !agrees(c.claim, applied) {
-            wrong.push(format!(
-                "{}: lane {} s = {} was {:?} by {}, but its update {}",
-                c.key,
-                c.lane,
-                c.position,
-                c.claim,
-                c.by,
-                reached(applied)
-            ));
-        }
-    }
+    judge_lane_claims(&lane_claims, &lanes, &mut told, &mut wrong);
     let faulted = log.iter().filter(|e| e.action.is_some()).count();
     let updates = log
         .iter()
@@ -441,6 +425,34 @@ async fn run(
     let out = serde_json::from_str(stdout.trim())
         .unwrap_or_else(|err| panic!("{args:?} printed no JSON ({err}): {stdout}{stderr}"));
     Some((code, out))
+}
+
+/// Judges what each lane caller was told against `lanes` (what reached the
+/// server, from the proxy's log): counts the claims by caller and outcome
+/// in `told`, and adds each claim the log contradicts to `wrong`.
+pub(crate) fn judge_lane_claims<'a>(
+    claims: &'a [LaneClaim],
+    lanes: &HashMap<String, HashMap<(String, i64), i64>>,
+    told: &mut HashMap<(&'a str, Claim), usize>,
+    wrong: &mut Vec<String>,
+) {
+    for c in claims {
+        let applied = lanes
+            .get(&c.key)
+            .is_some_and(|l| l.contains_key(&(c.lane.clone(), c.position)));
+        *told.entry((c.by, c.claim)).or_default() += 1;
+        if !agrees(c.claim, applied) {
+            wrong.push(format!(
+                "{}: lane {} s = {} was {:?} by {}, but its update {}",
+                c.key,
+                c.lane,
+                c.position,
+                c.claim,
+                c.by,
+                reached(applied)
+            ));
+        }
+    }
 }
 
 /// For each key, the lane increments — (lane, position) → amount — some
