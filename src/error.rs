@@ -513,15 +513,27 @@ pub enum Error {
         reason: String,
     },
 
-    /// An exact read of a counter found it changing between its reads
-    /// every time (a fold or a writer landing in between): nothing is
-    /// wrong, read again.
-    #[error("counter {key} changed during each of {rounds} exact reads; read again")]
-    ReadContended {
+    /// An exact read's value does not fit an int64: the counter and its
+    /// recorded events not folded yet add up past 2^63. Nothing was
+    /// changed; the fold will hold the sum that does not fit.
+    #[error("counter {key}: its value and its unfolded events add up past 2^63")]
+    ExactValueTooLarge {
         /// The counter's `_id`, as shown in logs.
         key: String,
-        /// How many consistent reads were tried.
-        rounds: u32,
+    },
+
+    /// A fold pass stopped before it committed because it was no longer
+    /// its fold's: its lease ran out (the server was unreachable too long)
+    /// or another fold took it over. Nothing is lost: the pass is resumed
+    /// by whichever fold holds it, and applying it again is a no-op.
+    #[error("fold pass {pass} of {events} stopped: {why}; it is resumed by the next pass")]
+    FoldPassLost {
+        /// The events collection.
+        events: String,
+        /// The pass.
+        pass: i64,
+        /// What happened.
+        why: String,
     },
 
     /// An events collection lacks the indexes its ledger's fold needs

@@ -275,6 +275,10 @@ impl LedgerFolder {
                     .events_folded
                     .with_label_values(&[name])
                     .inc_by(run.events_folded);
+                self.metrics
+                    .events_fold_state_bytes
+                    .with_label_values(&[name])
+                    .set(i64::try_from(run.state_bytes).unwrap_or(i64::MAX));
                 if run.events_folded > 0 || run.recovered || run.events_deleted > 0 {
                     tracing::debug!(
                         collection = name,

@@ -91,6 +91,10 @@ pub(crate) struct Inner {
     /// `tally_events_held{collection}`: sums counters refused, held in the
     /// ledger's fold state until they accept them.
     pub(crate) events_held: IntGaugeVec,
+    /// `tally_events_fold_state_bytes{collection}`: the size of the
+    /// ledger's fold state document, as the last pass read it (a watermark
+    /// and the held sums: it does not grow with time or recorders).
+    pub(crate) events_fold_state_bytes: IntGaugeVec,
     /// `tally_events_stream_up{collection}`: 1 while the change stream on
     /// the ledger's events collection is open (the periodic pass folds
     /// either way).
@@ -292,6 +296,12 @@ impl Metrics {
                 &registry,
                 "tally_events_backlog",
                 "Recorded events not folded yet",
+                collection,
+            ),
+            events_fold_state_bytes: gauge_vec(
+                &registry,
+                "tally_events_fold_state_bytes",
+                "Size in bytes of the ledger's fold state document",
                 collection,
             ),
             events_fold_lag: float_vec(

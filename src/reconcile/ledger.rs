@@ -3,63 +3,62 @@
 //! [`EventFold`].
 //!
 //! The events collection is an append-only log: the fold never writes an
-//! event. It keeps, in one state document per ledger (`<events>_fold`, see
-//! `write::ledger::state`), per recorder lane `L` the highest number folded,
-//! `M_L`: "folded" is `s ≤ M_L`.
+//! event. Event numbers are the server's time (the recorder reads the
+//! server's clock when it mints a lane, see `write::ledger::recorder`).
+//! The fold keeps one **watermark** `W` in its state document
+//! (`<events>_fold`, see `write::ledger::state`): every event numbered at
+//! or below it is folded, every event above it is not.
 //!
-//! **What the fold stands on.** A recorder has one insert in flight per
-//! lane, sends a lane's events in number order (ordered inserts) and
-//! retires the lane after an insert whose outcome is unknown. So a lane's
-//! events become visible in number order: every event below the highest
-//! number the fold sees on a lane (reading at majority) is visible to it,
-//! and stays so. A range `(M_L, M'_L]` read once is read the same way
-//! again — events are never updated — which is what lets a pass be applied
-//! twice.
+//! **What the fold stands on: the floor.** Before a pass reads the events
+//! of `(W, W']`, it raises the events collection's floor — a validator
+//! refusing every event numbered at or below `W'` (`write::ledger::floor`)
+//! — at write concern `majority`. From then on no event of the range can
+//! land, and every one that landed is visible: the range read once is the
+//! range for good, which is what lets a pass be applied twice. A recorder
+//! whose insert meets the floor wrote nothing and numbers it again above.
 //!
 //! **A pass** ([`EventFold::fold`]):
 //!
-//! 1. **Survey.** For each registered lane (recorders register a lane
-//!    before its first insert), the highest number visible above `M_L`:
-//!    the range's end `M'_L` — one index range per live lane, the lanes at
-//!    once (the last moments' events first: `query::highest`).
-//! 2. **Intent.** One conditioned write records the pass `P = pass + 1`,
-//!    the ranges `(M_L, M'_L]`, its owner and a deadline (renewed while it
-//!    works), conditioned on the state's version: two folds never record
-//!    the same pass.
-//! 3. **Sums** on the server: each range's events `$group`ed by counter.
+//! 1. **Intent.** When events wait in `(W, W']` (`W'` is the server's
+//!    clock when the pass began: it folds everything numbered before) or
+//!    sums are held, one conditioned
+//!    write records the pass `P = pass + 1`, its range, its owner and a
+//!    deadline (renewed while it works), conditioned on the state's
+//!    version: two folds never record the same pass.
+//! 2. **Floor** raised to `W'`.
+//! 3. **Sums** on the server: the range's events `$group`ed by counter.
 //! 4. **Apply.** Each counter's sum goes through the ledger's fold lane —
 //!    the named lane `fold:<events collection>` of the lanes protocol
-//!    (see `write::lane`), never pruned — at position `P`: a counter that has the
-//!    pass already ignores it, so applying a pass again is a no-op. A
-//!    counter the server refuses is held (see `held`), never stopping the
-//!    others.
+//!    (see `write::lane`), never pruned — at position `P`: a counter that
+//!    has the pass already ignores it, so applying a pass again is a
+//!    no-op. A counter the server refuses is held (see `held`), never
+//!    stopping the others.
 //! 5. **Commit.** One conditioned write (on the intent still being ours)
-//!    advances `M_L` to `M'_L`, stores the held sums and drops the intent.
+//!    moves `W` to `W'`, stores the held sums and drops the intent.
 //!
-//! Writes per pass: the intent and the commit, plus one update per counter.
+//! Writes per pass: the intent, the floor and the commit, plus one update
+//! per counter — never one per event, and nothing per recorder. A pass
+//! reads what arrived since the last one; an idle pass is one read of the
+//! state and one index seek.
 //!
 //! **Recovery.** A pass left unfinished (a crash, a failure) is resumed by
 //! the next pass of the same fold, or taken over by another fold once its
 //! deadline plus one attempt has passed; either re-applies it exactly: the
-//! same ranges give the same sums, at the same position. A resumed pass
+//! same range gives the same sums, at the same position. A resumed pass
 //! marks every sum it holds as possibly applied (its earlier owner may have
 //! sent it), so none is merged with another (`held`'s rule).
 //!
-//! **Sealing and deletion.** A recorder uses a lane for at most an hour
-//! (`LANE_SPAN`, plus a grace for the insert in flight); the fold keeps
-//! surveying a registered lane until no insert on it can land any more,
-//! then seals it (dates its registration, by the fold's clock) after a pass
-//! that surveyed it. The sweep (`sweep`) finds inserts that land on a
-//! sealed lane all the same, and deletes a sealed lane's events once
-//! folded and `event_retention` past its seal — late and in bulk; the lane
-//! then leaves the state. There is no TTL index. The window has a floor,
-//! the writers' retry horizon plus one attempt plus a margin
-//! ([`retention_floor`]): a resend of an event never finds its key
+//! **Deletion.** The sweep deletes the events numbered at or below both
+//! `W` and the server's clock less `event_retention`: folded, and past the
+//! dedupe window, dated by the server's clock. There is no TTL index. The
+//! window has a floor, the writers' retry horizon plus one attempt plus a
+//! margin ([`retention_floor`]): a resend of an event never finds its key
 //! forgotten.
 //!
 //! **A lost state** (`<events>_fold` dropped) is refused, never folded
-//! over: see `EventFold::check_lanes_registered` and
-//! `EventFold::check_no_counter_folded`.
+//! over: the events collection's floor, or a counter's fold lane position,
+//! shows the state existed (`EventFold::check_no_floor`,
+//! `EventFold::check_no_counter_folded`).
 
 mod held;
 mod pass;
@@ -79,17 +78,11 @@ use crate::error::Error;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::LaneName;
-use crate::write::ledger::{
-    DEFAULT_EVENT_RETENTION, LANE_SPAN, field, fold_lane, folded_numbers, index, state,
-};
+use crate::write::ledger::{DEFAULT_EVENT_RETENTION, floor, fold_lane, index, state};
 pub(crate) use reconciler::Folds;
 
 /// How many counters a pass applies at once.
 const APPLY_CONCURRENCY: usize = 16;
-
-/// How many times a fold with no state document reads the registrations
-/// again while recorders register new lanes under it.
-const CHECK_ROUNDS: usize = 5;
 
 /// The part of the dedupe window's floor beyond the retry horizon and one
 /// attempt: room for the fold's lag and the clocks.
@@ -138,8 +131,8 @@ pub struct EventFoldSettings {
     /// owner last renewed it. Renewed every third of it. Default: 30
     /// seconds.
     pub lease: Duration,
-    /// How often a fold deletes old folded events and seals lanes' state
-    /// (the sweep). Default: 10 minutes.
+    /// How often a fold deletes old folded events (the sweep). Default: 10
+    /// minutes.
     pub sweep_every: Duration,
 }
 
@@ -202,10 +195,10 @@ pub struct HeldSum {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Backlog {
-    /// Recorded events above their lanes' folded numbers.
+    /// Recorded events not folded yet (numbered above the watermark).
     pub events: u64,
-    /// The oldest of them's age (by its number, the recorder's clock,
-    /// against `now`).
+    /// The oldest of them's age (by its number, the server's clock, against
+    /// `now`).
     pub oldest_age: Option<Duration>,
     /// The sums counters refused, with their counters.
     pub held: Vec<HeldSum>,
@@ -263,8 +256,8 @@ pub struct EventsRun {
     pub counters_written: u64,
     /// Events whose amount is not an integer: reported, left out.
     pub malformed_events: u64,
-    /// Lanes sealed (no insert on them can land any more).
-    pub lanes_sealed: u64,
+    /// The fold state document's size in bytes, as the pass read it.
+    pub state_bytes: u64,
     /// Events deleted (folded, older than the dedupe window).
     pub events_deleted: u64,
     /// What is left after the pass.
@@ -390,62 +383,97 @@ impl EventFold {
         self.fold_lane.as_ref().map(|_| ()).map_err(Clone::clone)
     }
 
-    /// When a registered lane can no longer receive an insert: its
-    /// registration (the server's clock), the recorder's span and grace, two
-    /// attempts of the insert in flight, and a minute for the network.
-    fn sealed_after(&self, registered: SystemTime) -> SystemTime {
-        registered
-            + LANE_SPAN
-            + crate::write::ledger::LANE_GRACE
-            + self.store.attempt_timeout() * 2
-            + Duration::from_secs(60)
+    /// Refuses a ledger whose state document is missing although its
+    /// events collection has a floor ([`Error::FoldStateLost`]): only a
+    /// fold raises it, after making the state. One `listCollections`, run
+    /// before the pass that would make the document.
+    pub(super) async fn check_no_floor(&self) -> Result<(), Error> {
+        let Some(floor) = floor::read(&self.store, &self.events_name).await? else {
+            return Ok(());
+        };
+        // Another fold made the state and raised the floor since this one
+        // read the state: not lost.
+        if state::read(&self.store, &self.state).await?.exists {
+            return Ok(());
+        }
+        Err(state::lost(
+            &self.state,
+            format!(
+                "the events collection {} has a floor ({floor}), which only a fold raises",
+                self.events_name
+            ),
+        ))
     }
 
-    /// Refuses a ledger whose state document is missing although it had
-    /// one ([`Error::FoldStateLost`]): an event on a lane no registration
-    /// names — every lane is registered before its first insert and stays
-    /// so until the sweep deletes its events, so the registrations went
-    /// with the state. Run on every pass while the document is missing (a
-    /// ledger before its first pass, or one that lost it); one read of the
-    /// lane index outside the registered lanes.
-    pub(super) async fn check_lanes_registered(
+    /// Converts a fold state tally 0.2.0 wrote (per-lane folded numbers) to
+    /// a watermark `W`: the highest number it folded, allowed when every
+    /// event it did not fold (one recorded since, by this version's
+    /// recorders or an old one's) is numbered above it — then "folded" is
+    /// exactly `s ≤ W`. Otherwise (folded and unfolded numbers interleave:
+    /// a recorder's clock was ahead) refused, naming what to run.
+    pub(super) async fn convert(
         &self,
         state: &state::FoldState,
-    ) -> Result<(), Error> {
-        let mut registered: Vec<ObjectId> = state.registered.iter().map(|r| r.lane).collect();
-        // A recorder registering a lane and inserting on it after the
-        // registrations were read: read them again, a few times.
-        for _ in 0..CHECK_ROUNDS {
-            let filter = doc! { field::LANE: { "$type": "objectId", "$nin": registered.clone() } };
-            let projection = doc! { "_id": 1, field::LANE: 1 };
-            let Some(event) = self
-                .store
-                .find_one(&self.events, filter, projection, "ledger.fold.check_state")
-                .await?
-            else {
-                return Ok(());
-            };
-            let now = state::read(&self.store, &self.state).await?;
-            let lane = event.get_object_id(field::LANE).unwrap_or_default();
-            if now.exists {
-                // Another fold made it: past these checks.
-                return Ok(());
-            }
-            if now.registered.iter().any(|r| r.lane == lane) {
-                registered = now.registered.iter().map(|r| r.lane).collect();
+    ) -> Result<state::FoldState, Error> {
+        let legacy = state.legacy.clone().unwrap_or_default();
+        let refuse = |why: String| Error::Malformed {
+            collection: self.state.name().to_owned(),
+            id: state::STATE_ID.into(),
+            reason: format!(
+                "it was written by tally 0.2.0 and {why}: fold them with tally 0.2.0's `tallyd \
+                 reconcile` (with every recorder stopped) until `tallyd status` shows no backlog, \
+                 then run this version again (see the changelog)"
+            ),
+        };
+        // One scan of the events, each lane's lowest and highest number: a
+        // one-off, whatever the number of lanes the old state names.
+        let folded: std::collections::HashMap<mongodb::bson::oid::ObjectId, i64> =
+            legacy.folded.iter().copied().collect();
+        let mut highest_folded = state.watermark;
+        let mut lowest_unfolded = i64::MAX;
+        for (lane, lowest, highest) in query::lanes_span(&self.store, &self.events).await? {
+            let (Some(lowest), Some(highest)) = (lowest, highest) else {
                 continue;
+            };
+            match lane.and_then(|lane| folded.get(&lane).map(|&m| (lane, m))) {
+                None => lowest_unfolded = lowest_unfolded.min(lowest),
+                Some((_, m)) if highest <= m => highest_folded = highest_folded.max(highest),
+                Some((_, m)) if lowest > m => lowest_unfolded = lowest_unfolded.min(lowest),
+                Some((lane, m)) => {
+                    highest_folded = highest_folded.max(m);
+                    if let Some(above) =
+                        query::first_above(&self.store, &self.events, lane, m).await?
+                    {
+                        lowest_unfolded = lowest_unfolded.min(above);
+                    }
+                }
             }
-            let id = event.get("_id").map_or_else(String::new, display_id);
-            return Err(state::lost(
-                &self.state,
-                format!(
-                    "event {id} of {} is on lane {}, which no registration names",
-                    self.events_name,
-                    lane.to_hex()
-                ),
+        }
+        if highest_folded >= lowest_unfolded {
+            return Err(refuse(format!(
+                "an event it did not fold is numbered {lowest_unfolded}, below one it folded \
+                 ({highest_folded})"
+            )));
+        }
+        let watermark = highest_folded;
+        let number = crate::write::ledger::field::NUMBER;
+        if state::convert_legacy(&self.store, &self.state, state, watermark).await? {
+            let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
+            tracing::info!(
+                events = %self.events_name,
+                watermark,
+                registrations = forgotten,
+                field = number,
+                "converted a fold state of tally 0.2.0 to a watermark"
+            );
+        }
+        let converted = state::read(&self.store, &self.state).await?;
+        if converted.legacy.is_some() {
+            return Err(refuse(
+                "another fold changed it while it was converted".into(),
             ));
         }
-        Ok(())
+        Ok(converted)
     }
 
     /// Refuses to make a ledger's first state document when a counter
@@ -517,7 +545,6 @@ impl EventFold {
             run.events_folded += next.events_folded;
             run.counters_written += next.counters_written;
             run.malformed_events += next.malformed_events;
-            run.lanes_sealed += next.lanes_sealed;
             run.busy = next.busy;
         }
         if last_sweep.is_none_or(|at| at.elapsed() >= self.settings.sweep_every) && !run.busy {
@@ -544,22 +571,18 @@ impl EventFold {
     /// ```
     pub async fn backlog(&self, now: SystemTime) -> Result<Backlog, Error> {
         let state = state::read(&self.store, &self.state).await?;
-        let mut backlog = Backlog {
-            held: state.held.iter().map(held_sum).collect(),
-            ..Backlog::default()
-        };
-        let lanes = folded_numbers(&state, state.live_lanes());
-        let surveyed = query::survey_lanes(&self.store, &self.events, &lanes).await?;
-        let mut oldest = None::<i64>;
-        for survey in surveyed.values() {
-            backlog.events += survey.events;
-            oldest = Some(oldest.map_or(survey.lowest, |o| o.min(survey.lowest)));
+        if state.legacy.is_some() {
+            return Err(state::not_converted(&self.state));
         }
-        backlog.oldest_age = oldest.map(|s| {
-            now.duration_since(crate::write::ledger::time_of(s))
-                .unwrap_or(Duration::ZERO)
-        });
-        Ok(backlog)
+        let (events, lowest) = query::above(&self.store, &self.events, state.watermark).await?;
+        Ok(Backlog {
+            held: state.held.iter().map(held_sum).collect(),
+            events,
+            oldest_age: lowest.map(|s| {
+                now.duration_since(crate::write::ledger::time_of(s))
+                    .unwrap_or(Duration::ZERO)
+            }),
+        })
     }
 }
 

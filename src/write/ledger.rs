@@ -21,16 +21,19 @@
 //! which equal content alone could not tell.
 //!
 //! **The events collection is an append-only log**: after its insert an
-//! event is never updated. The daemon folds it by lane ranges (see
-//! `reconcile::ledger`): it keeps, per lane, the highest number folded, and
-//! writes each counter once per pass through its fold lane. Events are
-//! deleted once folded and older than `event_retention`: the dedupe
-//! window. A repeat inside the window is a duplicate, always; after it,
+//! event is never updated. Event numbers are the server's time (see
+//! [`recorder`]); the daemon folds by number ranges (see
+//! `reconcile::ledger`): it keeps one watermark `W` — every event numbered
+//! at or below it is folded — raises the events collection's floor
+//! ([`floor`]) to a pass's end before reading its range, and writes each
+//! counter once per pass through its fold lane. Events are deleted once
+//! folded and older than `event_retention`: the dedupe window. A repeat inside the window is a duplicate, always; after it,
 //! the key is new again and the repeat is recorded and counted again.
 //!
 //! [`Ledger::value`] reads a counter exactly: the counter plus its events
 //! not folded yet, consistent at any moment of a fold ([`read`]).
 
+pub(crate) mod floor;
 pub(crate) mod index;
 mod insert;
 mod outcome;
@@ -39,15 +42,14 @@ mod recorder;
 pub(crate) mod state;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub use read::ExactValue;
-pub(crate) use read::folded_numbers;
-pub(crate) use recorder::{LANE_GRACE, LANE_SPAN, time_of, unix_micros};
+pub(crate) use recorder::{time_of, unix_micros};
 
 use super::counter::{CollectionConfig, WriterConfig};
 use super::lane::LaneName;
@@ -69,7 +71,8 @@ pub(crate) mod field {
     /// The recorder's lane.
     pub(crate) const LANE: &str = "L";
     /// The event's number on its lane (microseconds since the epoch by the
-    /// recorder's clock, made unique and growing on the lane).
+    /// server's clock, as the recorder reckons it; unique and growing on
+    /// the lane).
     pub(crate) const NUMBER: &str = "s";
 }
 
@@ -134,7 +137,7 @@ impl Ledger {
             events: store.collection(&events),
             counters: store.collection(&spec.name),
             state: store.collection(&state),
-            recorder: Arc::new(Recorder::new(store, &events, &state)),
+            recorder: Arc::new(Recorder::new(store, &events)),
             store: store.clone(),
             spec: Arc::new(spec),
             retry_horizon: WriterConfig::default().retry_horizon,
@@ -252,7 +255,7 @@ impl Ledger {
     /// attempt of it) landed, [`Recording::Duplicate`] when another
     /// recording of the key did. Safe any number of times, from any
     /// process, within the retry horizon of its first attempt. A resend
-    /// that is refused (its lane cannot be registered, its insert meets a
+    /// that is refused (the server's clock cannot be read, its insert meets a
     /// command error) is still [`Recording::Unknown`], never
     /// [`Recording::NotRecorded`]: the earlier attempts may have landed, or
     /// still may; send the ticket it returns again.
@@ -296,7 +299,12 @@ impl Ledger {
                 ticket.event.key
             )));
         };
-        let age = SystemTime::now()
+        // Numbers are the server's time: the age is judged on its clock,
+        // never this host's, which may be behind.
+        let age = self
+            .store
+            .server_time()
+            .await?
             .duration_since(time_of(first))
             .unwrap_or(Duration::ZERO);
         if age >= self.retry_horizon {

@@ -365,14 +365,16 @@ async fn the_privilege_check_covers_the_ledgers_collections() {
         let app = client.database(db);
         let counter: &[&str] = &["find", "update", "changeStream", "insert"];
         let state: &[&str] = &["find", "insert", "update", "remove"];
+        let database: &[&str] = &["listCollections"];
         for (role, events) in [
-            ("ledger", &["find", "remove", "changeStream"][..]),
-            ("noremove", &["find", "changeStream"][..]),
+            ("ledger", &["find", "remove", "changeStream", "collMod"][..]),
+            ("noremove", &["find", "changeStream", "collMod"][..]),
         ] {
             let grants = [
                 ("views", counter),
                 ("views_events", events),
                 ("views_events_fold", state),
+                ("", database),
             ];
             create_role(&app, role, &grants).await;
         }

@@ -47,18 +47,17 @@ const EVENTS: [(&str, &str, i64); 3] = [("e1", "a", 1), ("e2", "a", 2), ("e3", "
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Site {
-    /// `Ledger::record`'s first act on a fresh lane: the lane's
-    /// registration (an upsert into `<events>_fold`).
-    Register,
     /// `Ledger::record` (one `insert`).
     Record,
     /// `Ledger::record_many` of three events (one ordered `insert`).
     RecordMany,
-    /// The fold's survey (the highest number among the lane's newest
-    /// events): the pass's first `aggregate`.
+    /// The fold's survey (whether any event waits above the watermark):
+    /// the pass's first `aggregate`.
     Survey,
     /// The pass's intent (the first `insert` of the fold state).
     Intent,
+    /// The floor raised to the pass's end (`collMod` of the events).
+    Floor,
     /// The sum (`aggregate` `$group` by counter): the pass's second
     /// aggregate.
     Sum,
@@ -70,11 +69,11 @@ enum Site {
 }
 
 const SITES: [Site; 8] = [
-    Site::Register,
     Site::Record,
     Site::RecordMany,
     Site::Survey,
     Site::Intent,
+    Site::Floor,
     Site::Sum,
     Site::Apply,
     Site::Commit,
@@ -85,11 +84,11 @@ impl Site {
     /// and which of its requests.
     fn target(self) -> (&'static str, &'static str, u64) {
         match self {
-            Self::Register => ("update", "_events_fold", 1),
             Self::Record | Self::RecordMany => ("insert", "_events", 1),
             Self::Survey => ("aggregate", "_events", 1),
             Self::Intent => ("insert", "_events_fold", 1),
-            Self::Sum => ("aggregate", "_events", 3),
+            Self::Floor => ("collMod", "_events", 1),
+            Self::Sum => ("aggregate", "_events", 2),
             Self::Apply => ("update", "", 1),
             Self::Commit => ("update", "_events_fold", 1),
         }
@@ -113,11 +112,6 @@ fn expected(site: Site, fault: Fault) -> Expected {
     use Fault::*;
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
-        // The registration is an idempotent upsert, retried once; refused,
-        // the recorder sends nothing on the lane.
-        (Register, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
-        (Register, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
-        (Register, CommandError) => ("not_recorded", 1, 0),
         // A lost reply: the retry's duplicate key names our own lane and
         // number.
         (Record, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
@@ -129,10 +123,10 @@ fn expected(site: Site, fault: Fault) -> Expected {
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The survey and the sum are reads, retried once; a survey refused
-        // stops the pass. The survey is a seek for anything above the
-        // lane's folded number (the faulted request), then a probe of the
-        // last moments; its counts include the backlog's survey after the
-        // pass (aggregates that do not count events per counter).
+        // stops the pass. The survey is one seek for anything above the
+        // watermark (the faulted request); its counts include the sweep's
+        // seek and the backlog after the pass (aggregates that do not count
+        // events per counter).
         (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 4, 4),
         (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 4, 3),
         (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
@@ -146,6 +140,12 @@ fn expected(site: Site, fault: Fault) -> Expected {
         (Intent, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Intent, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Intent, CommandError) => ("failed (command)", 1, 0),
+        // The floor is idempotent (a validator set again), retried once;
+        // refused, the pass stops before it reads its range, and is
+        // resumed.
+        (Floor, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
+        (Floor, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
+        (Floor, CommandError) => ("failed (command)", 1, 0),
         // The apply is a lane update (the counts include the other
         // counter's one update): retried, a lost reply's retry collides
         // with the upsert that landed, and the update sent again finds the
@@ -216,7 +216,7 @@ impl LedgerRig {
             .rule(site.rule(&name).then(fault.action(false)));
         let mut diff = Vec::new();
         match site {
-            Site::Register | Site::Record | Site::RecordMany => {
+            Site::Record | Site::RecordMany => {
                 let (outcome, recorded) = self.record(site, &name).await;
                 drop(rule);
                 let log = settled_log(&self.rig.proxy, &faulted).await;
@@ -236,15 +236,14 @@ impl LedgerRig {
                 self.check_counts(site, fault, &log, &outcome, &mut diff);
             }
             _ => {
-                // The pass's clock starts at the seeding: its survey's
-                // first look (the last 100 ms by that clock) finds them.
-                let seeded = SystemTime::now();
                 for (key, counter, amount) in EVENTS {
                     let recording = direct.record(key, counter, amount).await;
                     if recording.name() != "recorded" {
                         return Err(format!("seeding {key}: {recording:?}"));
                     }
                 }
+                // The pass folds what was numbered before it began.
+                let seeded = SystemTime::now();
                 let fold = EventFold::new(
                     &self.rig.store,
                     CollectionConfig::new(&name),
@@ -401,13 +400,12 @@ impl LedgerRig {
 }
 
 /// Whether a request of the faulted kind is one of the site's: the
-/// commit drops the intent (`$unset`), the registration does not; the sum
+/// commit drops the intent (`$unset`); the sum
 /// counts each counter's events (`e`), the backlog's survey after the pass
 /// does not.
 fn owns(site: Site, exchange: &Exchange) -> bool {
     match site {
         Site::Commit => exchange.body_mentions("$unset"),
-        Site::Register => !exchange.body_mentions("$unset") && !exchange.body_mentions("intent"),
         Site::Sum => exchange.body_mentions("e"),
         Site::Survey => !exchange.body_mentions("e"),
         _ => true,

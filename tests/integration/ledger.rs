@@ -729,13 +729,13 @@ async fn exact_reads_stay_exact_while_the_fold_runs() {
     assert_eq!(ledger.value("hot").await.unwrap().value, 400);
 }
 
-/// An insert held up in the network (its attempts fail, the caller is told
-/// unknown) lands after the recorder went on — on a fresh lane — and after
-/// those later events were folded. Its lane was retired, so nothing was
-/// numbered after it there: the fold still finds it above its lane's folded
-/// number and counts it once; the ticket sent again says recorded.
+/// An insert held up in the network (its recorder gave up on it: unknown)
+/// reaches the server after later events were folded: the fold raised the
+/// events collection's floor past its number, so the server refuses it —
+/// nothing lands late, below the watermark, where no pass would look. The
+/// ticket sent again records the event on a fresh number, counted once.
 #[tokio::test]
-async fn an_insert_held_in_the_network_lands_after_later_events_were_folded_and_counts_once() {
+async fn an_insert_held_in_the_network_past_a_pass_meets_the_floor_and_its_resend_counts_once() {
     let ctx = TestContext::new("ledger_held_insert").await;
     let direct = ctx.client(false).await;
     let store = direct.store();
@@ -769,12 +769,15 @@ async fn an_insert_held_in_the_network_lands_after_later_events_were_folded_and_
     assert_eq!(ledger.value("a").await.unwrap().value, 101);
     let released = proxy.release_held().await;
     assert!(released.iter().any(|e| e.server_replied), "{released:?}");
-    assert_eq!(
-        ledger.value("a").await.unwrap().value,
-        111,
-        "the late event counts"
-    );
+    let stored = direct
+        .collection("views_events")
+        .count_documents(doc! { "_id": "e1" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 0, "the floor refused the late insert");
+    assert_eq!(ledger.value("a").await.unwrap().value, 101);
     assert_outcome(&recorder.record_again(ticket).await.unwrap(), "recorded");
+    assert_eq!(ledger.value("a").await.unwrap().value, 111);
     fold_all(&fold).await;
     assert_eq!(counter(&direct.collection("views"), "a").await, 111);
     assert_eq!(unfolded(&fold).await, 0);

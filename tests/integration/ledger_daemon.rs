@@ -54,7 +54,7 @@ async fn setup_record_get_and_status_from_the_command_line() {
     assert_eq!(checked.status.code(), Some(1), "{}", text(&checked));
     let said = text(&checked);
     assert!(
-        said.contains("fail  ledger_indexes (views_events): missing tally_events_lane")
+        said.contains("fail  ledger_indexes (views_events): missing tally_events_number")
             && said.contains("run `tallyd setup`"),
         "{said}"
     );
@@ -94,7 +94,7 @@ async fn setup_record_get_and_status_from_the_command_line() {
     assert!(fine, "{}", text(&doctor));
     let said = text(&setup);
     assert!(
-        said.contains("tally_events_lane") && said.contains("created"),
+        said.contains("tally_events_number") && said.contains("created"),
         "{said}"
     );
     let again = run(vec!["setup"]).await;

@@ -18,6 +18,7 @@ mod insert_loop;
 mod lanes;
 mod layout;
 mod ledger;
+mod ledger_cost;
 mod ledger_daemon;
 mod ledger_findings;
 mod ledger_prune;

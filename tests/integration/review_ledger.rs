@@ -184,11 +184,10 @@ async fn a_late_insert_on_a_sealed_lane_that_never_folded_an_event_is_counted() 
     let stop = CancellationToken::new();
     let now = server_now(&store).await;
     fold.fold(now, &stop).await.expect("a pass");
-    // Past its registration, the span, the grace and the attempts: the
-    // fold seals the recorder's lane (nothing on it to fold).
-    let run = fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
-    assert!(run.lanes_sealed >= 1, "{run:?}");
-    // The held insert lands; the ticket sent again finds it: recorded.
+    // Two hours on, a pass raises the floor past the held insert's number.
+    fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
+    // The held insert reaches the server, which refuses it (the floor):
+    // the ticket sent again records the event, on a fresh number.
     let released = proxy.release_held().await;
     assert!(released.iter().any(|e| e.server_replied), "{released:?}");
     let again = recorder
@@ -268,19 +267,12 @@ async fn a_refused_resend_of_an_unknown_event_is_unknown_never_not_recorded() {
     let direct = ctx.client(false).await;
     let store = direct.store();
     let (proxy, recorder) = ledger_through_proxy(&ctx).await;
-    // The resend's fresh lane cannot be registered.
+    // A resend that goes through finds the earlier attempt's landing.
     let ticket = landed_unknown(&proxy, &recorder, "evt_1").await;
-    let again = {
-        let _cut = proxy.rule(
-            Rule::command("update")
-                .collection("views_events_fold")
-                .then(Action::CloseBeforeForwarding),
-        );
-        recorder
-            .record_again(ticket)
-            .await
-            .expect("within the horizon")
-    };
+    let again = recorder
+        .record_again(ticket)
+        .await
+        .expect("within the horizon");
     // The resend's insert meets a command error.
     let ticket = landed_unknown(&proxy, &recorder, "evt_2").await;
     assert_outcome(&recorder.record("warm", "other", 1).await, "recorded");
@@ -306,7 +298,7 @@ async fn a_refused_resend_of_an_unknown_event_is_unknown_never_not_recorded() {
     );
     assert_eq!(
         (again.name(), again_2.name()),
-        ("unknown", "unknown"),
+        ("recorded", "unknown"),
         "two landed events told not recorded: {again:?} / {again_2:?}"
     );
 }
@@ -363,16 +355,14 @@ async fn a_redelivery_inside_the_window_is_a_duplicate_whatever_the_recorders_cl
     let direct = ctx.client(false).await;
     let store = direct.store();
     let ledger = ledger_on(&store, "views").await;
-    let skew = 2 * HOUR;
-    // Recorded at `server`, by the server's clock; numbered two hours
-    // earlier by the recorder's.
+    // Numbers are the server's clock: the recorder's own clock takes no
+    // part (the processes of `clocks::…` run minutes off).
     assert_outcome(&ledger.record("evt_1", "a", 1).await, "recorded");
-    let server = server_now(&store).await + skew;
+    let server = server_now(&store).await;
     let fold = fold_of(&store, "views");
     let stop = CancellationToken::new();
-    let first = fold.fold(server, &stop).await.expect("a pass");
-    let run = fold.fold(server + 2 * HOUR, &stop).await.expect("a pass");
-    assert_eq!(first.lanes_sealed + run.lanes_sealed, 1, "{run:?}");
+    fold.fold(server, &stop).await.expect("a pass");
+    fold.fold(server + 2 * HOUR, &stop).await.expect("a pass");
     // Six days and 23 hours after it was recorded (the window is 7 days),
     // the queue delivers the event again, to another consumer.
     let inside = server + 7 * DAY - HOUR;
@@ -409,8 +399,7 @@ async fn a_late_insert_on_a_sealed_lane_is_counted_and_read_before_the_window_pa
     let now = server_now(&store).await;
     fold.fold(now, &stop).await.expect("a pass");
     let ticket = record_held(&proxy, &recorder, "late", "a", 10).await;
-    let run = fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
-    assert!(run.lanes_sealed >= 1, "{run:?}");
+    fold.fold(now + 2 * HOUR, &stop).await.expect("a pass");
     let released = proxy.release_held().await;
     assert!(released.iter().any(|e| e.server_replied), "{released:?}");
     let again = recorder

@@ -206,7 +206,17 @@ fn needed(config: &Config) -> Vec<Needed> {
             "changeStream",
             "the ledger's fold watches it; without it, events are folded at each scan interval",
         );
-        let why = "the ledger's fold keeps its state and the recorders' lanes there";
+        need(
+            &events,
+            "collMod",
+            "the ledger's fold raises the events collection's floor before each pass",
+        );
+        need(
+            "",
+            "listCollections",
+            "the ledger's fold reads the events collection's floor",
+        );
+        let why = "the ledger's fold keeps its state there";
         for action in ["find", "insert", "update", "remove"] {
             need(&fold_state, action, why);
         }

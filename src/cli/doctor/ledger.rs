@@ -1,11 +1,11 @@
 //! The ledgers' own check: recorded events that nothing folds.
 //!
-//! A recorder registers its lane in `<events>_fold` before its first
-//! insert, so every events collection tally recorded into has a fold state
-//! collection beside it. One whose events collection is not a configured
-//! ledger's, and that holds events not folded yet, is counts that never
-//! reach their counters: `tallyd record` or an application recorded into a
-//! collection without a ledger (or a ledger was turned off).
+//! An events collection is one named `<collection>_events` (the default)
+//! or one with a fold state collection (`<events>_fold`) beside it. One
+//! that is not a configured ledger's, and that holds events not folded
+//! yet, is counts that never reach their counters: `tallyd record` or an
+//! application recorded into a collection without a ledger (or a ledger
+//! was turned off).
 
 use std::time::SystemTime;
 
@@ -17,6 +17,8 @@ use crate::write::counter::CollectionConfig;
 
 /// The fold state collections' suffix.
 const FOLD_SUFFIX: &str = "_fold";
+/// The default events collections' suffix.
+const EVENTS_SUFFIX: &str = "_events";
 
 /// One check per events collection with a fold state that no configured
 /// ledger folds: fail when it holds events not folded yet.
@@ -38,12 +40,21 @@ pub(super) async fn unfolded_elsewhere(
         .filter(|s| s.events_collection.is_some())
         .map(CollectionConfig::events_collection_name)
         .collect();
-    let mut checks = Vec::new();
-    for events in names
+    let mut candidates: Vec<&str> = names
         .iter()
         .filter_map(|n| n.strip_suffix(FOLD_SUFFIX))
+        .chain(
+            names
+                .iter()
+                .filter(|n| n.ends_with(EVENTS_SUFFIX))
+                .map(String::as_str),
+        )
         .filter(|events| names.iter().any(|n| n == events) && !folded.iter().any(|f| f == events))
-    {
+        .collect();
+    candidates.sort_unstable();
+    candidates.dedup();
+    let mut checks = Vec::new();
+    for events in candidates {
         // The events' counters: a configured collection whose default
         // events collection this is, else a name that says so.
         let spec = config
@@ -79,6 +90,14 @@ pub(super) async fn unfolded_elsewhere(
                 format!("unknown: cannot read what waits to be folded: {err}"),
             ),
         };
+        let has_state = names
+            .iter()
+            .any(|n| n.strip_suffix(FOLD_SUFFIX) == Some(events));
+        if verdict == Verdict::Ok && !has_state {
+            // A collection merely named like an events collection, with
+            // nothing of a ledger's in it: not a ledger's business.
+            continue;
+        }
         checks.push(Check {
             collection: Some(events.to_owned()),
             ..Check::new("unfolded_events", verdict, message)

@@ -1,21 +1,22 @@
 //! One pass of the fold, step by step (the parent module's docs say why
-//! each step is safe): survey, intent, sums, apply, commit, seal.
+//! each step is safe): intent, floor, sums, apply, commit.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime};
 
 use futures::StreamExt;
-use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, oid::ObjectId};
 use tokio_util::sync::CancellationToken;
 
 use super::held::{self, Applied, Work};
 use super::query::{self, Share};
 use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
-use crate::error::{Error, ErrorClass, RetryBudget};
+use crate::error::{Error, ErrorClass};
 use crate::write::lane::{LaneId, LaneIncrement};
-use crate::write::ledger::state::{self, FoldState, Held, Intent, STATE_ID, field};
+use crate::write::ledger::state::{self, FoldState, Held, Intent};
+use crate::write::ledger::{floor, unix_micros};
 
 /// What applying a pass came to.
 struct Applying {
@@ -26,9 +27,9 @@ struct Applying {
 }
 
 impl EventFold {
-    /// One pass: resumes or takes over an unfinished one, or surveys and
-    /// records a new one; applies it and commits it; seals the lanes it
-    /// may.
+    /// One pass: resumes or takes over an unfinished one, or records a new
+    /// one when there is something to fold; raises the floor to its end,
+    /// applies it and commits it.
     pub(super) async fn pass(
         &self,
         clock: &(impl Fn() -> SystemTime + Sync),
@@ -38,10 +39,11 @@ impl EventFold {
         if stop.is_cancelled() {
             return Ok(run);
         }
-        let state = state::read(&self.store, &self.state).await?;
-        if !state.exists {
-            self.check_lanes_registered(&state).await?;
+        let mut state = state::read(&self.store, &self.state).await?;
+        if state.legacy.is_some() {
+            state = self.convert(&state).await?;
         }
+        run.state_bytes = state.bytes as u64;
         let intent = match &state.intent {
             Some(intent) if intent.owner == self.owner => {
                 run.recovered = true;
@@ -53,22 +55,26 @@ impl EventFold {
                 self.claim(intent, intent.owner, clock()).await?
             }
             None => {
-                let surveyed = clock();
-                let ranges = self.survey(&state, surveyed).await?;
-                if ranges.is_empty() && state.held.is_empty() {
-                    run.lanes_sealed = self.seal(&state, surveyed).await?;
+                let to = self.pass_end(&state, clock());
+                let anything = state.watermark < to
+                    && query::any_in(&self.store, &self.events, state.watermark, to).await?;
+                if !anything && state.held.is_empty() {
                     return Ok(run);
                 }
                 if !state.exists {
+                    self.check_no_floor().await?;
                     self.check_no_counter_folded().await?;
                 }
-                self.intend(&state, ranges, surveyed, clock()).await?
+                self.intend(&state, to, clock()).await?
             }
         };
         let Some(intent) = intent else {
             run.busy = true;
             return Ok(run);
         };
+        // From here no event numbered at or below the pass's end can land:
+        // its range is read once and for good.
+        floor::raise(&self.store, &self.events_name, intent.to).await?;
         let applied = self.apply(&state, &intent, clock).await?;
         self.commit(&intent, &applied.held).await?;
         for held in applied.held.iter().filter(|h| h.pass == intent.pass) {
@@ -84,94 +90,37 @@ impl EventFold {
         run.events_folded = applied.events;
         run.counters_written = applied.written;
         run.malformed_events = applied.malformed;
-        run.lanes_sealed = self.seal(&state, intent.surveyed).await?;
         Ok(run)
     }
 
-    /// Step 1: each registered lane's events above its folded number, as
-    /// the ranges a pass folds (up to a visible number; `now` is the
-    /// server's clock).
-    async fn survey(
-        &self,
-        state: &FoldState,
-        now: SystemTime,
-    ) -> Result<BTreeMap<ObjectId, (i64, i64)>, Error> {
-        // One probe per live lane, sent at once (see `query::survey_lanes`
-        // for why not one aggregate over every lane).
-        let probes =
-            state
-                .registered
-                .iter()
-                .filter(|r| r.sealed.is_none())
-                .map(|registered| async move {
-                    let lane = registered.lane;
-                    let folded = state.folded.get(&lane).copied();
-                    let highest =
-                        query::highest(&self.store, &self.events, lane, folded, now).await?;
-                    // Numbers are positive: 0 is below every one.
-                    Ok::<_, Error>(highest.map(|highest| (lane, (folded.unwrap_or(0), highest))))
-                });
-        Ok(futures::future::try_join_all(probes)
-            .await?
-            .into_iter()
-            .flatten()
-            .collect())
+    /// Where a new pass of `state` ends at `now` (the server's clock when
+    /// it began): it folds every event numbered before — an insert
+    /// numbered earlier but not landed yet meets the floor and is numbered
+    /// again — never below the watermark.
+    fn pass_end(&self, state: &FoldState, now: SystemTime) -> i64 {
+        unix_micros(now).max(state.watermark)
     }
 
-    /// Step 2: records the pass, conditioned on the state not having
-    /// changed since it was read; `None` when another fold got there first.
+    /// Records the pass folding `(W, to]`, conditioned on the state not
+    /// having changed since it was read; `None` when another fold got
+    /// there first.
     async fn intend(
         &self,
         state: &FoldState,
-        ranges: BTreeMap<ObjectId, (i64, i64)>,
-        surveyed: SystemTime,
+        to: i64,
         now: SystemTime,
     ) -> Result<Option<Intent>, Error> {
         let intent = Intent {
             pass: state.pass + 1,
-            ranges,
+            from: state.watermark,
+            to,
             owner: self.owner,
             deadline: now + self.settings.lease,
             recovered: false,
-            surveyed,
-        };
-        let mut budget = RetryBudget::retry_once("ledger.fold.intent");
-        let written = if state.exists {
-            let filter = doc! {
-                "_id": STATE_ID,
-                field::VERSION: state.version,
-                field::INTENT: { "$exists": false },
-            };
-            let update = doc! {
-                "$set": { field::INTENT: intent.to_document() },
-                "$inc": { field::VERSION: 1 },
-            };
-            self.store
-                .with_retry(&mut budget, || {
-                    self.state.update_one(filter.clone(), update.clone())
-                })
-                .await
-                .map(|r| r.matched_count == 1)
-        } else {
-            let document = doc! {
-                "_id": STATE_ID, field::PASS: 0i64, field::VERSION: 1i64,
-                field::INTENT: intent.to_document(),
-            };
-            match self
-                .store
-                .with_retry(&mut budget, || self.state.insert_one(document.clone()))
-                .await
-            {
-                Ok(_) => Ok(true),
-                // Another fold created the state first (or our own lost
-                // attempt did: read below).
-                Err(failure) if failure.class == ErrorClass::DuplicateKey => Ok(false),
-                Err(failure) => Err(failure),
-            }
         };
         // An unknown outcome fails the pass; if it landed, the next pass
         // finds it as its own.
-        if written.map_err(Error::Server)? {
+        if state::record_intent(&self.store, &self.state, state, &intent).await? {
             return Ok(Some(intent));
         }
         // Nothing matched: another fold got there first — or our own first
@@ -192,19 +141,9 @@ impl EventFold {
         from: ObjectId,
         now: SystemTime,
     ) -> Result<Option<Intent>, Error> {
-        let filter = doc! {
-            "_id": STATE_ID, "intent.owner": from, "intent.pass": intent.pass,
-        };
         let deadline = now + self.settings.lease;
-        let update = doc! { "$set": {
-            "intent.owner": self.owner,
-            "intent.deadline": DateTime::from_system_time(deadline),
-            "intent.recovered": true,
-        } };
-        let claimed = self
-            .store
-            .update_one(&self.state, filter, update, "ledger.fold.take_over")
-            .await?;
+        let claimed =
+            state::claim(&self.store, &self.state, intent, from, self.owner, deadline).await?;
         if from != self.owner {
             tracing::info!(
                 events = %self.events_name,
@@ -213,7 +152,7 @@ impl EventFold {
                 "taking over a fold pass whose owner stopped renewing it"
             );
         }
-        Ok((claimed.matched_count == 1).then(|| Intent {
+        Ok(claimed.then(|| Intent {
             owner: self.owner,
             deadline,
             recovered: true,
@@ -236,13 +175,22 @@ impl EventFold {
             loop {
                 tokio::time::sleep(lease / 3).await;
                 let asked = Instant::now();
-                match self.renew(intent, clock() + lease).await {
+                let renewed = state::renew(
+                    &self.store,
+                    &self.state,
+                    self.owner,
+                    intent.pass,
+                    clock() + lease,
+                )
+                .await;
+                match renewed {
                     Ok(true) => *lock(&sendable_until) = asked + lease,
                     Ok(false) => {
-                        return Error::InvalidArgument(format!(
-                            "fold pass {} of {} was taken over by another fold",
-                            intent.pass, self.events_name
-                        ));
+                        return Error::FoldPassLost {
+                            events: self.events_name.clone(),
+                            pass: intent.pass,
+                            why: "another fold took it over".into(),
+                        };
                     }
                     Err(err) => tracing::warn!(
                         events = %self.events_name,
@@ -267,9 +215,13 @@ impl EventFold {
         clock: &(impl Fn() -> SystemTime + Sync),
     ) -> Result<Applying, Error> {
         let mut shares: HashMap<CanonicalKey, Share> = HashMap::new();
-        for (&lane, &range) in &intent.ranges {
-            query::sum_lane(&self.store, &self.events, lane, range, &mut shares).await?;
-        }
+        query::sum_range(
+            &self.store,
+            &self.events,
+            (intent.from, intent.to),
+            &mut shares,
+        )
+        .await?;
         let events = shares.values().map(|s| s.events).sum();
         let malformed: u64 = shares.values().map(|s| s.malformed).sum();
         if malformed > 0 {
@@ -343,10 +295,12 @@ impl EventFold {
         sendable_until: &Mutex<Instant>,
     ) -> Result<Applied, Error> {
         if Instant::now() >= *lock(sendable_until) {
-            return Err(Error::InvalidArgument(format!(
-                "the lease of a fold pass of {} ran out; the pass is left to be resumed",
-                self.events_name
-            )));
+            return Err(Error::FoldPassLost {
+                events: self.events_name.clone(),
+                pass: position,
+                why: "its lease ran out before it could be renewed (the server did not answer)"
+                    .into(),
+            });
         }
         let lane = LaneId::Named(self.fold_lane.clone()?);
         let outcome = self
@@ -378,44 +332,10 @@ impl EventFold {
         }
     }
 
-    /// Extends the pass's deadline; false when it is no longer this
-    /// fold's.
-    async fn renew(&self, intent: &Intent, deadline: SystemTime) -> Result<bool, Error> {
-        let filter = doc! {
-            "_id": STATE_ID, "intent.owner": self.owner, "intent.pass": intent.pass,
-        };
-        let update = doc! { "$set": { "intent.deadline": DateTime::from_system_time(deadline) } };
-        let renewed = self
-            .store
-            .update_one(&self.state, filter, update, "ledger.fold.renew")
-            .await?;
-        Ok(renewed.matched_count == 1)
-    }
-
-    /// Step 5: advances each lane's folded number to its range's end, stores
-    /// the held sums and drops the intent — only while the pass is still
-    /// this fold's.
+    /// Commits the pass: the watermark moves to its end, the held sums are
+    /// stored, the intent goes — only while the pass is still this fold's.
     async fn commit(&self, intent: &Intent, held: &[Held]) -> Result<(), Error> {
-        let filter = doc! {
-            "_id": STATE_ID, "intent.owner": self.owner, "intent.pass": intent.pass,
-        };
-        let mut set = doc! {
-            field::PASS: intent.pass,
-            field::HELD: held.iter().map(Held::to_document).collect::<Vec<Document>>(),
-        };
-        for (lane, (_, to)) in &intent.ranges {
-            set.insert(format!("{}.{}", field::FOLDED, lane.to_hex()), *to);
-        }
-        let update = doc! {
-            "$set": set,
-            "$unset": { field::INTENT: "" },
-            "$inc": { field::VERSION: 1 },
-        };
-        let committed = self
-            .store
-            .update_one(&self.state, filter, update, "ledger.fold.commit")
-            .await?;
-        if committed.matched_count == 1 {
+        if state::commit(&self.store, &self.state, self.owner, intent, held).await? {
             return Ok(());
         }
         // Our lost first attempt committed it, or another fold took it over
@@ -424,39 +344,12 @@ impl EventFold {
         if now.pass >= intent.pass {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!(
-                "fold pass {} of {} was taken over by another fold before it committed",
-                intent.pass, self.events_name
-            )))
-        }
-    }
-
-    /// Seals the lanes that could receive no insert after `surveyed` — a
-    /// pass that began then, and committed, folded them whole — dated
-    /// `surveyed` (the fold's clock): passes stop surveying them, and the
-    /// sweep deletes their events a dedupe window after that date. Returns
-    /// how many.
-    async fn seal(&self, state: &FoldState, surveyed: SystemTime) -> Result<u64, Error> {
-        let sealed: Vec<ObjectId> = state
-            .registered
-            .iter()
-            .filter(|r| r.sealed.is_none() && self.sealed_after(r.at) <= surveyed)
-            .map(|r| r.lane)
-            .collect();
-        if sealed.is_empty() {
-            return Ok(0);
-        }
-        let filter = doc! { "_id": { "$in": sealed.clone() }, field::SEALED: { "$exists": false } };
-        let update = doc! { "$set": { field::SEALED: DateTime::from_system_time(surveyed) } };
-        let mut budget = RetryBudget::retry_once("ledger.fold.seal");
-        self.store
-            .with_retry(&mut budget, || {
-                self.state.update_many(filter.clone(), update.clone())
+            Err(Error::FoldPassLost {
+                events: self.events_name.clone(),
+                pass: intent.pass,
+                why: "another fold took it over before it committed".into(),
             })
-            .await
-            .map_err(Error::Server)?;
-        tracing::debug!(events = %self.events_name, lanes = sealed.len(), "recorder lanes sealed");
-        Ok(sealed.len() as u64)
+        }
     }
 }
 

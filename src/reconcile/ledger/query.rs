@@ -1,16 +1,15 @@
-//! The fold's reads of the events collection, by index ranges of lanes on
-//! `{L: 1, s: 1}`: the survey of every lane at once (per lane, its highest
-//! number above what was folded, with the backlog's count and oldest
-//! number), and a range's sums per counter.
+//! The fold's reads of the events collection, by index ranges of numbers
+//! on `{s: 1}`: whether a range holds any event, the backlog above the
+//! watermark, and a range's sums per counter.
 //!
 //! Reads that decide what a pass folds use read concern `majority`: the
 //! fold must never fold an event a failover could still roll back.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use futures::TryStreamExt;
 use mongodb::Collection;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::ReadConcern;
 
 use crate::document::{CanonicalKey, integer_value};
@@ -41,147 +40,106 @@ pub(super) async fn aggregate_all(
         .map_err(|err| Error::Server(Failure::once(operation, err)))
 }
 
-/// A lane's events above a number: how many, and the lowest and highest
-/// numbers among them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct LaneSurvey {
-    pub(super) events: u64,
-    pub(super) lowest: i64,
-    pub(super) highest: i64,
+/// The filter of the events numbered in `(from, to]` (`to`: no end).
+fn range(from: i64, to: Option<i64>) -> Document {
+    let mut numbers = doc! { "$gt": from };
+    if let Some(to) = to {
+        numbers.insert("$lte", to);
+    }
+    doc! { field::NUMBER: numbers }
 }
 
-/// The filter of `lane`'s events numbered above `above` (all of them for
-/// `None`) and at most `upto`.
-fn range(lane: ObjectId, above: Option<i64>, upto: Option<i64>) -> Document {
-    let mut numbers = Document::new();
-    if let Some(above) = above {
-        numbers.insert("$gt", above);
-    }
-    if let Some(upto) = upto {
-        numbers.insert("$lte", upto);
-    }
-    let mut filter = doc! { field::LANE: lane };
-    if !numbers.is_empty() {
-        filter.insert(field::NUMBER, numbers);
-    }
-    filter
-}
-
-/// `lane`'s events above `above`; `None` when there are none.
-pub(super) async fn survey_lane(
+/// Whether any event is numbered in `(from, to]` (one index seek on
+/// `{s: 1}`).
+pub(super) async fn any_in(
     store: &Store,
     events: &Collection<Document>,
-    lane: ObjectId,
-    above: Option<i64>,
-) -> Result<Option<LaneSurvey>, Error> {
+    from: i64,
+    to: i64,
+) -> Result<bool, Error> {
+    let pipeline = vec![
+        doc! { "$match": range(from, Some(to)) },
+        doc! { "$limit": 1 },
+        doc! { "$project": { "_id": 1 } },
+    ];
+    Ok(
+        !aggregate_all(store, events, pipeline, "ledger.fold.survey")
+            .await?
+            .is_empty(),
+    )
+}
+
+/// The events above `from` (not folded yet): how many, and the lowest
+/// number among them (one index range on `{s: 1}`: what arrived since the
+/// last pass).
+pub(super) async fn above(
+    store: &Store,
+    events: &Collection<Document>,
+    from: i64,
+) -> Result<(u64, Option<i64>), Error> {
     let number = format!("${}", field::NUMBER);
     let pipeline = vec![
-        doc! { "$match": range(lane, above, None) },
-        doc! { "$group": {
-            "_id": Bson::Null,
-            "n": { "$sum": 1 },
-            "lo": { "$min": &number },
-            "hi": { "$max": &number },
-        } },
+        doc! { "$match": range(from, None) },
+        doc! { "$group": { "_id": Bson::Null, "n": { "$sum": 1 }, "lo": { "$min": &number } } },
     ];
-    let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.backlog").await?;
     let Some(row) = rows.first() else {
-        return Ok(None);
+        return Ok((0, None));
     };
-    let get = |name| row.get(name).and_then(integer_value);
-    match (get("n"), get("lo"), get("hi")) {
-        (Some(n), Some(lowest), Some(highest)) => Ok(Some(LaneSurvey {
-            events: u64::try_from(n).unwrap_or(0),
-            lowest,
-            highest,
-        })),
-        _ => Err(Error::Malformed {
-            collection: events.name().to_owned(),
-            id: format!("lane {}", lane.to_hex()),
-            reason: "its events' numbers s are not all integers".into(),
-        }),
-    }
+    let count = row
+        .get("n")
+        .and_then(integer_value)
+        .and_then(|n| u64::try_from(n).ok())
+        .unwrap_or(0);
+    Ok((count, row.get("lo").and_then(integer_value)))
 }
 
-/// Each of `lanes`' events above its folded number (all of a lane's for
-/// `None`): per lane that has some, how many and their lowest and highest
-/// numbers; a lane without such events is not in the map. One index range
-/// per lane, sent at once: a single aggregate over every lane (an `$in`
-/// and an `$or`) is one command, but a server that does not bound its index
-/// scan by each branch — the test server — then reads every event the lanes
-/// keep, folded ones included, which grows with the dedupe window.
-pub(super) async fn survey_lanes(
+/// Every lane's lowest and highest number (`None` for a lane or a number
+/// that is not one): one scan of the events, for converting a state of
+/// tally 0.2.0.
+pub(super) async fn lanes_span(
     store: &Store,
     events: &Collection<Document>,
-    lanes: &[(ObjectId, Option<i64>)],
-) -> Result<BTreeMap<ObjectId, LaneSurvey>, Error> {
-    let surveys = lanes.iter().map(|&(lane, above)| async move {
-        Ok::<_, Error>(
-            survey_lane(store, events, lane, above)
-                .await?
-                .map(|survey| (lane, survey)),
-        )
-    });
-    Ok(futures::future::try_join_all(surveys)
-        .await?
-        .into_iter()
-        .flatten()
+) -> Result<
+    Vec<(
+        Option<mongodb::bson::oid::ObjectId>,
+        Option<i64>,
+        Option<i64>,
+    )>,
+    Error,
+> {
+    let number = format!("${}", field::NUMBER);
+    let pipeline = vec![doc! { "$group": {
+        "_id": format!("${}", field::LANE),
+        "lo": { "$min": &number },
+        "hi": { "$max": &number },
+    } }];
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.convert").await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let number = |name| row.get(name).and_then(integer_value);
+            (row.get_object_id("_id").ok(), number("lo"), number("hi"))
+        })
         .collect())
 }
 
-/// How far back from `now` the survey first looks for a lane's newest
-/// events, before it reads the lane's whole backlog.
-const PROBES: [std::time::Duration; 3] = [
-    std::time::Duration::from_millis(100),
-    std::time::Duration::from_secs(1),
-    std::time::Duration::from_secs(10),
-];
-
-/// A number of an event visible on `lane` above `above`, as high as found
-/// cheaply; `None` when the lane has no event above it (one command). Any visible number
-/// will do as a pass's range end — every event below it is visible too —
-/// so the events of the last moments (by their numbers: their recording
-/// time) are read first, and only when there are none the whole backlog.
-pub(super) async fn highest(
+/// The lowest number above `above` on `lane`, if any.
+pub(super) async fn first_above(
     store: &Store,
     events: &Collection<Document>,
-    lane: ObjectId,
-    above: Option<i64>,
-    now: std::time::SystemTime,
+    lane: mongodb::bson::oid::ObjectId,
+    above: i64,
 ) -> Result<Option<i64>, Error> {
-    // A lane with nothing above `above` — most lanes, most passes — costs
-    // one index seek.
-    let any = vec![
-        doc! { "$match": range(lane, above, None) },
-        doc! { "$limit": 1 },
-        doc! { "$project": { field::NUMBER: 1 } },
+    let pipeline = vec![
+        doc! { "$match": { field::LANE: lane, field::NUMBER: { "$gt": above } } },
+        doc! { "$group": { "_id": Bson::Null, "lo": { "$min": format!("${}", field::NUMBER) } } },
     ];
-    if aggregate_all(store, events, any, "ledger.fold.survey")
-        .await?
-        .is_empty()
-    {
-        return Ok(None);
-    }
-    let number = format!("${}", field::NUMBER);
-    for window in PROBES {
-        let recent = crate::write::ledger::unix_micros(now.checked_sub(window).unwrap_or(now));
-        let from = above.map_or(recent, |a| a.max(recent));
-        let pipeline = vec![
-            doc! { "$match": range(lane, Some(from), None) },
-            doc! { "$group": { "_id": Bson::Null, "hi": { "$max": &number } } },
-        ];
-        let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
-        if let Some(highest) = rows
-            .first()
-            .and_then(|row| row.get("hi"))
-            .and_then(integer_value)
-        {
-            return Ok(Some(highest));
-        }
-    }
-    Ok(survey_lane(store, events, lane, above)
-        .await?
-        .map(|survey| survey.highest))
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.convert").await?;
+    Ok(rows
+        .first()
+        .and_then(|row| row.get("lo"))
+        .and_then(integer_value))
 }
 
 /// One counter's share of a pass.
@@ -198,7 +156,7 @@ pub(super) struct Share {
     pub(super) malformed: u64,
 }
 
-/// The shares of the counters of `lane`'s events in `(from, to]`, added to
+/// The shares of the counters of the events numbered in `(from, to]`, added to
 /// `shares` (keyed by the counter key's canonical bytes: the server's
 /// `_id` equality). The server sums each counter's amounts and reports
 /// their lowest and highest; where those are not all int32 or int64 — an
@@ -208,16 +166,15 @@ pub(super) struct Share {
 /// A server that refuses the `$group` itself (the test server answers an
 /// int64 overflow with `InternalError`) has the whole range summed here:
 /// one counter's events never stop the others'.
-pub(super) async fn sum_lane(
+pub(super) async fn sum_range(
     store: &Store,
     events: &Collection<Document>,
-    lane: ObjectId,
     (from, to): (i64, i64),
     shares: &mut HashMap<CanonicalKey, Share>,
 ) -> Result<(), Error> {
     let amount = format!("${}", field::AMOUNT);
     let pipeline = vec![
-        doc! { "$match": range(lane, Some(from), Some(to)) },
+        doc! { "$match": range(from, Some(to)) },
         doc! { "$group": {
             "_id": format!("${}", field::COUNTER),
             "n": { "$sum": &amount },
@@ -231,11 +188,10 @@ pub(super) async fn sum_lane(
         Err(err) if refused_by_the_server(&err) => {
             tracing::warn!(
                 events = %events.name(),
-                lane = %lane.to_hex(),
                 cause = %err,
-                "the server refused to sum a lane's events; summing them one by one"
+                "the server refused to sum a pass's events; summing them one by one"
             );
-            return sum_exactly(store, events, range(lane, Some(from), Some(to)), shares).await;
+            return sum_exactly(store, events, range(from, Some(to)), shares).await;
         }
         Err(err) => return Err(err),
     };
@@ -243,7 +199,7 @@ pub(super) async fn sum_lane(
         let key = row.get("_id").cloned().unwrap_or(Bson::Null);
         let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
         if !(integral("n") && integral("lo") && integral("hi")) {
-            let mut filter = range(lane, Some(from), Some(to));
+            let mut filter = range(from, Some(to));
             filter.insert(field::COUNTER, key);
             sum_exactly(store, events, filter, shares).await?;
             continue;
@@ -285,11 +241,11 @@ fn refused_by_the_server(err: &Error) -> bool {
     }
 }
 
-/// Adds the events matching `filter` (one lane's range, maybe one
-/// counter's) to `shares`, read event by event (through `{L, s}` or `{k,
-/// L, s}`) and summed here exactly: the integer amounts counted, the others
+/// Adds the events matching `filter` (a pass's range, maybe one
+/// counter's) to `shares`, read event by event (through `{s}` or `{k, s}`)
+/// and summed here exactly: the integer amounts counted, the others
 /// counted as malformed and left out. Streams the cursor: a lane's whole
-/// backlog is never held in memory.
+/// range is never held in memory.
 async fn sum_exactly(
     store: &Store,
     events: &Collection<Document>,

@@ -5,10 +5,10 @@
 //! --connect` say which are missing ([`missing`]), and the fold refuses to
 //! run without them ([`Error::IndexesMissing`]).
 //!
-//! - `tally_events_lane`: `{L: 1, s: 1}`: a lane's events by number — the
-//!   fold's survey and sums, the backlog, the deletion of folded events;
-//! - `tally_events_counter_lane`: `{k: 1, L: 1, s: 1}`: a counter's events
-//!   not folded yet, lane by lane (exact reads).
+//! - `tally_events_number`: `{s: 1}`: events by number — a pass's range,
+//!   the backlog above the watermark, the deletion of folded events;
+//! - `tally_events_counter_number`: `{k: 1, s: 1}`: a counter's events
+//!   above the watermark (exact reads).
 //!
 //! Each secondary index costs every insert; there is no TTL index: events
 //! are deleted by the fold, once folded and older than the dedupe window.
@@ -22,10 +22,10 @@ use super::field;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::store::Store;
 
-/// The lane index's name.
-const LANE: &str = "tally_events_lane";
+/// The number index's name.
+const NUMBER: &str = "tally_events_number";
 /// The counter index's name.
-const COUNTER: &str = "tally_events_counter_lane";
+const COUNTER: &str = "tally_events_counter_number";
 
 /// One index the ledger needs: its name and keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,12 +47,12 @@ pub(crate) enum Created {
 pub(crate) fn needed() -> Vec<Needed> {
     vec![
         Needed {
-            name: LANE,
-            keys: doc! { field::LANE: 1, field::NUMBER: 1 },
+            name: NUMBER,
+            keys: doc! { field::NUMBER: 1 },
         },
         Needed {
             name: COUNTER,
-            keys: doc! { field::COUNTER: 1, field::LANE: 1, field::NUMBER: 1 },
+            keys: doc! { field::COUNTER: 1, field::NUMBER: 1 },
         },
     ]
 }

@@ -11,6 +11,11 @@
 //! events that follow are read too (one `find`), so a batch of events
 //! recorded before costs two round trips, not one per event.
 //!
+//! An event the events collection's floor refuses (the fold has folded
+//! every number at or below it; `DocumentValidationFailure`) was not
+//! inserted by this attempt, nor were those after it: they go back to the
+//! recorder to be numbered again above the floor ([`Fate::Renumber`]).
+//!
 //! A transient failure sends the same insert once more (the retry rule);
 //! an event that may have landed but whose fate is still unknown after that
 //! is [`Recording::Unknown`], and its lane is retired: nothing newer may go
@@ -18,15 +23,14 @@
 //! lane's events becoming visible in number order).
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::error::ErrorKind;
 use mongodb::{Collection, Namespace};
 
-use super::field;
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
+use super::{field, floor};
 use crate::document::{integer_value, same_key};
 use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
 use crate::store::Store;
@@ -115,39 +119,36 @@ pub(super) fn judge_other(event: Event, stored: &Document) -> Recording {
     }
 }
 
-/// What a batch came to: one outcome per item, and whether its lane must be
-/// retired (some insert may still land).
+/// What became of one event of a batch.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per event of a batch, moved once
+pub(super) enum Fate {
+    /// Its outcome.
+    Settled(Recording),
+    /// The floor refused it (or an event before it): not inserted by this
+    /// batch; to be numbered again above the floor. `maybe_applied`: an
+    /// earlier attempt of this batch, with the same number, may have
+    /// landed.
+    Renumber { maybe_applied: bool },
+}
+
+/// What a batch came to: one fate per item, and whether its lane must be
+/// retired (some insert may still land, or the floor passed its numbers).
 pub(super) struct Sent {
-    pub(super) outcomes: Vec<Recording>,
+    pub(super) fates: Vec<Fate>,
     pub(super) retire: bool,
 }
 
-/// Sends `items` (in number order) until each has its outcome, starting no
-/// insert after `send_by` (the lane's end: the fold stops looking at a lane
-/// some time after it): what is left then was never sent, or is unknown.
-pub(super) async fn send(
-    store: &Store,
-    events: &Collection<Document>,
-    items: &[Item],
-    send_by: Instant,
-) -> Sent {
+/// Sends `items` (in number order) until each has its fate.
+pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[Item]) -> Sent {
     let namespace = events.namespace();
     let ns = &namespace;
     let mut outcomes: Vec<Option<Recording>> = items.iter().map(|_| None).collect();
     let mut maybe_applied = vec![false; items.len()];
+    let mut renumber = vec![false; items.len()];
     let mut left: Vec<usize> = (0..items.len()).collect();
     let mut budget = RetryBudget::retry_once("ledger.record");
     while !left.is_empty() {
-        if Instant::now() > send_by {
-            let cause = Error::InvalidArgument(
-                "the recorder's lane ended before this event could be sent again; record it again"
-                    .into(),
-            );
-            for i in left.drain(..) {
-                outcomes[i] = Some(items[i].undecided(maybe_applied[i], ns, cause.clone()));
-            }
-            break;
-        }
         let documents: Vec<Document> = left.iter().map(|&i| items[i].document.clone()).collect();
         budget.start_attempt();
         let err = match store
@@ -178,6 +179,21 @@ pub(super) async fn send(
             let inserted: Vec<usize> = left[..at].to_vec();
             let stopped = left[at];
             let rest: Vec<usize> = left[at + 1..].to_vec();
+            if floor::refused_by_floor(Some(refused_code)) {
+                // Numbered at or below the floor. The events after it were
+                // not inserted by this attempt; those before it were on
+                // MongoDB (the floor rose between them) but not on every
+                // server (the test server refuses the whole ordered batch):
+                // all are numbered again, those before it kept recognisable
+                // as ours should they be there.
+                for &i in &inserted {
+                    maybe_applied[i] = true;
+                }
+                for i in inserted.into_iter().chain([stopped]).chain(rest) {
+                    renumber[i] = true;
+                }
+                break;
+            }
             if unconfirmed {
                 inserted.iter().for_each(|&i| maybe_applied[i] = true);
             } else {
@@ -241,15 +257,21 @@ pub(super) async fn send(
             }
         }
     }
-    let outcomes: Vec<Recording> = outcomes
+    let retire = renumber.contains(&true)
+        || items
+            .iter()
+            .zip(&outcomes)
+            .any(|(item, outcome)| outcome.as_ref().is_some_and(|o| item.left_in_doubt(o)));
+    let fates = outcomes
         .into_iter()
-        .map(|o| o.expect("every event of a batch gets an outcome"))
+        .zip(renumber)
+        .zip(maybe_applied)
+        .map(|((outcome, renumber), maybe_applied)| match outcome {
+            Some(outcome) if !renumber => Fate::Settled(outcome),
+            _ => Fate::Renumber { maybe_applied },
+        })
         .collect();
-    let retire = items
-        .iter()
-        .zip(&outcomes)
-        .any(|(item, outcome)| item.left_in_doubt(outcome));
-    Sent { outcomes, retire }
+    Sent { fates, retire }
 }
 
 /// Reads the events stored under the keys of `candidates` (one `find`) and

@@ -1,88 +1,54 @@
 //! Exact reads: a counter plus its events not folded yet and its held
 //! sums, consistent at any moment of a fold.
 //!
-//! The fold keeps, per recorder lane, the highest number folded (`M_L`):
-//! every event at or below it is in its counter or in a held sum. A pass in
-//! progress (its intent) applies the events of the ranges `(M_L, M'_L]`
-//! through the fold lane at position `P`, one counter at a time; on a
-//! counter, they are in it once its fold lane entry holds `P` or more. A
-//! held sum of pass `p` is in it once the entry holds `p` or more (a
-//! counter's held sums go through the lane in order).
+//! The fold keeps a watermark `W`: every event numbered at or below it is
+//! in its counter (or in a held sum), every event above it is not — except
+//! those of a pass in progress (its intent, `(W, W']`), which are in a
+//! counter once the counter's fold lane entry holds the pass. A held sum of
+//! pass `p` is in it once the entry holds `p` or more.
 //!
-//! So the exact value is the counter, plus every event of the counter above
-//! its lane's `M_L` — except those of the intent's ranges when the counter
-//! has the intent's pass — plus every held sum the counter does not have.
-//! Only lanes that may hold such events are read (the registered lanes and
-//! the intent's), all in one command ([`unfolded_stages`]): one index range
-//! on `{k, L, s}` per lane on the server, never the counter's history, and
-//! never a round trip per lane — a deployment of many short-lived recorder
-//! processes (one lane each) reads as fast as one of a few.
+//! So the exact value is the counter, plus the counter's events above `W`
+//! (one index range on `{k: 1, s: 1}`: what happened since the last pass,
+//! never the counter's history, whatever the number of recorders), less
+//! those of the intent when the counter has its pass, plus every held sum
+//! the counter does not have.
 //!
 //! The state, the counter and the events are not read atomically, so the
 //! state is read before and after (an optimistic double read): when both
 //! show the same pass, no pass committed in between — the only write that
-//! moves `M_L` or the held sums — and every event and held sum read is
+//! moves `W` or the held sums — and every event and held sum read is
 //! judged against the one counter read, with the intent read last (while
 //! the pass stays the same, at most one intent can have been applied: that
-//! one). When a pass committed meanwhile, the whole read is done again.
+//! one). After [`OPTIMISTIC_ROUNDS`] double reads that met a moving fold,
+//! the three are read once inside a read-only transaction at read concern
+//! `snapshot`: one consistent view, which no fold can make fail. A busy
+//! fold delays a read, never fails it.
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
-use mongodb::options::AggregateOptions;
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::options::ReadConcern;
 
 use super::state::{self, FoldState};
-use super::{Ledger, field, fold_lane};
+use super::{Ledger, field, floor, fold_lane};
 use crate::document::{bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 
-/// How many double reads [`Ledger::value`] tries before it reports
-/// [`Error::ReadContended`].
-const READ_ROUNDS: u32 = 20;
+/// How many optimistic double reads [`Ledger::value`] tries before it
+/// reads from one snapshot.
+const OPTIMISTIC_ROUNDS: u32 = 3;
 
 /// Unfolded events per batch of an exact read: the first reply carries
 /// them all, unless the backlog is long.
 const UNFOLDED_BATCH: u32 = 10_000;
 
-/// `lanes` with their folded numbers in `state` (`None`: nothing folded on
-/// the lane yet), as [`unfolded_stages`] takes them.
-pub(crate) fn folded_numbers(
-    state: &FoldState,
-    lanes: impl IntoIterator<Item = ObjectId>,
-) -> Vec<(ObjectId, Option<i64>)> {
-    lanes
-        .into_iter()
-        .map(|lane| (lane, state.folded.get(&lane).copied()))
-        .collect()
+/// The fields of an event an exact read needs.
+fn event_projection() -> Document {
+    doc! { field::AMOUNT: 1, field::NUMBER: 1 }
 }
 
-/// The aggregation stages that keep the events above their lane's folded
-/// number on each of `lanes` (every event of a lane whose number is
-/// `None`), of the counter `counter` when given: a `$match` on the lanes
-/// (and the counter), then one on an `$or` of each lane's range. One
-/// command, whatever the number of lanes: MongoDB merges the two stages and
-/// reads each branch as one index range (`{L, s}`, or `{k, L, s}` with a
-/// counter), so only the events asked for are read; a server that does
-/// not merge them reads the lanes' events (of the counter) through the
-/// first stage's index and filters them. `lanes` must not be empty (an
-/// empty `$or` is refused).
-fn unfolded_stages(counter: Option<&Bson>, lanes: &[(ObjectId, Option<i64>)]) -> Vec<Document> {
-    let ids: Vec<ObjectId> = lanes.iter().map(|&(lane, _)| lane).collect();
-    let mut first = Document::new();
-    if let Some(counter) = counter {
-        first.insert(field::COUNTER, counter.clone());
-    }
-    first.insert(field::LANE, doc! { "$in": ids });
-    let branches: Vec<Document> = lanes
-        .iter()
-        .map(|&(lane, folded)| match folded {
-            Some(folded) => doc! { field::LANE: lane, field::NUMBER: { "$gt": folded } },
-            None => doc! { field::LANE: lane },
-        })
-        .collect();
-    vec![
-        doc! { "$match": first },
-        doc! { "$match": { "$or": branches } },
-    ]
+/// The filter of `counter`'s events above `watermark`.
+fn unfolded_filter(counter: &Bson, watermark: i64) -> Document {
+    doc! { field::COUNTER: counter.clone(), field::NUMBER: { "$gt": watermark } }
 }
 
 /// A counter read exactly: what its document holds and what its recorded
@@ -120,98 +86,166 @@ struct CounterState {
 
 impl Ledger {
     /// The counter `key` read exactly: the counter plus its recorded events
-    /// not folded into it yet. [`Error::ReadContended`] when a fold pass
-    /// moved during every one of 20 double reads.
+    /// not folded into it yet. It answers however busy the fold is (after a
+    /// few reads that met a moving fold, it reads once from a snapshot).
     ///
     /// ```no_run
     /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
-    /// use tally::Error;
-    ///
-    /// match orders.value("2026-05").await {
-    ///     Ok(exact) => println!("May: {}", exact.value),
-    ///     // A fold kept moving under every read: read again later.
-    ///     Err(Error::ReadContended { rounds, .. }) => eprintln!("busy after {rounds} reads"),
-    ///     Err(other) => return Err(other),
-    /// }
+    /// let may = orders.value("2026-05").await?;
+    /// println!("May: {} ({} events not folded yet)", may.value, may.unfolded_events);
     /// # Ok(()) }
     /// ```
     pub async fn value(&self, key: impl Into<Bson>) -> Result<ExactValue, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;
         let lane = fold_lane(&self.spec.events_collection_name())?;
-        for _ in 0..READ_ROUNDS {
+        for _ in 0..OPTIMISTIC_ROUNDS {
             let before = state::read(&self.store, &self.state).await?;
-            let counter = self.counter_state(&key, lane.as_str()).await?;
-            let events = self.unfolded_events(&key, &before).await?;
+            if before.legacy.is_some() {
+                return Err(state::not_converted(&self.state));
+            }
+            let found = self.find_counter(&key).await?;
+            let counter = self.counter_state(&key, lane.as_str(), found)?;
+            let events = self.unfolded_events(&key, before.watermark).await?;
             let after = state::read(&self.store, &self.state).await?;
-            if before.seen() != after.seen() {
+            if before.seen() == after.seen() {
+                return self.judge(key, &counter, &events, &after).await;
+            }
+        }
+        let (state, counter, events) = self.snapshot(&key).await?;
+        if state.legacy.is_some() {
+            return Err(state::not_converted(&self.state));
+        }
+        let counter = self.counter_state(&key, lane.as_str(), counter)?;
+        self.judge(key, &counter, &events, &state).await
+    }
+
+    /// The exact value from one consistent reading of the counter, its
+    /// events above the watermark, and the state.
+    async fn judge(
+        &self,
+        key: Bson,
+        counter: &CounterState,
+        events: &[Document],
+        state: &FoldState,
+    ) -> Result<ExactValue, Error> {
+        self.check_state_kept(&key, counter, state).await?;
+        let position = counter.fold_position.unwrap_or(i64::MIN);
+        let in_counter = |s: i64| {
+            state
+                .intent
+                .as_ref()
+                .is_some_and(|intent| position >= intent.pass && intent.folds(s))
+        };
+        let mut unfolded = 0i128;
+        let mut unfolded_events = 0u64;
+        for event in events {
+            let Some(number) = event.get(field::NUMBER).and_then(integer_value) else {
+                return Err(self.malformed_event(event, "its number s is not an integer"));
+            };
+            if number <= state.watermark || in_counter(number) {
                 continue;
             }
-            self.check_state_kept(&key, &counter, &events, &after)?;
-            let held = counter.fold_position.unwrap_or(i64::MIN);
-            let mut unfolded = 0i128;
-            let mut unfolded_events = 0u64;
-            for (lane, event) in &events {
-                let number = event.get(field::NUMBER).and_then(integer_value);
-                let in_pass = after.intent.as_ref().is_some_and(|intent| {
-                    held >= intent.pass
-                        && intent
-                            .ranges
-                            .get(lane)
-                            .is_some_and(|&(from, to)| number.is_some_and(|s| s > from && s <= to))
-                });
-                if in_pass {
-                    continue;
-                }
-                let Some(amount) = event.get(field::AMOUNT).and_then(integer_value) else {
-                    return Err(self.malformed_event(event, "its amount n is not an integer"));
-                };
-                unfolded += i128::from(amount);
-                unfolded_events += 1;
-            }
-            for sum in before.held.iter().filter(|h| same_key(&h.key, &key)) {
-                if held < sum.pass {
-                    unfolded += sum.amount;
-                    unfolded_events += sum.events;
-                }
-            }
-            let shown = display_id(&key);
-            let too_big = || {
-                Error::InvalidArgument(format!(
-                    "counter {shown}: its value and its unfolded events pass 2^63"
-                ))
+            let Some(amount) = event.get(field::AMOUNT).and_then(integer_value) else {
+                return Err(self.malformed_event(event, "its amount n is not an integer"));
             };
-            let value =
-                i64::try_from(i128::from(counter.value) + unfolded).map_err(|_| too_big())?;
-            return Ok(ExactValue {
-                key,
-                value,
-                folded: counter.value,
-                unfolded: i64::try_from(unfolded).map_err(|_| too_big())?,
-                unfolded_events,
-            });
+            unfolded += i128::from(amount);
+            unfolded_events += 1;
         }
-        Err(Error::ReadContended {
+        for sum in state.held.iter().filter(|h| same_key(&h.key, &key)) {
+            if position < sum.pass {
+                unfolded += sum.amount;
+                unfolded_events += sum.events;
+            }
+        }
+        let too_big = || Error::ExactValueTooLarge {
             key: display_id(&key),
-            rounds: READ_ROUNDS,
+        };
+        let value = i64::try_from(i128::from(counter.value) + unfolded).map_err(|_| too_big())?;
+        Ok(ExactValue {
+            value,
+            folded: counter.value,
+            unfolded: i64::try_from(unfolded).map_err(|_| too_big())?,
+            unfolded_events,
+            key,
         })
+    }
+
+    /// The state, the counter document and its events above the
+    /// watermark, read inside one read-only transaction at read concern
+    /// `snapshot` (retried once on a transient failure).
+    async fn snapshot(
+        &self,
+        key: &Bson,
+    ) -> Result<(FoldState, Option<Document>, Vec<Document>), Error> {
+        let mut budget = RetryBudget::read_once("ledger.read_snapshot");
+        let read = || async {
+            let mut session = self.store.client().start_session().await?;
+            session
+                .start_transaction()
+                .read_concern(ReadConcern::snapshot())
+                .await?;
+            let state = self
+                .state
+                .find_one(state::filter())
+                .session(&mut session)
+                .await?;
+            let counter = self
+                .counters
+                .find_one(doc! { "_id": key })
+                .projection(self.counter_projection())
+                .session(&mut session)
+                .await?;
+            let events = match state::from_document(&self.state, state.clone()) {
+                Ok(parsed) => {
+                    let mut cursor = self
+                        .events
+                        .find(unfolded_filter(key, parsed.watermark))
+                        .projection(event_projection())
+                        .batch_size(UNFOLDED_BATCH)
+                        .session(&mut session)
+                        .await?;
+                    cursor.stream(&mut session).try_collect().await?
+                }
+                Err(_) => Vec::new(),
+            };
+            session.abort_transaction().await?;
+            Ok::<_, mongodb::error::Error>((state, counter, events))
+        };
+        let (state, counter, events) = self
+            .store
+            .with_retry(&mut budget, read)
+            .await
+            .map_err(Error::Server)?;
+        Ok((state::from_document(&self.state, state)?, counter, events))
+    }
+
+    /// The counter document, with what an exact read needs of it.
+    async fn find_counter(&self, key: &Bson) -> Result<Option<Document>, Error> {
+        self.store
+            .find_one(
+                &self.counters,
+                doc! { "_id": key },
+                self.counter_projection(),
+                "ledger.read_counter",
+            )
+            .await
+    }
+
+    fn counter_projection(&self) -> Document {
+        doc! { &self.spec.counter_field: 1, &self.spec.lanes_field: 1 }
     }
 
     /// The counter's value and its fold lane's position (zero and none
     /// without a document).
-    async fn counter_state(&self, key: &Bson, lane: &str) -> Result<CounterState, Error> {
+    fn counter_state(
+        &self,
+        key: &Bson,
+        lane: &str,
+        found: Option<Document>,
+    ) -> Result<CounterState, Error> {
         let spec = &self.spec;
         let entry = format!("{}.{lane}", spec.lanes_field);
-        let projection = doc! { &spec.counter_field: 1, &spec.lanes_field: 1 };
-        let found = self
-            .store
-            .find_one(
-                &self.counters,
-                doc! { "_id": key },
-                projection,
-                "ledger.read_counter",
-            )
-            .await?;
         let Some(found) = found else {
             return Ok(CounterState {
                 value: 0,
@@ -258,21 +292,16 @@ impl Ledger {
 
     /// Refuses a read whose fold state was lost ([`Error::FoldStateLost`]):
     /// the counter holds a fold pass past any the state knows (passes were
-    /// numbered again), or, with no state document, one of the counter's
-    /// events is on a lane no registration names (registered, as every
-    /// lane is, before its first insert: the registrations went with the
-    /// state).
-    fn check_state_kept(
+    /// numbered again, or the document is gone), or, with no state
+    /// document, the events collection has a floor (only a fold raises it,
+    /// after making the document).
+    async fn check_state_kept(
         &self,
         key: &Bson,
         counter: &CounterState,
-        events: &[(ObjectId, Document)],
-        after: &FoldState,
+        state: &FoldState,
     ) -> Result<(), Error> {
-        let known = after
-            .intent
-            .as_ref()
-            .map_or(after.pass, |i| i.pass.max(after.pass));
+        let known = state.known_pass();
         if let Some(position) = counter.fold_position.filter(|&p| p > known) {
             let evidence = format!(
                 "counter {} holds fold pass {position}, past the last one recorded ({known})",
@@ -280,81 +309,30 @@ impl Ledger {
             );
             return Err(state::lost(&self.state, evidence));
         }
-        if !after.exists
-            && let Some((lane, event)) = events
-                .iter()
-                .find(|(lane, _)| !after.registered.iter().any(|r| r.lane == *lane))
+        if !state.exists
+            && let Some(floor) =
+                floor::read(&self.store, &self.spec.events_collection_name()).await?
         {
-            let id = event.get("_id").map_or_else(String::new, display_id);
-            let evidence = format!("event {id} is on lane {lane}, which no registration names");
+            let evidence = format!(
+                "the events collection {} has a floor ({floor}), which only a fold raises",
+                self.spec.events_collection_name()
+            );
             return Err(state::lost(&self.state, evidence));
         }
         Ok(())
     }
 
-    /// The counter's events above their lane's folded number, on every lane
-    /// that may hold some, with their lanes: one aggregate, whatever the
-    /// number of lanes. Without a state document nothing was folded (the
-    /// first pass makes it): every event of the counter, on any lane.
-    async fn unfolded_events(
-        &self,
-        key: &Bson,
-        state: &FoldState,
-    ) -> Result<Vec<(ObjectId, Document)>, Error> {
-        if !state.exists {
-            let filter = doc! { field::COUNTER: key };
-            let projection = doc! { field::AMOUNT: 1, field::NUMBER: 1, field::LANE: 1 };
-            let found = self.find_events(filter, projection).await?;
-            // An event without a lane (written by hand) is never folded.
-            return Ok(found
-                .into_iter()
-                .filter_map(|event| Some((event.get_object_id(field::LANE).ok()?, event)))
-                .collect());
-        }
-        let lanes = folded_numbers(state, state.readable_lanes());
-        if lanes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipeline = unfolded_stages(Some(key), &lanes);
-        pipeline.push(doc! { "$project": { field::AMOUNT: 1, field::NUMBER: 1, field::LANE: 1 } });
-        let mut budget = RetryBudget::read_once("ledger.read_unfolded");
-        let cursor = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events.aggregate(pipeline.clone()).with_options(
-                    AggregateOptions::builder()
-                        .batch_size(UNFOLDED_BATCH)
-                        .build(),
-                )
-            })
-            .await
-            .map_err(Error::Server)?;
-        let found: Vec<Document> = cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))?;
-        found
-            .into_iter()
-            .map(|event| match event.get_object_id(field::LANE) {
-                Ok(lane) => Ok((lane, event)),
-                Err(_) => Err(self.malformed_event(&event, "its lane L is not an ObjectId")),
-            })
-            .collect()
-    }
-
-    /// The events `filter` matches, with the fields of `projection`.
-    async fn find_events(
-        &self,
-        filter: Document,
-        projection: Document,
-    ) -> Result<Vec<Document>, Error> {
+    /// The counter's events above the watermark: one index range.
+    async fn unfolded_events(&self, key: &Bson, watermark: i64) -> Result<Vec<Document>, Error> {
+        let filter = unfolded_filter(key, watermark);
         let mut budget = RetryBudget::read_once("ledger.read_unfolded");
         let cursor = self
             .store
             .with_retry(&mut budget, || {
                 self.events
                     .find(filter.clone())
-                    .projection(projection.clone())
+                    .projection(event_projection())
+                    .batch_size(UNFOLDED_BATCH)
             })
             .await
             .map_err(Error::Server)?;

@@ -1,24 +1,32 @@
 //! The recorder behind a [`Ledger`](super::Ledger) handle: its lane, and
 //! the group commit that keeps one insert in flight on it.
 //!
-//! **The lane.** A handle records through one lane `L`, an ObjectId minted
-//! when it first records. Each event gets the lane's next number `s =
-//! max(last + 1, microseconds since the epoch now)`: numbers only grow, and
-//! an event's number also dates it. Before its first insert a fresh lane is
-//! registered in the fold's state collection (`{_id: L, at: <the server's
-//! clock>}`), so the fold knows to look at it. A lane is used for at most
-//! [`LANE_SPAN`] from before its registration, and is retired at once after
+//! **The lane and its numbers.** A handle records through one lane `L`, an
+//! ObjectId minted when it first records. Numbers are **the server's
+//! time**: minting a lane reads the server's clock (`hello`'s `localTime`)
+//! once, and each event gets `s = max(last + 1, that time + the time
+//! elapsed since, by this host's monotonic clock)` in microseconds — never
+//! this host's wall clock, which may be minutes off. Numbers only grow, and
+//! an event's number dates it on the server's clock, which is what the fold
+//! moves its watermark by. A lane is used for at most [`LANE_SPAN`] (the
+//! monotonic clock's drift stays negligible), and is retired at once after
 //! an insert whose outcome is unknown; the next event mints a fresh one.
+//!
+//! **The floor.** The fold raises the events collection's floor as it
+//! folds: an insert numbered at or below it is refused, and wrote nothing.
+//! The events it refused go back to the head of the queue, to be numbered
+//! on a fresh lane above the floor (each keeps the lane and number it was
+//! sent with when an earlier attempt of it may have landed, so finding it
+//! stored is recognised as ours). After [`FLOOR_REFUSALS`] refusals of one
+//! event it is given up: not recorded, or unknown when an attempt of it
+//! may have landed.
 //!
 //! **One insert in flight.** Events recorded while an insert is in flight
 //! wait, and go out together — in the order they were recorded, numbered
 //! in that order — as the next ordered insert (group commit). A spawned
 //! task sends, not any caller: a caller that stops waiting never strands
 //! the others, and its event, once taken into an insert, meets that
-//! insert's fate (before that, it is dropped unsent). So a lane's inserts
-//! reach the server one after the other, in number order, and none is sent
-//! after one whose fate is unknown: every event numbered below the highest
-//! one the fold sees on a lane is visible to it.
+//! insert's fate (before that, it is dropped unsent).
 //!
 //! This queue is written for the recorder alone (a single key, one lane);
 //! the lanes protocol's keyed group commit is a separate piece.
@@ -32,20 +40,19 @@ use mongodb::bson::{Document, doc, oid::ObjectId};
 use tokio::sync::oneshot;
 
 use super::event_document;
-use super::insert::{self, Item};
+use super::floor;
+use super::insert::{self, Fate, Item};
 use super::outcome::{Event, Recording, refused};
 use crate::error::Error;
 use crate::store::Store;
 
-/// How long a recorder uses one lane, from before its registration: after
-/// it the next event mints a fresh lane. The fold seals a registered lane
-/// (stops looking at it) once no insert on it can land any more.
+/// How long a recorder numbers on one lane from one reading of the
+/// server's clock: after it the next event mints a fresh lane, and reads
+/// the clock again.
 pub(crate) const LANE_SPAN: Duration = Duration::from_secs(3600);
 
-/// How long after [`LANE_SPAN`] a batch already under way may still send
-/// on its lane (its resends after a refusal, and their retries); none
-/// starts later.
-pub(crate) const LANE_GRACE: Duration = Duration::from_secs(300);
+/// How many times the floor may refuse one event before it is given up.
+const FLOOR_REFUSALS: u8 = 3;
 
 /// Events per `insert` command: the server's `maxWriteBatchSize`, which
 /// the driver would otherwise split at (a split command fails as a whole).
@@ -58,7 +65,6 @@ const MAX_BYTES_PER_INSERT: usize = 16 * 1024 * 1024;
 pub(super) struct Recorder {
     store: Store,
     events: Collection<Document>,
-    registry: Collection<Document>,
     queue: Mutex<Queue>,
 }
 
@@ -83,7 +89,17 @@ struct Queue {
 struct Lane {
     id: ObjectId,
     last: i64,
+    /// The server's clock when it was minted, in microseconds.
+    anchor: i64,
     minted: Instant,
+}
+
+impl Lane {
+    /// The server's time now, as this lane reckons it (microseconds).
+    fn now(&self) -> i64 {
+        let elapsed = i64::try_from(self.minted.elapsed().as_micros()).unwrap_or(i64::MAX);
+        self.anchor.saturating_add(elapsed)
+    }
 }
 
 /// One event waiting to be sent.
@@ -92,14 +108,15 @@ struct Waiting {
     earlier: Vec<(ObjectId, i64)>,
     bytes: usize,
     reply: oneshot::Sender<Recording>,
+    /// How often the floor refused it.
+    refusals: u8,
 }
 
 impl Recorder {
-    pub(super) fn new(store: &Store, events: &str, registry: &str) -> Self {
+    pub(super) fn new(store: &Store, events: &str) -> Self {
         Self {
             store: store.clone(),
             events: store.collection(events),
-            registry: store.collection(registry),
             queue: Mutex::default(),
         }
     }
@@ -125,6 +142,7 @@ impl Recorder {
                 earlier,
                 bytes,
                 reply,
+                refusals: 0,
             });
             receivers.push(receiver);
         }
@@ -155,44 +173,100 @@ impl Recorder {
             };
             let lane = match lane.filter(|l| l.minted.elapsed() < LANE_SPAN) {
                 Some(lane) => lane,
-                None => match self.mint().await {
+                None => match self.mint(None).await {
                     Ok(lane) => lane,
                     Err(cause) => {
-                        let events = self.events.namespace();
-                        for waiting in batch {
-                            let outcome =
-                                refused(waiting.event, waiting.earlier, &events, cause.clone());
-                            let _ = waiting.reply.send(outcome);
-                        }
+                        self.refuse(batch, &cause);
                         continue;
                     }
                 },
             };
-            let (items, replies, last) = number(batch, lane);
+            let (items, waiting, last) = number(batch, lane);
             self.lock().lane = Some(Lane { last, ..lane });
-            let send_by = lane.minted + LANE_SPAN + LANE_GRACE;
-            let sent = insert::send(&self.store, &self.events, &items, send_by).await;
+            let sent = insert::send(&self.store, &self.events, &items).await;
             if sent.retire {
                 let mut queue = self.lock();
                 if queue.lane.is_some_and(|l| l.id == lane.id) {
                     queue.lane = None;
                 }
             }
-            for (reply, outcome) in replies.into_iter().zip(sent.outcomes) {
-                let _ = reply.send(outcome);
+            let mut again = Vec::new();
+            for ((mut waiting, item), fate) in waiting.into_iter().zip(items).zip(sent.fates) {
+                match fate {
+                    Fate::Settled(outcome) => {
+                        let _ = waiting.reply.send(outcome);
+                    }
+                    Fate::Renumber { maybe_applied } => {
+                        if maybe_applied {
+                            waiting.earlier.push((item.lane, item.number));
+                        }
+                        waiting.refusals += 1;
+                        again.push(waiting);
+                    }
+                }
+            }
+            if !again.is_empty() {
+                self.floor_refused(again, lane).await;
             }
         }
     }
 
-    /// A fresh lane, registered for the fold.
-    async fn mint(&self) -> Result<Lane, Error> {
-        let minted = Instant::now();
-        let id = ObjectId::new();
-        super::state::register(&self.store, &self.registry, id).await?;
+    /// Puts the events the floor refused back at the head of the queue, on
+    /// a fresh lane numbered above the floor — or gives up those refused
+    /// too often.
+    async fn floor_refused(&self, refused: Vec<Waiting>, lane: Lane) {
+        let (retry, give_up): (Vec<Waiting>, Vec<Waiting>) = refused
+            .into_iter()
+            .partition(|w| w.refusals < FLOOR_REFUSALS);
+        let cause = Error::InvalidArgument(format!(
+            "the events collection's floor refused the event {FLOOR_REFUSALS} times (the \
+             fold had folded past every number this recorder gave it): record it again"
+        ));
+        self.refuse(give_up, &cause);
+        if retry.is_empty() {
+            return;
+        }
+        let floor = floor::read(&self.store, self.events.name()).await;
+        let fresh = match floor {
+            Ok(floor) => self.mint(floor.map(|f| f.max(lane.last))).await,
+            Err(cause) => Err(cause),
+        };
+        match fresh {
+            Ok(fresh) => {
+                let mut queue = self.lock();
+                queue.lane = Some(fresh);
+                for waiting in retry.into_iter().rev() {
+                    queue.waiting.push_front(waiting);
+                }
+            }
+            Err(cause) => self.refuse(retry, &cause),
+        }
+    }
+
+    /// Answers each of `batch` that nothing of this attempt was written:
+    /// not recorded, or unknown when an earlier attempt may have landed.
+    fn refuse(&self, batch: Vec<Waiting>, cause: &Error) {
+        let events = self.events.namespace();
+        for waiting in batch {
+            let outcome = refused(waiting.event, waiting.earlier, &events, cause.clone());
+            let _ = waiting.reply.send(outcome);
+        }
+    }
+
+    /// A fresh lane, numbered from the server's clock (and above `above`,
+    /// the floor, when known).
+    async fn mint(&self, above: Option<i64>) -> Result<Lane, Error> {
+        let server = self.store.server_time().await?;
         Ok(Lane {
-            id,
-            last: 0,
-            minted,
+            id: ObjectId::new(),
+            last: above.unwrap_or(0),
+            anchor: unix_micros(server),
+            // The reply's time was read on the server at some moment
+            // before this: reckoned from here, numbers never run ahead of
+            // the server's clock (they lag it by at most the round trip),
+            // so an event acknowledged before a pass began is numbered
+            // before it.
+            minted: Instant::now(),
         })
     }
 }
@@ -219,25 +293,23 @@ fn take_batch(waiting: &mut VecDeque<Waiting>) -> Vec<Waiting> {
 }
 
 /// Numbers the batch's events on `lane`, in order; returns the items to
-/// send, where their outcomes go, and the lane's last number.
-fn number(batch: Vec<Waiting>, lane: Lane) -> (Vec<Item>, Vec<oneshot::Sender<Recording>>, i64) {
-    let now = unix_micros(SystemTime::now());
+/// send, the waiting events they came from, and the lane's last number.
+fn number(batch: Vec<Waiting>, lane: Lane) -> (Vec<Item>, Vec<Waiting>, i64) {
+    let now = lane.now();
     let mut last = lane.last;
     let mut items = Vec::with_capacity(batch.len());
-    let mut replies = Vec::with_capacity(batch.len());
-    for waiting in batch {
+    for waiting in &batch {
         let number = (last + 1).max(now);
         last = number;
         items.push(Item {
             document: event_document(&waiting.event, lane.id, number),
-            event: waiting.event,
+            event: waiting.event.clone(),
             lane: lane.id,
             number,
-            earlier: waiting.earlier,
+            earlier: waiting.earlier.clone(),
         });
-        replies.push(waiting.reply);
     }
-    (items, replies, last)
+    (items, batch, last)
 }
 
 /// Microseconds since the epoch.
@@ -266,15 +338,20 @@ mod tests {
             earlier: Vec::new(),
             bytes: 100,
             reply,
+            refusals: 0,
         };
         (waiting, receiver)
     }
 
     #[test]
     fn numbers_grow_in_the_order_events_were_recorded_and_date_them() {
+        // The server's clock an hour behind this host's: numbers follow
+        // the server's.
+        let server = unix_micros(SystemTime::now()) - 3_600_000_000;
         let lane = Lane {
             id: ObjectId::new(),
-            last: unix_micros(SystemTime::now()) + 1_000_000,
+            last: server + 1_000_000,
+            anchor: server,
             minted: Instant::now(),
         };
         let batch: Vec<Waiting> = (0..3).map(|i| waiting(&format!("e{i}")).0).collect();
@@ -284,10 +361,13 @@ mod tests {
         assert_eq!(last, lane.last + 3);
         let fresh = Lane { last: 0, ..lane };
         let (items, _, _) = number(vec![waiting("x").0], fresh);
-        let age = SystemTime::now()
+        let behind = SystemTime::now()
             .duration_since(time_of(items[0].number))
             .unwrap();
-        assert!(age < Duration::from_secs(5), "a number dates its event");
+        assert!(
+            behind >= Duration::from_secs(3595) && behind < Duration::from_secs(3605),
+            "a number dates its event on the server's clock, not this host's: {behind:?}"
+        );
     }
 
     #[test]

@@ -1,49 +1,41 @@
-//! The fold's state, as stored: one collection per ledger, `<events>_fold`,
-//! holding the state document and one registration per recorder lane.
+//! The fold's state, as stored, and every write to it: the one place that
+//! knows its field paths. One document per ledger, in `<events>_fold`:
 //!
 //! ```text
-//! { _id: "state", pass: <int64>, v: <int64>,
-//!   folded: { "<lane hex>": <int64 M_L>, ... },
-//!   intent: { pass: P, ranges: { "<lane hex>": [<from>, <to>], ... },
-//!             owner: ObjectId, deadline: <date>, recovered: <bool> },
+//! { _id: "state", pass: <int64>, v: <int64>, W: <int64>,
+//!   intent: { pass: P, from: <W>, to: <W'>, owner: ObjectId,
+//!             deadline: <date>, recovered: <bool> },
 //!   held: [ { k: <counter key>, p: <pass>, n: <int64>, e: <events>,
 //!             a: <maybe applied>, why: <string>, at: <date> }, ... ] }
-//! { _id: <lane ObjectId>, at: <date, the server's clock>,
-//!   sealed: <date, the fold's clock>, quiet: true }
 //! ```
 //!
+//! - `W`, the **watermark**: every event numbered at or below it is in its
+//!   counter (or in a held sum); every event above it is not. The events
+//!   collection's floor (see `floor`) is at least `W`, so no event at or
+//!   below it can land any more.
 //! - `pass` is the last committed pass; `v` changes with every write that
-//!   changes what a pass or a read concludes (intent recorded, pass
-//!   committed), so a reader compares it before and after.
-//! - `folded` holds, per recorder lane, the highest number folded: every
-//!   event of that lane numbered at or below it is in its counter (or in a
-//!   held sum).
-//! - `intent` is the pass in progress: the ranges `(from, to]` it folds,
-//!   who applies it and until when.
+//!   records an intent or commits one.
+//! - `intent` is the pass in progress: it folds the events numbered in
+//!   `(from, to]`, applied by `owner` until `deadline`.
 //! - `held` are the sums a counter refused, each with the pass whose fold
 //!   lane position it goes through.
-//! - a lane registration is written by a recorder before its first insert
-//!   on a fresh lane (`at` from the server's clock): the fold surveys every
-//!   registered lane on every pass, and seals a lane once no insert on it
-//!   can land any more (`sealed`: when, by the fold's clock, the server's).
-//!   A sealed lane keeps its registration until the sweep deletes its
-//!   events: every event's lane is registered, so an insert that lands late
-//!   is found, and a lost state is told from a fresh one. Exact reads still
-//!   read a sealed lane until the sweep has found it quiet (`quiet`) a
-//!   while after its seal (see the fold's module docs).
 //!
-//! The recorder writes registrations; everything else is the fold's. This
-//! module reads both, for the fold and for exact reads.
+//! The document's size does not grow with time, events or recorders: a
+//! watermark and one intent of fixed size; only `held` grows, by one entry
+//! per counter that refuses its sum (about 150 bytes each: a hundred
+//! thousand refusing counters before the document limit).
+//!
+//! Tally 0.2.0 kept a `folded` map (one entry per recorder lane) and one
+//! registration document per lane in this collection: see
+//! [`FoldState::legacy`].
 
-use std::collections::BTreeMap;
 use std::time::SystemTime;
 
-use futures::TryStreamExt;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 use crate::document::{bson_type_name, integer_value};
-use crate::error::{Error, Failure, RetryBudget};
+use crate::error::{Error, ErrorClass, RetryBudget};
 use crate::store::Store;
 
 /// The state document's `_id`.
@@ -55,24 +47,20 @@ pub(crate) fn collection_name(events: &str) -> String {
 }
 
 /// The state document's fields.
-pub(crate) mod field {
-    /// The last committed pass.
-    pub(crate) const PASS: &str = "pass";
-    /// The version: changes with every intent and commit.
-    pub(crate) const VERSION: &str = "v";
-    /// Per lane, the highest number folded.
-    pub(crate) const FOLDED: &str = "folded";
-    /// The pass in progress.
-    pub(crate) const INTENT: &str = "intent";
-    /// The sums counters refused.
-    pub(crate) const HELD: &str = "held";
-    /// A registration's time, and a held sum's.
-    pub(crate) const AT: &str = "at";
-    /// When a registered lane was sealed (the fold's clock).
-    pub(crate) const SEALED: &str = "sealed";
-    /// A sealed lane the sweep found with nothing late a while after its
-    /// seal: exact reads skip it.
-    pub(crate) const QUIET: &str = "quiet";
+mod field {
+    pub(super) const PASS: &str = "pass";
+    pub(super) const VERSION: &str = "v";
+    pub(super) const WATERMARK: &str = "W";
+    pub(super) const INTENT: &str = "intent";
+    pub(super) const HELD: &str = "held";
+    /// 0.2.0's per-lane map.
+    pub(super) const LEGACY_FOLDED: &str = "folded";
+
+    /// The intent's fields, as paths from the document.
+    pub(super) const INTENT_PASS: &str = "intent.pass";
+    pub(super) const INTENT_OWNER: &str = "intent.owner";
+    pub(super) const INTENT_DEADLINE: &str = "intent.deadline";
+    pub(super) const INTENT_RECOVERED: &str = "intent.recovered";
 }
 
 /// The pass in progress.
@@ -80,8 +68,10 @@ pub(crate) mod field {
 pub(crate) struct Intent {
     /// Its number: the fold lane position its sums go through.
     pub(crate) pass: i64,
-    /// Per lane, the numbers `(from, to]` it folds.
-    pub(crate) ranges: BTreeMap<ObjectId, (i64, i64)>,
+    /// The watermark it starts from: it folds the events numbered above.
+    pub(crate) from: i64,
+    /// The watermark it ends at: it folds the events numbered up to it.
+    pub(crate) to: i64,
     /// The fold applying it.
     pub(crate) owner: ObjectId,
     /// Until when the owner may send (the server's clock); renewed while
@@ -90,9 +80,13 @@ pub(crate) struct Intent {
     /// It was taken over, or resumed after its owner stopped: any of its
     /// sends may have applied.
     pub(crate) recovered: bool,
-    /// When its survey began (the server's clock): a lane that could
-    /// receive no insert after it is sealed once the pass commits.
-    pub(crate) surveyed: SystemTime,
+}
+
+impl Intent {
+    /// Whether the event numbered `s` is one this pass folds.
+    pub(crate) fn folds(&self, s: i64) -> bool {
+        s > self.from && s <= self.to
+    }
 }
 
 /// A sum a counter refused, kept until it accepts it.
@@ -114,205 +108,251 @@ pub(crate) struct Held {
     pub(crate) since: SystemTime,
 }
 
-/// A recorder lane's registration.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Registered {
-    /// The lane.
-    pub(crate) lane: ObjectId,
-    /// When it was registered, by the server's clock.
-    pub(crate) at: SystemTime,
-    /// When the fold sealed it (no insert on it can land any more), by the
-    /// fold's clock; `None` while it is live.
-    pub(crate) sealed: Option<SystemTime>,
-    /// Sealed, and found with nothing late a while after its seal.
-    pub(crate) quiet: bool,
+/// What tally 0.2.0 left in a fold state: per recorder lane, the highest
+/// number folded.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Legacy {
+    /// Lane (hex) and its highest folded number.
+    pub(crate) folded: Vec<(ObjectId, i64)>,
 }
 
 /// Everything the fold keeps, as read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct FoldState {
+    /// Whether the state document exists.
+    pub(crate) exists: bool,
     /// The last committed pass (0 before the first).
     pub(crate) pass: i64,
     /// The version (0 before the first write).
     pub(crate) version: i64,
-    /// Whether the state document exists.
-    pub(crate) exists: bool,
-    /// Per lane, the highest number folded.
-    pub(crate) folded: BTreeMap<ObjectId, i64>,
+    /// The watermark: every event numbered at or below it is folded.
+    pub(crate) watermark: i64,
     /// The pass in progress.
     pub(crate) intent: Option<Intent>,
     /// The held sums, in the order they go out.
     pub(crate) held: Vec<Held>,
-    /// The registered lanes.
-    pub(crate) registered: Vec<Registered>,
+    /// A state written by tally 0.2.0, not converted yet.
+    pub(crate) legacy: Option<Legacy>,
+    /// The document's size in bytes (0 without one).
+    pub(crate) bytes: usize,
 }
 
 impl FoldState {
-    /// The lanes a pass surveys and the backlog counts: the registered
-    /// lanes not sealed, and those of the pass in progress.
-    pub(crate) fn live_lanes(&self) -> Vec<ObjectId> {
-        self.lanes_where(|r| r.sealed.is_none())
-    }
-
-    /// The lanes that may hold events above their folded number, where an
-    /// exact read looks: the live lanes, and the sealed ones the sweep has
-    /// not found quiet yet (an insert held up in the network may land on a
-    /// lane after its seal).
-    pub(crate) fn readable_lanes(&self) -> Vec<ObjectId> {
-        self.lanes_where(|r| !r.quiet)
-    }
-
-    fn lanes_where(&self, keep: impl Fn(&Registered) -> bool) -> Vec<ObjectId> {
-        let mut lanes: Vec<ObjectId> = self
-            .registered
-            .iter()
-            .filter(|r| keep(r))
-            .map(|r| r.lane)
-            .collect();
-        if let Some(intent) = &self.intent {
-            lanes.extend(intent.ranges.keys().copied());
-        }
-        lanes.sort();
-        lanes.dedup();
-        lanes
-    }
-
     /// What a reader compares before and after: a commit in between — the
-    /// only write that moves a lane's folded number or the held sums —
-    /// changes it. (An intent recorded in between does not: the reader
-    /// judges by the intent it reads last, the only one that can have
-    /// applied anything while the pass stayed the same.)
+    /// only write that moves the watermark or the held sums — changes it.
+    /// (An intent recorded in between does not: the reader judges by the
+    /// intent it reads last, the only one that can have applied anything
+    /// while the pass stayed the same.)
     pub(crate) fn seen(&self) -> i64 {
         self.pass
     }
+
+    /// The highest pass the state knows of, committed or in progress.
+    pub(crate) fn known_pass(&self) -> i64 {
+        self.intent
+            .as_ref()
+            .map_or(self.pass, |i| i.pass.max(self.pass))
+    }
 }
 
-/// Reads the fold state of `collection`: the state document and the
-/// registrations but the quiet ones (sealed lanes the passes and exact
-/// reads no longer look at, kept only until the sweep deletes their
-/// events): what a pass or a read costs does not grow with the dedupe
-/// window's lanes.
+/// Reads the fold state of `collection` (one `find` by `_id`).
 pub(crate) async fn read(
     store: &Store,
     collection: &Collection<Document>,
 ) -> Result<FoldState, Error> {
-    read_matching(
-        store,
-        collection,
-        doc! { field::QUIET: { "$exists": false } },
-    )
-    .await
+    let found = store
+        .find_one(collection, filter(), Document::new(), "ledger.fold_state")
+        .await?;
+    from_document(collection, found)
 }
 
-/// Reads the fold state of `collection` with every registration, the quiet
-/// ones included (for the sweep, which deletes their events).
-pub(crate) async fn read_all(
-    store: &Store,
-    collection: &Collection<Document>,
-) -> Result<FoldState, Error> {
-    read_matching(store, collection, Document::new()).await
+/// The filter that finds the state document.
+pub(crate) fn filter() -> Document {
+    doc! { "_id": STATE_ID }
 }
 
-async fn read_matching(
-    store: &Store,
+/// The fold state of `collection` from its state document as found.
+pub(crate) fn from_document(
     collection: &Collection<Document>,
-    filter: Document,
+    found: Option<Document>,
 ) -> Result<FoldState, Error> {
-    let mut budget = RetryBudget::read_once("ledger.fold_state");
-    let cursor = store
-        .with_retry(&mut budget, || collection.find(filter.clone()))
-        .await
-        .map_err(Error::Server)?;
-    let documents: Vec<Document> = cursor
-        .try_collect()
-        .await
-        .map_err(|err| Error::Server(Failure::once("ledger.fold_state", err)))?;
-    let mut state = FoldState::default();
-    let mut registered = Vec::new();
-    let malformed = |id: &str, reason: String| Error::Malformed {
-        collection: collection.name().to_owned(),
-        id: id.to_owned(),
-        reason,
+    let Some(document) = found else {
+        return Ok(FoldState::default());
     };
-    for document in documents {
-        match document.get("_id") {
-            Some(Bson::String(id)) if id == STATE_ID => {
-                state = parse(&document).map_err(|why| malformed(STATE_ID, why))?;
-                state.exists = true;
-            }
-            Some(Bson::ObjectId(lane)) => {
-                let at = document
-                    .get_datetime(field::AT)
-                    .map_err(|_| malformed(&lane.to_hex(), "its at is not a date".into()))?;
-                let sealed = match document.get(field::SEALED) {
-                    None => None,
-                    Some(Bson::DateTime(sealed)) => Some(sealed.to_system_time()),
-                    Some(_) => {
-                        return Err(malformed(&lane.to_hex(), "its sealed is not a date".into()));
-                    }
-                };
-                registered.push(Registered {
-                    lane: *lane,
-                    at: at.to_system_time(),
-                    sealed,
-                    quiet: document.get_bool(field::QUIET).unwrap_or(false),
-                });
-            }
-            // Not the fold's: left alone.
-            _ => {}
-        }
-    }
-    registered.sort_by_key(|r| r.lane);
-    state.registered = registered;
+    let mut state = parse(&document).map_err(|reason| Error::Malformed {
+        collection: collection.name().to_owned(),
+        id: STATE_ID.to_owned(),
+        reason,
+    })?;
+    state.exists = true;
+    state.bytes = document.to_vec().map_or(0, |bytes| bytes.len());
     Ok(state)
 }
 
-/// Registers the recorder lane `lane` in the fold state `collection` (an
-/// idempotent upsert; `at` from the server's clock, which the fold seals
-/// lanes by). A recorder does it before its first insert on a fresh lane.
-pub(crate) async fn register(
-    store: &Store,
-    collection: &Collection<Document>,
-    lane: ObjectId,
-) -> Result<(), Error> {
-    upsert_registration(
-        store,
-        collection,
-        lane,
-        doc! { "$currentDate": { field::AT: true } },
-    )
-    .await
+/// The error of a read or a pass that meets a state tally 0.2.0 wrote and
+/// no fold converted yet.
+pub(crate) fn not_converted(collection: &Collection<Document>) -> Error {
+    Error::Malformed {
+        collection: collection.name().to_owned(),
+        id: STATE_ID.to_owned(),
+        reason: "it was written by tally 0.2.0 and is not converted yet: run `tallyd reconcile` \
+                 once (it converts it, see the changelog)"
+            .into(),
+    }
 }
 
-/// Registers the sealed lane `lane` again, live from now (the server's
-/// clock): it got an event after its seal, which the next passes fold.
-pub(crate) async fn register_again(
+/// Records `intent` as the next pass of `state` — conditioned on the state
+/// not having changed since it was read (its version), or, without a state
+/// document, by creating it. `false` when another fold got there first.
+pub(crate) async fn record_intent(
     store: &Store,
     collection: &Collection<Document>,
-    lane: ObjectId,
-) -> Result<(), Error> {
-    let live = doc! {
-        "$currentDate": { field::AT: true },
-        "$unset": { field::SEALED: "", field::QUIET: "" },
+    state: &FoldState,
+    intent: &Intent,
+) -> Result<bool, Error> {
+    let mut budget = RetryBudget::retry_once("ledger.fold.intent");
+    let written = if state.exists {
+        let filter = doc! {
+            "_id": STATE_ID,
+            field::VERSION: state.version,
+            field::INTENT: { "$exists": false },
+        };
+        let update = doc! {
+            "$set": { field::INTENT: intent.to_document() },
+            "$inc": { field::VERSION: 1 },
+        };
+        store
+            .with_retry(&mut budget, || {
+                collection.update_one(filter.clone(), update.clone())
+            })
+            .await
+            .map(|r| r.matched_count == 1)
+    } else {
+        let document = doc! {
+            "_id": STATE_ID,
+            field::PASS: 0i64,
+            field::VERSION: 1i64,
+            field::WATERMARK: intent.from,
+            field::INTENT: intent.to_document(),
+        };
+        match store
+            .with_retry(&mut budget, || collection.insert_one(document.clone()))
+            .await
+        {
+            Ok(_) => Ok(true),
+            // Another fold created the state first (or our own lost
+            // attempt did: the caller reads it back).
+            Err(failure) if failure.class == ErrorClass::DuplicateKey => Ok(false),
+            Err(failure) => Err(failure),
+        }
     };
-    upsert_registration(store, collection, lane, live).await
+    written.map_err(Error::Server)
 }
 
-async fn upsert_registration(
+/// Makes the unfinished pass `intent` (owned by `from`) `owner`'s until
+/// `deadline`, marked recovered. `false` when it changed meanwhile.
+pub(crate) async fn claim(
     store: &Store,
     collection: &Collection<Document>,
-    lane: ObjectId,
-    register: Document,
-) -> Result<(), Error> {
-    let mut budget = RetryBudget::retry_once("ledger.register_lane");
+    intent: &Intent,
+    from: ObjectId,
+    owner: ObjectId,
+    deadline: SystemTime,
+) -> Result<bool, Error> {
+    let filter =
+        doc! { "_id": STATE_ID, field::INTENT_OWNER: from, field::INTENT_PASS: intent.pass };
+    let update = doc! { "$set": {
+        field::INTENT_OWNER: owner,
+        field::INTENT_DEADLINE: DateTime::from_system_time(deadline),
+        field::INTENT_RECOVERED: true,
+    } };
+    let claimed = store
+        .update_one(collection, filter, update, "ledger.fold.take_over")
+        .await?;
+    Ok(claimed.matched_count == 1)
+}
+
+/// Extends `owner`'s pass `pass` to `deadline`; `false` when it is no
+/// longer `owner`'s.
+pub(crate) async fn renew(
+    store: &Store,
+    collection: &Collection<Document>,
+    owner: ObjectId,
+    pass: i64,
+    deadline: SystemTime,
+) -> Result<bool, Error> {
+    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
+    let update = doc! { "$set": { field::INTENT_DEADLINE: DateTime::from_system_time(deadline) } };
+    let renewed = store
+        .update_one(collection, filter, update, "ledger.fold.renew")
+        .await?;
+    Ok(renewed.matched_count == 1)
+}
+
+/// Commits `owner`'s pass `intent`: the watermark moves to its end, the
+/// held sums become `held`, the intent goes. `false` when it was no longer
+/// `owner`'s (the caller reads whether it was committed all the same).
+pub(crate) async fn commit(
+    store: &Store,
+    collection: &Collection<Document>,
+    owner: ObjectId,
+    intent: &Intent,
+    held: &[Held],
+) -> Result<bool, Error> {
+    let filter =
+        doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: intent.pass };
+    let update = doc! {
+        "$set": {
+            field::PASS: intent.pass,
+            field::WATERMARK: intent.to,
+            field::HELD: held.iter().map(Held::to_document).collect::<Vec<Document>>(),
+        },
+        "$unset": { field::INTENT: "" },
+        "$inc": { field::VERSION: 1 },
+    };
+    let committed = store
+        .update_one(collection, filter, update, "ledger.fold.commit")
+        .await?;
+    Ok(committed.matched_count == 1)
+}
+
+/// Converts a 0.2.0 state (read as `state`) to a watermark `watermark`:
+/// its per-lane map goes, its pass and held sums stay. Conditioned on the
+/// version read; `false` when the state changed meanwhile.
+pub(crate) async fn convert_legacy(
+    store: &Store,
+    collection: &Collection<Document>,
+    state: &FoldState,
+    watermark: i64,
+) -> Result<bool, Error> {
+    let filter = doc! {
+        "_id": STATE_ID,
+        field::VERSION: state.version,
+        field::INTENT: { "$exists": false },
+    };
+    let update = doc! {
+        "$set": { field::WATERMARK: watermark },
+        "$unset": { field::LEGACY_FOLDED: "" },
+        "$inc": { field::VERSION: 1 },
+    };
+    let converted = store
+        .update_one(collection, filter, update, "ledger.fold.convert")
+        .await?;
+    Ok(converted.matched_count == 1)
+}
+
+/// Deletes 0.2.0's lane registrations (documents with an ObjectId `_id`)
+/// from `collection`: nothing reads them any more. Returns how many.
+pub(crate) async fn forget_legacy_registrations(
+    store: &Store,
+    collection: &Collection<Document>,
+) -> Result<u64, Error> {
+    let filter = doc! { "_id": { "$type": "objectId" } };
+    let mut budget = RetryBudget::retry_once("ledger.fold.forget_registrations");
     store
-        .with_retry(&mut budget, || {
-            collection
-                .update_one(doc! { "_id": lane }, register.clone())
-                .upsert(true)
-        })
+        .with_retry(&mut budget, || collection.delete_many(filter.clone()))
         .await
-        .map(|_| ())
+        .map(|r| r.deleted_count)
         .map_err(Error::Server)
 }
 
@@ -335,22 +375,32 @@ fn parse(document: &Document) -> Result<FoldState, String> {
     let mut state = FoldState {
         pass: number(field::PASS)?,
         version: number(field::VERSION)?,
+        watermark: number(field::WATERMARK)?,
         ..FoldState::default()
     };
-    if let Some(folded) = document.get(field::FOLDED) {
+    if let Some(folded) = document.get(field::LEGACY_FOLDED) {
         let Bson::Document(folded) = folded else {
-            return Err("its folded map is not a document".into());
+            return Err("its folded map (tally 0.2.0) is not a document".into());
         };
+        let mut legacy = Legacy::default();
         for (lane, value) in folded {
             let lane = ObjectId::parse_str(lane).map_err(|_| format!("{lane} is not a lane"))?;
             let number = integer_value(value).ok_or("a folded number is not an integer")?;
-            state.folded.insert(lane, number);
+            legacy.folded.push((lane, number));
         }
+        state.legacy = Some(legacy);
     }
     if let Some(intent) = document.get(field::INTENT) {
         let Bson::Document(intent) = intent else {
             return Err("its intent is not a document".into());
         };
+        if intent.contains_key("ranges") {
+            return Err(
+                "its intent is a pass of tally 0.2.0 (lane ranges): finish it with tally 0.2.0's \
+                 `tallyd reconcile` before upgrading"
+                    .into(),
+            );
+        }
         state.intent = Some(parse_intent(intent)?);
     }
     if let Some(held) = document.get(field::HELD) {
@@ -369,37 +419,22 @@ fn parse(document: &Document) -> Result<FoldState, String> {
 
 fn parse_intent(intent: &Document) -> Result<Intent, String> {
     let bad = |what: &str| format!("its intent's {what} is malformed");
-    let pass = intent
-        .get("pass")
-        .and_then(integer_value)
-        .ok_or_else(|| bad("pass"))?;
-    let mut ranges = BTreeMap::new();
-    for (lane, range) in intent.get_document("ranges").map_err(|_| bad("ranges"))? {
-        let lane = ObjectId::parse_str(lane).map_err(|_| bad("ranges"))?;
-        let Bson::Array(bounds) = range else {
-            return Err(bad("ranges"));
-        };
-        let (Some(from), Some(to)) = (
-            bounds.first().and_then(integer_value),
-            bounds.get(1).and_then(integer_value),
-        ) else {
-            return Err(bad("ranges"));
-        };
-        ranges.insert(lane, (from, to));
-    }
+    let number = |name: &str| {
+        intent
+            .get(name)
+            .and_then(integer_value)
+            .ok_or_else(|| bad(name))
+    };
     Ok(Intent {
-        pass,
-        ranges,
+        pass: number("pass")?,
+        from: number("from")?,
+        to: number("to")?,
         owner: intent.get_object_id("owner").map_err(|_| bad("owner"))?,
         deadline: intent
             .get_datetime("deadline")
             .map_err(|_| bad("deadline"))?
             .to_system_time(),
         recovered: intent.get_bool("recovered").unwrap_or(false),
-        surveyed: intent
-            .get_datetime("surveyed")
-            .map_err(|_| bad("survey time"))?
-            .to_system_time(),
     })
 }
 
@@ -425,7 +460,7 @@ fn parse_held(entry: &Document) -> Result<Held, String> {
         maybe_applied: entry.get_bool("a").unwrap_or(true),
         cause: entry.get_str("why").unwrap_or_default().to_owned(),
         since: entry
-            .get_datetime(field::AT)
+            .get_datetime("at")
             .map_or(SystemTime::UNIX_EPOCH, |d| d.to_system_time()),
     })
 }
@@ -444,7 +479,7 @@ impl Held {
         entry.insert("e", i64::try_from(self.events).unwrap_or(i64::MAX));
         entry.insert("a", self.maybe_applied);
         entry.insert("why", self.cause.clone());
-        entry.insert(field::AT, DateTime::from_system_time(self.since));
+        entry.insert("at", DateTime::from_system_time(self.since));
         entry
     }
 }
@@ -452,24 +487,14 @@ impl Held {
 impl Intent {
     /// The intent as stored.
     pub(crate) fn to_document(&self) -> Document {
-        let ranges: Document = self
-            .ranges
-            .iter()
-            .map(|(lane, (from, to))| {
-                (
-                    lane.to_hex(),
-                    Bson::Array(vec![Bson::Int64(*from), Bson::Int64(*to)]),
-                )
-            })
-            .collect();
-        let mut intent = Document::new();
-        intent.insert("pass", self.pass);
-        intent.insert("ranges", ranges);
-        intent.insert("owner", self.owner);
-        intent.insert("deadline", DateTime::from_system_time(self.deadline));
-        intent.insert("recovered", self.recovered);
-        intent.insert("surveyed", DateTime::from_system_time(self.surveyed));
-        intent
+        doc! {
+            "pass": self.pass,
+            "from": self.from,
+            "to": self.to,
+            "owner": self.owner,
+            "deadline": DateTime::from_system_time(self.deadline),
+            "recovered": self.recovered,
+        }
     }
 }
 
@@ -480,14 +505,13 @@ mod tests {
 
     #[test]
     fn a_state_document_reads_back_what_the_fold_writes() {
-        let lane = ObjectId::new();
         let intent = Intent {
             pass: 4,
-            ranges: BTreeMap::from([(lane, (10, 20))]),
+            from: 10,
+            to: 20,
             owner: ObjectId::new(),
             deadline: DateTime::from_millis(1_700_000_000_000).to_system_time(),
             recovered: true,
-            surveyed: DateTime::from_millis(1_699_999_999_000).to_system_time(),
         };
         let held = Held {
             key: Bson::Document(doc! { "u": 5 }),
@@ -499,21 +523,33 @@ mod tests {
             since: DateTime::from_millis(1_700_000_000_000).to_system_time(),
         };
         let document = doc! {
-            "_id": STATE_ID, "pass": 3i64, "v": 7i64,
-            "folded": { lane.to_hex(): 10i64 },
+            "_id": STATE_ID, "pass": 3i64, "v": 7i64, "W": 10i64,
             "intent": intent.to_document(),
             "held": [held.to_document()],
         };
         let state = parse(&document).unwrap();
-        assert_eq!((state.pass, state.version), (3, 7));
-        assert_eq!(state.folded[&lane], 10);
-        assert_eq!(state.intent, Some(intent));
+        assert_eq!((state.pass, state.version, state.watermark), (3, 7, 10));
+        assert_eq!(state.intent, Some(intent.clone()));
         assert_eq!(state.held, vec![held]);
+        assert_eq!(state.legacy, None);
+        assert!(intent.folds(11) && intent.folds(20));
+        assert!(!intent.folds(10) && !intent.folds(21));
+    }
+
+    #[test]
+    fn a_state_of_tally_0_2_0_is_recognised() {
+        let lane = ObjectId::new();
+        let state = parse(&doc! { "pass": 2i64, "folded": { lane.to_hex(): 10i64 } }).unwrap();
+        assert_eq!(state.legacy.unwrap().folded, vec![(lane, 10)]);
+        let unfinished = doc! { "intent": { "pass": 3i64, "ranges": {} } };
+        let refused = parse(&unfinished).unwrap_err();
+        assert!(refused.contains("0.2.0"), "{refused}");
     }
 
     #[test]
     fn a_malformed_state_is_refused_never_guessed() {
         assert!(parse(&doc! { "pass": "x" }).is_err());
+        assert!(parse(&doc! { "W": "x" }).is_err());
         assert!(parse(&doc! { "folded": { "nota lane": 1 } }).is_err());
         assert!(parse(&doc! { "intent": { "pass": 1 } }).is_err());
         assert!(parse(&doc! { "held": [{ "k": "a" }] }).is_err());
