@@ -122,26 +122,138 @@ impl Kept {
     }
 }
 
-/// Runs the daemon until `shutdown` is cancelled, then drains it.
-pub(crate) async fn run(
+/// A configuration made ready to take over: checked, its `[http] listen`
+/// bound, its MongoDB client built. Until [`run`] takes it, nothing of the
+/// running daemon was let go.
+pub(crate) struct Prepared {
     config: Config,
+    schedule: Schedule,
+    listener: Listening,
+    store: Store,
+}
+
+/// The socket `[http] listen` is bound to. The supervisor keeps it across
+/// reloads while the address stays the same (each run serves a duplicate of
+/// it), so a reload never has to bind an address the old run still holds,
+/// and connections that come during the drain wait in its backlog.
+#[derive(Clone, Debug)]
+pub(crate) struct Listening {
+    address: std::net::SocketAddr,
+    socket: Arc<std::net::TcpListener>,
+}
+
+impl Prepared {
+    /// Makes `config` ready to run: its schedule checked, its `[http]
+    /// listen` bound (or `current`'s socket kept when the address is the
+    /// same), its MongoDB client built. Nothing connects yet.
+    pub(crate) async fn new(
+        config: Config,
+        current: Option<&Listening>,
+    ) -> Result<Self, DaemonError> {
+        let schedule =
+            Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
+        let listener = match current {
+            Some(current) if current.address == config.http.listen => current.clone(),
+            _ => bind(&config)?,
+        };
+        let store = Store::connect(&config.mongodb)
+            .await
+            .map_err(|err| DaemonError::Start(config.secrets().scrub(&err.to_string())))?;
+        Ok(Self {
+            config,
+            schedule,
+            listener,
+            store,
+        })
+    }
+
+    /// The configuration it runs.
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The socket it serves the HTTP endpoints on.
+    pub(crate) fn listening(&self) -> &Listening {
+        &self.listener
+    }
+
+    /// Asks the new server once (within `within`) whether it takes the new
+    /// credentials: refused ones are the operator's to fix, and a reload
+    /// must not let the running daemon go for them. A server that does not
+    /// answer in time is not a refusal: the new run waits for it as a start
+    /// does.
+    pub(crate) async fn check_credentials(
+        &self,
+        within: std::time::Duration,
+    ) -> Result<(), DaemonError> {
+        match tokio::time::timeout(within, self.store.hello()).await {
+            Ok(Err(err)) if readiness::refused_credentials(&err) => {
+                Err(DaemonError::Denied(format!(
+                    "MongoDB refused the credentials of [mongodb] uri: {}",
+                    self.config.secrets().scrub(&self.store.explain(&err))
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Gives up this configuration without running it: its client closes
+    /// its connections.
+    pub(crate) async fn discard(self) {
+        self.store.shutdown().await;
+    }
+}
+
+/// Whether the stop that comes is for a reload (the drain then says so,
+/// instead of shutting down).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Reloading(Arc<AtomicBool>);
+
+impl Reloading {
+    /// The next stop is for a reload.
+    pub(crate) fn set(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs the daemon on `prepared` until `shutdown` is cancelled, then drains
+/// it (for a reload when `reloading` says so by then).
+pub(crate) async fn run(
+    prepared: Prepared,
     kept: Kept,
     shutdown: CancellationToken,
+    reloading: Reloading,
 ) -> Result<Drained, DaemonError> {
-    let schedule =
-        Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
+    let Prepared {
+        config,
+        schedule,
+        listener,
+        store,
+    } = prepared;
     let secrets = config.secrets();
     let tracker = TaskTracker::new();
-    let listener = bind(&config).await?;
-    tracing::info!(listen = %config.http.listen, "serving /metrics, /healthz, /readyz");
-
-    let store = Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| DaemonError::Start(secrets.scrub(&err.to_string())))?;
-    let served = serve(
-        &config, kept, &shutdown, &store, schedule, tracker, listener, secrets,
-    )
-    .await;
+    let served = match listener.socket.try_clone().and_then(TcpListener::from_std) {
+        Ok(listener) => {
+            tracing::info!(listen = %config.http.listen, "serving /metrics, /healthz, /readyz");
+            let work = Work {
+                config: &config,
+                kept,
+                shutdown: &shutdown,
+                reloading: &reloading,
+                store: &store,
+                secrets,
+            };
+            serve(work, schedule, tracker, listener).await
+        }
+        Err(err) => Err(DaemonError::Start(format!(
+            "cannot serve on {} ([http] listen): {err}",
+            config.http.listen
+        ))),
+    };
     // Every task and handle of the run is gone: the client closes its
     // connections before the runtime goes (a driver task left behind by a
     // dropped client can panic on a closed pool at the runtime's end).
@@ -149,18 +261,31 @@ pub(crate) async fn run(
     served
 }
 
-/// The daemon's work on `store`, from the first contact to the drain.
-#[allow(clippy::too_many_arguments)]
-async fn serve(
-    config: &Config,
+/// What one run of the daemon works with.
+struct Work<'a> {
+    config: &'a Config,
     kept: Kept,
-    shutdown: &CancellationToken,
-    store: &Store,
+    shutdown: &'a CancellationToken,
+    reloading: &'a Reloading,
+    store: &'a Store,
+    secrets: Secrets,
+}
+
+/// The daemon's work on `store`, from the first contact to the drain.
+async fn serve(
+    work: Work<'_>,
     schedule: Schedule,
     tracker: TaskTracker,
     listener: TcpListener,
-    secrets: Secrets,
 ) -> Result<Drained, DaemonError> {
+    let Work {
+        config,
+        kept,
+        shutdown,
+        reloading,
+        store,
+        secrets,
+    } = work;
     let metrics = kept.metrics.clone();
     let state = State::new(store, &config.daemon.state_collection);
     // Not active before MongoDB answered: with `[ha]` the lease keeper says
@@ -195,30 +320,29 @@ async fn serve(
         Ok(reached) => reached,
         Err(err) => {
             shutdown.cancel();
-            drain(tracker, config, "at start").await;
+            drain(tracker, config, "at start", reloading).await;
             return Err(err);
         }
     };
     if !reached {
-        return Ok(drain(tracker, config, "before MongoDB answered").await);
+        return Ok(drain(tracker, config, "before MongoDB answered", reloading).await);
     }
-    if let Some(fixed) = &fixed_role {
-        fixed.send_replace(Role::Active);
-        metrics.lease_active.set(1);
-    }
-    tracker.spawn(
-        readiness
-            .clone()
-            .follow(store.clone(), secrets.clone(), shutdown.clone()),
-    );
-    supervisor::notify_systemd(&[sd_notify::NotifyState::Ready]);
-    tracing::info!(role = role.borrow().as_str(), "ready");
-
     let targets: Vec<FoldTarget> = config
         .collections
         .iter()
         .map(|c| config.fold_target(&c.name))
         .collect();
+    // Every series an alert rule reads is there before the daemon says it
+    // is ready, the last run's included: a restart that needs no run must
+    // not leave them out until the next scheduled one.
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = restore(&state, &targets, &metrics, &secrets, store) => {}
+    }
+    if let Some(fixed) = &fixed_role {
+        fixed.send_replace(Role::Active);
+        metrics.lease_active.set(1);
+    }
     let alert_options = AlertOptions {
         instance: Some(config.ha.instance.clone()),
         ledger: kept.ledger.clone(),
@@ -302,21 +426,32 @@ async fn serve(
         tracing::info!(next = %humantime::format_rfc3339_seconds(next), "schedule started");
     }
 
-    let evaluator = Evaluator {
+    let mut evaluator = Evaluator {
         config: config.clone(),
         monitor: monitor.clone(),
         alerts,
         metrics: metrics.clone(),
-        role,
+        role: role.clone(),
         requests,
         last_repair: HashMap::new(),
         skew,
         margins,
     };
+    // The view's metrics once before the daemon says it is ready.
+    evaluator.evaluate();
     tracker.spawn(evaluator.run(shutdown.clone()));
 
+    readiness.mark_ready();
+    tracker.spawn(
+        readiness
+            .clone()
+            .follow(store.clone(), secrets.clone(), shutdown.clone()),
+    );
+    supervisor::notify_systemd(&[sd_notify::NotifyState::Ready]);
+    tracing::info!(role = role.borrow().as_str(), "ready");
+
     shutdown.cancelled().await;
-    let mut drained = drain(tracker, config, "at shutdown").await;
+    let mut drained = drain(tracker, config, "at shutdown", reloading).await;
     for name in monitor.unsaved() {
         drained
             .not_done
@@ -334,37 +469,122 @@ pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
+/// Sets, before the daemon says it is ready, every series an alert rule
+/// reads: the last complete run of each collection as the state collection
+/// recorded it (its time, the malformed documents it found — until the
+/// monitor's first scan counts them again — and the documents the server
+/// refused to update), every alert kind not firing unless it already fires,
+/// the run counters by result at 0, the held sums of each ledger at 0 until
+/// its first pass. A collection never reconciled completely has no
+/// last-success time. A record that cannot be read is said once; the next
+/// run sets its metrics.
+async fn restore(
+    state: &State,
+    targets: &[FoldTarget],
+    metrics: &Metrics,
+    secrets: &Secrets,
+    store: &Store,
+) {
+    for target in targets {
+        let name = target.spec.name.as_str();
+        let ledger = target.spec.events_collection.is_some();
+        for result in ["ok", "failed", "interrupted"] {
+            metrics.reconcile_runs.with_label_values(&[name, result]);
+        }
+        for kind in alert::AlertKind::ALL {
+            if ledger || !kind.is_ledger() {
+                metrics
+                    .alerts_firing
+                    .with_label_values(&[kind.as_str(), name]);
+            }
+        }
+        if ledger {
+            metrics.events_held.with_label_values(&[name]);
+        }
+        let last = match state.last_run(name).await {
+            Ok(last) => last,
+            Err(err) => {
+                tracing::warn!(
+                    collection = name,
+                    cause = %secrets.scrub(&store.explain(&err)),
+                    "cannot read the last run; its metrics come with the next run"
+                );
+                continue;
+            }
+        };
+        let count = |n: Option<u64>| n.map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        if let Some(at) = last.and_then(|l| l.at.duration_since(SystemTime::UNIX_EPOCH).ok()) {
+            metrics
+                .last_success
+                .with_label_values(&[name])
+                .set(at.as_secs_f64());
+        }
+        metrics
+            .malformed_documents
+            .with_label_values(&[name])
+            .set(count(last.and_then(|l| l.malformed)));
+        metrics
+            .fold_refused
+            .with_label_values(&[name])
+            .set(count(last.and_then(|l| l.refused)));
+    }
+}
+
 /// Binds `[http] listen`. An address this host cannot listen on (taken, not
 /// its own, a port it may not bind) is the operator's to fix: restarting
 /// would fail the same way.
-async fn bind(config: &Config) -> Result<TcpListener, DaemonError> {
+fn bind(config: &Config) -> Result<Listening, DaemonError> {
     let listen = config.http.listen;
-    TcpListener::bind(listen).await.map_err(|err| {
-        let message = format!("cannot listen on {listen} ([http] listen): {err}");
-        match err.kind() {
-            ErrorKind::AddrInUse | ErrorKind::AddrNotAvailable | ErrorKind::PermissionDenied => {
-                DaemonError::Config(format!(
+    std::net::TcpListener::bind(listen)
+        .and_then(|socket| {
+            socket.set_nonblocking(true)?;
+            Ok(Listening {
+                address: listen,
+                socket: Arc::new(socket),
+            })
+        })
+        .map_err(|err| {
+            let message = format!("cannot listen on {listen} ([http] listen): {err}");
+            match err.kind() {
+                ErrorKind::AddrInUse
+                | ErrorKind::AddrNotAvailable
+                | ErrorKind::PermissionDenied => DaemonError::Config(format!(
                     "{message}; choose another address in [http] listen, or stop what holds it"
-                ))
+                )),
+                _ => DaemonError::Start(message),
             }
-            _ => DaemonError::Start(message),
-        }
-    })
+        })
 }
 
-/// Waits for the tasks to finish their work, up to the shutdown timeout.
-async fn drain(tracker: TaskTracker, config: &Config, when: &str) -> Drained {
+/// Waits for the tasks to finish their work, up to the shutdown timeout:
+/// for a stop, or for a reload (`reloading`), which the log tells apart.
+async fn drain(
+    tracker: TaskTracker,
+    config: &Config,
+    when: &str,
+    reloading: &Reloading,
+) -> Drained {
     let deadline = config.daemon.shutdown_timeout;
-    tracing::info!(when, deadline = %human_duration(deadline), "shutting down");
+    let reload = reloading.is_set();
+    if reload {
+        tracing::info!(deadline = %human_duration(deadline), "draining the previous configuration's work");
+    } else {
+        tracing::info!(when, deadline = %human_duration(deadline), "shutting down");
+    }
     tracker.close();
     if tokio::time::timeout(deadline, tracker.wait())
         .await
         .is_err()
     {
+        let then = if reload {
+            "the new configuration takes over anyway"
+        } else {
+            "exiting anyway"
+        };
         tracing::error!(
             deadline = %human_duration(deadline),
-            "the shutdown deadline passed with work still running; exiting anyway (a fold \
-             batch that was cut off is applied or not as a whole, and will be folded again)"
+            "the shutdown deadline passed with work still running; {then} (a fold batch that \
+             was cut off is applied or not as a whole, and will be folded again)"
         );
         return Drained {
             not_done: vec![format!(
@@ -373,6 +593,10 @@ async fn drain(tracker: TaskTracker, config: &Config, when: &str) -> Drained {
             )],
         };
     }
-    tracing::info!("stopped");
+    if reload {
+        tracing::info!("drained");
+    } else {
+        tracing::info!("stopped");
+    }
     Drained::default()
 }

@@ -102,8 +102,8 @@ pub(crate) enum AlertKind {
 }
 
 impl AlertKind {
-    /// Every kind, for the tests that check each of them.
-    #[cfg(test)]
+    /// Every kind: for the series the daemon exports from its start, and
+    /// for the tests that check each of them.
     pub(crate) const ALL: [AlertKind; 11] = [
         AlertKind::StuckTokens,
         AlertKind::PendingTooLong,
@@ -117,6 +117,15 @@ impl AlertKind {
         AlertKind::EventsHeld,
         AlertKind::EventsStreamDown,
     ];
+
+    /// Whether the kind watches a collection's events ledger (only
+    /// collections with one can raise it).
+    pub(crate) fn is_ledger(&self) -> bool {
+        matches!(
+            self,
+            AlertKind::EventsStuck | AlertKind::EventsHeld | AlertKind::EventsStreamDown
+        )
+    }
 
     /// The kind's name in logs, metrics labels and webhook bodies.
     pub(crate) fn as_str(&self) -> &'static str {

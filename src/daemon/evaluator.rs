@@ -49,7 +49,7 @@ impl Evaluator {
         }
     }
 
-    fn evaluate(&mut self) {
+    pub(super) fn evaluate(&mut self) {
         let now = SystemTime::now();
         let alerts_config = &self.config.alerts;
         let stuck_before = now
@@ -81,6 +81,16 @@ impl Evaluator {
                 .oldest_pending_age
                 .with_label_values(&labels)
                 .set(oldest_age.map_or(0.0, |a| a.as_secs_f64()));
+            // Malformed documents are counted from the view once a scan
+            // filled it; before, the count the last run recorded stands (an
+            // empty view would say none).
+            let scanned = self.monitor.scanned(name);
+            if scanned {
+                self.metrics
+                    .malformed_documents
+                    .with_label_values(&labels)
+                    .set(i64::try_from(snapshot.malformed).unwrap_or(i64::MAX));
+            }
             if !active {
                 // Only the active instance alerts and repairs.
                 continue;
@@ -114,13 +124,17 @@ impl Evaluator {
             });
             self.alerts
                 .set(AlertKind::LanesTooMany, name, too_many_lanes);
-            let malformed = (snapshot.malformed > 0).then(|| Observation {
-                count: snapshot.malformed,
-                oldest_age: None,
-                sample_ids: snapshot.malformed_sample.clone(),
-                detail: Some("malformed documents are never modified; fix or remove them".into()),
-            });
-            self.alerts.set(AlertKind::Malformed, name, malformed);
+            if scanned {
+                let malformed = (snapshot.malformed > 0).then(|| Observation {
+                    count: snapshot.malformed,
+                    oldest_age: None,
+                    sample_ids: snapshot.malformed_sample.clone(),
+                    detail: Some(
+                        "malformed documents are never modified; fix or remove them".into(),
+                    ),
+                });
+                self.alerts.set(AlertKind::Malformed, name, malformed);
+            }
             let down = self
                 .monitor
                 .down_for(name)

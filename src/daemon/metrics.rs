@@ -117,6 +117,15 @@ pub(crate) struct Inner {
     /// configuration leaves for clock skew (`grace − retry_horizon −
     /// attempt_timeout`); the `clock_skew` alert fires past half of it.
     pub(crate) clock_skew_margin: Gauge,
+    /// `tally_config_reload_failures_total`: reloads (SIGHUP) that kept the
+    /// running configuration: the new file was invalid, or could not be made
+    /// ready (its `[http] listen` not bound, its MongoDB client not built,
+    /// its credentials refused).
+    pub(crate) config_reload_failures: IntCounter,
+    /// `tally_config_last_reload_success`: 0 while the last reload failed
+    /// (the daemon runs on the configuration before it), 1 otherwise — also
+    /// before any reload.
+    pub(crate) config_last_reload_success: IntGauge,
 }
 
 impl std::ops::Deref for Metrics {
@@ -356,8 +365,21 @@ impl Metrics {
                 "tally_clock_skew_margin_seconds",
                 "The tightest margin for clock skew: grace - retry_horizon - attempt_timeout",
             ),
+            config_reload_failures: register(
+                &registry,
+                IntCounter::new(
+                    "tally_config_reload_failures_total",
+                    "Reloads that kept the running configuration (the new one was bad or not ready)",
+                ),
+            ),
+            config_last_reload_success: gauge(
+                &registry,
+                "tally_config_last_reload_success",
+                "0 while the last reload failed and the previous configuration runs on, else 1",
+            ),
             registry,
         };
+        metrics_ready(&inner);
         let metrics = Self {
             inner: Arc::new(inner),
         };
@@ -379,6 +401,16 @@ impl Metrics {
             tracing::error!(cause = %err, "cannot render metrics");
         }
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// The series that exist from the start whatever happens: a counter of
+/// failures at 0 (so that a rule on its increase sees the first one), the
+/// reload gauge at 1 (the configuration the daemon started with was good).
+fn metrics_ready(inner: &Inner) {
+    inner.config_last_reload_success.set(1);
+    for result in ["delivered", "retried", "failed"] {
+        inner.webhook_deliveries.with_label_values(&[result]);
     }
 }
 

@@ -78,6 +78,9 @@ struct Watched {
     /// The last attempt to save the stream's position failed (and none
     /// succeeded since).
     unsaved: AtomicBool,
+    /// A scan has filled the view since the start: until then it is empty
+    /// for want of looking, not for want of documents.
+    scanned: AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -137,7 +140,14 @@ impl Monitor {
                         down_since: Some(started),
                     }),
                     unsaved: AtomicBool::new(false),
+                    scanned: AtomicBool::new(false),
                 });
+                // Down until its stream opens: the series is there from
+                // the start.
+                metrics
+                    .monitor_up
+                    .with_label_values(&[target.spec.name.as_str()])
+                    .set(0);
                 (target.spec.name.clone(), watched)
             })
             .collect();
@@ -171,6 +181,13 @@ impl Monitor {
             return Snapshot::default();
         };
         snapshot::take(&lock(&watched.view), stuck_before, limits)
+    }
+
+    /// Whether a scan of the collection has filled the view yet.
+    pub(crate) fn scanned(&self, collection: &str) -> bool {
+        self.collections
+            .get(collection)
+            .is_some_and(|watched| watched.scanned.load(Ordering::Relaxed))
     }
 
     /// The collections whose latest stream position could not be saved (the
@@ -510,6 +527,7 @@ impl Watcher {
             view.set(&id, read_document(target, &row));
         }
         *lock(&self.watched.view) = view;
+        self.watched.scanned.store(true, Ordering::Relaxed);
         self.metrics
             .monitor_rescans
             .with_label_values(&[self.name()])

@@ -95,8 +95,14 @@ impl Readiness {
         }
     }
 
-    /// Waits until MongoDB answers, then marks the daemon ready: `Ok(true)`;
-    /// `Ok(false)` when shutdown came first (at once, also in the middle of
+    /// Marks the daemon ready: after the first contact, once the metrics
+    /// the alert rules read are all there.
+    pub(crate) fn mark_ready(&self) {
+        self.set(true);
+    }
+
+    /// Waits until MongoDB answers: `Ok(true)` (the caller marks the daemon
+    /// ready when it is); `Ok(false)` when shutdown came first (at once, also in the middle of
     /// an attempt). Credentials the server refuses are for the operator to
     /// fix, not an outage to wait out.
     pub(crate) async fn first_contact(
@@ -122,7 +128,6 @@ impl Readiness {
                     if waiting.said {
                         tracing::info!("MongoDB answers");
                     }
-                    self.set(true);
                     return Ok(true);
                 }
                 Err(err) if refused_credentials(&err) => {
@@ -238,7 +243,7 @@ fn judge(last_success: Instant, now: Instant) -> bool {
 
 /// Whether the server refused the credentials: the driver's
 /// authentication error kind, never its message.
-fn refused_credentials(err: &Error) -> bool {
+pub(crate) fn refused_credentials(err: &Error) -> bool {
     match err {
         Error::Server(failure) => matches!(*failure.source.kind, ErrorKind::Authentication { .. }),
         _ => false,

@@ -258,7 +258,11 @@ impl Runner {
                     now.duration_since(SystemTime::UNIX_EPOCH)
                         .map_or(0.0, |d| d.as_secs_f64()),
                 );
-                if let Err(err) = self.state.record_success(name, now).await {
+                if let Err(err) = self
+                    .state
+                    .record_success(name, now, run.survey.malformed, run.refused)
+                    .await
+                {
                     tracing::warn!(collection = name, cause = %self.explain(&err), "cannot record the successful run");
                 }
             }

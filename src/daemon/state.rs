@@ -2,8 +2,10 @@
 //! that a restart — or another instance — carries on where the last one
 //! stopped:
 //!
-//! - `{_id: "last_success:<collection>", at}`: the last run that reconciled
-//!   the collection completely (a missed run is caught up at start);
+//! - `{_id: "last_success:<collection>", at, malformed, refused}`: the last
+//!   run that reconciled the collection completely, with the malformed
+//!   documents it found and the documents the server refused to update (a
+//!   missed run is caught up at start; the metrics start from it);
 //! - `{_id: "resume:<collection>", token, at}`: where the collection's
 //!   change stream stopped (writes made while the daemon was down are seen);
 //! - `{_id: "lease", owner, expires}`: which instance is active
@@ -17,6 +19,18 @@ use mongodb::change_stream::event::ResumeToken;
 
 use crate::error::Error;
 use crate::store::Store;
+
+/// The last complete reconcile run of a collection, as recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LastRun {
+    /// When it ran (the server's clock).
+    pub(crate) at: SystemTime,
+    /// The malformed documents it found (`None` in older records).
+    pub(crate) malformed: Option<u64>,
+    /// The documents the server refused to update (`None` in older
+    /// records).
+    pub(crate) refused: Option<u64>,
+}
 
 /// Reads and writes the daemon's state documents.
 #[derive(Clone, Debug)]
@@ -48,15 +62,46 @@ impl State {
         })
     }
 
-    /// Records a complete reconcile run of the collection.
+    /// The last complete reconcile run of the collection, as recorded
+    /// (`None` when none was).
+    pub(crate) async fn last_run(&self, collection: &str) -> Result<Option<LastRun>, Error> {
+        let found = self.read(&format!("last_success:{collection}")).await?;
+        let Some(found) = found else { return Ok(None) };
+        let Some(Bson::DateTime(at)) = found.get("at") else {
+            return Ok(None);
+        };
+        // Records written before the counts were kept have none: nothing
+        // known, nothing claimed.
+        let count = |field: &str| match found.get(field) {
+            Some(Bson::Int64(n)) => u64::try_from(*n).ok(),
+            Some(Bson::Int32(n)) => u64::try_from(*n).ok(),
+            _ => None,
+        };
+        Ok(Some(LastRun {
+            at: at.to_system_time(),
+            malformed: count("malformed"),
+            refused: count("refused"),
+        }))
+    }
+
+    /// Records a complete reconcile run of the collection at `at`, which
+    /// found `malformed` documents and could not fold `refused`.
     pub(crate) async fn record_success(
         &self,
         collection: &str,
         at: SystemTime,
+        malformed: u64,
+        refused: u64,
     ) -> Result<(), Error> {
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         self.write(
             &format!("last_success:{collection}"),
-            doc! { "collection": collection, "at": DateTime::from_system_time(at) },
+            doc! {
+                "collection": collection,
+                "at": DateTime::from_system_time(at),
+                "malformed": count(malformed),
+                "refused": count(refused),
+            },
         )
         .await
     }

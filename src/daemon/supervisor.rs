@@ -1,14 +1,18 @@
 //! The daemon's life in one process: run it, stop it, or reload it.
 //!
 //! The command line turns signals into [`Command`]s: SIGTERM and SIGINT
-//! stop, SIGHUP reloads. A reload reads the configuration again; when it is
-//! invalid, every bad key is logged and the daemon runs on with the old
-//! one. When it is valid, the daemon drains exactly as for a stop (the
-//! running fold batch finishes, the stream positions are saved, the lease
-//! is released) and starts again with the new configuration, keeping its
-//! metrics and which alerts fire. systemd hears `RELOADING=1`, then
-//! `READY=1` once the new configuration reached MongoDB; `STOPPING=1` only
-//! for a stop. `WATCHDOG=1` goes out all along, reloads included.
+//! stop, SIGHUP reloads. A reload is all or nothing: the new configuration
+//! is read, checked and made ready — its `[http] listen` bound (the same
+//! address keeps its socket), its MongoDB client built, its credentials
+//! tried once — while the daemon runs on. When any of that fails, the daemon
+//! runs on with the old configuration, says so in one line, and counts it
+//! (`tally_config_reload_failures_total`, `tally_config_last_reload_success`
+//! 0). Only then does the daemon drain as for a stop (the running fold batch
+//! finishes, the stream positions are saved, the lease is released) and
+//! start again on the new configuration, keeping its metrics and which
+//! alerts fire. systemd hears `RELOADING=1`, then `READY=1` once the new
+//! configuration reached MongoDB; `STOPPING=1` only for a stop.
+//! `WATCHDOG=1` goes out all along, reloads included.
 
 use std::time::Duration;
 
@@ -17,7 +21,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigErrors};
 use crate::daemon::clock::Clock;
-use crate::daemon::{DaemonError, Drained, Kept, run};
+use crate::daemon::{DaemonError, Drained, Kept, Listening, Prepared, Reloading, run};
+use crate::error::words;
+
+/// How long a reload waits for the new server's answer to its credentials;
+/// a server that does not answer by then is waited for by the new run, as
+/// at a start.
+const CREDENTIALS_WITHIN: Duration = Duration::from_secs(5);
 
 /// What the daemon is asked to do from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,21 +46,30 @@ pub(crate) enum Command {
 /// host's clock, as the skew against the server's is measured. Returns what
 /// the final drain could not do, or why the daemon could not start.
 pub(crate) async fn supervise(
-    mut config: Config,
+    config: Config,
     clock: Clock,
     mut load: impl FnMut() -> Result<Config, ConfigErrors>,
     mut on_reload: impl FnMut(&Config),
     mut commands: mpsc::UnboundedReceiver<Command>,
 ) -> Result<Drained, DaemonError> {
     let kept = Kept::with_clock(clock);
+    let metrics = kept.metrics.clone();
     let alive = CancellationToken::new();
     let _stop_watchdog = alive.clone().drop_guard();
     if let Some(interval) = sd_notify::watchdog_enabled() {
         tokio::spawn(watchdog(interval / 2, alive.clone()));
     }
+    let mut prepared = Prepared::new(config, None).await?;
     loop {
         let shutdown = CancellationToken::new();
-        let mut running = Box::pin(run(config.clone(), kept.clone(), shutdown.clone()));
+        let reloading = Reloading::default();
+        let listening = prepared.listening().clone();
+        let mut running = Box::pin(run(
+            prepared,
+            kept.clone(),
+            shutdown.clone(),
+            reloading.clone(),
+        ));
         let next = loop {
             tokio::select! {
                 // The daemon returns on its own only when it cannot start.
@@ -61,40 +80,82 @@ pub(crate) async fn supervise(
                         shutdown.cancel();
                         return running.await;
                     }
-                    Some(Command::Reload) => match load() {
-                        Ok(next) => break next,
-                        Err(errors) => refuse(&errors),
-                    },
+                    Some(Command::Reload) => {
+                        // The running daemon goes on while the new
+                        // configuration is made ready.
+                        let ready = tokio::select! {
+                            ended = &mut running => return ended,
+                            ready = prepare(&mut load, &listening) => ready,
+                        };
+                        match ready {
+                            Ok(next) => break next,
+                            Err(reason) => {
+                                metrics.config_reload_failures.inc();
+                                metrics.config_last_reload_success.set(0);
+                                tracing::error!(
+                                    "configuration not reloaded, running on with the previous \
+                                     one: {reason}"
+                                );
+                            }
+                        }
+                    }
                 },
             }
         };
-        let mut reloading = vec![sd_notify::NotifyState::Reloading];
-        reloading.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
-        notify_systemd(&reloading);
-        tracing::info!("reloading the configuration: draining first");
+        let mut reloading_states = vec![sd_notify::NotifyState::Reloading];
+        reloading_states.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
+        notify_systemd(&reloading_states);
+        tracing::info!("the new configuration is ready: draining the previous one's work");
+        reloading.set();
         shutdown.cancel();
-        let drained = running.await?;
+        let drained = match running.await {
+            Ok(drained) => drained,
+            Err(err) => {
+                next.discard().await;
+                return Err(err);
+            }
+        };
         if !drained.is_clean() {
             tracing::warn!(not_done = %drained.not_done.join("; "), "the reload's drain was not complete");
         }
         if let Ok(Command::Stop) = commands.try_recv() {
+            next.discard().await;
             return Ok(drained);
         }
-        on_reload(&next);
-        config = next;
-        tracing::info!("configuration reloaded; starting again");
+        on_reload(next.config());
+        metrics.config_last_reload_success.set(1);
+        tracing::info!("configuration reloaded; running on the new one");
+        prepared = next;
     }
 }
 
-/// Logs a configuration a reload refused, key by key.
-fn refuse(errors: &ConfigErrors) {
-    for issue in &errors.issues {
-        tracing::error!(key = %issue.key, problem = %issue.message, "bad configuration key");
+/// The configuration `load` reads, made ready to take over from the one
+/// serving on `listening`; why not, in one sentence, when it cannot be
+/// (its bad keys are logged one by one first).
+async fn prepare(
+    load: &mut impl FnMut() -> Result<Config, ConfigErrors>,
+    listening: &Listening,
+) -> Result<Prepared, String> {
+    let config = load().map_err(|errors| {
+        for issue in &errors.issues {
+            tracing::error!(key = %issue.key, problem = %issue.message, "bad configuration key");
+        }
+        let keys: Vec<&str> = errors.issues.iter().map(|i| i.key.as_str()).collect();
+        let n = keys.len();
+        format!(
+            "the new configuration has {n} bad key{} ({}, each said above)",
+            if n == 1 { "" } else { "s" },
+            words(&keys)
+        )
+    })?;
+    let prepared = Prepared::new(config, Some(listening))
+        .await
+        .map_err(|err| err.to_string())?;
+    if let Err(err) = prepared.check_credentials(CREDENTIALS_WITHIN).await {
+        prepared.discard().await;
+        return Err(err.to_string());
     }
-    tracing::error!(
-        problems = errors.issues.len(),
-        "configuration not reloaded: running on with the previous one"
-    );
+    Ok(prepared)
 }
 
 /// Tells systemd about the daemon's state (ignored when not run by it).

@@ -6,6 +6,7 @@ mod bounded;
 mod cli;
 mod common;
 mod daemon;
+mod daemon_life;
 mod doctor;
 mod envfile;
 mod errors;

@@ -80,6 +80,13 @@ impl Tallyd {
         write_config(&self.path, config, self.http);
     }
 
+    /// Replaces its configuration file with `config` plus an `[http]`
+    /// section listening on `http` (its endpoints are still queried on the
+    /// address it started with).
+    pub fn rewrite_config_listening(&self, config: &str, http: SocketAddr) {
+        write_config(&self.path, config, http);
+    }
+
     /// Sends `signal` (`HUP`, `TERM`, ...).
     pub fn signal(&self, signal: &str) {
         let sent = Command::new("kill")
