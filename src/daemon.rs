@@ -36,6 +36,7 @@ mod lease;
 mod ledger;
 pub(crate) mod metrics;
 pub(crate) mod monitor;
+mod prepare;
 mod readiness;
 mod runner;
 pub(crate) mod schedule;
@@ -43,7 +44,6 @@ mod state;
 mod supervisor;
 
 use std::collections::HashMap;
-use std::io::ErrorKind;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
@@ -64,6 +64,7 @@ use evaluator::Evaluator;
 use lease::{Lease, Role};
 use metrics::Metrics;
 use monitor::Monitor;
+pub(crate) use prepare::{Listening, Prepared};
 use readiness::Readiness;
 use runner::{Request, Runner};
 use schedule::Schedule;
@@ -119,88 +120,6 @@ impl Kept {
             clock,
             ..Self::default()
         }
-    }
-}
-
-/// A configuration made ready to take over: checked, its `[http] listen`
-/// bound, its MongoDB client built. Until [`run`] takes it, nothing of the
-/// running daemon was let go.
-pub(crate) struct Prepared {
-    config: Config,
-    schedule: Schedule,
-    listener: Listening,
-    store: Store,
-}
-
-/// The socket `[http] listen` is bound to. The supervisor keeps it across
-/// reloads while the address stays the same (each run serves a duplicate of
-/// it), so a reload never has to bind an address the old run still holds,
-/// and connections that come during the drain wait in its backlog.
-#[derive(Clone, Debug)]
-pub(crate) struct Listening {
-    address: std::net::SocketAddr,
-    socket: Arc<std::net::TcpListener>,
-}
-
-impl Prepared {
-    /// Makes `config` ready to run: its schedule checked, its `[http]
-    /// listen` bound (or `current`'s socket kept when the address is the
-    /// same), its MongoDB client built. Nothing connects yet.
-    pub(crate) async fn new(
-        config: Config,
-        current: Option<&Listening>,
-    ) -> Result<Self, DaemonError> {
-        let schedule =
-            Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
-        let listener = match current {
-            Some(current) if current.address == config.http.listen => current.clone(),
-            _ => bind(&config)?,
-        };
-        let store = Store::connect(&config.mongodb)
-            .await
-            .map_err(|err| DaemonError::Start(config.secrets().scrub(&err.to_string())))?;
-        Ok(Self {
-            config,
-            schedule,
-            listener,
-            store,
-        })
-    }
-
-    /// The configuration it runs.
-    pub(crate) fn config(&self) -> &Config {
-        &self.config
-    }
-
-    /// The socket it serves the HTTP endpoints on.
-    pub(crate) fn listening(&self) -> &Listening {
-        &self.listener
-    }
-
-    /// Asks the new server once (within `within`) whether it takes the new
-    /// credentials: refused ones are the operator's to fix, and a reload
-    /// must not let the running daemon go for them. A server that does not
-    /// answer in time is not a refusal: the new run waits for it as a start
-    /// does.
-    pub(crate) async fn check_credentials(
-        &self,
-        within: std::time::Duration,
-    ) -> Result<(), DaemonError> {
-        match tokio::time::timeout(within, self.store.hello()).await {
-            Ok(Err(err)) if readiness::refused_credentials(&err) => {
-                Err(DaemonError::Denied(format!(
-                    "MongoDB refused the credentials of [mongodb] uri: {}",
-                    self.config.secrets().scrub(&self.store.explain(&err))
-                )))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Gives up this configuration without running it: its client closes
-    /// its connections.
-    pub(crate) async fn discard(self) {
-        self.store.shutdown().await;
     }
 }
 
@@ -528,32 +447,6 @@ async fn restore(
             .with_label_values(&[name])
             .set(count(last.and_then(|l| l.refused)));
     }
-}
-
-/// Binds `[http] listen`. An address this host cannot listen on (taken, not
-/// its own, a port it may not bind) is the operator's to fix: restarting
-/// would fail the same way.
-fn bind(config: &Config) -> Result<Listening, DaemonError> {
-    let listen = config.http.listen;
-    std::net::TcpListener::bind(listen)
-        .and_then(|socket| {
-            socket.set_nonblocking(true)?;
-            Ok(Listening {
-                address: listen,
-                socket: Arc::new(socket),
-            })
-        })
-        .map_err(|err| {
-            let message = format!("cannot listen on {listen} ([http] listen): {err}");
-            match err.kind() {
-                ErrorKind::AddrInUse
-                | ErrorKind::AddrNotAvailable
-                | ErrorKind::PermissionDenied => DaemonError::Config(format!(
-                    "{message}; choose another address in [http] listen, or stop what holds it"
-                )),
-                _ => DaemonError::Start(message),
-            }
-        })
 }
 
 /// Waits for the tasks to finish their work, up to the shutdown timeout:

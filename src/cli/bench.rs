@@ -15,7 +15,9 @@
 //! At the end every unknown or pending outcome is settled (resumed,
 //! completed, recorded again), and each side's counters are checked
 //! against the increments its callers were told were counted: exit 1 on
-//! any difference. A plain `$inc` that failed cannot be settled — its side
+//! any difference. The ledger's counters are checked after its fold put
+//! every recorded event into them (timed apart from the side: the fold's
+//! drain rate is reported beside the check). A plain `$inc` that failed cannot be settled — its side
 //! is then not checked, and says so.
 
 use std::io::IsTerminal;
@@ -27,13 +29,15 @@ use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use serde_json::json;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, connect, fail, fail_with, out};
 use crate::config::Config;
+use crate::reconcile::{EventFold, EventFoldSettings};
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, Increment};
 use crate::write::lane::LaneIncrement;
-use crate::write::ledger::{Ledger, Recording, field};
+use crate::write::ledger::{Ledger, Recording};
 
 mod side;
 
@@ -103,9 +107,11 @@ impl Protocol {
 /// What every caller of a run shares.
 struct Handles {
     plain: mongodb::Collection<Document>,
-    events: mongodb::Collection<Document>,
     counters: Counters,
     ledger: Ledger,
+    /// Folds the ledger's side into its counters, to check them.
+    fold: EventFold,
+    store: Store,
     /// Makes event keys unique to this run.
     run: String,
     keys: u32,
@@ -147,12 +153,30 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     }
     let handles = Arc::new(Handles {
         plain: store.collection(&name),
-        events: store.collection(&scratch[1]),
         counters: Counters::new(&store, spec.clone(), config.writer),
-        ledger: Ledger::new(&store, spec),
+        ledger: Ledger::new(&store, spec.clone()),
+        fold: EventFold::new(
+            &store,
+            spec,
+            EventFoldSettings {
+                retry_horizon: config.writer.retry_horizon,
+                ..EventFoldSettings::default()
+            },
+        ),
+        store: store.clone(),
         run: ObjectId::new().to_hex(),
         keys: args.keys,
     });
+    // The ledger's side runs as deployed: with the indexes `tallyd setup`
+    // creates (the fold refuses to run without them).
+    if protocols.contains(&Protocol::Ledger)
+        && let Err(err) = handles.ledger.create_indexes().await
+    {
+        let code = fail_with(args.json, &err, &store, &secrets);
+        drop(handles);
+        store.shutdown().await;
+        return code;
+    }
     let sides = measure(&args, &protocols, &handles).await;
     let checked = check(&handles, sides).await;
     if !args.keep {
@@ -352,8 +376,11 @@ async fn check(handles: &Handles, mut sides: Vec<Side>) -> Result<Vec<Side>, Str
     for side in &mut sides {
         let prefix = format!("^{}:", regex_escape(side.protocol.name()));
         let found = match side.protocol {
+            // The ledger's counters, after its fold: what the daemon
+            // would do, timed apart from the side.
             Protocol::Ledger => {
-                sum(&handles.events, field::COUNTER, &prefix, field::AMOUNT).await?
+                side.fold = Some(fold_everything(handles).await?);
+                sum(&handles.plain, "_id", &prefix, "counter").await?
             }
             _ => sum(&handles.plain, "_id", &prefix, "counter").await?,
         };
@@ -361,6 +388,35 @@ async fn check(handles: &Handles, mut sides: Vec<Side>) -> Result<Vec<Side>, Str
     }
     Ok(sides)
 }
+
+/// Folds every recorded event into its counter (pass after pass, until
+/// nothing waits): how many events, and how long it took.
+async fn fold_everything(handles: &Handles) -> Result<(u64, Duration), String> {
+    let began = Instant::now();
+    let stop = CancellationToken::new();
+    let mut folded = 0;
+    let failed = |err: crate::error::Error| {
+        format!(
+            "cannot fold the ledger's side: {}",
+            handles.store.scrub(&err.to_string())
+        )
+    };
+    while began.elapsed() < FOLD_LIMIT {
+        let now = handles.store.server_time().await.map_err(failed)?;
+        let run = handles.fold.fold(now, &stop).await.map_err(failed)?;
+        folded += run.events_folded;
+        if !run.busy && run.backlog.events == 0 && run.backlog.held.is_empty() {
+            return Ok((folded, began.elapsed()));
+        }
+    }
+    Err(format!(
+        "the ledger's fold did not drain its events within {}",
+        humantime::format_duration(FOLD_LIMIT)
+    ))
+}
+
+/// How long the ledger's side may take to fold.
+const FOLD_LIMIT: Duration = Duration::from_secs(600);
 
 /// The sum of `amount` over the documents whose `key` matches `pattern`.
 async fn sum(

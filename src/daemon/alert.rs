@@ -22,8 +22,11 @@
 //! [`Alerts::set`] never blocks and never waits for the network: a
 //! notification is logged at once and queued for the webhook.
 
+mod kind;
 mod lanes;
 mod webhook;
+
+pub(crate) use kind::AlertKind;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -54,102 +57,6 @@ pub(crate) const MAX_SAMPLE_IDS: usize = 10;
 /// flapping; beyond it the newest are dropped (logged and counted as
 /// `failed`) rather than blocking [`Alerts::set`].
 pub(crate) const QUEUE_CAPACITY: usize = 1024;
-
-/// What an alert is about; with a collection name, it identifies one
-/// condition.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum AlertKind {
-    /// Pending tokens older than `[alerts] stuck_after`: their writers are
-    /// gone and the counts wait for the fold.
-    StuckTokens,
-    /// A document whose `pending` array holds more than `[alerts]
-    /// max_pending` entries: a writer that never runs step 2.
-    PendingTooLong,
-    /// A document whose lane map holds more than `[alerts] max_lanes`
-    /// entries: too many writer lanes wrote it within `lane_ttl` (or too
-    /// many named lanes, which are never pruned), and every write rewrites
-    /// the whole map.
-    LanesTooMany,
-    /// Documents tally cannot read (a counter that is not a number, a
-    /// `pending` that is not an array of tokens).
-    Malformed,
-    /// Reconcile runs that failed.
-    RunFailed,
-    /// A change stream down for longer than `[alerts] monitor_down_after`.
-    MonitorDown,
-    /// Documents the last reconcile run could not fold because the server
-    /// refused to update them (a validator, a document grown too large):
-    /// left untouched, their tokens uncounted.
-    FoldRefused,
-    /// This host's clock differs from the server's by more than half the
-    /// margin the collection's timing leaves for it (`grace −
-    /// retry_horizon − attempt_timeout`).
-    ClockSkew,
-    /// Recorded events of a ledger not folded for longer than `[alerts]
-    /// stuck_after`, or a ledger the fold refuses (its indexes are
-    /// missing): the counters fall behind their events.
-    EventsStuck,
-    /// Counters that refused their recorded events' sums (an overflow, a
-    /// counter that is not a number, a validator): the sums are held in the
-    /// fold's state and offered again every pass; the other counters fold
-    /// on.
-    EventsHeld,
-    /// The change stream on a ledger's events collection could not be
-    /// opened for longer than `[alerts] monitor_down_after`: events are
-    /// folded at each `[monitor] scan_interval` instead of at once.
-    EventsStreamDown,
-}
-
-impl AlertKind {
-    /// Every kind: for the series the daemon exports from its start, and
-    /// for the tests that check each of them.
-    pub(crate) const ALL: [AlertKind; 11] = [
-        AlertKind::StuckTokens,
-        AlertKind::PendingTooLong,
-        AlertKind::LanesTooMany,
-        AlertKind::Malformed,
-        AlertKind::RunFailed,
-        AlertKind::MonitorDown,
-        AlertKind::FoldRefused,
-        AlertKind::ClockSkew,
-        AlertKind::EventsStuck,
-        AlertKind::EventsHeld,
-        AlertKind::EventsStreamDown,
-    ];
-
-    /// Whether the kind watches a collection's events ledger (only
-    /// collections with one can raise it).
-    pub(crate) fn is_ledger(&self) -> bool {
-        matches!(
-            self,
-            AlertKind::EventsStuck | AlertKind::EventsHeld | AlertKind::EventsStreamDown
-        )
-    }
-
-    /// The kind's name in logs, metrics labels and webhook bodies.
-    pub(crate) fn as_str(&self) -> &'static str {
-        match self {
-            AlertKind::StuckTokens => "stuck_tokens",
-            AlertKind::PendingTooLong => "pending_too_long",
-            AlertKind::LanesTooMany => "lanes_too_many",
-            AlertKind::Malformed => "malformed",
-            AlertKind::RunFailed => "run_failed",
-            AlertKind::MonitorDown => "monitor_down",
-            AlertKind::FoldRefused => "fold_refused",
-            AlertKind::ClockSkew => "clock_skew",
-            AlertKind::EventsStuck => "events_stuck",
-            AlertKind::EventsHeld => "events_held",
-            AlertKind::EventsStreamDown => "events_stream_down",
-        }
-    }
-}
-
-impl fmt::Display for AlertKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// Whether a notification opens or closes an alert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]

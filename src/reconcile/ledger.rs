@@ -60,6 +60,7 @@
 //! shows the state existed (`EventFold::check_no_floor`,
 //! `EventFold::check_no_counter_folded`).
 
+mod convert;
 mod held;
 mod pass;
 mod query;
@@ -403,77 +404,6 @@ impl EventFold {
                 self.events_name
             ),
         ))
-    }
-
-    /// Converts a fold state tally 0.2.0 wrote (per-lane folded numbers) to
-    /// a watermark `W`: the highest number it folded, allowed when every
-    /// event it did not fold (one recorded since, by this version's
-    /// recorders or an old one's) is numbered above it — then "folded" is
-    /// exactly `s ≤ W`. Otherwise (folded and unfolded numbers interleave:
-    /// a recorder's clock was ahead) refused, naming what to run.
-    pub(super) async fn convert(
-        &self,
-        state: &state::FoldState,
-    ) -> Result<state::FoldState, Error> {
-        let legacy = state.legacy.clone().unwrap_or_default();
-        let refuse = |why: String| Error::Malformed {
-            collection: self.state.name().to_owned(),
-            id: state::STATE_ID.into(),
-            reason: format!(
-                "it was written by tally 0.2.0 and {why}: fold them with tally 0.2.0's `tallyd \
-                 reconcile` (with every recorder stopped) until `tallyd status` shows no backlog, \
-                 then run this version again (see the changelog)"
-            ),
-        };
-        // One scan of the events, each lane's lowest and highest number: a
-        // one-off, whatever the number of lanes the old state names.
-        let folded: std::collections::HashMap<mongodb::bson::oid::ObjectId, i64> =
-            legacy.folded.iter().copied().collect();
-        let mut highest_folded = state.watermark;
-        let mut lowest_unfolded = i64::MAX;
-        for (lane, lowest, highest) in query::lanes_span(&self.store, &self.events).await? {
-            let (Some(lowest), Some(highest)) = (lowest, highest) else {
-                continue;
-            };
-            match lane.and_then(|lane| folded.get(&lane).map(|&m| (lane, m))) {
-                None => lowest_unfolded = lowest_unfolded.min(lowest),
-                Some((_, m)) if highest <= m => highest_folded = highest_folded.max(highest),
-                Some((_, m)) if lowest > m => lowest_unfolded = lowest_unfolded.min(lowest),
-                Some((lane, m)) => {
-                    highest_folded = highest_folded.max(m);
-                    if let Some(above) =
-                        query::first_above(&self.store, &self.events, lane, m).await?
-                    {
-                        lowest_unfolded = lowest_unfolded.min(above);
-                    }
-                }
-            }
-        }
-        if highest_folded >= lowest_unfolded {
-            return Err(refuse(format!(
-                "an event it did not fold is numbered {lowest_unfolded}, below one it folded \
-                 ({highest_folded})"
-            )));
-        }
-        let watermark = highest_folded;
-        let number = crate::write::ledger::field::NUMBER;
-        if state::convert_legacy(&self.store, &self.state, state, watermark).await? {
-            let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
-            tracing::info!(
-                events = %self.events_name,
-                watermark,
-                registrations = forgotten,
-                field = number,
-                "converted a fold state of tally 0.2.0 to a watermark"
-            );
-        }
-        let converted = state::read(&self.store, &self.state).await?;
-        if converted.legacy.is_some() {
-            return Err(refuse(
-                "another fold changed it while it was converted".into(),
-            ));
-        }
-        Ok(converted)
     }
 
     /// Refuses to make a ledger's first state document when a counter

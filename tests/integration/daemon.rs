@@ -497,7 +497,7 @@ async fn an_idle_connection_cut_by_the_server_does_not_break_the_next_run() {
         daemon
             .metric("tally_reconcile_runs_total{collection=\"views\",result=\"failed\"}")
             .await,
-        None,
+        Some(0.0),
         "{}",
         daemon.log()
     );

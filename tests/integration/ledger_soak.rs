@@ -148,8 +148,11 @@ async fn recorder_process_of_the_ledger_soak() {
     let options = ClientOptions::parse(var(URI)).await.expect("the URI");
     let client = mongodb::Client::with_options(options.clone()).expect("a client");
     let store = Store::from_parts(client, &options, &var(DATABASE));
+    // Every other recorder is one-shot: a handle (a lane) per event.
     let recorder = Recorder {
         ledger: Ledger::new(&store, CollectionConfig::new("views")),
+        one_shot: r % 2 == 1,
+        store: store.clone(),
     };
     let mut rng = fastrand::Rng::with_seed(seed ^ ((r as u64 + 1) << 40) ^ (generation << 48));
     let mut later = Vec::new();
@@ -195,6 +198,10 @@ async fn recorder_process_of_the_ledger_soak() {
 /// A recorder process's ledger.
 struct Recorder {
     ledger: Ledger,
+    /// A fresh handle (a fresh lane) for every event, as one `tallyd
+    /// record` per event records.
+    one_shot: bool,
+    store: Store,
 }
 
 impl Recorder {
@@ -209,13 +216,18 @@ impl Recorder {
         .await
         .expect("the read of stdin");
         assert_eq!(go.ok().as_deref(), Some("go\n"), "the soak has gone");
-        let mut recording = self.ledger.record(key, counter, 1).await;
+        let ledger = if self.one_shot {
+            Ledger::new(&self.store, self.ledger.spec().clone())
+        } else {
+            self.ledger.clone()
+        };
+        let mut recording = ledger.record(key, counter, 1).await;
         for _ in 0..10 {
             let Recording::Unknown(ticket) = recording else {
                 break;
             };
             tokio::time::sleep(Duration::from_millis(200)).await;
-            recording = match self.ledger.record_again(ticket).await {
+            recording = match ledger.record_again(ticket).await {
                 Ok(recording) => recording,
                 Err(err) => panic!("{key}: refused to send again: {err}"),
             };
@@ -312,7 +324,27 @@ impl Start {
         from: usize,
         resend: Option<&(String, String)>,
     ) -> Child {
-        let mut command = Command::new(std::env::current_exe().expect("the test binary"));
+        // A third of the recorders run with their clock ten minutes
+        // behind the server's, a third ten minutes ahead (libfaketime,
+        // when installed; the monotonic clock stays real).
+        let exe = std::env::current_exe().expect("the test binary");
+        let skew = match r % 3 {
+            _ if !faketime_installed() => None,
+            1 => Some("-10m"),
+            2 => Some("+10m"),
+            _ => None,
+        };
+        let mut command = match skew {
+            Some(offset) => {
+                let mut command = Command::new("faketime");
+                command
+                    .args(["-f", offset])
+                    .arg(&exe)
+                    .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+                command
+            }
+            None => Command::new(&exe),
+        };
         command
             .args([
                 "--exact",
@@ -663,4 +695,13 @@ async fn intent_soon(state: &mongodb::Collection<Document>) -> bool {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     false
+}
+
+/// Whether libfaketime's `faketime` is installed (scripts/install-test-server
+/// installs it where it can).
+fn faketime_installed() -> bool {
+    std::process::Command::new("faketime")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }

@@ -31,6 +31,7 @@ mod packaging;
 mod proxy;
 mod pruning;
 mod reconcile;
+mod review_floor;
 mod review_lanes;
 mod review_ledger;
 mod sequence;

@@ -76,6 +76,9 @@ pub(crate) struct Side {
     increments: u64,
     /// The sum the side's counters hold.
     pub(crate) found: Option<i64>,
+    /// The ledger's side: the events its fold folded after the side, and
+    /// how long that took.
+    pub(crate) fold: Option<(u64, Duration)>,
 }
 
 impl Side {
@@ -95,6 +98,7 @@ impl Side {
             updates: 0,
             increments: 0,
             found: None,
+            fold: None,
         }
     }
 
@@ -186,9 +190,16 @@ impl Side {
             0 => String::new(),
             n => format!(" (and up to {n} still unknown)"),
         };
+        let drained = self.fold.map_or_else(String::new, |(events, took)| {
+            let rate = events as f64 / took.as_secs_f64().max(1e-9);
+            format!(
+                "; the fold put {events} events into them in {:.2}s ({rate:.0} events/s)",
+                took.as_secs_f64()
+            )
+        });
         match self.check() {
             Ok(()) => format!(
-                "check {name}: ok, the counters hold {found}: every counted increment once{open}"
+                "check {name}: ok, the counters hold {found}: every counted increment once{open}{drained}"
             ),
             Err(why) => format!(
                 "check {name}: FAILED: the counters hold {found}, the callers were told {counted}{open}: {why}"
@@ -250,6 +261,11 @@ impl Side {
                 "unsettled": self.unsettled,
             },
             "group_size": self.group_size(),
+            "fold": self.fold.map(|(events, took)| json!({
+                "events": events,
+                "seconds": took.as_secs_f64(),
+                "events_per_second": events as f64 / took.as_secs_f64().max(1e-9),
+            })),
             "check": {
                 "counted": counted,
                 "open": open,

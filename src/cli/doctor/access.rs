@@ -411,7 +411,8 @@ mod tests {
             needed_of(&ledger),
             [
                 "views: find update insert",
-                "log: find remove changeStream",
+                "log: find remove changeStream collMod",
+                ": listCollections",
                 "log_fold: find insert update remove",
                 "tally_state: find insert update remove",
             ]

@@ -44,6 +44,9 @@ impl EventFold {
             state = self.convert(&state).await?;
         }
         run.state_bytes = state.bytes as u64;
+        if state.exists {
+            self.keep_the_floor(&state).await?;
+        }
         let intent = match &state.intent {
             Some(intent) if intent.owner == self.owner => {
                 run.recovered = true;
@@ -55,11 +58,22 @@ impl EventFold {
                 self.claim(intent, intent.owner, clock()).await?
             }
             None => {
-                let to = self.pass_end(&state, clock());
-                let anything = state.watermark < to
-                    && query::any_in(&self.store, &self.events, state.watermark, to).await?;
-                if !anything && state.held.is_empty() {
+                let mut to = self.pass_end(&state, clock());
+                let waiting =
+                    query::any_in(&self.store, &self.events, state.watermark, i64::MAX).await?;
+                if !waiting && state.held.is_empty() {
                     return Ok(run);
+                }
+                if waiting && !query::any_in(&self.store, &self.events, state.watermark, to).await?
+                {
+                    // Only events numbered ahead of the server's clock (a
+                    // recorder numbered above a floor a converted state or
+                    // a caller's clock put ahead): the floor protects any
+                    // end, so the pass ends at the highest.
+                    to = query::highest_number(&self.store, &self.events)
+                        .await?
+                        .unwrap_or(to)
+                        .max(to);
                 }
                 if !state.exists {
                     self.check_no_floor().await?;
@@ -91,6 +105,31 @@ impl EventFold {
         run.counters_written = applied.written;
         run.malformed_events = applied.malformed;
         Ok(run)
+    }
+
+    /// Makes sure the events collection's floor is at least the watermark:
+    /// nothing may land at or below it. A floor found lower — a `collMod`
+    /// of an earlier pass, held up in the network, that landed after a
+    /// later one; a validator changed by hand — is raised again at once,
+    /// and said loudly: an event numbered between the two that landed
+    /// meanwhile is below the watermark, where no pass looks (the book's
+    /// limits).
+    async fn keep_the_floor(&self, state: &FoldState) -> Result<(), Error> {
+        let floor = floor::read(&self.store, &self.events_name).await?;
+        if floor.is_some_and(|f| f >= state.watermark) {
+            return Ok(());
+        }
+        if state.watermark > 0 || floor.is_some() {
+            tracing::error!(
+                events = %self.events_name,
+                floor = ?floor,
+                watermark = state.watermark,
+                "the events collection's floor was below the fold's watermark (a delayed \
+                 collMod landed late, or its validator was changed); raised again — an event \
+                 inserted meanwhile and numbered below the watermark is not folded"
+            );
+        }
+        floor::raise(&self.store, &self.events_name, state.watermark).await
     }
 
     /// Where a new pass of `state` ends at `now` (the server's clock when

@@ -94,6 +94,24 @@ pub(super) async fn above(
     Ok((count, row.get("lo").and_then(integer_value)))
 }
 
+/// The highest number of any event (`None` without events): one index seek
+/// on `{s: 1}` from its end.
+pub(super) async fn highest_number(
+    store: &Store,
+    events: &Collection<Document>,
+) -> Result<Option<i64>, Error> {
+    let pipeline = vec![
+        doc! { "$sort": { field::NUMBER: -1 } },
+        doc! { "$limit": 1 },
+        doc! { "$project": { field::NUMBER: 1 } },
+    ];
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.highest").await?;
+    Ok(rows
+        .first()
+        .and_then(|row| row.get(field::NUMBER))
+        .and_then(integer_value))
+}
+
 /// Every lane's lowest and highest number (`None` for a lane or a number
 /// that is not one): one scan of the events, for converting a state of
 /// tally 0.2.0.

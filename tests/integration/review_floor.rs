@@ -1,0 +1,358 @@
+//! The events ledger's floor (issue 25) under adversarial review: each
+//! test is one finding and fails on the code it reviewed (merge d45ffa5).
+//!
+//! Requests are held up in the network by the black-pipe proxy (one proxy
+//! for the fold, one for the recorder, so the test orders their release).
+//! The oracle is what the test recorded and what is stored, never what the
+//! code under test reports.
+
+use std::time::SystemTime;
+
+use mongodb::bson::doc;
+use tally::{Ledger, Recording};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::proxy::{Action, Proxy, Release, Rule, upstream_of};
+use crate::common::{TestContext, counter};
+use crate::ledger::{assert_outcome, fold_of, ledger_through_proxy};
+
+/// The floor a `listCollections` shows for `views_events`.
+async fn floor_of(db: &mongodb::Database) -> Option<i64> {
+    let reply = db
+        .run_command(doc! { "listCollections": 1, "filter": { "name": "views_events" } })
+        .await
+        .unwrap();
+    let batch = reply
+        .get_document("cursor")
+        .unwrap()
+        .get_array("firstBatch")
+        .unwrap();
+    batch
+        .first()?
+        .as_document()?
+        .get_document("options")
+        .ok()?
+        .get_document("validator")
+        .ok()?
+        .get_document("s")
+        .ok()?
+        .get_i64("$gt")
+        .ok()
+}
+
+/// Finding 1 (lost for good; the recorder is told `recorded`). The floor
+/// only rises — the design says so, and the pass's range being "read once
+/// and for good" stands on it — but `floor::raise` is an unconditioned
+/// `collMod` that *sets* the validator to `s > W'`. A `collMod` of pass 1
+/// held up in the network (its first attempt; the retry goes through and
+/// pass 1 commits) reaches the server after pass 2 raised the floor to
+/// `W2` and read its range: it puts the floor back at `W1`. An insert
+/// numbered in `(W1, W2]`, itself held up in the network since before pass
+/// 2 began (the case the floor is there for), now lands: it is above the
+/// floor, at or below the watermark. No pass reads it (every later range
+/// starts at `W2`), no exact read counts it (`s ≤ W`), and `record_again`
+/// finds it — its own lane and number — and says `recorded`. Its 10 are
+/// never counted.
+#[tokio::test]
+#[ignore = "open: a collMod held in the network past a later pass lowers the floor; the next pass raises it again and logs it, but an insert landing in between is not folded (docs/src/design/ledger.md, limits)"]
+async fn a_late_collmod_of_an_earlier_pass_never_lowers_the_floor_under_a_folded_range() {
+    let ctx = TestContext::new("review_floor_late_collmod").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let db = direct.client.database(&ctx.db_name);
+    // The recorder, through its proxy.
+    let (recorder_proxy, recorder) = ledger_through_proxy(&ctx).await;
+    let ledger = Ledger::new(&store, recorder.spec().clone());
+    // The fold, through its own proxy.
+    let fold_proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let fold_a = fold_of(
+        &ctx.client_through(&fold_proxy, false).await.store(),
+        "views",
+    );
+    let fold_b = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+
+    assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+    // Pass 1: its first collMod is held up in the network; the retry
+    // raises the floor to W1 and the pass commits.
+    {
+        let _held = fold_proxy.rule(
+            Rule::command("collMod")
+                .nth(1)
+                .then(Action::HoldRequest(Release::WhenReleased)),
+        );
+        let run = fold_a.fold(SystemTime::now(), &stop).await.expect("pass 1");
+        assert_eq!(run.pass, Some(1), "{run:?}");
+    }
+    let w1 = floor_of(&db).await.expect("a floor after pass 1");
+
+    // An insert numbered after pass 1 began is held up in the network; its
+    // retry is cut: the caller is told unknown.
+    let ticket = {
+        let _held = [
+            recorder_proxy.rule(
+                Rule::command("insert")
+                    .collection("views_events")
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            recorder_proxy.rule(
+                Rule::command("insert")
+                    .collection("views_events")
+                    .nth(2)
+                    .then(Action::CloseBeforeForwarding),
+            ),
+        ];
+        match recorder.record("late", "a", 10).await {
+            Recording::Unknown(ticket) => ticket,
+            other => panic!("expected unknown, got {other:?}"),
+        }
+    };
+    assert!(ticket.number() > w1, "numbered above the floor of pass 1");
+
+    // Pass 2 (another event to fold): floor W2 past the held insert.
+    assert_outcome(&ledger.record("e2", "a", 1).await, "recorded");
+    let run = fold_b.fold(SystemTime::now(), &stop).await.expect("pass 2");
+    assert_eq!(run.pass, Some(2), "{run:?}");
+    let w2 = floor_of(&db).await.expect("a floor after pass 2");
+    assert!(ticket.number() <= w2, "pass 2 folded past the held insert");
+
+    // Pass 1's held collMod reaches the server, then the held insert.
+    let released = fold_proxy.release_held().await;
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
+    let released = recorder_proxy.release_held().await;
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
+    let floor_now = floor_of(&db).await;
+
+    // The caller settles its ticket: recorded (its own lane and number).
+    let again = recorder
+        .record_again(ticket)
+        .await
+        .expect("within the horizon");
+    let stored = direct
+        .collection("views_events")
+        .count_documents(doc! { "_id": "late" })
+        .await
+        .unwrap();
+    // Whatever the caller was told, the log and the counter must agree.
+    for _ in 0..3 {
+        fold_b.fold(SystemTime::now(), &stop).await.expect("a pass");
+    }
+    let total = 1 + 1 + if stored == 1 { 10 } else { 0 };
+    assert_eq!(
+        (again.name(), stored),
+        ("recorded", 1),
+        "the late insert's fate (floor after the release: {floor_now:?}, W1 {w1}, W2 {w2})"
+    );
+    assert_eq!(
+        ledger.value("a").await.unwrap().value,
+        total,
+        "an exact read counts the recorded event (floor after the release: {floor_now:?}, \
+         W1 {w1}, W2 {w2})"
+    );
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        total,
+        "the fold counts the recorded event (floor after the release: {floor_now:?}, W1 {w1}, \
+         W2 {w2})"
+    );
+}
+
+/// Finding 2 (lost for good; the recorder is told `recorded`). Tally 0.2.0
+/// numbered events by its recorder host's clock. One of its recorders ran
+/// ten minutes ahead of the server (the clocks this version was rebuilt
+/// for); the old fold folded everything. The first pass of this version
+/// converts the state: `W` = the highest folded number, ten minutes ahead
+/// of the server's clock. The pass then ends at `max(now, W) = W`: nothing
+/// to fold, so it returns without raising a floor. A recorder of this
+/// version — numbering by the server's clock, as designed — records an
+/// event: no floor refuses it, it lands numbered below `W`. It is
+/// `recorded`, yet an exact read leaves it out (`s ≤ W`), and no pass ever
+/// reads it (every range starts at `W`): its 5 are never counted.
+#[tokio::test]
+async fn an_event_recorded_after_converting_a_state_whose_recorder_ran_ahead_is_counted() {
+    use mongodb::bson::oid::ObjectId;
+
+    let ctx = TestContext::new("review_floor_converted_ahead").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = crate::ledger::ledger_on(&store, "views").await;
+    let server_now = tally::Reconciler::new(&store)
+        .server_time()
+        .await
+        .expect("server time");
+    // Three events a 0.2.0 recorder numbered ten minutes ahead, all folded.
+    let ahead = i64::try_from(
+        (server_now + std::time::Duration::from_secs(600))
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap();
+    let lane = ObjectId::new();
+    let events: Vec<mongodb::bson::Document> = (1..=3i64)
+        .map(|s| {
+            doc! { "_id": format!("old{s}"), "k": "home", "n": 1i64,
+            "at": mongodb::bson::DateTime::now(), "L": lane, "s": ahead - 100 + s }
+        })
+        .collect();
+    client
+        .collection("views_events")
+        .insert_many(events)
+        .await
+        .unwrap();
+    client
+        .collection("views")
+        .insert_one(doc! { "_id": "home", "counter": 3i64 })
+        .await
+        .unwrap();
+    let state = doc! { "_id": "state", "pass": 7i64, "v": 14i64,
+    "folded": { lane.to_hex(): ahead - 97 } };
+    client
+        .collection("views_events_fold")
+        .insert_one(state)
+        .await
+        .unwrap();
+
+    // The daemon of this version folds: the state is converted.
+    let fold = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let now = || async {
+        tally::Reconciler::new(&store)
+            .server_time()
+            .await
+            .expect("server time")
+    };
+    fold.fold(now().await, &stop)
+        .await
+        .expect("the converting pass");
+    assert!(ledger.value("home").await.is_ok(), "the state is converted");
+
+    // A recorder of this version records an event.
+    assert_outcome(&ledger.record("new1", "home", 5).await, "recorded");
+    let read = ledger.value("home").await.unwrap();
+    for _ in 0..3 {
+        fold.fold(now().await, &stop).await.expect("a pass");
+    }
+    let stored = client
+        .collection("views_events")
+        .find_one(doc! { "_id": "new1" })
+        .await
+        .unwrap();
+    assert_eq!(
+        read.value,
+        8,
+        "an exact read counts the recorded event (stored: {stored:?}, converted W {})",
+        ahead - 97
+    );
+    assert_eq!(
+        counter(&client.collection("views"), "home").await,
+        8,
+        "the fold counts the recorded event (stored: {stored:?})"
+    );
+}
+
+/// Finding 1, by a takeover (the same root: `floor::raise` sets the floor,
+/// it never only raises it). Fold A records pass 1 and sends its `collMod`,
+/// which is held up in the network; A's retry is cut, its pass fails, its
+/// intent stays. Fold B takes the pass over once A's lease ran out, raises
+/// the floor to W1, commits pass 1, and folds pass 2 up to W2. A's held
+/// `collMod` then reaches the server: the floor is back at W1, and an
+/// insert numbered in `(W1, W2]`, held up since before pass 2, lands below
+/// the watermark: `recorded`, never counted. (Time is moved by the `now`
+/// B's passes are given, as `review_ledger` does, to pass A's lease.)
+#[tokio::test]
+#[ignore = "open: a collMod held in the network past a later pass lowers the floor; the next pass raises it again and logs it, but an insert landing in between is not folded (docs/src/design/ledger.md, limits)"]
+async fn a_collmod_of_a_pass_taken_over_never_lowers_the_floor_under_a_later_pass() {
+    let ctx = TestContext::new("review_floor_takeover_collmod").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let db = direct.client.database(&ctx.db_name);
+    let (recorder_proxy, recorder) = ledger_through_proxy(&ctx).await;
+    let ledger = Ledger::new(&store, recorder.spec().clone());
+    let fold_proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let fold_a = fold_of(
+        &ctx.client_through(&fold_proxy, false).await.store(),
+        "views",
+    );
+    let fold_b = fold_of(&store, "views");
+    let stop = CancellationToken::new();
+    let now = || async {
+        tally::Reconciler::new(&store)
+            .server_time()
+            .await
+            .expect("server time")
+    };
+
+    assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+    {
+        let _cut = [
+            fold_proxy.rule(
+                Rule::command("collMod")
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            fold_proxy.rule(
+                Rule::command("collMod")
+                    .nth(2)
+                    .then(Action::CloseBeforeForwarding),
+            ),
+        ];
+        assert!(
+            fold_a.fold(now().await, &stop).await.is_err(),
+            "A's pass stops at its floor"
+        );
+    }
+    // The held insert, numbered now.
+    let ticket = {
+        let _held = [
+            recorder_proxy.rule(
+                Rule::command("insert")
+                    .collection("views_events")
+                    .nth(1)
+                    .then(Action::HoldRequest(Release::WhenReleased)),
+            ),
+            recorder_proxy.rule(
+                Rule::command("insert")
+                    .collection("views_events")
+                    .nth(2)
+                    .then(Action::CloseBeforeForwarding),
+            ),
+        ];
+        match recorder.record("late", "a", 10).await {
+            Recording::Unknown(ticket) => ticket,
+            other => panic!("expected unknown, got {other:?}"),
+        }
+    };
+    // Past A's lease, B takes pass 1 over, then folds pass 2 (another
+    // event to fold).
+    assert_outcome(&ledger.record("e2", "a", 1).await, "recorded");
+    let later = now().await + std::time::Duration::from_secs(300);
+    let run = fold_b.fold(later, &stop).await.expect("B's takeover");
+    assert!(run.recovered, "{run:?}");
+    let w2 = floor_of(&db).await.expect("a floor");
+    assert!(ticket.number() <= w2, "B folded past the held insert");
+
+    fold_proxy.release_held().await;
+    recorder_proxy.release_held().await;
+    let floor_now = floor_of(&db).await;
+    let again = recorder
+        .record_again(ticket)
+        .await
+        .expect("within the horizon");
+    for minutes in [6, 7, 8] {
+        let at = now().await + std::time::Duration::from_secs(60 * minutes);
+        fold_b.fold(at, &stop).await.expect("a pass");
+    }
+    assert_outcome(&again, "recorded");
+    assert_eq!(
+        ledger.value("a").await.unwrap().value,
+        12,
+        "an exact read counts the recorded event (floor after the release: {floor_now:?}, W2 {w2})"
+    );
+    assert_eq!(
+        counter(&direct.collection("views"), "a").await,
+        12,
+        "the fold counts the recorded event (floor after the release: {floor_now:?}, W2 {w2})"
+    );
+}
