@@ -28,6 +28,7 @@ mod increment;
 mod lanes;
 mod ledger;
 mod measure;
+mod recorders;
 mod sequence;
 
 use std::time::Duration;
@@ -83,9 +84,10 @@ fn main() {
             "lanes" => runtime.block_on(lanes::run(&settings)),
             "ledger" => runtime.block_on(ledger::run(&settings)),
             "ledger-fold" => runtime.block_on(ledger::run_fold(&settings)),
+            "ledger-recorders" => runtime.block_on(recorders::run(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders"
                 );
                 std::process::exit(2);
             }
