@@ -5,7 +5,9 @@
 //! ticket's token, a resume after the count), reads, sequences and blocks,
 //! takes and give-backs, the insert loop, lane adds in bursts of concurrent
 //! callers (group commit) and their shared tickets resumed from several
-//! hosts at once — through the black-pipe proxy,
+//! hosts at once, and events recorded into a ledger (half on one-shot
+//! handles, a lane each; a share delivered twice; judged in `ledger`) —
+//! through the black-pipe proxy,
 //! which faults a seeded share of their requests (reply dropped after the
 //! server executed it, connection closed before forwarding, reply delayed
 //! past the attempt timeout, not-primary 10107, command error 2, duplicate
@@ -25,6 +27,7 @@
 //! `TALLY_HISTORY_SECONDS` sets how long the clients run (default 30).
 
 mod checker;
+mod ledger;
 mod record;
 mod workload;
 
@@ -130,6 +133,13 @@ async fn random_histories_through_faults_are_exact() {
         reconciler.clone(),
         stop_folding.clone(),
     ));
+    // The events ledger: one client, half its events on one-shot handles.
+    let ledger_client = ctx.client_through_with(&proxy, false, SELECTION).await;
+    let recording = tokio::spawn(ledger::record_events(
+        ledger_client.store().with_attempt_timeout(ATTEMPT),
+        shared.until,
+        fastrand::Rng::with_seed(seed ^ (0x1ed6e7 << 32)),
+    ));
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| {
             let rng = fastrand::Rng::with_seed(seed ^ ((w as u64 + 1) << 40));
@@ -143,9 +153,11 @@ async fn random_histories_through_faults_are_exact() {
     }
     let calls_done = started.elapsed();
 
+    let mut told = recording.await.expect("the ledger client panicked");
     // Heal, settle every ticket, fold until nothing is pending.
     drop(rules);
     workload::settle_leftovers(&shared).await;
+    ledger::settle_and_fold(&direct.store(), &mut told).await;
     stop_folding.cancel();
     folding.await.expect("the fold task panicked");
     fold_until_nothing_is_pending(&shared, &reconciler, &direct.collection("views"), seed).await;
@@ -163,6 +175,25 @@ async fn random_histories_through_faults_are_exact() {
         started.elapsed(),
         outcome_counts(&ops),
         end.counters,
+    );
+    let ledger_violations = ledger::violations(&direct.store(), &told).await;
+    assert!(
+        ledger_violations.is_empty(),
+        "seed {seed} (replay with TALLY_HISTORY_SEED={seed}): the ledger: {ledger_violations:#?}"
+    );
+    assert!(
+        told.counted.len() > 10 && told.one_shot > 5 && told.repeats > 2,
+        "seed {seed}: the ledger client exercised too little: {} counted, {} one-shot, {} repeats",
+        told.counted.len(),
+        told.one_shot,
+        told.repeats
+    );
+    eprintln!(
+        "ledger: {} events counted ({} one-shot handles, {} repeats), {} not recorded",
+        told.counted.len(),
+        told.one_shot,
+        told.repeats,
+        told.not_recorded.len()
     );
     let violations = checker::check(&ops, &end, &oracle(&log));
     if !violations.is_empty() {
@@ -226,6 +257,10 @@ async fn create_counters(direct: &TestClient) {
         .insert_many(LANE_KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
         .await
         .expect("create the lane counters");
+    tally::Ledger::new(&direct.store(), CollectionConfig::new(ledger::COLLECTION))
+        .create_indexes()
+        .await
+        .expect("the ledger's indexes");
     let seats = BoundedCounters::new(&direct.store(), BoundedConfig::new("seats"));
     for (key, units) in BOUNDED {
         let created = seats.create(key, units).await;
