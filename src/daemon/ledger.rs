@@ -325,7 +325,15 @@ impl LedgerFolder {
                 ),
             }),
         });
-        self.alerts.set(AlertKind::EventsStuck, name, observation);
+        // A pass that failed without a verdict on the ledger (an outage: the
+        // server unreachable, a lease that ran out) and a backlog that could
+        // not be read measured nothing: the alert stays as it was, neither
+        // fired nor resolved by the outage (which `tally_ready` and `/readyz`
+        // show).
+        let measured = refused.is_none() || refusing || backlog.is_some();
+        if measured {
+            self.alerts.set(AlertKind::EventsStuck, name, observation);
+        }
         refused.is_none() && backlog.is_some_and(|b| b.events > 0)
     }
 

@@ -478,3 +478,74 @@ async fn sighup_with_a_bad_key_keeps_the_old_configuration_and_says_so_on_metric
     assert!(!log.contains("draining"), "nothing was let go: {log}");
     assert_no_stop_in(&log);
 }
+
+/// An outage is its own signal: a ledger alert firing (its fold refused:
+/// the indexes are missing) is neither resolved nor fired again by passes
+/// that fail without measuring anything — here every read of the ledger's
+/// collections is cut in the network while the server answers `hello` —
+/// and comes back to the truth once the network does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_measurement_neither_fires_nor_resolves_a_ledger_alert() {
+    use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+    let ctx = TestContext::new("life_unmeasured").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    // A ledger on `hits` whose indexes were never created: its fold refuses.
+    let conf = Conf {
+        extra: LEDGER.into(),
+        ..Conf::idle()
+    }
+    .render(&ctx.child_uri_through(&proxy, false), &ctx.db_name)
+    .replace("scan_interval = \"10m\"", "scan_interval = \"1s\"");
+    let daemon = Tallyd::start(&format!("{conf}{ALERTS}"), &[("RUST_LOG", "info")]);
+    daemon.wait_ready("active", LONG).await;
+    let firing = "tally_alerts_firing{collection=\"hits\",kind=\"events_stuck\"}";
+    until(
+        &daemon,
+        "events_stuck to fire (indexes missing)",
+        LONG,
+        || async { daemon.metric(firing).await == Some(1.0) },
+    )
+    .await;
+
+    let cut: Vec<_> = ["listIndexes", "find", "aggregate"]
+        .into_iter()
+        .flat_map(|command| {
+            ["hits_events", "hits_events_fold"].map(|collection| {
+                proxy.rule(
+                    Rule::command(command)
+                        .collection(collection)
+                        .then(Action::CloseBeforeForwarding),
+                )
+            })
+        })
+        .collect();
+    let failed = "folding the ledger failed";
+    let before = daemon.log().matches(failed).count();
+    until(&daemon, "three passes to fail unmeasured", LONG, || async {
+        daemon.log().matches(failed).count() >= before + 3
+    })
+    .await;
+    assert_eq!(
+        daemon.metric(firing).await,
+        Some(1.0),
+        "passes that measured nothing resolved a ledger alert: {}",
+        daemon.log()
+    );
+    drop(cut);
+    let after = daemon.log().matches(failed).count();
+    until(
+        &daemon,
+        "a pass refused again once reads go through",
+        LONG,
+        || async {
+            daemon.log().matches("lacks the indexes").count() > 0
+                && daemon.log().matches(failed).count() > after
+        },
+    )
+    .await;
+    assert_eq!(
+        daemon.metric(firing).await,
+        Some(1.0),
+        "still refused after it"
+    );
+}
