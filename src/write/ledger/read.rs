@@ -309,9 +309,13 @@ impl Ledger {
             );
             return Err(state::lost(&self.state, evidence));
         }
+        // A floor with no state document: lost — unless a ledger's first
+        // pass made the document since this read (then nothing was applied
+        // before the read, and the value it found stands).
         if !state.exists
             && let Some(floor) =
                 floor::read(&self.store, &self.spec.events_collection_name()).await?
+            && !state::read(&self.store, &self.state).await?.exists
         {
             let evidence = format!(
                 "the events collection {} has a floor ({floor}), which only a fold raises",
