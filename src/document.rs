@@ -318,11 +318,41 @@ fn decimal_key(text: &str) -> CanonicalKey {
 /// A document id as reports, logs and alerts show it: a string id as
 /// itself (`docs`), any other value as its relaxed extended JSON
 /// (`{"$oid":"…"}`, `7`, `{"a":1}`), which a shell or a driver reads back.
+///
+/// Shown through [`shown`]: shortened past [`SHOWN_CHARS`] characters, its
+/// control characters escaped.
 pub(crate) fn display_id(id: &Bson) -> String {
     match id {
-        Bson::String(text) => text.clone(),
-        other => other.clone().into_relaxed_extjson().to_string(),
+        Bson::String(text) => shown(text),
+        other => shown(&other.clone().into_relaxed_extjson().to_string()),
     }
+}
+
+/// The most characters of a user's value a message shows.
+pub(crate) const SHOWN_CHARS: usize = 200;
+
+/// A user-supplied value (a key, an id) as a message shows it: its control
+/// characters escaped (`\n`, `\u{1b}`), so that no value drives the
+/// terminal, and past [`SHOWN_CHARS`] characters cut to a prefix followed by
+/// `… (N bytes)`, N the value's whole length. JSON output shows values
+/// whole instead (JSON escapes control characters itself).
+pub(crate) fn shown(text: &str) -> String {
+    let mut out = String::new();
+    let mut count = 0;
+    for c in text.chars() {
+        let piece: String = if c.is_control() {
+            c.escape_default().collect()
+        } else {
+            c.to_string()
+        };
+        count += piece.chars().count();
+        if count > SHOWN_CHARS {
+            out.push_str(&format!("… ({} bytes)", text.len()));
+            break;
+        }
+        out.push_str(&piece);
+    }
+    out
 }
 
 /// The BSON type name, as `$type` spells it.
@@ -598,5 +628,18 @@ mod tests {
             "{\"a\":1,\"b\":\"x\"}"
         );
         assert_eq!(display_id(&Bson::Null), "null");
+    }
+
+    #[test]
+    fn shown_values_are_short_and_never_drive_the_terminal() {
+        assert_eq!(shown("a\nb\u{1b}[31mc\t"), "a\\nb\\u{1b}[31mc\\t");
+        let long = "é".repeat(50_000);
+        let cut = shown(&long);
+        assert_eq!(cut, format!("{}… (100000 bytes)", "é".repeat(SHOWN_CHARS)));
+        assert_eq!(shown(&"a".repeat(SHOWN_CHARS)), "a".repeat(SHOWN_CHARS));
+        assert_eq!(
+            display_id(&Bson::String("\u{7}".repeat(300))),
+            format!("{}… (300 bytes)", r"\u{7}".repeat(SHOWN_CHARS / 5))
+        );
     }
 }

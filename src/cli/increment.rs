@@ -72,7 +72,8 @@ pub(super) fn amount(text: &str) -> Result<i64, String> {
 /// `tallyd incr KEY [--by N] [--lane | --two-step]`.
 #[derive(Debug, Args)]
 pub(crate) struct IncrArgs {
-    /// The counter's `_id` (a string).
+    /// The counter's `_id` (a string, not empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) key: String,
     /// The amount to add; negative subtracts; not zero.
     #[arg(
@@ -228,6 +229,7 @@ pub(super) fn report_increment(
     given: Option<&Ticket>,
 ) -> ExitCode {
     let collection = &target.spec.name;
+    let shown_key = crate::document::shown(key);
     let token = outcome.token();
     let amount = outcome.amount();
     // Only an unknown increment's ticket is resumable: a resume could count
@@ -261,7 +263,7 @@ pub(super) fn report_increment(
         ),
         Increment::Pending(_) => (
             format!(
-                "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{key} but not \
+                "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{shown_key} but not \
                  yet counted; run `tallyd complete {} {shown_ticket}{} --collection {}` or let \
                  the daemon fold it. Cause: {cause}",
                 shell_word(key),
@@ -276,7 +278,7 @@ pub(super) fn report_increment(
             (
                 format!(
                     "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
-                     {collection}/{key}, and it is past the retry horizon of {}: it is counted at \
+                     {collection}/{shown_key}, and it is past the retry horizon of {}: it is counted at \
                      most once (a resume would be refused). Cause: {cause}",
                     humantime::format_duration(target.counters.retry_horizon()),
                 ),
@@ -286,7 +288,7 @@ pub(super) fn report_increment(
         Increment::Unknown(_) => (
             format!(
                 "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
-                 {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} --collection {}` \
+                 {collection}/{shown_key}; run `tallyd resume {} {shown_ticket}{}{} --collection {}` \
                  soon (within the retry horizon of {}), after that it is counted at most once. \
                  Cause: {cause}",
                 shell_word(key),
@@ -334,6 +336,7 @@ pub(super) fn counted_text(
     } else {
         ""
     };
+    let key = crate::document::shown(key);
     format!("counted: {collection}/{key} {amount:+} ({what} {id}{earlier})")
 }
 
@@ -360,8 +363,25 @@ pub(super) fn by_option(amount: i64) -> String {
 /// single quotes.
 pub(super) fn shell_word(word: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "_-./:@%+=,".contains(c);
-    if !word.is_empty() && word.chars().all(plain) {
+    if word.len() > crate::document::SHOWN_CHARS {
+        // Too long to paste: shown shortened, as every message shows it.
+        format!("'{}'", crate::document::shown(word).replace('\'', r"'\''"))
+    } else if !word.is_empty() && word.chars().all(plain) {
         word.to_owned()
+    } else if word.chars().any(char::is_control) {
+        // Bash's ANSI-C quoting: the control characters escaped, never
+        // printed to the terminal.
+        let escaped: String = word
+            .chars()
+            .map(|c| match c {
+                '\'' => r"\'".to_owned(),
+                '\\' => r"\\".to_owned(),
+                c if c.is_ascii_control() => format!("\\x{:02x}", u32::from(c)),
+                c if c.is_control() => format!("\\u{:04x}", u32::from(c)),
+                c => c.to_string(),
+            })
+            .collect();
+        format!("$'{escaped}'")
     } else {
         format!("'{}'", word.replace('\'', r"'\''"))
     }
@@ -417,6 +437,8 @@ mod tests {
         assert_eq!(shell_word("two words"), "'two words'");
         assert_eq!(shell_word("it's"), r"'it'\''s'");
         assert_eq!(shell_word(""), "''");
+        assert_eq!(shell_word("a\u{1b}[2J\n'b"), r"$'a\x1b[2J\x0a\'b'");
+        assert!(shell_word(&"k".repeat(100_000)).ends_with("… (100000 bytes)'"));
         assert_eq!(by_option(1), "");
         assert_eq!(by_option(-5), " --by -5");
         assert_eq!(protocol_flag(Protocol::Lanes), " --lane");

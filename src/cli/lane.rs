@@ -66,6 +66,7 @@ pub(super) async fn resume(
 
 fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
     let collection = &target.spec.name;
+    let shown_key = crate::document::shown(key);
     let amount = outcome.amount();
     let lane = outcome.lane().map(LaneId::to_string);
     let ticket = match (outcome.lane(), outcome.position()) {
@@ -94,7 +95,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         LaneIncrement::Unknown(_) => (
             format!(
                 "unknown: the update of lane ticket {shown_ticket} ({amount:+}) may or may not \
-                 have applied to {collection}/{key}; run `tallyd resume {} {shown_ticket}{}{} \
+                 have applied to {collection}/{shown_key}; run `tallyd resume {} {shown_ticket}{}{} \
                  --collection {}` — harmless to repeat, as often as needed — within the lane \
                  resume horizon of {} from when the update was sent ({}); after that it is \
                  counted at most once. Cause: {cause}",
@@ -113,7 +114,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         ),
         LaneIncrement::OutOfOrder(behind) => (
             format!(
-                "refused: lane {} holds position {} in {collection}/{key}, above {}: \
+                "refused: lane {} holds position {} in {collection}/{shown_key}, above {}: \
                  nothing was written; position {} ({amount:+}) is counted only if it applied \
                  before position {} did",
                 lane.as_deref().unwrap_or_default(),

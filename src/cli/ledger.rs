@@ -56,11 +56,11 @@ const FROM_WAIT: Duration = Duration::from_millis(200);
 #[derive(Debug, Args)]
 pub(crate) struct RecordArgs {
     /// The event's key (its idempotency key: a message id, a webhook's
-    /// event id).
-    #[arg(required_unless_present = "from", conflicts_with = "from")]
+    /// event id; not empty).
+    #[arg(required_unless_present = "from", conflicts_with = "from", value_parser = super::event_key)]
     pub(crate) event: Option<String>,
-    /// The counter's `_id` (a string).
-    #[arg(required_unless_present = "from", conflicts_with = "from")]
+    /// The counter's `_id` (a string, not empty).
+    #[arg(required_unless_present = "from", conflicts_with = "from", value_parser = super::counter_key)]
     pub(crate) key: Option<String>,
     /// The amount the event adds; negative subtracts; not zero.
     #[arg(
@@ -84,7 +84,8 @@ pub(crate) struct RecordArgs {
 /// `tallyd get KEY`.
 #[derive(Debug, Args)]
 pub(crate) struct GetArgs {
-    /// The counter's `_id` (a string).
+    /// The counter's `_id` (a string, not empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) key: String,
     #[command(flatten)]
     #[allow(missing_docs)]
@@ -152,13 +153,13 @@ fn as_json(recording: &Recording, ledger: &Ledger, text: &str, code: u8) -> Valu
     let mut out = json!({
         "outcome": recording.name(),
         "event": event.key(),
-        "key": display_id(event.counter()),
+        "key": event.counter().clone().into_relaxed_extjson(),
         "amount": event.amount(),
         "collection": ledger.spec().name,
         "events_collection": ledger.spec().events_collection_name(),
     });
     if let Recording::Conflict(conflict) = recording {
-        out["recorded_key"] = json!(display_id(conflict.stored_counter()));
+        out["recorded_key"] = conflict.stored_counter().clone().into_relaxed_extjson();
         out["recorded_amount"] = json!(conflict.stored_amount());
     }
     if code != EXIT_OK {
@@ -172,7 +173,7 @@ fn print_one(recording: &Recording, ledger: &Ledger, json: bool, secrets: &Secre
     let event = recording.event();
     let what = format!(
         "event {} on {}/{} by {}",
-        event.key(),
+        crate::document::shown(event.key()),
         ledger.spec().name,
         display_id(event.counter()),
         event.amount()
@@ -405,7 +406,10 @@ async fn record_batch(
                     shown["line"] = json!(number);
                     out!("{shown}");
                 } else if code != EXIT_OK {
-                    eprintln!("line {number}: {text} (event {})", recording.event().key());
+                    eprintln!(
+                        "line {number}: {text} (event {})",
+                        crate::document::shown(recording.event().key())
+                    );
                 }
             }
         }
@@ -434,7 +438,7 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
                 out!(
                     "{}/{}: {} ({} folded, {} in {} unfolded events)",
                     ledger.spec().name,
-                    args.key,
+                    crate::document::shown(&args.key),
                     value.value,
                     value.folded,
                     value.unfolded,

@@ -24,7 +24,9 @@ pub(crate) enum SeqCommand {
 /// `tallyd seq next NAME [--block N]`.
 #[derive(Debug, Args)]
 pub(crate) struct NextArgs {
-    /// The sequence's name (its `_id` in the counters collection).
+    /// The sequence's name (its `_id` in the counters collection; not
+    /// empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) name: String,
     /// Reserve N consecutive numbers in one round trip.
     #[arg(long, value_name = "N", value_parser = block_size)]
@@ -37,7 +39,8 @@ pub(crate) struct NextArgs {
 /// `tallyd seq current NAME`.
 #[derive(Debug, Args)]
 pub(crate) struct CurrentArgs {
-    /// The sequence's name.
+    /// The sequence's name (not empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) name: String,
     /// Print one JSON object instead of text.
     #[arg(long)]

@@ -32,7 +32,8 @@ use crate::write::ticket::{Names, Settles, Ticket};
 /// `tallyd complete KEY TICKET [--by N]`.
 #[derive(Debug, Args)]
 pub(crate) struct CompleteArgs {
-    /// The counter's `_id` (a string).
+    /// The counter's `_id` (a string, not empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) key: String,
     /// The ticket the increment printed (TOKEN-CHECK), or the bare pending
     /// token (24 hex digits). A ticket whose check does not match the key,
@@ -51,7 +52,8 @@ pub(crate) struct CompleteArgs {
 /// `tallyd resume KEY TICKET [--by N]`.
 #[derive(Debug, Args)]
 pub(crate) struct ResumeArgs {
-    /// The counter's `_id` (a string).
+    /// The counter's `_id` (a string, not empty).
+    #[arg(value_parser = super::counter_key)]
     pub(crate) key: String,
     /// The ticket the increment printed: TOKEN-CHECK for a two-step token,
     /// LANE.NUMBER-CHECK for a lane. Its check covers the key, --by and
@@ -179,7 +181,8 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
                 let text = format!(
                     "token {token} is not pending in {}/{}: nothing to do (already counted, or \
                      never added)",
-                    target.spec.name, args.key
+                    target.spec.name,
+                    crate::document::shown(&args.key)
                 );
                 let fields = json!({ "outcome": "not_pending" });
                 print(&target, &shown, fields, &text, EXIT_OK)

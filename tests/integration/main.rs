@@ -26,6 +26,7 @@ mod ledger_prune;
 mod ledger_review;
 mod ledger_review2;
 mod ledger_soak;
+mod messages;
 mod overflow;
 mod packaging;
 mod proxy;
