@@ -128,6 +128,10 @@ fn print_table(
             (None, true) => "interrupted".into(),
             (None, false) => {
                 let mut notes = Vec::new();
+                if run.events_folded > 0 {
+                    let verb = if dry_run { "to fold" } else { "folded" };
+                    notes.push(format!("{} recorded events {verb}", run.events_folded));
+                }
                 if run.lanes_pruned > 0 {
                     notes.push(format!("{} expired lane entries pruned", run.lanes_pruned));
                 }

@@ -242,6 +242,7 @@ impl Runner {
             folded = run.documents_folded,
             tokens = run.tokens_folded,
             amount = run.amount_folded,
+            events = run.events_folded,
             lanes_pruned = run.lanes_pruned,
             malformed = run.survey.malformed,
             refused = run.refused,
