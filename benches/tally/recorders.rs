@@ -115,7 +115,7 @@ async fn side(
     let first_fold = began.elapsed();
     assert_eq!(run.events_folded as usize, n, "{run:?}");
     // One recent event not folded yet, for the read to add.
-    ledger.record(format!("{name}-last"), "k1", 1).await;
+    let _ = ledger.record(format!("{name}-last"), "k1", 1).await;
     let rounds = settings.rounds.max(5) * 3;
     let mut passes = Vec::new();
     let mut reads = Vec::new();
