@@ -38,7 +38,7 @@
 //!
 //! - here: the [`Ledger`] handle, the event document's fields ([`field`])
 //!   and the fold lane's name ([`fold_lane`]);
-//! - [`record`]: recording events — `recorder` (the lane, its numbers and
+//! - [`record`]: the handle's methods and recording events — `recorder` (the lane, its numbers and
 //!   the one insert in flight), `insert` (what became of each event of an
 //!   insert), `outcome` (what the caller learns: [`Recording`]);
 //! - [`state`]: the fold's state document (`<events>_fold`: `W`, the pass
@@ -78,7 +78,7 @@ pub(crate) use record::{time_of, unix_micros};
 
 use crate::error::Error;
 use crate::store::Store;
-use crate::write::counter::{CollectionConfig, WriterConfig};
+use crate::write::counter::CollectionConfig;
 use crate::write::lane::LaneName;
 use record::Recorder;
 
@@ -139,104 +139,6 @@ pub struct Ledger {
     state: Collection<Document>,
     recorder: Arc<Recorder>,
     retry_horizon: Duration,
-}
-
-impl Ledger {
-    /// A ledger for the counter collection `spec`; its events go to
-    /// [`CollectionConfig::events_collection_name`], and an unknown
-    /// recording may be sent again for the default retry horizon (3
-    /// minutes; see [`Ledger::with_retry_horizon`]).
-    ///
-    /// ```no_run
-    /// # fn demo(store: tally::Store) {
-    /// use tally::{CollectionConfig, Ledger};
-    ///
-    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"));
-    /// assert_eq!(orders.spec().events_collection_name(), "order_totals_events");
-    /// # }
-    /// ```
-    pub fn new(store: &Store, spec: CollectionConfig) -> Self {
-        let events = spec.events_collection_name();
-        let state = state::collection_name(&events);
-        Self {
-            events: store.collection(&events),
-            counters: store.collection(&spec.name),
-            state: store.collection(&state),
-            recorder: Arc::new(Recorder::new(store, &events)),
-            store: store.clone(),
-            spec: Arc::new(spec),
-            retry_horizon: WriterConfig::default().retry_horizon,
-        }
-    }
-
-    /// The same ledger sending an unknown recording again
-    /// ([`Ledger::record_again`]) only within `horizon` of its first
-    /// attempt: the writers' retry horizon (`[writer] retry_horizon`),
-    /// which the dedupe window (`event_retention`) must outlast.
-    ///
-    /// ```no_run
-    /// # fn demo(store: tally::Store) {
-    /// use std::time::Duration;
-    /// use tally::{CollectionConfig, Ledger};
-    ///
-    /// // The writers' `[writer] retry_horizon`, if not the default.
-    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"))
-    ///     .with_retry_horizon(Duration::from_secs(60));
-    /// # }
-    /// ```
-    pub fn with_retry_horizon(mut self, horizon: Duration) -> Self {
-        self.retry_horizon = horizon;
-        self
-    }
-
-    /// The counter collection and its field names.
-    ///
-    /// ```no_run
-    /// # fn demo(orders: tally::Ledger) {
-    /// let spec = orders.spec();
-    /// println!("events of {} go to {}", spec.name, spec.events_collection_name());
-    /// # }
-    /// ```
-    pub fn spec(&self) -> &CollectionConfig {
-        &self.spec
-    }
-
-    /// Creates the indexes the events collection needs (`tallyd setup`
-    /// calls this; tally never does behind the caller's back), and returns
-    /// one line per index saying what it did. Idempotent.
-    ///
-    /// ```no_run
-    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
-    /// // At deployment, as `tallyd setup` does.
-    /// for line in orders.create_indexes().await? {
-    ///     println!("{line}");
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn create_indexes(&self) -> Result<Vec<String>, Error> {
-        let events = self.spec.events_collection_name();
-        let done = index::create(&self.store, &events).await?;
-        Ok(done
-            .into_iter()
-            .map(|(need, created)| index::describe(&events, &need, created))
-            .collect())
-    }
-
-    /// The indexes the events collection lacks, by name (empty when the
-    /// fold can run).
-    ///
-    /// ```no_run
-    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
-    /// let missing = orders.missing_indexes().await?;
-    /// if !missing.is_empty() {
-    ///     let missing = missing.join(", ");
-    ///     eprintln!("the ledger cannot be folded yet: run `tallyd setup` (missing: {missing})");
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub async fn missing_indexes(&self) -> Result<Vec<String>, Error> {
-        index::missing(&self.store, &self.spec.events_collection_name()).await
-    }
 }
 
 /// The daemon's fold lane of the events collection `events`: a named lane

@@ -1,4 +1,5 @@
-//! Recording events: [`Ledger::record`], [`Ledger::record_again`] and
+//! The [`Ledger`] handle's methods — making one, its indexes — and
+//! recording events: [`Ledger::record`], [`Ledger::record_again`] and
 //! [`Ledger::record_many`], each event's outcome ([`Recording`]), the
 //! recorder that numbers and sends them ([`recorder`]) and the insert that
 //! tells what became of each ([`insert`]).
@@ -7,6 +8,7 @@ mod insert;
 mod outcome;
 mod recorder;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
@@ -15,10 +17,108 @@ pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub(in crate::ledger) use recorder::Recorder;
 pub(crate) use recorder::{time_of, unix_micros};
 
-use super::{Ledger, MAX_EVENT_KEY_BYTES, field};
+use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index, state};
 use crate::error::Error;
+use crate::store::Store;
+use crate::write::counter::{CollectionConfig, WriterConfig};
 
 impl Ledger {
+    /// A ledger for the counter collection `spec`; its events go to
+    /// [`CollectionConfig::events_collection_name`], and an unknown
+    /// recording may be sent again for the default retry horizon (3
+    /// minutes; see [`Ledger::with_retry_horizon`]).
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use tally::{CollectionConfig, Ledger};
+    ///
+    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"));
+    /// assert_eq!(orders.spec().events_collection_name(), "order_totals_events");
+    /// # }
+    /// ```
+    pub fn new(store: &Store, spec: CollectionConfig) -> Self {
+        let events = spec.events_collection_name();
+        let state = state::collection_name(&events);
+        Self {
+            events: store.collection(&events),
+            counters: store.collection(&spec.name),
+            state: store.collection(&state),
+            recorder: Arc::new(Recorder::new(store, &events)),
+            store: store.clone(),
+            spec: Arc::new(spec),
+            retry_horizon: WriterConfig::default().retry_horizon,
+        }
+    }
+
+    /// The same ledger sending an unknown recording again
+    /// ([`Ledger::record_again`]) only within `horizon` of its first
+    /// attempt: the writers' retry horizon (`[writer] retry_horizon`),
+    /// which the dedupe window (`event_retention`) must outlast.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tally::Store) {
+    /// use std::time::Duration;
+    /// use tally::{CollectionConfig, Ledger};
+    ///
+    /// // The writers' `[writer] retry_horizon`, if not the default.
+    /// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"))
+    ///     .with_retry_horizon(Duration::from_secs(60));
+    /// # }
+    /// ```
+    pub fn with_retry_horizon(mut self, horizon: Duration) -> Self {
+        self.retry_horizon = horizon;
+        self
+    }
+
+    /// The counter collection and its field names.
+    ///
+    /// ```no_run
+    /// # fn demo(orders: tally::Ledger) {
+    /// let spec = orders.spec();
+    /// println!("events of {} go to {}", spec.name, spec.events_collection_name());
+    /// # }
+    /// ```
+    pub fn spec(&self) -> &CollectionConfig {
+        &self.spec
+    }
+
+    /// Creates the indexes the events collection needs (`tallyd setup`
+    /// calls this; tally never does behind the caller's back), and returns
+    /// one line per index saying what it did. Idempotent.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// // At deployment, as `tallyd setup` does.
+    /// for line in orders.create_indexes().await? {
+    ///     println!("{line}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn create_indexes(&self) -> Result<Vec<String>, Error> {
+        let events = self.spec.events_collection_name();
+        let done = index::create(&self.store, &events).await?;
+        Ok(done
+            .into_iter()
+            .map(|(need, created)| index::describe(&events, &need, created))
+            .collect())
+    }
+
+    /// The indexes the events collection lacks, by name (empty when the
+    /// fold can run).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
+    /// let missing = orders.missing_indexes().await?;
+    /// if !missing.is_empty() {
+    ///     let missing = missing.join(", ");
+    ///     eprintln!("the ledger cannot be folded yet: run `tallyd setup` (missing: {missing})");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn missing_indexes(&self) -> Result<Vec<String>, Error> {
+        index::missing(&self.store, &self.spec.events_collection_name()).await
+    }
+
     /// Records the event `event_key`: `amount` (not zero) on the counter
     /// `counter_key`. One insert, shared with the events this handle's
     /// other callers record meanwhile; see [`Recording`] for what the
