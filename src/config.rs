@@ -27,7 +27,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::reconcile::{EventFoldSettings, FoldTarget, Reconciler};
+use crate::ledger::EventFoldSettings;
+use crate::reconcile::{FoldTarget, Reconciler};
 use crate::redact::{SecretString, Secrets};
 use crate::store::{Store, StoreConfig};
 use crate::write::counter::{CollectionConfig, WriterConfig};

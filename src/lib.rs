@@ -63,16 +63,23 @@
 //! - `write`: the protocols a writer calls — `counter` (the two-step
 //!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `lane`
 //!   (writer lanes: one round trip, [`Counters::add`], group commit),
-//!   `group` (group commit's keyed queue),
-//!   `ledger` (the events ledger: idempotency keys, [`Ledger`]),
-//!   `sequence`, `insert_loop`, `bounded`.
+//!   `group` (group commit's keyed queue), `sequence`, `insert_loop`,
+//!   `bounded`.
+//! - `ledger`: the events ledger, all of it — idempotency keys, the
+//!   [`Ledger`] handle, the event document's fields; `record` (recording:
+//!   its `recorder`, `insert` and `outcome`), `state` (the fold's state
+//!   document: the watermark `W`, the pass in progress, the held sums — the
+//!   only file that reads or writes it), `floor` (the events collection's
+//!   floor), `index`, `read` (exact reads: [`ExactValue`]), `fold` (the
+//!   fold of recorded events: [`EventFold`] — its `pass`, `held` sums,
+//!   `query`, `convert` from 0.2.0 and `sweep`).
 //! - `reconcile`: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — `model` (its specification), `statement` (a
 //!   document's fold as conditioned update statements), `fold` (a run's
 //!   passes: rows planned into batches, documents that changed read
 //!   again), `batch` (sending them, reading what the server did), `report`
-//!   (what a run found and did: [`CollectionRun`]), `ledger` (the fold of
-//!   recorded events: [`EventFold`]).
+//!   (what a run found and did: [`CollectionRun`]), `ledgers` (each
+//!   collection's ledger folded beside its tokens).
 //!
 //! With the `daemon` feature:
 //!
@@ -105,9 +112,10 @@
 //! document  → error store
 //! token     → document
 //! write     → error store document token redact
-//! reconcile → error store document token write
-//! config    → error redact store write reconcile
-//! daemon    → config reconcile write store token document error redact
+//! ledger    → error store document write
+//! reconcile → error store document token write ledger
+//! config    → error redact store write ledger reconcile
+//! daemon    → config reconcile ledger write store token document error redact
 //! cli       → (anything)
 //! logging   → (anything)
 //! ```
@@ -117,6 +125,7 @@
 
 mod document;
 mod error;
+mod ledger;
 mod reconcile;
 mod redact;
 mod store;
@@ -136,10 +145,14 @@ mod logging;
 pub use cli::tallyd_main;
 
 pub use error::{Effect, Error, ErrorClass, Failure};
+pub use ledger::{
+    Backlog, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings, EventTicket,
+    EventsRun, ExactValue, HeldSum, Ledger, MAX_EVENT_KEY_BYTES, NotRecorded, RETENTION_MARGIN,
+    Recording, retention_floor,
+};
 pub use reconcile::{
-    Backlog, CollectionRun, EventFold, EventFoldSettings, EventsRun, FoldTarget, HeldSum,
-    MALFORMED_SAMPLE, MalformedDocument, Mode, NAMED_LANES_LISTED, Progress, RETENTION_MARGIN,
-    Reconciler, RefusedDocument, Survey, retention_floor,
+    CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, NAMED_LANES_LISTED,
+    Progress, Reconciler, RefusedDocument, Survey,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};
@@ -152,9 +165,5 @@ pub use write::insert_loop::InsertLoop;
 pub use write::lane::{
     BadLaneName, LaneCounted, LaneId, LaneIncrement, LaneName, LaneOutOfOrder, LaneStats,
     LaneTicket,
-};
-pub use write::ledger::{
-    Conflict, DEFAULT_EVENT_RETENTION, Event, EventTicket, ExactValue, Ledger, MAX_EVENT_KEY_BYTES,
-    NotRecorded, Recording,
 };
 pub use write::sequence::{Block, SequenceConfig, Sequences};

@@ -9,7 +9,7 @@
 //! the entries of minted writer lanes not written for `lane_ttl` (named
 //! lanes stay — the ledgers' fold lanes among them), and removes fields
 //! left empty. The collection's ledger, when it has one, is folded beside
-//! it ([`ledger`]).
+//! it ([`ledgers`]; the fold itself is the ledger's: `ledger::fold`).
 //!
 //! # How
 //!
@@ -59,7 +59,7 @@
 
 mod batch;
 mod fold;
-mod ledger;
+mod ledgers;
 pub(crate) mod model;
 mod report;
 mod statement;
@@ -71,6 +71,7 @@ use mongodb::bson::Bson;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Error;
+use crate::ledger::EventFoldSettings;
 use crate::store::Store;
 use crate::token::Token;
 use crate::write::counter::{CollectionConfig, WriterConfig};
@@ -79,9 +80,6 @@ use model::{Cutoffs, Lines};
 use report::ReportRow;
 use statement::Read;
 
-pub use ledger::{
-    Backlog, EventFold, EventFoldSettings, EventsRun, HeldSum, RETENTION_MARGIN, retention_floor,
-};
 pub use report::{
     CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED, Progress,
     RefusedDocument, Survey,
@@ -184,7 +182,7 @@ pub enum Mode {
 pub struct Reconciler {
     store: Store,
     /// The folds of the collections' ledgers, kept from run to run.
-    ledgers: ledger::Folds,
+    ledgers: ledgers::Folds,
     lane_ttl: Duration,
 }
 
@@ -200,7 +198,7 @@ impl Reconciler {
     pub fn new(store: &Store) -> Self {
         Self {
             store: store.clone(),
-            ledgers: ledger::Folds::new(EventFoldSettings::default()),
+            ledgers: ledgers::Folds::new(EventFoldSettings::default()),
             lane_ttl: WriterConfig::default().lane_ttl,
         }
     }
@@ -221,7 +219,7 @@ impl Reconciler {
     /// # }
     /// ```
     pub fn with_event_settings(mut self, settings: EventFoldSettings) -> Self {
-        self.ledgers = ledger::Folds::new(settings);
+        self.ledgers = ledgers::Folds::new(settings);
         self
     }
 

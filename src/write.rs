@@ -10,8 +10,6 @@
 //!   trip, safe to resume any number of times, a counter's concurrent
 //!   increments sent together;
 //! - [`group`]: group commit's queue, per key one batch in flight;
-//! - [`ledger`]: the events ledger (the book: design/ledger.md), idempotency keys: the
-//!   same event recorded twice is counted once, and exact reads;
 //! - [`sequence`]: numbers from a counters collection, never handed out
 //!   twice (the book: design/sequences.md);
 //! - [`insert_loop`]: the optimistic insert loop, dense numeric `_id`s;
@@ -25,6 +23,5 @@ pub(crate) mod counter;
 pub(crate) mod group;
 pub(crate) mod insert_loop;
 pub(crate) mod lane;
-pub(crate) mod ledger;
 pub(crate) mod sequence;
 pub(crate) mod ticket;

@@ -33,11 +33,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, connect, fail, fail_with, out};
 use crate::config::Config;
-use crate::reconcile::{EventFold, EventFoldSettings};
+use crate::ledger::{EventFold, EventFoldSettings};
+use crate::ledger::{Ledger, Recording};
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, Increment};
 use crate::write::lane::LaneIncrement;
-use crate::write::ledger::{Ledger, Recording};
 
 mod side;
 
@@ -132,7 +132,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         Err(code) => return code,
     };
     let events = spec.events_collection_name();
-    let fold_state = crate::write::ledger::state::collection_name(&events);
+    let fold_state = crate::ledger::state::collection_name(&events);
     let scratch = [name.clone(), events, fold_state];
     match existing(&store, &scratch).await {
         Ok(found) if found.is_empty() => {}

@@ -39,10 +39,10 @@ use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, exit_co
 use crate::config::Config;
 use crate::document::display_id;
 use crate::error::Error;
-use crate::reconcile::{EventFold, EventFoldSettings};
+use crate::ledger::{EventFold, EventFoldSettings};
+use crate::ledger::{Ledger, Recording};
 use crate::redact::Secrets;
 use crate::store::Store;
-use crate::write::ledger::{Ledger, Recording};
 
 /// Events per `record_many` of `record --from`.
 const FROM_BATCH: usize = 1000;

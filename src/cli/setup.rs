@@ -22,9 +22,9 @@ use mongodb::options::IndexOptions;
 use super::{EXIT_OK, exit_code_for};
 use crate::config::Config;
 use crate::error::{Error, Failure, RetryBudget, server_code};
+use crate::ledger::Ledger;
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
-use crate::write::ledger::Ledger;
 
 /// `tallyd setup`.
 #[derive(Debug, Args)]

@@ -19,8 +19,8 @@ use humantime::format_duration;
 
 use super::Config;
 use super::field::Issues;
-use crate::reconcile::{RETENTION_MARGIN, retention_floor};
-use crate::write::ledger::{fold_lane, state};
+use crate::ledger::{RETENTION_MARGIN, retention_floor};
+use crate::ledger::{fold_lane, state};
 
 /// Checks every ledger of `config`.
 pub(super) fn check(config: &Config, issues: &mut Issues) {

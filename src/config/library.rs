@@ -15,6 +15,7 @@ use serde_json::Value;
 use super::ConfigIssue;
 use super::field::{Issues, describe};
 use super::raw::{RawCollection, RawMongo, RawReconcile, RawSequences, RawWriter};
+use crate::ledger::DEFAULT_EVENT_RETENTION;
 use crate::reconcile::{DEFAULT_BATCH_SIZE, DEFAULT_GRACE};
 use crate::redact::{SecretString, Secrets, redact_uri};
 use crate::store::{StoreConfig, serialize_duration};
@@ -24,7 +25,6 @@ use crate::write::counter::{
     DEFAULT_QUEUE_LIMIT, DEFAULT_RETRY_HORIZON, DEFAULT_SETTLED_FIELD, MAX_GROUP_MAX,
     MAX_QUEUE_LIMIT, MIN_RETRY_HORIZON, Protocol, WriterConfig,
 };
-use crate::write::ledger::DEFAULT_EVENT_RETENTION;
 use crate::write::sequence::SequenceConfig;
 
 /// `[reconcile]`: how leftover pending tokens are folded into their

@@ -38,7 +38,8 @@ use crate::daemon::metrics::Metrics;
 use crate::daemon::state::State;
 use crate::document::display_id;
 use crate::error::{Error, Failure};
-use crate::reconcile::{Backlog, EventFold, FoldTarget, Reconciler};
+use crate::ledger::{Backlog, EventFold};
+use crate::reconcile::{FoldTarget, Reconciler};
 use crate::store::Store;
 
 /// How long one read of the stream waits for events: the debounce's

@@ -7,9 +7,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::{Protocol, Told};
+use crate::ledger::EventTicket;
 use crate::write::counter::{PendingToken, UnknownToken};
 use crate::write::lane::LaneTicket;
-use crate::write::ledger::EventTicket;
 
 /// An outcome left open, to settle at the end.
 pub(crate) enum Settle {

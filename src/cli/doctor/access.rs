@@ -9,9 +9,9 @@ use mongodb::bson::{Bson, Document, doc};
 use super::{Check, Verdict, code, run_admin};
 use crate::config::Config;
 use crate::error::server_code;
+use crate::ledger::{Ledger, state};
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
-use crate::write::ledger::{Ledger, state};
 
 /// One check per configured collection: is there a sparse index on the
 /// fields the fold looks for?

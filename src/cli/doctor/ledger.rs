@@ -11,7 +11,7 @@ use std::time::SystemTime;
 
 use super::{Check, Verdict};
 use crate::config::Config;
-use crate::reconcile::{EventFold, EventFoldSettings};
+use crate::ledger::{EventFold, EventFoldSettings};
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
 

@@ -1,7 +1,8 @@
 //! The ledger's fold inside a reconcile run: the collection's events are
-//! folded beside its pending tokens, each independent of the other — a
-//! ledger that cannot fold never stops the token fold or the pruning of
-//! its collection, and the reverse.
+//! folded (by the ledger's [`EventFold`], `ledger::fold`) beside its
+//! pending tokens, each independent of the other — a ledger that cannot
+//! fold never stops the token fold or the pruning of its collection, and
+//! the reverse.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,8 +10,8 @@ use std::time::SystemTime;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{EventFold, EventFoldSettings};
 use crate::error::Error;
+use crate::ledger::{EventFold, EventFoldSettings};
 use crate::reconcile::report::CollectionRun;
 use crate::reconcile::{FoldTarget, Mode, Reconciler};
 use crate::write::counter::CollectionConfig;

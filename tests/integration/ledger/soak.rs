@@ -13,7 +13,7 @@
 //! recorder (250). The issue's long form kills the daemon 20 times:
 //!
 //! ```text
-//! TALLY_LEDGER_SOAK_KILLS=20 cargo test --test integration ledger_soak
+//! TALLY_LEDGER_SOAK_KILLS=20 cargo test --test integration ledger::soak
 //! ```
 //!
 //! A recorder is this test binary run again with [`ROLE`] set: its
@@ -44,9 +44,10 @@ use tally::{CollectionConfig, Ledger, Recording, Store};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::*;
 use crate::common::tallyd::Tallyd;
 use crate::common::{TestContext, counter, wait_until};
-use crate::ledger_daemon::config;
+use crate::ledger::config;
 use crate::soak::seed;
 
 const RECORDERS: usize = 8;
@@ -348,7 +349,7 @@ impl Start {
         command
             .args([
                 "--exact",
-                "ledger_soak::recorder_process_of_the_ledger_soak",
+                "ledger::soak::recorder_process_of_the_ledger_soak",
                 "--nocapture",
                 "--test-threads=1",
             ])

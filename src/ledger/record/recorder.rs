@@ -1,4 +1,4 @@
-//! The recorder behind a [`Ledger`](super::Ledger) handle: its lane, and
+//! The recorder behind a [`Ledger`](crate::ledger::Ledger) handle: its lane, and
 //! the group commit that keeps one insert in flight on it.
 //!
 //! **The lane and its numbers.** A handle records through one lane `L`, an
@@ -40,10 +40,10 @@ use mongodb::bson::{Document, doc, oid::ObjectId};
 use tokio::sync::oneshot;
 
 use super::event_document;
-use super::floor;
 use super::insert::{self, Fate, Item};
 use super::outcome::{Event, Recording, refused};
 use crate::error::Error;
+use crate::ledger::floor;
 use crate::store::Store;
 
 /// How long a recorder numbers on one lane from one reading of the
@@ -62,7 +62,7 @@ const MAX_EVENTS_PER_INSERT: usize = 100_000;
 const MAX_BYTES_PER_INSERT: usize = 16 * 1024 * 1024;
 
 /// The recorder: its lane and the events waiting for the next insert.
-pub(super) struct Recorder {
+pub(in crate::ledger) struct Recorder {
     store: Store,
     events: Collection<Document>,
     queue: Mutex<Queue>,
@@ -113,7 +113,7 @@ struct Waiting {
 }
 
 impl Recorder {
-    pub(super) fn new(store: &Store, events: &str) -> Self {
+    pub(in crate::ledger) fn new(store: &Store, events: &str) -> Self {
         Self {
             store: store.clone(),
             events: store.collection(events),
@@ -124,7 +124,7 @@ impl Recorder {
     /// Queues `events` (each with the lanes and numbers earlier attempts
     /// sent it with) for the next inserts, in this order, and returns where
     /// each one's outcome will arrive.
-    pub(super) fn submit(
+    pub(in crate::ledger) fn submit(
         self: &Arc<Self>,
         events: Vec<(Event, Vec<(ObjectId, i64)>)>,
     ) -> Vec<oneshot::Receiver<Recording>> {

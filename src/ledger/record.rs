@@ -1,120 +1,26 @@
-//! The events ledger: idempotency keys, so that the same event delivered
-//! twice — a queue's redelivery, a webhook's retry, a second press of the
-//! button — is counted once (`docs/src/design/ledger.md`).
-//!
-//! A token or a lane identifies one *attempt* to count; an event key
-//! identifies the *event*. Recording an event inserts one document into the
-//! counter collection's events collection
-//! ([`CollectionConfig::events_collection_name`], default `<name>_events`):
-//!
-//! ```text
-//! { _id: <event key>, k: <counter key>, n: <amount, int64>, at: <date>, L: <lane>, s: <number> }
-//! ```
-//!
-//! The `_id` is the event key, so the server's unique index on `_id` is the
-//! memory of what was seen. A duplicate key means the key is there: with
-//! the same counter and amount it is a duplicate (counted once), with
-//! another one a [`Conflict`] (nothing written). `L` and `s` are the
-//! recorder's lane and the event's number on it ([`recorder`]): finding the
-//! key with a lane and number *this* recording sent it with means an
-//! attempt of ours whose reply was lost landed — recorded, not duplicate —
-//! which equal content alone could not tell.
-//!
-//! **The events collection is an append-only log**: after its insert an
-//! event is never updated. Event numbers are the server's time (see
-//! [`recorder`]); the daemon folds by number ranges (see
-//! `reconcile::ledger`): it keeps one watermark `W` — every event numbered
-//! at or below it is folded — raises the events collection's floor
-//! ([`floor`]) to a pass's end before reading its range, and writes each
-//! counter once per pass through its fold lane. Events are deleted once
-//! folded and older than `event_retention`: the dedupe window. A repeat inside the window is a duplicate, always; after it,
-//! the key is new again and the repeat is recorded and counted again.
-//!
-//! [`Ledger::value`] reads a counter exactly: the counter plus its events
-//! not folded yet, consistent at any moment of a fold ([`read`]).
+//! The [`Ledger`] handle's methods — making one, its indexes — and
+//! recording events: [`Ledger::record`], [`Ledger::record_again`] and
+//! [`Ledger::record_many`], each event's outcome ([`Recording`]), the
+//! recorder that numbers and sends them ([`recorder`]) and the insert that
+//! tells what became of each ([`insert`]).
 
-pub(crate) mod floor;
-pub(crate) mod index;
 mod insert;
 mod outcome;
-mod read;
 mod recorder;
-pub(crate) mod state;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
 pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
-pub use read::ExactValue;
+pub(in crate::ledger) use recorder::Recorder;
 pub(crate) use recorder::{time_of, unix_micros};
 
-use super::counter::{CollectionConfig, WriterConfig};
-use super::lane::LaneName;
+use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index, state};
 use crate::error::Error;
 use crate::store::Store;
-use recorder::Recorder;
-
-/// Default dedupe window: how long a folded event's key is remembered.
-pub const DEFAULT_EVENT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-
-/// The event document's fields, shared with the fold.
-pub(crate) mod field {
-    /// The counter key.
-    pub(crate) const COUNTER: &str = "k";
-    /// The amount.
-    pub(crate) const AMOUNT: &str = "n";
-    /// When the event was recorded (the recorder's clock).
-    pub(crate) const AT: &str = "at";
-    /// The recorder's lane.
-    pub(crate) const LANE: &str = "L";
-    /// The event's number on its lane (microseconds since the epoch by the
-    /// server's clock, as the recorder reckons it; unique and growing on
-    /// the lane).
-    pub(crate) const NUMBER: &str = "s";
-}
-
-/// The longest event key, in bytes: keys are `_id`s, and index keys must
-/// stay well inside the server's limits.
-pub const MAX_EVENT_KEY_BYTES: usize = 512;
-
-/// Records events of one counter collection, each once, and reads its
-/// counters exactly. Cheap to clone; clones share one lane, and the events
-/// their callers record while an insert is in flight go out together as
-/// the next insert. Make one per process and clone it.
-///
-/// ```no_run
-/// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
-/// use tally::{CollectionConfig, Ledger, Recording};
-///
-/// let orders = Ledger::new(&store, CollectionConfig::new("order_totals"));
-/// // The order's id is the event's key: recording it again counts nothing.
-/// let mut recording = orders.record("order-1042", "2026-05", 3).await;
-/// if let Recording::Unknown(ticket) = recording {
-///     // The insert may have landed: sending the same event again is safe.
-///     recording = orders.record_again(ticket).await?;
-/// }
-/// match recording {
-///     Recording::Recorded(_) | Recording::Duplicate(_) => {}
-///     Recording::Unknown(ticket) => eprintln!("{}: send it again later", ticket.event().key()),
-///     Recording::Conflict(conflict) => eprintln!("a reused key: {conflict}"),
-///     Recording::NotRecorded(not) => return Err(not.cause().clone()),
-/// }
-/// println!("May so far: {}", orders.value("2026-05").await?.value);
-/// # Ok(()) }
-/// ```
-#[derive(Clone, Debug)]
-pub struct Ledger {
-    store: Store,
-    spec: Arc<CollectionConfig>,
-    events: Collection<Document>,
-    counters: Collection<Document>,
-    state: Collection<Document>,
-    recorder: Arc<Recorder>,
-    retry_horizon: Duration,
-}
+use crate::write::counter::{CollectionConfig, WriterConfig};
 
 impl Ledger {
     /// A ledger for the counter collection `spec`; its events go to
@@ -402,19 +308,6 @@ impl Ledger {
     }
 }
 
-/// The daemon's fold lane of the events collection `events`: a named lane
-/// of the lanes protocol (`fold:<events>`, `.` written as `%2E` and `%` as
-/// `%25`, as lane names are field names), whose position on each counter is
-/// the last fold pass applied to it.
-pub(crate) fn fold_lane(events: &str) -> Result<LaneName, Error> {
-    let escaped = events.replace('%', "%25").replace('.', "%2E");
-    LaneName::new(format!("fold:{escaped}")).map_err(|bad| {
-        Error::InvalidArgument(format!(
-            "events collection {events:?} cannot name its fold lane: {bad}; choose a shorter name"
-        ))
-    })
-}
-
 /// Refuses what can never be recorded: an empty or overlong key, a zero
 /// amount.
 fn check_event(event: &Event) -> Result<(), Error> {
@@ -468,16 +361,5 @@ mod tests {
         assert!(check_event(&long).is_err());
         long.key.clear();
         assert!(check_event(&long).is_err());
-    }
-
-    #[test]
-    fn the_fold_lane_names_its_events_collection_as_a_field_name_can() {
-        assert_eq!(
-            fold_lane("views_events").unwrap().as_str(),
-            "fold:views_events"
-        );
-        assert_eq!(fold_lane("a.b%c").unwrap().as_str(), "fold:a%2Eb%25c");
-        assert_ne!(fold_lane("a.b").unwrap(), fold_lane("a%2Eb").unwrap());
-        assert!(fold_lane(&"x".repeat(200)).is_err());
     }
 }

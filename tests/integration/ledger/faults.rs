@@ -28,6 +28,7 @@ use mongodb::bson::{Bson, doc};
 use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording};
 use tokio_util::sync::CancellationToken;
 
+use super::*;
 use crate::common::counter;
 use crate::common::proxy::{Exchange, Rule};
 use crate::faults::{Expected, Fault, Rig, settled_log};

@@ -30,9 +30,9 @@ use mongodb::error::ErrorKind;
 use mongodb::{Collection, Namespace};
 
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
-use super::{field, floor};
 use crate::document::{integer_value, same_key};
 use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
+use crate::ledger::{field, floor};
 use crate::store::Store;
 
 /// One event of a batch, numbered on its lane.

@@ -14,9 +14,9 @@ use super::query::{self, Share};
 use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
 use crate::error::{Error, ErrorClass};
+use crate::ledger::state::{self, FoldState, Held, Intent};
+use crate::ledger::{floor, unix_micros};
 use crate::write::lane::{LaneId, LaneIncrement};
-use crate::write::ledger::state::{self, FoldState, Held, Intent};
-use crate::write::ledger::{floor, unix_micros};
 
 /// What applying a pass came to.
 struct Applying {

@@ -31,7 +31,7 @@ use mongodb::bson::Bson;
 
 use super::query::Share;
 use crate::error::Error;
-use crate::write::ledger::state::Held;
+use crate::ledger::state::Held;
 
 /// What sending one sum to its counter established.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,14 +4,14 @@
 //!
 //! The events collection is an append-only log: the fold never writes an
 //! event. Event numbers are the server's time (the recorder reads the
-//! server's clock when it mints a lane, see `write::ledger::recorder`).
+//! server's clock when it mints a lane, see `ledger::record::recorder`).
 //! The fold keeps one **watermark** `W` in its state document
-//! (`<events>_fold`, see `write::ledger::state`): every event numbered at
+//! (`<events>_fold`, see `ledger::state`): every event numbered at
 //! or below it is folded, every event above it is not.
 //!
 //! **What the fold stands on: the floor.** Before a pass reads the events
 //! of `(W, W']`, it raises the events collection's floor — a validator
-//! refusing every event numbered at or below `W'` (`write::ledger::floor`)
+//! refusing every event numbered at or below `W'` (`ledger::floor`)
 //! — at write concern `majority`. From then on no event of the range can
 //! land, and every one that landed is visible: the range read once is the
 //! range for good, which is what lets a pass be applied twice. A recorder
@@ -64,7 +64,6 @@ mod convert;
 mod held;
 mod pass;
 mod query;
-mod reconciler;
 mod sweep;
 
 use std::time::{Duration, Instant, SystemTime};
@@ -74,13 +73,12 @@ use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
+use super::{DEFAULT_EVENT_RETENTION, floor, fold_lane, index, state};
 use crate::document::display_id;
 use crate::error::Error;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::LaneName;
-use crate::write::ledger::{DEFAULT_EVENT_RETENTION, floor, fold_lane, index, state};
-pub(crate) use reconciler::Folds;
 
 /// How many counters a pass applies at once.
 const APPLY_CONCURRENCY: usize = 16;
@@ -509,7 +507,7 @@ impl EventFold {
             held: state.held.iter().map(held_sum).collect(),
             events,
             oldest_age: lowest.map(|s| {
-                now.duration_since(crate::write::ledger::time_of(s))
+                now.duration_since(super::time_of(s))
                     .unwrap_or(Duration::ZERO)
             }),
         })

@@ -14,7 +14,7 @@ use mongodb::bson::doc;
 
 use super::{EventFold, query};
 use crate::error::{Error, RetryBudget};
-use crate::write::ledger::{field, state, unix_micros};
+use crate::ledger::{field, state, unix_micros};
 
 impl EventFold {
     /// Deletes the folded events older than the dedupe window at `now`

@@ -5,7 +5,7 @@ use mongodb::bson::oid::ObjectId;
 
 use super::{EventFold, query};
 use crate::error::Error;
-use crate::write::ledger::{floor, state};
+use crate::ledger::{floor, state};
 
 impl EventFold {
     /// Converts a fold state tally 0.2.0 wrote (per-lane folded numbers) to
@@ -64,7 +64,7 @@ impl EventFold {
         // version's recorders, numbering by the server's clock, would
         // record below it, where no pass looks.
         floor::raise(&self.store, &self.events_name, watermark).await?;
-        let number = crate::write::ledger::field::NUMBER;
+        let number = crate::ledger::field::NUMBER;
         if state::convert_legacy(&self.store, &self.state, state, watermark).await? {
             let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
             tracing::info!(

@@ -1,30 +1,17 @@
-//! The events ledger through the `tallyd` binary: `setup`, `record`, `get`
-//! and `status` as a user runs them, the daemon's continuous fold (within
-//! `fold_delay` of new events, with no schedule and no scan to help), its
-//! refusal to fold a ledger without indexes. The soak, with the daemon
-//! killed with -9 again and again, is in `ledger_soak`.
+//! The events ledger through the `tallyd` command line, as a user runs it:
+//! `setup`, `record` (one event, from a file, from standard input), `get`,
+//! `status`, `doctor`, and `check-config` on what a ledger's configuration
+//! may not be.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mongodb::bson::doc;
 use tally::{CollectionConfig, Ledger};
 
+use super::*;
 use crate::cli::{json, tallyd, text, write_config};
-use crate::common::tallyd::Tallyd;
-use crate::common::{TestContext, counter, wait_until};
-
-/// A config with the ledger of `views` on, no fold on the schedule and no
-/// periodic scan within the test's time: only the change stream folds.
-pub(crate) fn config(ctx: &TestContext, extra: &str) -> String {
-    ctx.config_toml(
-        false,
-        &format!(
-            "[[collections]]\nname = \"views\"\nledger = true\n[reconcile]\nfold_delay = \
-             \"200ms\"\n[schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n[monitor]\n\
-             scan_interval = \"1h\"\n{extra}"
-        ),
-    )
-}
+use crate::common::TestContext;
+use crate::ledger::{config, ledger_on};
 
 #[tokio::test]
 async fn setup_record_get_and_status_from_the_command_line() {
@@ -144,66 +131,6 @@ async fn setup_record_get_and_status_from_the_command_line() {
     );
     let got = json(&run(vec!["get", "home", "--json"]).await);
     assert_eq!((&got["value"], &got["folded"]), (&3.into(), &3.into()));
-}
-
-/// No schedule and no scan: the change stream alone brings new events into
-/// their counters, within seconds.
-#[tokio::test]
-async fn the_daemon_folds_new_events_within_seconds() {
-    let ctx = TestContext::new("ledger_continuous").await;
-    let client = ctx.client(false).await;
-    let ledger = Ledger::new(&client.store(), CollectionConfig::new("views"));
-    ledger.create_indexes().await.unwrap();
-    let daemon = Tallyd::start(&config(&ctx, ""), &[("RUST_LOG", "info,tally=debug")]);
-    daemon.wait_ready("active", Duration::from_secs(20)).await;
-    let views = client.collection("views");
-    for round in 1..=3i64 {
-        let started = Instant::now();
-        let events: Vec<(String, &str, i64)> = (0..20)
-            .map(|i| (format!("r{round}e{i}"), "home", 1))
-            .collect();
-        assert!(
-            ledger
-                .record_many(events)
-                .await
-                .iter()
-                .all(|r| r.is_counted())
-        );
-        wait_until(
-            "the counter has every event",
-            Duration::from_secs(10),
-            || async { counter(&views, "home").await == 20 * round },
-        )
-        .await;
-        eprintln!("round {round}: folded in {:?}", started.elapsed());
-    }
-    daemon
-        .wait_metric(
-            "tally_events_folded_total{collection=\"views\"}",
-            60.0,
-            Duration::from_secs(10),
-        )
-        .await;
-    assert_eq!(ledger.value("home").await.unwrap().value, 60);
-}
-
-#[tokio::test]
-async fn the_daemon_refuses_a_ledger_without_indexes_and_alerts() {
-    let ctx = TestContext::new("ledger_daemon_no_indexes").await;
-    let client = ctx.client(false).await;
-    let ledger = Ledger::new(&client.store(), CollectionConfig::new("views"));
-    assert!(ledger.record("e1", "home", 1).await.is_counted());
-    let daemon = Tallyd::start(&config(&ctx, ""), &[("RUST_LOG", "info,tally=debug")]);
-    daemon.wait_ready("active", Duration::from_secs(20)).await;
-    daemon
-        .wait_metric(
-            "tally_alerts_firing{collection=\"views\",kind=\"events_stuck\"}",
-            1.0,
-            Duration::from_secs(15),
-        )
-        .await;
-    assert!(daemon.log().contains("tallyd setup"), "{}", daemon.log());
-    assert_eq!(counter(&client.collection("views"), "home").await, 0);
 }
 
 /// `record --from`: newline-delimited JSON events, each line its outcome
@@ -331,4 +258,205 @@ async fn doctor_flags_events_no_configured_ledger_folds() {
         !checks.iter().any(|c| c["name"] == "unfolded_events"),
         "{checks:?}"
     );
+}
+
+/// Finding 1: an events collection shared by two ledgers counted one
+/// ledger's events on the other's counters; one equal to a counter
+/// collection made the fold claim and mark counter documents (and `setup`
+/// put a TTL index on them). Both, and an events collection equal to the
+/// daemon's state collection or to another ledger's fold state, are
+/// configuration errors.
+#[tokio::test]
+async fn an_events_collection_shared_with_another_ledger_or_a_counter_collection_is_refused() {
+    let ctx = TestContext::new("ledger_finding_names").await;
+    let cases = [
+        (
+            "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname = \
+             \"b\"\nevents_collection = \"log\"\n",
+            "collections[1].events_collection",
+        ),
+        (
+            "[[collections]]\nname = \"a\"\nevents_collection = \"b\"\n[[collections]]\nname = \
+             \"b\"\n",
+            "collections[0].events_collection",
+        ),
+        (
+            "[[collections]]\nname = \"a\"\nevents_collection = \"a\"\n",
+            "collections[0].events_collection",
+        ),
+        (
+            "[[collections]]\nname = \"a\"\nevents_collection = \"tally_state\"\n",
+            "collections[0].events_collection",
+        ),
+        (
+            "[[collections]]\nname = \"a\"\nledger = true\n[[collections]]\nname = \
+             \"b\"\nevents_collection = \"a_events_fold\"\n",
+            "collections[1].events_collection",
+        ),
+    ];
+    for (body, key) in cases {
+        let (code, shown) = check_config(&ctx, body).await;
+        assert_eq!(code, Some(78), "{body}\n{shown}");
+        assert!(shown.contains(&format!("  {key}: ")), "{body}\n{shown}");
+    }
+}
+
+/// Finding 6: `tallyd record` into a collection with no ledger configured
+/// said "recorded: it will be counted once", and nothing ever folded it.
+/// `record` and `get` on such a collection are configuration errors.
+#[tokio::test]
+async fn record_and_get_on_a_collection_without_a_ledger_exit_78() {
+    let ctx = TestContext::new("ledger_finding_no_ledger").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(
+        dir.path(),
+        &ctx.config_toml(false, "[[collections]]\nname = \"views\"\n"),
+    );
+    for args in [
+        vec!["record", "e1", "home", "--collection", "views"],
+        vec!["get", "home", "--collection", "views"],
+    ] {
+        let mut all = vec!["--config", path.as_str()];
+        all.extend(args.iter().copied());
+        let output = tallyd(&all, &[]).await;
+        let shown = text(&output);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {shown}");
+        assert!(shown.contains("ledger"), "{args:?}: {shown}");
+    }
+    let client = ctx.client(false).await;
+    assert_eq!(
+        client
+            .collection("views_events")
+            .count_documents(doc! {})
+            .await
+            .unwrap(),
+        0,
+        "nothing was recorded"
+    );
+}
+
+/// Finding 7: `event_retention` had no floor (`"1s"` was accepted): an
+/// insert whose reply was lost, folded and expired within the window, was
+/// inserted again by its retry and counted twice.
+#[tokio::test]
+async fn an_event_retention_below_the_retry_horizon_and_an_attempt_exits_78_naming_the_keys() {
+    let ctx = TestContext::new("ledger_finding_retention").await;
+    let (code, shown) = check_config(
+        &ctx,
+        "[[collections]]\nname = \"views\"\nledger = true\n[reconcile]\nevent_retention = \"1s\"\n",
+    )
+    .await;
+    assert_eq!(code, Some(78), "{shown}");
+    for key in [
+        "reconcile.event_retention",
+        "writer.retry_horizon",
+        "mongodb.attempt_timeout",
+    ] {
+        assert!(shown.contains(key), "{key} not named:\n{shown}");
+    }
+}
+
+/// Finding 10 (a queue's events held unrecorded in the pipe). `tallyd
+/// record --from -` is offered "for backfills from logs and queues", but
+/// it sends nothing until it has read 1,000 lines or the end of its input.
+/// Fed by a queue consumer (`consumer | tallyd record --from - --json`),
+/// the events of a quiet hour wait in the process, unrecorded and without
+/// an outcome, for as long as the queue is quiet: the consumer has taken
+/// them off the queue, and a restart of the pipeline loses them. A line
+/// read must be recorded (and its outcome printed) within a bounded time.
+#[tokio::test]
+async fn record_from_standard_input_records_each_line_without_waiting_for_a_thousand() {
+    let ctx = TestContext::new("review_ledger_record_from_stream").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &crate::ledger::config(&ctx, ""));
+    let client = ctx.client(false).await;
+    ledger_on(&client.store(), "views").await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args(["--config", &path, "record", "--from", "-", "--json"])
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        stdin
+            .write_all(
+                b"{\"event\": \"q1\", \"key\": \"home\"}\n{\"event\": \"q2\", \"key\": \"home\"}\n",
+            )
+            .await
+            .unwrap();
+        stdin.flush().await.unwrap();
+    }
+    let events = client.collection("views_events");
+    let mut recorded = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while std::time::Instant::now() < deadline {
+        recorded = events.count_documents(doc! {}).await.unwrap();
+        if recorded == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Their outcomes are printed as they settle, the input still open.
+    let printed = {
+        use tokio::io::AsyncBufReadExt;
+        let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut printed = Vec::new();
+        while printed.len() < 2 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match tokio::time::timeout(left, stdout.next_line()).await {
+                Ok(Ok(Some(line))) => printed.push(line),
+                _ => break,
+            }
+        }
+        printed
+    };
+    drop(stdin);
+    let output = child.wait_with_output().await.unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    assert_eq!(
+        recorded, 2,
+        "15 s after two lines were read, {recorded} of them were recorded (they wait for 998 \
+         more lines or the end of the input)"
+    );
+    assert!(
+        printed.len() == 2 && printed.iter().all(|l| l.contains("\"recorded\"")),
+        "the outcomes are printed before the input ends: {printed:?}"
+    );
+}
+
+/// Finding 13 (a message people read). `check-config` refusing an events
+/// collection prints a run of 26 spaces in the middle of its sentence (a
+/// string continued onto the next source line without its `\`).
+#[tokio::test]
+async fn check_config_says_an_events_collection_clash_in_one_clean_sentence() {
+    let ctx = TestContext::new("review_ledger_clash_message").await;
+    let dir = tempfile::tempdir().unwrap();
+    let body = "[[collections]]\nname = \"a\"\nevents_collection = \"log\"\n[[collections]]\nname \
+                = \"b\"\nevents_collection = \"log\"\n";
+    let path = write_config(dir.path(), &ctx.config_toml(false, body));
+    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    let line = shown
+        .lines()
+        .find(|l| l.contains("collections[1].events_collection"))
+        .unwrap_or_else(|| panic!("the clash is named: {shown}"));
+    assert!(
+        !line.contains("   "),
+        "a run of spaces inside the message: {line:?}"
+    );
+}
+
+/// `check-config` on `collections` (TOML tables) plus `extra`: its exit
+/// code and everything it printed.
+async fn check_config(ctx: &TestContext, body: &str) -> (Option<i32>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, body));
+    let output = tallyd(&["--config", &path, "check-config"], &[]).await;
+    (output.status.code(), text(&output))
 }

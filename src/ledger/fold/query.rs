@@ -14,8 +14,8 @@ use mongodb::options::ReadConcern;
 
 use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, ErrorClass, Facts, Failure, FailureKind, RetryBudget};
+use crate::ledger::field;
 use crate::store::Store;
-use crate::write::ledger::field;
 
 /// Runs `pipeline` on `collection` at read concern `majority` (retried
 /// once on a transient failure) and collects its rows.

@@ -9,10 +9,12 @@
 
 use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{doc, oid::ObjectId};
+use mongodb::bson::doc;
+use mongodb::bson::oid::ObjectId;
 use tally::{CollectionConfig, FoldTarget, Ledger, Mode, Reconciler};
 use tokio_util::sync::CancellationToken;
 
+use super::*;
 use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
 use crate::common::{TestContext, counter, field};
 use crate::ledger::{assert_outcome, documents, fold_of, ledger_on, unfolded};
