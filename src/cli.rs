@@ -27,6 +27,7 @@ mod envfile;
 pub(crate) mod exit;
 mod generate;
 mod increment;
+mod keys;
 mod lane;
 mod ledger;
 mod reconcile;
@@ -34,6 +35,7 @@ mod sequence;
 mod settle;
 mod setup;
 
+pub(crate) use keys::{counter_key, event_key};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -174,24 +176,6 @@ pub(crate) enum Command {
     /// Write the man pages into a directory (for packaging).
     #[command(hide = true)]
     Man(ManArgs),
-}
-
-/// A counter key (or sequence name) given on the command line: any text
-/// but the empty one, which names no counter anyone means (exit 64).
-pub(crate) fn counter_key(text: &str) -> Result<String, String> {
-    if text.is_empty() {
-        return Err("a counter key must not be empty: give the counter's _id, such as home".into());
-    }
-    Ok(text.to_owned())
-}
-
-/// An event key given on the command line: any text but the empty one
-/// (exit 64), as a counter key.
-pub(crate) fn event_key(text: &str) -> Result<String, String> {
-    if text.is_empty() {
-        return Err("an event key must not be empty: give the event's idempotency key, such as a message id".into());
-    }
-    Ok(text.to_owned())
 }
 
 /// Options shared by the commands that work on one collection.

@@ -119,12 +119,18 @@ impl Skew {
         } else {
             "behind"
         };
+        let error = round_to_millis(self.round_trip / 2 + Duration::from_millis(1));
+        // Within what the measurement can tell, neither ahead nor behind.
+        if by <= error {
+            return format!(
+                "this host's clock agrees with the server's (±{})",
+                format_duration(error)
+            );
+        }
         format!(
             "this host's clock is {} {direction} the server's (±{})",
             format_duration(round_to_millis(by)),
-            format_duration(round_to_millis(
-                self.round_trip / 2 + Duration::from_millis(1)
-            ))
+            format_duration(error)
         )
     }
 }

@@ -1052,6 +1052,20 @@ async fn sigterm_exits_1_when_the_drain_deadline_passes() {
         daemon.log().contains("catching up on a missed run")
     })
     .await;
+    // Its first batch's update is held by the fail point: in flight.
+    let admin = ctx.client(false).await.client.database("admin");
+    wait_until("the fold's update to be in flight", LONG, || async {
+        let ops = admin.run_command(doc! { "currentOp": 1 }).await.unwrap();
+        ops.get_array("inprog").is_ok_and(|ops| {
+            ops.iter().filter_map(Bson::as_document).any(|op| {
+                op.get_str("op").ok() == Some("update")
+                    && op
+                        .get_str("appName")
+                        .map_or(true, |app| app.contains("daemon_drain_deadline"))
+            })
+        })
+    })
+    .await;
     let status = daemon.terminate();
     let log = daemon.log();
     assert_eq!(status.code(), Some(1), "{log}");

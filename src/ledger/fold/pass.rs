@@ -59,13 +59,13 @@ impl EventFold {
             }
             None => {
                 let mut to = self.pass_end(&state, clock());
-                let waiting =
-                    query::any_in(&self.store, &self.events, state.watermark, i64::MAX).await?;
-                if !waiting && state.held.is_empty() {
+                // One seek: the lowest number waiting above the watermark.
+                let lowest =
+                    query::lowest_above(&self.store, &self.events, state.watermark).await?;
+                if lowest.is_none() && state.held.is_empty() {
                     return Ok(run);
                 }
-                if waiting && !query::any_in(&self.store, &self.events, state.watermark, to).await?
-                {
+                if lowest.is_some_and(|lowest| lowest > to) {
                     // Only events numbered ahead of the server's clock (a
                     // recorder numbered above a floor a converted state or
                     // a caller's clock put ahead): the floor protects any

@@ -69,6 +69,26 @@ pub(super) async fn any_in(
     )
 }
 
+/// The lowest number above `from` (`None` when no event waits): one index
+/// seek on `{s: 1}`.
+pub(super) async fn lowest_above(
+    store: &Store,
+    events: &Collection<Document>,
+    from: i64,
+) -> Result<Option<i64>, Error> {
+    let pipeline = vec![
+        doc! { "$match": range(from, None) },
+        doc! { "$sort": { field::NUMBER: 1 } },
+        doc! { "$limit": 1 },
+        doc! { "$project": { field::NUMBER: 1 } },
+    ];
+    let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
+    Ok(rows
+        .first()
+        .and_then(|row| row.get(field::NUMBER))
+        .and_then(integer_value))
+}
+
 /// The events above `from` (not folded yet): how many, and the lowest
 /// number among them (one index range on `{s: 1}`: what arrived since the
 /// last pass).
