@@ -108,7 +108,9 @@ pub const MAX_EVENT_KEY_BYTES: usize = 512;
 /// Records events of one counter collection, each once, and reads its
 /// counters exactly. Cheap to clone; clones share one lane, and the events
 /// their callers record while an insert is in flight go out together as
-/// the next insert. Make one per process and clone it.
+/// the next insert. One per process, cloned, shares its inserts best; a
+/// handle per request costs the fold nothing more (it keeps no memory of
+/// recorders).
 ///
 /// ```no_run
 /// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {

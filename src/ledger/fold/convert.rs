@@ -64,14 +64,12 @@ impl EventFold {
         // version's recorders, numbering by the server's clock, would
         // record below it, where no pass looks.
         floor::raise(&self.store, &self.events_name, watermark).await?;
-        let number = crate::ledger::field::NUMBER;
         if state::convert_legacy(&self.store, &self.state, state, watermark).await? {
             let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
             tracing::info!(
                 events = %self.events_name,
                 watermark,
                 registrations = forgotten,
-                field = number,
                 "converted a fold state of tally 0.2.0 to a watermark"
             );
         }

@@ -179,7 +179,7 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
             let inserted: Vec<usize> = left[..at].to_vec();
             let stopped = left[at];
             let rest: Vec<usize> = left[at + 1..].to_vec();
-            if floor::refused_by_floor(Some(refused_code)) {
+            if floor::refused_by_floor(refused_code) {
                 // Numbered at or below the floor. The events after it were
                 // not inserted by this attempt; those before it were on
                 // MongoDB (the floor rose between them) but not on every

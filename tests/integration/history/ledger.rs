@@ -135,11 +135,8 @@ pub async fn violations(direct: &Store, told: &Told) -> Vec<String> {
         .map(|d| {
             let id = d.get_str("_id").unwrap().to_owned();
             let key = d.get_str("k").unwrap().to_owned();
-            let amount = match d.get("n") {
-                Some(mongodb::bson::Bson::Int32(n)) => i64::from(*n),
-                Some(mongodb::bson::Bson::Int64(n)) => *n,
-                other => panic!("{id}: amount {other:?}"),
-            };
+            let amount = super::integer(d.get("n"))
+                .unwrap_or_else(|| panic!("{id}: amount {:?}", d.get("n")));
             (id, (key, amount))
         })
         .collect();
@@ -178,11 +175,7 @@ pub async fn violations(direct: &Store, told: &Told) -> Vec<String> {
         let held = counters
             .iter()
             .find(|d| d.get_str("_id").ok() == Some(key))
-            .and_then(|d| match d.get("counter") {
-                Some(mongodb::bson::Bson::Int32(n)) => Some(i64::from(*n)),
-                Some(mongodb::bson::Bson::Int64(n)) => Some(*n),
-                _ => None,
-            })
+            .and_then(|d| super::integer(d.get("counter")))
             .unwrap_or(0);
         let want = expected.get(key).copied().unwrap_or(0);
         if held != want {

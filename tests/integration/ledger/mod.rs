@@ -125,13 +125,21 @@ pub(crate) fn assert_outcome(recording: &Recording, name: &str) {
     assert_eq!(recording.name(), name, "{recording:?}");
 }
 
-/// `faketime`'s program, when installed (scripts/install-test-server
-/// installs it where it can; CI always has it).
+/// Whether libfaketime's `faketime` is installed (scripts/install-test-server
+/// installs it where it can): asked once per test process.
+pub(crate) fn faketime_installed() -> bool {
+    static INSTALLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INSTALLED.get_or_init(|| {
+        std::process::Command::new("faketime")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// `faketime`'s program, when installed (CI always has it).
 fn faketime() -> Option<&'static str> {
-    let found = std::process::Command::new("faketime")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let found = faketime_installed();
     if !found && std::env::var_os("CI").is_some() {
         panic!("faketime is not installed: scripts/install-test-server installs it");
     }

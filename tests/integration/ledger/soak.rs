@@ -330,7 +330,7 @@ impl Start {
         // when installed; the monotonic clock stays real).
         let exe = std::env::current_exe().expect("the test binary");
         let skew = match r % 3 {
-            _ if !faketime_installed() => None,
+            _ if !super::faketime_installed() => None,
             1 => Some("-10m"),
             2 => Some("+10m"),
             _ => None,
@@ -696,13 +696,4 @@ async fn intent_soon(state: &mongodb::Collection<Document>) -> bool {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     false
-}
-
-/// Whether libfaketime's `faketime` is installed (scripts/install-test-server
-/// installs it where it can).
-fn faketime_installed() -> bool {
-    std::process::Command::new("faketime")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
 }
