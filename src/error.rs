@@ -568,6 +568,19 @@ pub enum Error {
         evidence: String,
     },
 
+    /// A ledger's fold could not tell whether the events collection's floor
+    /// stayed up, or could not find the events that landed while it was
+    /// down (a `collMod` of an earlier pass arrived late and lowered it):
+    /// the fold stops rather than leave an event out. `why` says what is
+    /// missing and what to do.
+    #[error("the fold of {events} stopped: {why}")]
+    FoldFloorUnverified {
+        /// The events collection.
+        events: String,
+        /// What could not be verified, and what to do.
+        why: String,
+    },
+
     /// The optimistic insert loop lost every race it was allowed to run.
     #[error("gave up after {attempts} attempts: every candidate _id was taken by another writer")]
     InsertAttemptsExhausted {

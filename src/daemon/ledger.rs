@@ -312,6 +312,7 @@ impl LedgerFolder {
                     | Error::InvalidArgument(_)
                     | Error::Malformed { .. }
                     | Error::FoldStateLost { .. }
+                    | Error::FoldFloorUnverified { .. }
             )
         );
         let observation = (stuck || refusing).then(|| Observation {

@@ -12,10 +12,28 @@
 //!
 //! A recorder whose insert meets the floor (`DocumentValidationFailure`)
 //! wrote nothing: it numbers the events again above it and sends them again
-//! (see the recorder). The floor only rises: a fold raises it to its own
-//! pass's end, and passes follow each other.
+//! (see the recorder).
+//!
+//! **A floor that was lowered behind the fold's back.** `collMod` sets the
+//! validator; it cannot only raise it. A `collMod` of an earlier pass held
+//! up in the network (or sent again by a router) can reach the server after
+//! a later pass raised the floor higher, and lower it: an insert numbered
+//! below the watermark can then land where no pass looks. Every raise
+//! therefore carries a token of its own in the validator (a clause no event
+//! matches: `tally_floor: {$ne: <token>}`), and the fold state remembers
+//! the last raise (`Raise`: value, token, and the cluster time it took
+//! effect). A floor whose token is not the one remembered was changed since
+//! — and so was one a raise replaced (`raise_over` reads what its own
+//! `collMod` replaced from the change stream's `modify` event). The fold
+//! then owes the events numbered at or below the remembered floor that
+//! landed after its cluster time, and finds exactly those in the change
+//! stream (`history`): the server's own log of what landed when.
 
-use mongodb::bson::{Bson, Document, doc};
+mod history;
+
+pub(crate) use history::landed;
+
+use mongodb::bson::{Bson, Document, Timestamp, doc, oid::ObjectId};
 
 use super::field;
 use crate::document::integer_value;
@@ -27,55 +45,151 @@ const NAMESPACE_NOT_FOUND: i32 = 26;
 /// `NamespaceExists`: another fold created it meanwhile.
 const NAMESPACE_EXISTS: i32 = 48;
 
-/// The validator that refuses events numbered at or below `floor`.
-fn validator(floor: i64) -> Document {
-    doc! { field::NUMBER: { "$gt": floor } }
+/// The validator's clause naming the raise that set it: no event has the
+/// field, so `$ne` always holds.
+const TOKEN: &str = "tally_floor";
+
+/// One raise of the floor, as the fold state remembers it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Raise {
+    /// The floor it set: events numbered at or below it are refused.
+    pub(crate) floor: i64,
+    /// Its token, in the validator while no other `collMod` replaced it.
+    pub(crate) token: String,
+    /// The cluster time its `collMod` took effect (its `operationTime`).
+    pub(crate) at: Timestamp,
+}
+
+impl Raise {
+    /// The raise as stored in the fold state.
+    pub(crate) fn to_document(&self) -> Document {
+        doc! { "f": self.floor, "t": &self.token, "at": self.at }
+    }
+
+    /// The raise stored as `document`, or what is wrong with it.
+    pub(crate) fn from_document(document: &Document) -> Result<Self, String> {
+        Ok(Self {
+            floor: document
+                .get("f")
+                .and_then(integer_value)
+                .ok_or("its floor is not an integer")?,
+            token: document
+                .get_str("t")
+                .map_err(|_| "its token is not a string")?
+                .to_owned(),
+            at: document
+                .get_timestamp("at")
+                .map_err(|_| "its cluster time is not a timestamp")?,
+        })
+    }
+}
+
+/// The floor as read from the validator.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Floor {
+    /// Its value (`None`: no floor).
+    pub(crate) value: Option<i64>,
+    /// The token of the raise that set it (`None`: a floor no raise of
+    /// this version set, or none).
+    pub(crate) token: Option<String>,
+}
+
+impl Floor {
+    /// Whether it is the floor `raise` set, untouched since.
+    pub(crate) fn is(&self, raise: &Raise) -> bool {
+        self.token.as_deref() == Some(raise.token.as_str())
+    }
+}
+
+/// The validator that refuses events numbered at or below `floor`, naming
+/// its raise by `token`.
+fn validator(floor: i64, token: &str) -> Document {
+    doc! { field::NUMBER: { "$gt": floor }, TOKEN: { "$ne": token } }
 }
 
 /// Raises the floor of the events collection `events` to `floor`
 /// (creating the collection when it does not exist yet), at write concern
-/// `majority`. Idempotent; retried once on a transient failure.
-pub(crate) async fn raise(store: &Store, events: &str, floor: i64) -> Result<(), Error> {
+/// `majority`, and says which raise it was. Each attempt carries a token of
+/// its own; retried once on a transient failure. `created` is true when the
+/// raise created the collection (nothing was replaced).
+async fn set(store: &Store, events: &str, floor: i64) -> Result<(Raise, bool), Error> {
     let database = store.database();
-    let majority = doc! { "w": "majority" };
-    let modify = doc! {
-        "collMod": events,
-        "validator": validator(floor),
-        "validationLevel": "strict",
-        "validationAction": "error",
-        "writeConcern": majority.clone(),
+    let command = |verb: &str, token: &str| {
+        let mut command = doc! { verb: events };
+        command.insert("validator", validator(floor, token));
+        command.insert("validationLevel", "strict");
+        command.insert("validationAction", "error");
+        command.insert("writeConcern", doc! { "w": "majority" });
+        command
     };
-    let create = doc! {
-        "create": events,
-        "validator": validator(floor),
-        "validationLevel": "strict",
-        "validationAction": "error",
-        "writeConcern": majority,
-    };
-    let run = |command: Document| async move {
-        let mut budget = RetryBudget::retry_once("ledger.fold.floor");
-        store
-            .with_retry(&mut budget, || database.run_command(command.clone()))
-            .await
-            .map(|_| ())
-    };
-    match run(modify.clone()).await {
-        Err(failure) if server_code(&failure.source) == Some(NAMESPACE_NOT_FOUND) => {}
-        done => return done.map_err(Error::Server),
-    }
-    match run(create).await {
-        // Created meanwhile (by another fold, or a recorder's insert):
-        // modify it.
-        Err(failure) if server_code(&failure.source) == Some(NAMESPACE_EXISTS) => {
-            run(modify).await.map_err(Error::Server)
+    let run = |verb: &'static str| {
+        let database = database.clone();
+        async move {
+            let mut budget = RetryBudget::retry_once("ledger.fold.floor");
+            store
+                .with_retry(&mut budget, || {
+                    let token = ObjectId::new().to_hex();
+                    let command = command(verb, &token);
+                    let database = database.clone();
+                    async move { database.run_command(command).await.map(|r| (token, r)) }
+                })
+                .await
         }
-        done => done.map_err(Error::Server),
-    }
+    };
+    let (created, (token, reply)) = match run("collMod").await {
+        Err(failure) if server_code(&failure.source) == Some(NAMESPACE_NOT_FOUND) => {
+            match run("create").await {
+                // Created meanwhile (by another fold, or a recorder's
+                // insert): modify it.
+                Err(failure) if server_code(&failure.source) == Some(NAMESPACE_EXISTS) => {
+                    (false, run("collMod").await.map_err(Error::Server)?)
+                }
+                done => (true, done.map_err(Error::Server)?),
+            }
+        }
+        done => (false, done.map_err(Error::Server)?),
+    };
+    let at = reply
+        .get_timestamp("operationTime")
+        .map_err(|_| no_cluster_time(events))?;
+    Ok((Raise { floor, token, at }, created))
 }
 
-/// The floor of the events collection `events`: `None` when it has none
-/// (a ledger never folded, or no collection).
-pub(crate) async fn read(store: &Store, events: &str) -> Result<Option<i64>, Error> {
+/// Raises the floor of `events` to `floor` over the raise `expected` (the
+/// last one the fold state remembers; `None` when it remembers none) and
+/// says whether the validator it replaced was another's: a `collMod` no
+/// raise remembered made, which may have lowered the floor.
+pub(crate) async fn raise_over(
+    store: &Store,
+    events: &str,
+    floor: i64,
+    expected: Option<&Raise>,
+) -> Result<(Raise, bool), Error> {
+    let (raise, created) = set(store, events, floor).await?;
+    let Some(expected) = expected else {
+        return Ok((raise, false));
+    };
+    if created {
+        // The collection was gone: the floor with it.
+        return Ok((raise, true));
+    }
+    let replaced = history::replaced(store, events, &raise).await?;
+    Ok((
+        raise.clone(),
+        replaced.as_deref() != Some(expected.token.as_str()),
+    ))
+}
+
+/// Raises the floor of `events` to `floor`, whatever it replaced.
+pub(crate) async fn raise(store: &Store, events: &str, floor: i64) -> Result<Raise, Error> {
+    raise_over(store, events, floor, None)
+        .await
+        .map(|(raise, _)| raise)
+}
+
+/// The floor of the events collection `events` as its validator says:
+/// empty when it has none (a ledger never folded, or no collection).
+pub(crate) async fn read_floor(store: &Store, events: &str) -> Result<Floor, Error> {
     let database = store.database();
     let command = doc! { "listCollections": 1, "filter": { "name": events } };
     let mut budget = RetryBudget::read_once("ledger.read_floor");
@@ -91,16 +205,43 @@ pub(crate) async fn read(store: &Store, events: &str) -> Result<Option<i64>, Err
         .and_then(Bson::as_document)
         .and_then(|c| c.get_document("options").ok())
         .and_then(|o| o.get_document("validator").ok());
-    Ok(validator.and_then(floor_of))
+    Ok(validator.map(floor_of).unwrap_or_default())
+}
+
+/// The floor of the events collection `events`: `None` when it has none.
+pub(crate) async fn read(store: &Store, events: &str) -> Result<Option<i64>, Error> {
+    read_floor(store, events).await.map(|floor| floor.value)
 }
 
 /// The floor a validator sets, if it is the fold's.
-fn floor_of(validator: &Document) -> Option<i64> {
-    validator
+fn floor_of(validator: &Document) -> Floor {
+    let value = validator
         .get_document(field::NUMBER)
-        .ok()?
-        .get("$gt")
-        .and_then(integer_value)
+        .ok()
+        .and_then(|s| s.get("$gt"))
+        .and_then(integer_value);
+    let token = validator
+        .get_document(TOKEN)
+        .ok()
+        .and_then(|t| t.get_str("$ne").ok())
+        .map(str::to_owned);
+    Floor { value, token }
+}
+
+/// The token of the raise that set `validator` (`None`: none did).
+fn token_of(validator: &Document) -> Option<String> {
+    floor_of(validator).token
+}
+
+/// The error of a server that does not say when a write took effect: not a
+/// replica set member.
+fn no_cluster_time(events: &str) -> Error {
+    Error::FoldFloorUnverified {
+        events: events.to_owned(),
+        why: "the server did not say when its floor took effect (no operationTime): the ledger \
+              needs a replica set or a sharded cluster"
+            .into(),
+    }
 }
 
 /// Whether `failure`'s code says an insert met the floor.
@@ -114,8 +255,24 @@ mod tests {
 
     #[test]
     fn the_floor_reads_back_from_its_validator() {
-        assert_eq!(floor_of(&validator(42)), Some(42));
-        assert_eq!(floor_of(&doc! { "other": 1 }), None);
+        let floor = floor_of(&validator(42, "t1"));
+        assert_eq!(floor.value, Some(42));
+        assert_eq!(token_of(&validator(42, "t1")).as_deref(), Some("t1"));
+        let raise = Raise {
+            floor: 42,
+            token: "t1".into(),
+            at: Timestamp {
+                time: 5,
+                increment: 1,
+            },
+        };
+        assert!(floor.is(&raise));
+        assert!(!floor_of(&validator(42, "t2")).is(&raise));
+        assert_eq!(Raise::from_document(&raise.to_document()), Ok(raise));
+        // A floor of the version before tokens: its value, no token.
+        let old = floor_of(&doc! { "s": { "$gt": 7i64 } });
+        assert_eq!((old.value, old.token), (Some(7), None));
+        assert_eq!(floor_of(&doc! { "other": 1 }), Floor::default());
         assert!(refused_by_floor(121));
         assert!(!refused_by_floor(11000));
     }

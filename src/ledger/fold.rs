@@ -64,6 +64,7 @@ mod convert;
 mod held;
 mod pass;
 mod query;
+mod stand;
 mod sweep;
 
 use std::time::{Duration, Instant, SystemTime};
@@ -82,6 +83,10 @@ use crate::write::lane::LaneName;
 
 /// How many counters a pass applies at once.
 const APPLY_CONCURRENCY: usize = 16;
+
+/// How many passes one [`EventFold::fold`] runs after the first, when an
+/// unfinished pass or a repair left events out.
+const MORE_PASSES: usize = 3;
 
 /// The part of the dedupe window's floor beyond the retry horizon and one
 /// attempt: room for the fold's lag and the clocks.
@@ -255,6 +260,10 @@ pub struct EventsRun {
     pub counters_written: u64,
     /// Events whose amount is not an integer: reported, left out.
     pub malformed_events: u64,
+    /// Of the events folded, those a repair pass found in the change
+    /// stream: they landed below the watermark while a `collMod` of an
+    /// earlier pass, arrived late, held the floor down.
+    pub late_events_folded: u64,
     /// The fold state document's size in bytes, as the pass read it.
     pub state_bytes: u64,
     /// Events deleted (folded, older than the dedupe window).
@@ -465,15 +474,21 @@ impl EventFold {
         let mut last_sweep = self.last_sweep.lock().await;
         let began = Instant::now();
         let clock = move || now + began.elapsed();
-        let mut run = self.pass(&clock, stop).await?;
-        if run.recovered && !run.busy {
-            // What the unfinished pass left out, folded now too.
-            let next = self.pass(&clock, stop).await?;
+        let (mut run, mut again) = self.pass(&clock, stop).await?;
+        // After an unfinished pass or a repair, what they left out is
+        // folded now too.
+        for _ in 0..MORE_PASSES {
+            if !again || run.busy {
+                break;
+            }
+            let (next, more) = self.pass(&clock, stop).await?;
             run.pass = next.pass.or(run.pass);
             run.events_folded += next.events_folded;
+            run.late_events_folded += next.late_events_folded;
             run.counters_written += next.counters_written;
             run.malformed_events += next.malformed_events;
             run.busy = next.busy;
+            again = more;
         }
         if last_sweep.is_none_or(|at| at.elapsed() >= self.settings.sweep_every) && !run.busy {
             let swept = self.sweep(clock()).await?;

@@ -3,8 +3,11 @@
 //!
 //! ```text
 //! { _id: "state", pass: <int64>, v: <int64>, W: <int64>,
+//!   floor: { f: <int64>, t: <token>, at: <timestamp> },
+//!   late: [ { after: <timestamp>, below: <int64> }, ... ],
 //!   intent: { pass: P, from: <W>, to: <W'>, owner: ObjectId,
-//!             deadline: <date>, recovered: <bool> },
+//!             deadline: <date>, recovered: <bool>,
+//!             anchor: <raise>, live: <raise>, late: [ ... ] },
 //!   held: [ { k: <counter key>, p: <pass>, n: <int64>, e: <events>,
 //!             a: <maybe applied>, why: <string>, at: <date> }, ... ] }
 //! ```
@@ -19,11 +22,20 @@
 //!   `(from, to]`, applied by `owner` until `deadline`.
 //! - `held` are the sums a counter refused, each with the pass whose fold
 //!   lane position it goes through.
+//! - `floor` is the last raise of the events collection's floor a pass
+//!   committed (see `floor`): its value, its token and the cluster time it
+//!   took effect. An intent's `anchor` is its first raise — the pass folds
+//!   the events of its range that landed before it — and `live` its latest.
+//! - `late` are the events the fold **owes**: those numbered at or below
+//!   `below` that landed after the cluster time `after`, below a floor a
+//!   late `collMod` lowered (see `floor`). A repair pass (an intent with
+//!   `late`) finds them in the change stream and folds them.
 //!
 //! The document's size does not grow with time, events or recorders: a
 //! watermark and one intent of fixed size; only `held` grows, by one entry
 //! per counter that refuses its sum (about 150 bytes each: a hundred
-//! thousand refusing counters before the document limit).
+//! thousand refusing counters before the document limit), and `late` by
+//! one entry per late `collMod` found, until the next pass repairs it.
 //!
 //! Tally 0.2.0 kept a `folded` map (one entry per recorder lane) and one
 //! registration document per lane in this collection: see
@@ -32,10 +44,11 @@
 use std::time::SystemTime;
 
 use mongodb::Collection;
-use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, Timestamp, doc, oid::ObjectId};
 
 use crate::document::{bson_type_name, integer_value};
 use crate::error::{Error, ErrorClass, RetryBudget};
+use crate::ledger::floor::Raise;
 use crate::store::Store;
 
 /// The state document's `_id`.
@@ -53,6 +66,9 @@ mod field {
     pub(super) const WATERMARK: &str = "W";
     pub(super) const INTENT: &str = "intent";
     pub(super) const HELD: &str = "held";
+    pub(super) const FLOOR: &str = "floor";
+    pub(super) const FLOOR_TOKEN: &str = "floor.t";
+    pub(super) const LATE: &str = "late";
     /// 0.2.0's per-lane map.
     pub(super) const LEGACY_FOLDED: &str = "folded";
 
@@ -61,6 +77,8 @@ mod field {
     pub(super) const INTENT_OWNER: &str = "intent.owner";
     pub(super) const INTENT_DEADLINE: &str = "intent.deadline";
     pub(super) const INTENT_RECOVERED: &str = "intent.recovered";
+    pub(super) const INTENT_ANCHOR: &str = "intent.anchor";
+    pub(super) const INTENT_LIVE: &str = "intent.live";
 }
 
 /// The pass in progress.
@@ -80,6 +98,47 @@ pub(crate) struct Intent {
     /// It was taken over, or resumed after its owner stopped: any of its
     /// sends may have applied.
     pub(crate) recovered: bool,
+    /// Its first raise of the floor: it folds the events of its range that
+    /// landed before it (`None` before it raised).
+    pub(crate) anchor: Option<Raise>,
+    /// Its latest raise of the floor.
+    pub(crate) live: Option<Raise>,
+    /// The debts it repairs (a repair pass; empty for a range's pass).
+    pub(crate) late: Vec<Late>,
+}
+
+/// Events the fold owes: those numbered at or below `below` that landed
+/// after the cluster time `after`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Late {
+    /// The cluster time after which they landed.
+    pub(crate) after: Timestamp,
+    /// The highest number among them.
+    pub(crate) below: i64,
+}
+
+impl Late {
+    /// Whether the event numbered `s` that landed at `at` is owed.
+    pub(crate) fn owes(&self, s: i64, at: Timestamp) -> bool {
+        at > self.after && s <= self.below
+    }
+
+    /// The debt as stored (always the same bytes: `$pull` finds it).
+    pub(crate) fn to_document(&self) -> Document {
+        doc! { "after": self.after, "below": self.below }
+    }
+
+    fn from_document(document: &Document) -> Result<Self, String> {
+        Ok(Self {
+            after: document
+                .get_timestamp("after")
+                .map_err(|_| "a debt's cluster time is malformed".to_owned())?,
+            below: document
+                .get("below")
+                .and_then(integer_value)
+                .ok_or_else(|| "a debt's number is malformed".to_owned())?,
+        })
+    }
 }
 
 impl Intent {
@@ -133,6 +192,10 @@ pub(crate) struct FoldState {
     pub(crate) held: Vec<Held>,
     /// A state written by tally 0.2.0, not converted yet.
     pub(crate) legacy: Option<Legacy>,
+    /// The last raise of the floor a pass committed.
+    pub(crate) floor: Option<Raise>,
+    /// The events the fold owes.
+    pub(crate) late: Vec<Late>,
     /// The document's size in bytes (0 without one).
     pub(crate) bytes: usize,
 }
@@ -297,23 +360,120 @@ pub(crate) async fn commit(
     collection: &Collection<Document>,
     owner: ObjectId,
     intent: &Intent,
+    live: &Raise,
     held: &[Held],
 ) -> Result<bool, Error> {
     let filter =
         doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: intent.pass };
-    let update = doc! {
+    let mut update = doc! {
         "$set": {
             field::PASS: intent.pass,
             field::WATERMARK: intent.to,
             field::HELD: held.iter().map(Held::to_document).collect::<Vec<Document>>(),
+            field::FLOOR: live.to_document(),
         },
         "$unset": { field::INTENT: "" },
         "$inc": { field::VERSION: 1 },
     };
+    if !intent.late.is_empty() {
+        let repaid: Vec<Document> = intent.late.iter().map(Late::to_document).collect();
+        update.insert("$pull", doc! { field::LATE: { "$in": repaid } });
+    }
     let committed = store
         .update_one(collection, filter, update, "ledger.fold.commit")
         .await?;
     Ok(committed.matched_count == 1)
+}
+
+/// Records `raise` as `owner`'s pass `pass`'s latest raise of the floor
+/// (and as its anchor, its first, when `anchor`). `false` when the pass is
+/// no longer `owner`'s.
+pub(crate) async fn record_raise(
+    store: &Store,
+    collection: &Collection<Document>,
+    (owner, pass): (ObjectId, i64),
+    raise: &Raise,
+    anchor: bool,
+) -> Result<bool, Error> {
+    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
+    let mut set = doc! { field::INTENT_LIVE: raise.to_document() };
+    if anchor {
+        set.insert(field::INTENT_ANCHOR, raise.to_document());
+    }
+    let recorded = store
+        .update_one(
+            collection,
+            filter,
+            doc! { "$set": set },
+            "ledger.fold.raise",
+        )
+        .await?;
+    Ok(recorded.matched_count == 1)
+}
+
+/// Records that the fold owes `late`, while `owner`'s pass `pass` is in
+/// progress. `false` when the pass is no longer `owner`'s.
+pub(crate) async fn owe_in_pass(
+    store: &Store,
+    collection: &Collection<Document>,
+    (owner, pass): (ObjectId, i64),
+    late: &Late,
+) -> Result<bool, Error> {
+    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
+    owe(store, collection, filter, late).await
+}
+
+/// Records that the fold owes `late`, found from the committed raise
+/// `floor`: only while the state still remembers it (a repair since would
+/// make the debt a second one).
+pub(crate) async fn owe_on_floor(
+    store: &Store,
+    collection: &Collection<Document>,
+    floor: &Raise,
+    late: &Late,
+) -> Result<bool, Error> {
+    let filter = doc! { "_id": STATE_ID, field::FLOOR_TOKEN: &floor.token };
+    owe(store, collection, filter, late).await
+}
+
+async fn owe(
+    store: &Store,
+    collection: &Collection<Document>,
+    filter: Document,
+    late: &Late,
+) -> Result<bool, Error> {
+    let update = doc! {
+        "$addToSet": { field::LATE: late.to_document() },
+        "$inc": { field::VERSION: 1 },
+    };
+    let owed = store
+        .update_one(collection, filter, update, "ledger.fold.owe")
+        .await?;
+    Ok(owed.matched_count == 1)
+}
+
+/// Records `raise` as the committed floor in place of `expected` (`None`:
+/// none remembered), while no pass is in progress. `false` when the state
+/// changed meanwhile.
+pub(crate) async fn record_floor(
+    store: &Store,
+    collection: &Collection<Document>,
+    expected: Option<&Raise>,
+    raise: &Raise,
+) -> Result<bool, Error> {
+    let mut filter = doc! { "_id": STATE_ID, field::INTENT: { "$exists": false } };
+    match expected {
+        Some(floor) => filter.insert(field::FLOOR_TOKEN, &floor.token),
+        None => filter.insert(field::FLOOR, doc! { "$exists": false }),
+    };
+    let update = doc! {
+        "$set": { field::FLOOR: raise.to_document() },
+        "$inc": { field::VERSION: 1 },
+    };
+    let recorded = store
+        .update_one(collection, filter, update, "ledger.fold.floor")
+        .await?;
+    Ok(recorded.matched_count == 1)
 }
 
 /// Converts a 0.2.0 state (read as `state`) to a watermark `watermark`:
@@ -324,6 +484,7 @@ pub(crate) async fn convert_legacy(
     collection: &Collection<Document>,
     state: &FoldState,
     watermark: i64,
+    floor: &Raise,
 ) -> Result<bool, Error> {
     let filter = doc! {
         "_id": STATE_ID,
@@ -331,7 +492,7 @@ pub(crate) async fn convert_legacy(
         field::INTENT: { "$exists": false },
     };
     let update = doc! {
-        "$set": { field::WATERMARK: watermark },
+        "$set": { field::WATERMARK: watermark, field::FLOOR: floor.to_document() },
         "$unset": { field::LEGACY_FOLDED: "" },
         "$inc": { field::VERSION: 1 },
     };
@@ -403,6 +564,13 @@ fn parse(document: &Document) -> Result<FoldState, String> {
         }
         state.intent = Some(parse_intent(intent)?);
     }
+    if let Some(floor) = document.get(field::FLOOR) {
+        let Bson::Document(floor) = floor else {
+            return Err("its floor is not a document".into());
+        };
+        state.floor = Some(Raise::from_document(floor).map_err(|why| format!("{why} (floor)"))?);
+    }
+    state.late = parse_late(document.get(field::LATE))?;
     if let Some(held) = document.get(field::HELD) {
         let Bson::Array(held) = held else {
             return Err("its held sums are not an array".into());
@@ -415,6 +583,31 @@ fn parse(document: &Document) -> Result<FoldState, String> {
         }
     }
     Ok(state)
+}
+
+fn parse_late(late: Option<&Bson>) -> Result<Vec<Late>, String> {
+    let Some(late) = late else {
+        return Ok(Vec::new());
+    };
+    let Bson::Array(late) = late else {
+        return Err("its debts (late) are not an array".into());
+    };
+    late.iter()
+        .map(|entry| match entry {
+            Bson::Document(entry) => Late::from_document(entry),
+            _ => Err("a debt is not a document".into()),
+        })
+        .collect()
+}
+
+fn parse_raise(intent: &Document, name: &str) -> Result<Option<Raise>, String> {
+    match intent.get(name) {
+        None => Ok(None),
+        Some(Bson::Document(raise)) => Raise::from_document(raise)
+            .map(Some)
+            .map_err(|why| format!("its intent's {name}: {why}")),
+        Some(_) => Err(format!("its intent's {name} is not a document")),
+    }
 }
 
 fn parse_intent(intent: &Document) -> Result<Intent, String> {
@@ -435,6 +628,9 @@ fn parse_intent(intent: &Document) -> Result<Intent, String> {
             .map_err(|_| bad("deadline"))?
             .to_system_time(),
         recovered: intent.get_bool("recovered").unwrap_or(false),
+        anchor: parse_raise(intent, "anchor")?,
+        live: parse_raise(intent, "live")?,
+        late: parse_late(intent.get("late"))?,
     })
 }
 
@@ -487,14 +683,25 @@ impl Held {
 impl Intent {
     /// The intent as stored.
     pub(crate) fn to_document(&self) -> Document {
-        doc! {
+        let mut intent = doc! {
             "pass": self.pass,
             "from": self.from,
             "to": self.to,
             "owner": self.owner,
             "deadline": DateTime::from_system_time(self.deadline),
             "recovered": self.recovered,
+        };
+        if let Some(anchor) = &self.anchor {
+            intent.insert("anchor", anchor.to_document());
         }
+        if let Some(live) = &self.live {
+            intent.insert("live", live.to_document());
+        }
+        if !self.late.is_empty() {
+            let late: Vec<Document> = self.late.iter().map(Late::to_document).collect();
+            intent.insert("late", late);
+        }
+        intent
     }
 }
 
@@ -512,6 +719,22 @@ mod tests {
             owner: ObjectId::new(),
             deadline: DateTime::from_millis(1_700_000_000_000).to_system_time(),
             recovered: true,
+            anchor: Some(Raise {
+                floor: 20,
+                token: "a".into(),
+                at: Timestamp {
+                    time: 9,
+                    increment: 1,
+                },
+            }),
+            live: None,
+            late: vec![Late {
+                after: Timestamp {
+                    time: 3,
+                    increment: 4,
+                },
+                below: 10,
+            }],
         };
         let held = Held {
             key: Bson::Document(doc! { "u": 5 }),
@@ -532,6 +755,22 @@ mod tests {
         assert_eq!(state.intent, Some(intent.clone()));
         assert_eq!(state.held, vec![held]);
         assert_eq!(state.legacy, None);
+        let late = &intent.late[0];
+        assert!(late.owes(
+            10,
+            Timestamp {
+                time: 3,
+                increment: 5
+            }
+        ));
+        assert!(!late.owes(
+            11,
+            Timestamp {
+                time: 4,
+                increment: 0
+            }
+        ));
+        assert!(!late.owes(10, late.after));
         assert!(intent.folds(11) && intent.folds(20));
         assert!(!intent.folds(10) && !intent.folds(21));
     }

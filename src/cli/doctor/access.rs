@@ -204,7 +204,8 @@ fn needed(config: &Config) -> Vec<Needed> {
         need(
             &events,
             "changeStream",
-            "the ledger's fold watches it; without it, events are folded at each scan interval",
+            "the ledger's fold watches it and reads from it what each raise of the floor \
+             replaced",
         );
         need(
             &events,

@@ -17,6 +17,11 @@ use crate::store::Store;
 /// update pipelines it writes with.
 const MIN_WIRE_VERSION: i32 = 8;
 
+/// The oldest MongoDB a ledger's fold works on: 6.0 (wire version 17)
+/// brought the change stream's `modify` events with `stateBeforeChange`,
+/// which tell the fold what its raise of the floor replaced.
+const LEDGER_MIN_WIRE_VERSION: i32 = 17;
+
 /// How long the majority-write probe may wait for replication.
 const MAJORITY_WAIT: Duration = Duration::from_secs(5);
 
@@ -80,6 +85,24 @@ pub(super) async fn server(
         Err(_) => "MongoDB (version unknown)".to_owned(),
     };
     let wire = hello.get("maxWireVersion").and_then(Bson::as_i32);
+    let ledgers: Vec<&str> = config
+        .collections
+        .iter()
+        .filter(|c| c.events_collection.is_some())
+        .map(|c| c.name.as_str())
+        .collect();
+    if !ledgers.is_empty() && wire.is_some_and(|w| w < LEDGER_MIN_WIRE_VERSION) {
+        return Check::new(
+            "server",
+            Verdict::Fail,
+            format!(
+                "{version} is older than 6.0: the ledger's fold (of {}) reads what each raise of \
+                 the events collection's floor replaced from the change stream, which older \
+                 servers do not say; upgrade the server",
+                ledgers.join(", ")
+            ),
+        );
+    }
     if wire.is_some_and(|w| w < MIN_WIRE_VERSION) {
         return Check::new(
             "server",

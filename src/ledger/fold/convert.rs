@@ -63,8 +63,8 @@ impl EventFold {
         // recorder's clock ran ahead) must never stand without it, or this
         // version's recorders, numbering by the server's clock, would
         // record below it, where no pass looks.
-        floor::raise(&self.store, &self.events_name, watermark).await?;
-        if state::convert_legacy(&self.store, &self.state, state, watermark).await? {
+        let raise = floor::raise(&self.store, &self.events_name, watermark).await?;
+        if state::convert_legacy(&self.store, &self.state, state, watermark, &raise).await? {
             let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
             tracing::info!(
                 events = %self.events_name,

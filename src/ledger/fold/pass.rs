@@ -1,5 +1,6 @@
 //! One pass of the fold, step by step (the parent module's docs say why
-//! each step is safe): intent, floor, sums, apply, commit.
+//! each step is safe): intent, floor, sums, apply, commit. The floor's
+//! steps are in `stand`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -10,16 +11,19 @@ use mongodb::bson::{Bson, oid::ObjectId};
 use tokio_util::sync::CancellationToken;
 
 use super::held::{self, Applied, Work};
-use super::query::{self, Share};
+use super::query;
 use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
 use crate::error::{Error, ErrorClass};
-use crate::ledger::state::{self, FoldState, Held, Intent};
-use crate::ledger::{floor, unix_micros};
+use crate::ledger::floor::Raise;
+use crate::ledger::state::{self, FoldState, Held, Intent, Late};
+use crate::ledger::unix_micros;
 use crate::write::lane::{LaneId, LaneIncrement};
 
 /// What applying a pass came to.
 struct Applying {
+    live: Raise,
+    owed: bool,
     held: Vec<Held>,
     written: u64,
     events: u64,
@@ -27,25 +31,27 @@ struct Applying {
 }
 
 impl EventFold {
-    /// One pass: resumes or takes over an unfinished one, or records a new
-    /// one when there is something to fold; raises the floor to its end,
-    /// applies it and commits it.
+    /// One pass: resumes or takes over an unfinished one, repairs what the
+    /// fold owes, or records a new one when there is something to fold;
+    /// raises the floor to its end, applies it and commits it. Says too
+    /// whether another pass should follow at once (it was unfinished, or a
+    /// repair).
     pub(super) async fn pass(
         &self,
         clock: &(impl Fn() -> SystemTime + Sync),
         stop: &CancellationToken,
-    ) -> Result<EventsRun, Error> {
+    ) -> Result<(EventsRun, bool), Error> {
         let mut run = EventsRun::default();
         if stop.is_cancelled() {
-            return Ok(run);
+            return Ok((run, false));
         }
         let mut state = state::read(&self.store, &self.state).await?;
         if state.legacy.is_some() {
             state = self.convert(&state).await?;
         }
         run.state_bytes = state.bytes as u64;
-        if state.exists {
-            self.keep_the_floor(&state).await?;
+        if state.exists && state.intent.is_none() && self.keep_the_floor(&state, clock()).await? {
+            state = state::read(&self.store, &self.state).await?;
         }
         let intent = match &state.intent {
             Some(intent) if intent.owner == self.owner => {
@@ -57,13 +63,18 @@ impl EventFold {
                 run.recovered = true;
                 self.claim(intent, intent.owner, clock()).await?
             }
+            // Events owed: a repair pass first.
+            None if !state.late.is_empty() => {
+                self.intend(&state, state.watermark, state.late.clone(), clock())
+                    .await?
+            }
             None => {
                 let mut to = self.pass_end(&state, clock());
                 // One seek: the lowest number waiting above the watermark.
                 let lowest =
                     query::lowest_above(&self.store, &self.events, state.watermark).await?;
                 if lowest.is_none() && state.held.is_empty() {
-                    return Ok(run);
+                    return Ok((run, false));
                 }
                 if lowest.is_some_and(|lowest| lowest > to) {
                     // Only events numbered ahead of the server's clock (a
@@ -79,18 +90,15 @@ impl EventFold {
                     self.check_no_floor().await?;
                     self.check_no_counter_folded().await?;
                 }
-                self.intend(&state, to, clock()).await?
+                self.intend(&state, to, Vec::new(), clock()).await?
             }
         };
         let Some(intent) = intent else {
             run.busy = true;
-            return Ok(run);
+            return Ok((run, false));
         };
-        // From here no event numbered at or below the pass's end can land:
-        // its range is read once and for good.
-        floor::raise(&self.store, &self.events_name, intent.to).await?;
         let applied = self.apply(&state, &intent, clock).await?;
-        self.commit(&intent, &applied.held).await?;
+        self.commit(&intent, &applied.live, &applied.held).await?;
         for held in applied.held.iter().filter(|h| h.pass == intent.pass) {
             tracing::warn!(
                 events = %self.events_name,
@@ -104,32 +112,12 @@ impl EventFold {
         run.events_folded = applied.events;
         run.counters_written = applied.written;
         run.malformed_events = applied.malformed;
-        Ok(run)
-    }
-
-    /// Makes sure the events collection's floor is at least the watermark:
-    /// nothing may land at or below it. A floor found lower — a `collMod`
-    /// of an earlier pass, held up in the network, that landed after a
-    /// later one; a validator changed by hand — is raised again at once,
-    /// and said loudly: an event numbered between the two that landed
-    /// meanwhile is below the watermark, where no pass looks (the book's
-    /// limits).
-    async fn keep_the_floor(&self, state: &FoldState) -> Result<(), Error> {
-        let floor = floor::read(&self.store, &self.events_name).await?;
-        if floor.is_some_and(|f| f >= state.watermark) {
-            return Ok(());
+        let repair = !intent.late.is_empty();
+        if repair {
+            run.late_events_folded = applied.events;
         }
-        if state.watermark > 0 || floor.is_some() {
-            tracing::error!(
-                events = %self.events_name,
-                floor = ?floor,
-                watermark = state.watermark,
-                "the events collection's floor was below the fold's watermark (a delayed \
-                 collMod landed late, or its validator was changed); raised again — an event \
-                 inserted meanwhile and numbered below the watermark is not folded"
-            );
-        }
-        floor::raise(&self.store, &self.events_name, state.watermark).await
+        let again = run.recovered || repair || applied.owed;
+        Ok((run, again))
     }
 
     /// Where a new pass of `state` ends at `now` (the server's clock when
@@ -140,13 +128,14 @@ impl EventFold {
         unix_micros(now).max(state.watermark)
     }
 
-    /// Records the pass folding `(W, to]`, conditioned on the state not
-    /// having changed since it was read; `None` when another fold got
-    /// there first.
+    /// Records the pass folding `(W, to]` — or, with `late`, the pass
+    /// repairing those debts — conditioned on the state not having changed
+    /// since it was read; `None` when another fold got there first.
     async fn intend(
         &self,
         state: &FoldState,
         to: i64,
+        late: Vec<Late>,
         now: SystemTime,
     ) -> Result<Option<Intent>, Error> {
         let intent = Intent {
@@ -156,6 +145,9 @@ impl EventFold {
             owner: self.owner,
             deadline: now + self.settings.lease,
             recovered: false,
+            anchor: None,
+            live: None,
+            late,
         };
         // An unknown outcome fails the pass; if it landed, the next pass
         // finds it as its own.
@@ -253,14 +245,7 @@ impl EventFold {
         sendable_until: &Mutex<Instant>,
         clock: &(impl Fn() -> SystemTime + Sync),
     ) -> Result<Applying, Error> {
-        let mut shares: HashMap<CanonicalKey, Share> = HashMap::new();
-        query::sum_range(
-            &self.store,
-            &self.events,
-            (intent.from, intent.to),
-            &mut shares,
-        )
-        .await?;
+        let (shares, live, owed) = self.read_pass(state, intent).await?;
         let events = shares.values().map(|s| s.events).sum();
         let malformed: u64 = shares.values().map(|s| s.malformed).sum();
         if malformed > 0 {
@@ -309,6 +294,8 @@ impl EventFold {
             .collect()
             .await;
         let mut applying = Applying {
+            live,
+            owed,
             held: Vec::new(),
             written: 0,
             events,
@@ -373,8 +360,8 @@ impl EventFold {
 
     /// Commits the pass: the watermark moves to its end, the held sums are
     /// stored, the intent goes — only while the pass is still this fold's.
-    async fn commit(&self, intent: &Intent, held: &[Held]) -> Result<(), Error> {
-        if state::commit(&self.store, &self.state, self.owner, intent, held).await? {
+    async fn commit(&self, intent: &Intent, live: &Raise, held: &[Held]) -> Result<(), Error> {
+        if state::commit(&self.store, &self.state, self.owner, intent, live, held).await? {
             return Ok(());
         }
         // Our lost first attempt committed it, or another fold took it over

@@ -254,6 +254,46 @@ pub(super) async fn sum_range(
     Ok(())
 }
 
+/// Adds `events` (documents with a counter and an amount) to `shares`,
+/// each as `sum_exactly` counts it.
+pub(super) fn put_in(shares: &mut HashMap<CanonicalKey, Share>, events: &[Document]) {
+    for event in events {
+        let key = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
+        count(share_of(shares, key), event, 1);
+    }
+}
+
+/// Takes `events`, which `shares` counted, out of it again (a counter left
+/// with no event goes).
+pub(super) fn take_out(shares: &mut HashMap<CanonicalKey, Share>, events: &[Document]) {
+    for event in events {
+        let key = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
+        let bytes = CanonicalKey::of(&key);
+        if let Some(share) = shares.get_mut(&bytes) {
+            count(share, event, -1);
+            if share.events == 0 {
+                shares.remove(&bytes);
+            }
+        }
+    }
+}
+
+/// Counts `event` into `share` (`sign` 1) or out of it (-1): the exact
+/// read's conversion (`integer_value`), so the fold and `Ledger::value`
+/// agree on every event — an integral double (what a shell or a JavaScript
+/// driver writes for `2`) counts as its integer, anything else is left out
+/// and reported.
+fn count(share: &mut Share, event: &Document, sign: i8) {
+    let step = |n: u64| {
+        if sign > 0 { n + 1 } else { n.saturating_sub(1) }
+    };
+    share.events = step(share.events);
+    match event.get(field::AMOUNT).and_then(integer_value) {
+        Some(n) => share.amount += i128::from(sign) * i128::from(n),
+        None => share.malformed = step(share.malformed),
+    }
+}
+
 /// The share of `key` in `shares`, added empty when it is not there yet.
 fn share_of(shares: &mut HashMap<CanonicalKey, Share>, key: Bson) -> &mut Share {
     shares
@@ -307,16 +347,7 @@ async fn sum_exactly(
         .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?
     {
         let key = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
-        let share = share_of(shares, key);
-        share.events += 1;
-        // The exact read's conversion (`integer_value`), so the fold and
-        // `Ledger::value` agree on every event: an integral double (what a
-        // shell or a JavaScript driver writes for `2`) counts as its
-        // integer, anything else is left out and reported.
-        match event.get(field::AMOUNT).and_then(integer_value) {
-            Some(n) => share.amount += i128::from(n),
-            None => share.malformed += 1,
-        }
+        count(share_of(shares, key), &event, 1);
     }
     Ok(())
 }

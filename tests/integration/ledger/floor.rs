@@ -256,7 +256,6 @@ async fn a_late_insert_on_a_sealed_lane_is_counted_and_read_before_the_window_pa
 /// finds it — its own lane and number — and says `recorded`. Its 10 are
 /// never counted.
 #[tokio::test]
-#[ignore = "open: a collMod held in the network past a later pass lowers the floor; the next pass raises it again and logs it, but an insert landing in between is not folded (docs/src/design/ledger.md, limits)"]
 async fn a_late_collmod_of_an_earlier_pass_never_lowers_the_floor_under_a_folded_range() {
     let ctx = TestContext::new("review_floor_late_collmod").await;
     let direct = ctx.client(false).await;
@@ -464,7 +463,6 @@ async fn an_event_recorded_after_converting_a_state_whose_recorder_ran_ahead_is_
 /// the watermark: `recorded`, never counted. (Time is moved by the `now`
 /// B's passes are given, as `fold`'s tests do, to pass A's lease.)
 #[tokio::test]
-#[ignore = "open: a collMod held in the network past a later pass lowers the floor; the next pass raises it again and logs it, but an insert landing in between is not folded (docs/src/design/ledger.md, limits)"]
 async fn a_collmod_of_a_pass_taken_over_never_lowers_the_floor_under_a_later_pass() {
     let ctx = TestContext::new("review_floor_takeover_collmod").await;
     let direct = ctx.client(false).await;

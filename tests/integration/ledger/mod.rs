@@ -19,6 +19,8 @@
 //! - `reads`: exact reads, exact while the fold runs;
 //! - `floor`: the events collection's floor — late inserts, late `collMod`s,
 //!   recorders whose clocks are off;
+//! - `lowered`: a floor lowered behind the fold's back at every point of a
+//!   pass — the events that landed meanwhile found and folded once;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
 //! - `upgrade`: a fold state of tally 0.2.0 converted;
 //! - `retention`: what the ledger leaves behind and when it goes;
@@ -37,6 +39,7 @@ mod duplicates;
 mod faults;
 mod floor;
 mod fold;
+mod lowered;
 mod reads;
 mod recording;
 mod retention;

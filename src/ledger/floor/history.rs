@@ -1,0 +1,292 @@
+//! The server's own log of the events collection, read through its change
+//! stream: which validator a raise of the floor replaced (the `modify`
+//! event's `stateBeforeChange`, MongoDB 6.0 and newer), and which events
+//! landed between two cluster times.
+//!
+//! A change stream returns only what a majority has written, in the order
+//! it took effect, and a window of it read twice is the same window: what
+//! a pass reads from it, it reads again exactly when it is resumed.
+
+use std::time::{Duration, Instant};
+
+use mongodb::bson::{Document, Timestamp, doc};
+use mongodb::change_stream::ChangeStream;
+
+use super::{Raise, token_of};
+use crate::document::integer_value;
+use crate::error::{Error, Failure, server_code};
+use crate::ledger::field;
+use crate::store::Store;
+
+/// How long the fold waits for its own raise to show in the stream.
+const RAISE_WAIT: Duration = Duration::from_secs(30);
+/// How long it reads a window of the stream before it gives up.
+const WINDOW_WAIT: Duration = Duration::from_secs(600);
+/// How long one read of the stream waits for more.
+const AWAIT: Duration = Duration::from_millis(200);
+
+/// `ChangeStreamHistoryLost`, `CappedPositionLost`: the oplog no longer
+/// reaches back to where the stream was asked to start.
+const HISTORY_LOST: [i32; 2] = [286, 136];
+
+/// The token of the validator `raise`'s `collMod` replaced (`None`: the
+/// collection had no validator a raise set).
+pub(crate) async fn replaced(
+    store: &Store,
+    events: &str,
+    raise: &Raise,
+) -> Result<Option<String>, Error> {
+    let pipeline = vec![doc! { "$match": { "operationType": "modify" } }];
+    let mut stream = open(store, events, raise.at, pipeline).await?;
+    let deadline = Instant::now() + RAISE_WAIT;
+    loop {
+        let Some(event) = next(&mut stream, events, deadline).await? else {
+            return Err(unverified(
+                events,
+                format!(
+                    "its floor's collMod did not show in the change stream within {}s",
+                    RAISE_WAIT.as_secs()
+                ),
+            ));
+        };
+        if !is(&event, raise) {
+            continue;
+        }
+        let Ok(before) = event
+            .get_document("stateBeforeChange")
+            .and_then(|state| state.get_document("collectionOptions"))
+        else {
+            return Err(unverified(
+                events,
+                "the server's change stream does not say what a collMod replaced \
+                 (stateBeforeChange): the ledger's fold needs MongoDB 6.0 or newer"
+                    .into(),
+            ));
+        };
+        return Ok(before.get_document("validator").ok().and_then(token_of));
+    }
+}
+
+/// The events that landed after the cluster time `after` and before the
+/// raise `until` took effect, numbered at or below `below`, for which
+/// `keep(number, cluster time)` holds: their `_id`, counter, amount and
+/// number. The stream ends at `until`'s own `modify` event.
+pub(crate) async fn landed(
+    store: &Store,
+    events: &str,
+    after: Timestamp,
+    until: &Raise,
+    below: i64,
+    keep: impl Fn(i64, Timestamp) -> bool,
+) -> Result<Vec<Document>, Error> {
+    let full = |name: &str| format!("fullDocument.{name}");
+    let mut project = doc! { "operationType": 1, "clusterTime": 1, "operationDescription": 1 };
+    for name in ["_id", field::COUNTER, field::AMOUNT, field::NUMBER] {
+        project.insert(full(name), 1);
+    }
+    let pipeline = vec![
+        doc! { "$match": { "$or": [
+            { "operationType": "insert", full(field::NUMBER): { "$lte": below } },
+            { "operationType": "modify" },
+        ] } },
+        doc! { "$project": project },
+    ];
+    let mut stream = open(store, events, after, pipeline).await?;
+    let deadline = Instant::now() + WINDOW_WAIT;
+    let mut found = Vec::new();
+    loop {
+        let Some(event) = next(&mut stream, events, deadline).await? else {
+            return Err(unverified(
+                events,
+                format!(
+                    "its change stream did not reach the floor's raise within {}s",
+                    WINDOW_WAIT.as_secs()
+                ),
+            ));
+        };
+        let at = event.get_timestamp("clusterTime").ok();
+        if at.is_some_and(|at| at >= until.at) || is(&event, until) {
+            return Ok(found);
+        }
+        if event.get_str("operationType").ok() != Some("insert") || at.is_none_or(|at| at <= after)
+        {
+            continue;
+        }
+        let Ok(document) = event.get_document("fullDocument") else {
+            continue;
+        };
+        let number = document.get(field::NUMBER).and_then(integer_value);
+        if let (Some(number), Some(at)) = (number, at)
+            && number <= below
+            && keep(number, at)
+        {
+            found.push(document.clone());
+        }
+    }
+}
+
+/// Whether the change event `event` is `raise`'s own `collMod`.
+fn is(event: &Document, raise: &Raise) -> bool {
+    if event.get_str("operationType").ok() != Some("modify") {
+        return false;
+    }
+    let token = event
+        .get_document("operationDescription")
+        .and_then(|d| d.get_document("validator"))
+        .ok()
+        .and_then(token_of);
+    token.as_deref() == Some(raise.token.as_str())
+        || event.get_timestamp("clusterTime").ok() == Some(raise.at)
+}
+
+/// The events collection's change stream from the cluster time `from`
+/// (itself included), with `collMod`s shown.
+async fn open(
+    store: &Store,
+    events: &str,
+    from: Timestamp,
+    pipeline: Vec<Document>,
+) -> Result<ChangeStream<Document>, Error> {
+    let collection = store.database().collection::<Document>(events);
+    let stream = collection
+        .watch()
+        .pipeline(pipeline)
+        .show_expanded_events(true)
+        .start_at_operation_time(from)
+        .max_await_time(AWAIT)
+        .await
+        .map_err(|err| failed(events, from, err))?;
+    Ok(stream.with_type::<Document>())
+}
+
+/// The next change event, `None` once `deadline` passed.
+async fn next(
+    stream: &mut ChangeStream<Document>,
+    events: &str,
+    deadline: Instant,
+) -> Result<Option<Document>, Error> {
+    while Instant::now() < deadline {
+        match stream.next_if_any().await {
+            Ok(Some(event)) => return Ok(Some(event)),
+            Ok(None) => {}
+            Err(err) => {
+                return Err(failed(
+                    events,
+                    Timestamp {
+                        time: 0,
+                        increment: 0,
+                    },
+                    err,
+                ));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The error of a stream that failed: its history lost, or the server's.
+fn failed(events: &str, from: Timestamp, err: mongodb::error::Error) -> Error {
+    if server_code(&err).is_some_and(|code| HISTORY_LOST.contains(&code)) {
+        let since = if from.time > 0 {
+            format!(" (cluster time {})", from.time)
+        } else {
+            String::new()
+        };
+        return unverified(
+            events,
+            format!(
+                "the server's oplog no longer reaches back to its floor's last raise{since}, so \
+                 the events that landed while a late collMod held the floor down cannot be \
+                 found; fold at least once per oplog window (the daemon does), and see the \
+                 book's \"floor lowered\" limit for what to do now"
+            ),
+        );
+    }
+    Error::Server(Failure::once("ledger.fold.history", err))
+}
+
+/// A fold stopped because it cannot tell what it must.
+fn unverified(events: &str, why: String) -> Error {
+    Error::FoldFloorUnverified {
+        events: events.to_owned(),
+        why,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_raise_is_known_by_its_token_or_its_cluster_time() {
+        let raise = Raise {
+            floor: 9,
+            token: "t1".into(),
+            at: Timestamp {
+                time: 7,
+                increment: 2,
+            },
+        };
+        let modify = |token: &str, at: Timestamp| {
+            doc! { "operationType": "modify", "clusterTime": at,
+            "operationDescription": { "validator": super::super::validator(9, token) } }
+        };
+        assert!(is(
+            &modify(
+                "t1",
+                Timestamp {
+                    time: 1,
+                    increment: 1
+                }
+            ),
+            &raise
+        ));
+        assert!(is(&modify("t2", raise.at), &raise));
+        assert!(!is(
+            &modify(
+                "t2",
+                Timestamp {
+                    time: 8,
+                    increment: 1
+                }
+            ),
+            &raise
+        ));
+        let insert = doc! { "operationType": "insert", "clusterTime": raise.at };
+        assert!(!is(&insert, &raise));
+    }
+
+    #[test]
+    fn a_change_stream_whose_history_is_lost_stops_the_fold_saying_why() {
+        use mongodb::bson::deserialize_from_document as from_document;
+        use mongodb::error::{CommandError, ErrorKind};
+        let error = |code: i32| {
+            let command: CommandError = from_document(doc! {
+                "code": code, "codeName": "ChangeStreamHistoryLost",
+                "errmsg": "Resume of change stream was not possible",
+            })
+            .unwrap();
+            mongodb::error::Error::from(ErrorKind::Command(command))
+        };
+        let from = Timestamp {
+            time: 1_795_853_166,
+            increment: 3,
+        };
+        let lost = failed("views_events", from, error(286));
+        let Error::FoldFloorUnverified { events, why } = &lost else {
+            panic!("{lost:?}");
+        };
+        assert_eq!(events, "views_events");
+        assert!(why.contains("oplog") && why.contains("1795853166"), "{why}");
+        assert!(
+            lost.to_string()
+                .starts_with("the fold of views_events stopped: the server's oplog"),
+            "{lost}"
+        );
+        // Any other failure is the server's, classified as usual.
+        assert!(matches!(
+            failed("views_events", from, error(11601)),
+            Error::Server(_)
+        ));
+    }
+}
