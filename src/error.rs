@@ -568,6 +568,28 @@ pub enum Error {
         evidence: String,
     },
 
+    /// A recorder stopped (its runtime shutting down) while an event was
+    /// in flight: it may have been recorded. Record it again with its
+    /// ticket ([`crate::Ledger::record_again`]): that is exact.
+    #[error(
+        "the recorder stopped with the event possibly in flight: record it again with its ticket"
+    )]
+    RecorderStopped,
+
+    /// The events collection's floor refused an event every time it was
+    /// numbered again (the fold kept folding past the numbers this recorder
+    /// gave it): nothing was written. Record it again.
+    #[error(
+        "the floor of {events} refused the event {refusals} times (the fold folded past every \
+         number this recorder gave it): nothing was written; record it again"
+    )]
+    FloorRefused {
+        /// The events collection.
+        events: String,
+        /// How many times it was refused.
+        refusals: u32,
+    },
+
     /// A ledger's fold could not tell whether the events collection's floor
     /// stayed up, or could not find the events that landed while it was
     /// down (a `collMod` of an earlier pass arrived late and lowered it):

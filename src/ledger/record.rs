@@ -294,9 +294,7 @@ impl Ledger {
                     event,
                     &self.events.namespace(),
                     earlier,
-                    Error::InvalidArgument(
-                        "the recorder stopped with the event possibly in flight".into(),
-                    ),
+                    Error::RecorderStopped,
                 ))
             });
             outcomes[i] = Some(outcome);

@@ -218,10 +218,10 @@ impl Recorder {
         let (retry, give_up): (Vec<Waiting>, Vec<Waiting>) = refused
             .into_iter()
             .partition(|w| w.refusals < FLOOR_REFUSALS);
-        let cause = Error::InvalidArgument(format!(
-            "the events collection's floor refused the event {FLOOR_REFUSALS} times (the \
-             fold had folded past every number this recorder gave it): record it again"
-        ));
+        let cause = Error::FloorRefused {
+            events: self.events.name().to_owned(),
+            refusals: u32::from(FLOOR_REFUSALS),
+        };
         self.refuse(give_up, &cause);
         if retry.is_empty() {
             return;
