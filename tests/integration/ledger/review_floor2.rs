@@ -256,3 +256,82 @@ async fn review_a_floor_taken_away_and_put_back_is_never_found() {
     }
     assert_eq!(scene.counter("a").await, 11, "the late event counted once");
 }
+
+/// Finding 3. Converting a state of tally 0.2.0 scans the events (which
+/// lanes it folded, where the unfolded ones start) and only then raises
+/// the floor to the watermark it chose; nothing remembers what landed in
+/// between. An insert held in the network (a recorder's, numbered when it
+/// was sent, below the highest number 0.2.0 folded) landing after the scan
+/// and before the raise is below the watermark, under no debt: never
+/// folded, although its recorder was told "recorded".
+#[tokio::test]
+async fn review_an_event_landed_while_a_0_2_0_state_is_converted_is_never_folded() {
+    let ctx = TestContext::new("rev27_convert").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let db = client.client.database(&ctx.db_name);
+    ledger_on(&store, "views").await;
+    let then = SystemTime::now() - Duration::from_secs(60);
+    let base = i64::try_from(
+        then.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap();
+    let lane = ObjectId::new();
+    let events: Vec<Document> = (1..=3i64)
+        .map(|s| doc! { "_id": format!("old{s}"), "k": "home", "n": 1i64, "at": DateTime::now(), "L": lane, "s": base + s })
+        .collect();
+    db.collection::<Document>("views_events")
+        .insert_many(events)
+        .await
+        .unwrap();
+    db.collection::<Document>("views")
+        .insert_one(doc! { "_id": "home", "counter": 3i64 })
+        .await
+        .unwrap();
+    let state = doc! { "_id": "state", "pass": 3i64, "v": 6i64, "folded": { lane.to_hex(): base + 3 } };
+    db.collection::<Document>("views_events_fold")
+        .insert_one(state)
+        .await
+        .unwrap();
+
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let fold = fold_of(&through, "views");
+    // The conversion's scan (its $group of each lane's lowest and highest
+    // number): its reply is held while the held insert lands.
+    let _slow = proxy.rule(
+        Rule::command("aggregate")
+            .collection("views_events")
+            .mentions("hi")
+            .nth(1)
+            .then(Action::DelayReply(HOLD)),
+    );
+    let scanned = |log: &[Exchange]| {
+        log.iter().any(|e| {
+            e.command.as_deref() == Some("aggregate") && e.body_mentions("hi") && e.server_replied
+        })
+    };
+    let (fold, run) = fold_while(&proxy, fold, ("the conversion's scan", scanned), async {
+        // A new recorder's insert, numbered a moment before the last event
+        // 0.2.0 folded, held in the network: it lands now.
+        land(&db, "held", "home", 100, base + 2).await;
+    })
+    .await;
+    eprintln!("{run:?}");
+    for _ in 0..2 {
+        eprintln!("{:?}", fold_all(&fold).await);
+    }
+    let stored = db
+        .collection::<Document>("views_events")
+        .count_documents(doc! { "_id": "held" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "the held insert landed (recorded)");
+    assert_eq!(
+        counter(&store.collection("views"), "home").await,
+        103,
+        "the held insert counted once"
+    );
+}
