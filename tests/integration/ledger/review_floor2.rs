@@ -335,3 +335,51 @@ async fn review_an_event_landed_while_a_0_2_0_state_is_converted_is_never_folded
         "the held insert counted once"
     );
 }
+
+/// Finding 4 (the test server, not the count). SecantusDB answers a
+/// `collMod` with `operationTime` = the last cluster time minted when the
+/// reply is built (`peek_cluster_time`), not the `collMod`'s own as
+/// MongoDB does: with another write in between (any collection), the
+/// raise's `at` is past its own `modify` event. `raise_over` opens the
+/// change stream at `at`, never sees its own `modify`, waits 30 s and the
+/// pass stops with `FoldFloorUnverified`. (Probed: 4 of 200 `collMod`s
+/// beside one writer thread.) Not reliable: a failure shows it; a pass
+/// shows nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_pass_beside_busy_writers_finds_its_own_raise() {
+    let scene = Scene::new("rev27_busy").await;
+    let stop = CancellationToken::new();
+    let mut noise = Vec::new();
+    for w in 0..4i64 {
+        let db = scene.db.clone();
+        let stop = stop.clone();
+        noise.push(tokio::spawn(async move {
+            let mut i = 0i64;
+            while !stop.is_cancelled() {
+                i += 1;
+                let _ = db
+                    .collection::<Document>("noise")
+                    .insert_one(doc! { "_id": w * 1_000_000_000 + i })
+                    .await;
+            }
+        }));
+    }
+    let fold = fold_of(&scene.store, "views");
+    let mut failure = None;
+    for i in 0..40 {
+        assert_outcome(
+            &scene.ledger.record(format!("busy{i}"), "b", 1).await,
+            "recorded",
+        );
+        let began = std::time::Instant::now();
+        if let Err(err) = fold.fold(SystemTime::now(), &CancellationToken::new()).await {
+            failure = Some(format!("pass {i} after {:?}: {err}", began.elapsed()));
+            break;
+        }
+    }
+    stop.cancel();
+    for task in noise {
+        task.await.unwrap();
+    }
+    assert_eq!(failure, None);
+}
