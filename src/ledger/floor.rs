@@ -84,7 +84,7 @@ impl Raise {
     }
 }
 
-/// The floor as read from the validator.
+/// The floor as read from the collection's options.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Floor {
     /// Its value (`None`: no floor).
@@ -92,12 +92,31 @@ pub(crate) struct Floor {
     /// The token of the raise that set it (`None`: a floor no raise of
     /// this version set, or none).
     pub(crate) token: Option<String>,
+    /// The validator is enforced: `validationLevel` strict and
+    /// `validationAction` error (the defaults, and what a raise sets).
+    pub(crate) enforced: bool,
 }
 
 impl Floor {
-    /// Whether it is the floor `raise` set, untouched since.
+    /// Whether it is the floor `raise` set, enforced and untouched since.
     pub(crate) fn is(&self, raise: &Raise) -> bool {
-        self.token.as_deref() == Some(raise.token.as_str())
+        self.enforced && self.token.as_deref() == Some(raise.token.as_str())
+    }
+
+    /// The floor a collection's options (`listCollections`' `options`, a
+    /// change event's `collectionOptions`) set.
+    pub(crate) fn of(options: &Document) -> Self {
+        let setting =
+            |name: &str, default: &str| options.get_str(name).unwrap_or(default).to_owned();
+        let enforced = setting("validationLevel", "strict") == "strict"
+            && setting("validationAction", "error") == "error";
+        match options.get_document("validator") {
+            Ok(validator) => Self {
+                enforced,
+                ..floor_of(validator)
+            },
+            Err(_) => Self::default(),
+        }
     }
 }
 
@@ -111,9 +130,13 @@ fn validator(floor: i64, token: &str) -> Document {
 /// (creating the collection when it does not exist yet), at write concern
 /// `majority`, and says which raise it was. Each attempt carries a token of
 /// its own; retried once on a transient failure. `created` is true when the
-/// raise created the collection (nothing was replaced).
-async fn set(store: &Store, events: &str, floor: i64) -> Result<(Raise, bool), Error> {
+/// raise created the collection (nothing was replaced). `before` is a
+/// cluster time before it took effect (a `ping`'s): where the change stream
+/// shows it from, whatever the `collMod`'s own `operationTime` says (the
+/// test server's may come a tick after its oplog entry).
+async fn set(store: &Store, events: &str, floor: i64) -> Result<Raised, Error> {
     let database = store.database();
+    let before = cluster_time(store, events).await?;
     let command = |verb: &str, token: &str| {
         let mut command = doc! { verb: events };
         command.insert("validator", validator(floor, token));
@@ -152,7 +175,31 @@ async fn set(store: &Store, events: &str, floor: i64) -> Result<(Raise, bool), E
     let at = reply
         .get_timestamp("operationTime")
         .map_err(|_| no_cluster_time(events))?;
-    Ok((Raise { floor, token, at }, created))
+    Ok(Raised {
+        raise: Raise { floor, token, at },
+        created,
+        before,
+    })
+}
+
+/// What [`set`] did.
+struct Raised {
+    raise: Raise,
+    created: bool,
+    before: Timestamp,
+}
+
+/// The server's cluster time now (a `ping`'s `operationTime`): anything
+/// written after has a later one. `events` names the ledger in errors.
+pub(crate) async fn cluster_time(store: &Store, events: &str) -> Result<Timestamp, Error> {
+    let database = store.database();
+    let mut budget = RetryBudget::read_once("ledger.fold.cluster_time");
+    store
+        .with_retry(&mut budget, || database.run_command(doc! { "ping": 1 }))
+        .await
+        .map_err(Error::Server)?
+        .get_timestamp("operationTime")
+        .map_err(|_| no_cluster_time(events))
 }
 
 /// Raises the floor of `events` to `floor` over the raise `expected` (the
@@ -165,7 +212,11 @@ pub(crate) async fn raise_over(
     floor: i64,
     expected: Option<&Raise>,
 ) -> Result<(Raise, bool), Error> {
-    let (raise, created) = set(store, events, floor).await?;
+    let Raised {
+        raise,
+        created,
+        before,
+    } = set(store, events, floor).await?;
     let Some(expected) = expected else {
         return Ok((raise, false));
     };
@@ -173,11 +224,8 @@ pub(crate) async fn raise_over(
         // The collection was gone: the floor with it.
         return Ok((raise, true));
     }
-    let replaced = history::replaced(store, events, &raise).await?;
-    Ok((
-        raise.clone(),
-        replaced.as_deref() != Some(expected.token.as_str()),
-    ))
+    let replaced = history::replaced(store, events, &raise, before).await?;
+    Ok((raise, !replaced.is(expected)))
 }
 
 /// Raises the floor of `events` to `floor`, whatever it replaced.
@@ -197,15 +245,14 @@ pub(crate) async fn read_floor(store: &Store, events: &str) -> Result<Floor, Err
         .with_retry(&mut budget, || database.run_command(command.clone()))
         .await
         .map_err(Error::Server)?;
-    let validator = reply
+    let options = reply
         .get_document("cursor")
         .ok()
         .and_then(|c| c.get_array("firstBatch").ok())
         .and_then(|batch| batch.first())
         .and_then(Bson::as_document)
-        .and_then(|c| c.get_document("options").ok())
-        .and_then(|o| o.get_document("validator").ok());
-    Ok(validator.map(floor_of).unwrap_or_default())
+        .and_then(|c| c.get_document("options").ok());
+    Ok(options.map(Floor::of).unwrap_or_default())
 }
 
 /// The floor of the events collection `events`: `None` when it has none.
@@ -225,7 +272,11 @@ fn floor_of(validator: &Document) -> Floor {
         .ok()
         .and_then(|t| t.get_str("$ne").ok())
         .map(str::to_owned);
-    Floor { value, token }
+    Floor {
+        value,
+        token,
+        enforced: true,
+    }
 }
 
 /// The token of the raise that set `validator` (`None`: none did).
@@ -268,11 +319,25 @@ mod tests {
         };
         assert!(floor.is(&raise));
         assert!(!floor_of(&validator(42, "t2")).is(&raise));
-        assert_eq!(Raise::from_document(&raise.to_document()), Ok(raise));
+        assert_eq!(
+            Raise::from_document(&raise.to_document()),
+            Ok(raise.clone())
+        );
         // A floor of the version before tokens: its value, no token.
         let old = floor_of(&doc! { "s": { "$gt": 7i64 } });
         assert_eq!((old.value, old.token), (Some(7), None));
-        assert_eq!(floor_of(&doc! { "other": 1 }), Floor::default());
+        assert_eq!(floor_of(&doc! { "other": 1 }).value, None);
+        // A validator not enforced is no floor of the raise's.
+        let options = |level: &str, action: &str| {
+            doc! { "validator": validator(42, "t1"), "validationLevel": level,
+            "validationAction": action }
+        };
+        assert!(Floor::of(&options("strict", "error")).is(&raise));
+        assert!(!Floor::of(&options("off", "error")).is(&raise));
+        assert!(!Floor::of(&options("moderate", "error")).is(&raise));
+        assert!(!Floor::of(&options("strict", "warn")).is(&raise));
+        assert!(Floor::of(&doc! { "validator": validator(42, "t1") }).is(&raise));
+        assert!(!Floor::of(&doc! {}).is(&raise));
         assert!(refused_by_floor(121));
         assert!(!refused_by_floor(11000));
     }

@@ -46,7 +46,7 @@ use std::time::SystemTime;
 use mongodb::Collection;
 use mongodb::bson::{Bson, DateTime, Document, Timestamp, doc, oid::ObjectId};
 
-use crate::document::{bson_type_name, integer_value};
+use crate::document::integer_value;
 use crate::error::{Error, ErrorClass, RetryBudget};
 use crate::ledger::floor::Raise;
 use crate::store::Store;
@@ -58,6 +58,10 @@ pub(crate) const STATE_ID: &str = "state";
 pub(crate) fn collection_name(events: &str) -> String {
     format!("{events}_fold")
 }
+
+mod stored;
+
+use stored::parse;
 
 /// The state document's fields.
 mod field {
@@ -79,6 +83,7 @@ mod field {
     pub(super) const INTENT_RECOVERED: &str = "intent.recovered";
     pub(super) const INTENT_ANCHOR: &str = "intent.anchor";
     pub(super) const INTENT_LIVE: &str = "intent.live";
+    pub(super) const INTENT_LATE: &str = "intent.late";
 }
 
 /// The pass in progress.
@@ -344,7 +349,7 @@ pub(crate) async fn renew(
     pass: i64,
     deadline: SystemTime,
 ) -> Result<bool, Error> {
-    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
+    let filter = owned(owner, pass);
     let update = doc! { "$set": { field::INTENT_DEADLINE: DateTime::from_system_time(deadline) } };
     let renewed = store
         .update_one(collection, filter, update, "ledger.fold.renew")
@@ -353,13 +358,14 @@ pub(crate) async fn renew(
 }
 
 /// Commits `owner`'s pass `intent`: the watermark moves to its end, the
-/// held sums become `held`, the intent goes. `false` when it was no longer
+/// held sums become `held`, the floor remembered becomes `live`, the debts
+/// a repair pass `repaid` go, the intent goes. `false` when it was no longer
 /// `owner`'s (the caller reads whether it was committed all the same).
 pub(crate) async fn commit(
     store: &Store,
     collection: &Collection<Document>,
     owner: ObjectId,
-    intent: &Intent,
+    (intent, repaid): (&Intent, &[Late]),
     live: &Raise,
     held: &[Held],
 ) -> Result<bool, Error> {
@@ -375,14 +381,19 @@ pub(crate) async fn commit(
         "$unset": { field::INTENT: "" },
         "$inc": { field::VERSION: 1 },
     };
-    if !intent.late.is_empty() {
-        let repaid: Vec<Document> = intent.late.iter().map(Late::to_document).collect();
+    if !repaid.is_empty() {
+        let repaid: Vec<Document> = repaid.iter().map(Late::to_document).collect();
         update.insert("$pull", doc! { field::LATE: { "$in": repaid } });
     }
     let committed = store
         .update_one(collection, filter, update, "ledger.fold.commit")
         .await?;
     Ok(committed.matched_count == 1)
+}
+
+/// The filter of the state while `owner`'s pass `pass` is in progress.
+fn owned(owner: ObjectId, pass: i64) -> Document {
+    doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass }
 }
 
 /// Records `raise` as `owner`'s pass `pass`'s latest raise of the floor
@@ -395,7 +406,7 @@ pub(crate) async fn record_raise(
     raise: &Raise,
     anchor: bool,
 ) -> Result<bool, Error> {
-    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
+    let filter = owned(owner, pass);
     let mut set = doc! { field::INTENT_LIVE: raise.to_document() };
     if anchor {
         set.insert(field::INTENT_ANCHOR, raise.to_document());
@@ -419,31 +430,56 @@ pub(crate) async fn owe_in_pass(
     (owner, pass): (ObjectId, i64),
     late: &Late,
 ) -> Result<bool, Error> {
-    let filter = doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass };
-    owe(store, collection, filter, late).await
+    let filter = owned(owner, pass);
+    owe(store, collection, filter, late, false).await
+}
+
+/// Records that the fold owes `late`, found by `owner`'s repair pass
+/// `pass` at its first raise: the pass repays it too (it joins the pass's
+/// debts). `false` when the pass is no longer `owner`'s.
+pub(crate) async fn owe_in_repair(
+    store: &Store,
+    collection: &Collection<Document>,
+    (owner, pass): (ObjectId, i64),
+    late: &Late,
+) -> Result<bool, Error> {
+    owe(store, collection, owned(owner, pass), late, true).await
 }
 
 /// Records that the fold owes `late`, found from the committed raise
-/// `floor`: only while the state still remembers it (a repair since would
-/// make the debt a second one).
+/// `floor`: only while the state still remembers it and no pass is in
+/// progress (a repair since, or one under way, would make the debt a
+/// second one).
 pub(crate) async fn owe_on_floor(
     store: &Store,
     collection: &Collection<Document>,
     floor: &Raise,
     late: &Late,
 ) -> Result<bool, Error> {
-    let filter = doc! { "_id": STATE_ID, field::FLOOR_TOKEN: &floor.token };
-    owe(store, collection, filter, late).await
+    let filter = doc! {
+        "_id": STATE_ID,
+        field::FLOOR_TOKEN: &floor.token,
+        field::INTENT: { "$exists": false },
+    };
+    owe(store, collection, filter, late, false).await
 }
 
+/// Adds `late` to the debts (and to the pass in progress's, with
+/// `into_intent`) of the state `filter` finds.
 async fn owe(
     store: &Store,
     collection: &Collection<Document>,
     filter: Document,
     late: &Late,
+    into_intent: bool,
 ) -> Result<bool, Error> {
+    let debt = late.to_document();
+    let mut add = doc! { field::LATE: debt.clone() };
+    if into_intent {
+        add.insert(field::INTENT_LATE, debt);
+    }
     let update = doc! {
-        "$addToSet": { field::LATE: late.to_document() },
+        "$addToSet": add,
         "$inc": { field::VERSION: 1 },
     };
     let owed = store
@@ -476,15 +512,17 @@ pub(crate) async fn record_floor(
     Ok(recorded.matched_count == 1)
 }
 
-/// Converts a 0.2.0 state (read as `state`) to a watermark `watermark`:
-/// its per-lane map goes, its pass and held sums stay. Conditioned on the
-/// version read; `false` when the state changed meanwhile.
+/// Converts a 0.2.0 state (read as `state`) to a watermark `watermark`
+/// over the floor's raise `floor`, owing `owed` (what may have landed below
+/// it while it was converted): its per-lane map goes, its pass and held
+/// sums stay. Conditioned on the version read; `false` when the state
+/// changed meanwhile.
 pub(crate) async fn convert_legacy(
     store: &Store,
     collection: &Collection<Document>,
     state: &FoldState,
-    watermark: i64,
-    floor: &Raise,
+    (watermark, floor): (i64, &Raise),
+    owed: &Late,
 ) -> Result<bool, Error> {
     let filter = doc! {
         "_id": STATE_ID,
@@ -492,7 +530,11 @@ pub(crate) async fn convert_legacy(
         field::INTENT: { "$exists": false },
     };
     let update = doc! {
-        "$set": { field::WATERMARK: watermark, field::FLOOR: floor.to_document() },
+        "$set": {
+            field::WATERMARK: watermark,
+            field::FLOOR: floor.to_document(),
+            field::LATE: [owed.to_document()],
+        },
         "$unset": { field::LEGACY_FOLDED: "" },
         "$inc": { field::VERSION: 1 },
     };
@@ -523,274 +565,5 @@ pub(crate) fn lost(collection: &Collection<Document>, evidence: String) -> Error
     Error::FoldStateLost {
         collection: collection.name().to_owned(),
         evidence,
-    }
-}
-
-/// The state document read into its parts, or what is wrong with it.
-fn parse(document: &Document) -> Result<FoldState, String> {
-    let number = |name: &str| match document.get(name) {
-        None => Ok(0),
-        Some(value) => integer_value(value)
-            .ok_or_else(|| format!("its {name} is a {}, not an integer", bson_type_name(value))),
-    };
-    let mut state = FoldState {
-        pass: number(field::PASS)?,
-        version: number(field::VERSION)?,
-        watermark: number(field::WATERMARK)?,
-        ..FoldState::default()
-    };
-    if let Some(folded) = document.get(field::LEGACY_FOLDED) {
-        let Bson::Document(folded) = folded else {
-            return Err("its folded map (tally 0.2.0) is not a document".into());
-        };
-        let mut legacy = Legacy::default();
-        for (lane, value) in folded {
-            let lane = ObjectId::parse_str(lane).map_err(|_| format!("{lane} is not a lane"))?;
-            let number = integer_value(value).ok_or("a folded number is not an integer")?;
-            legacy.folded.push((lane, number));
-        }
-        state.legacy = Some(legacy);
-    }
-    if let Some(intent) = document.get(field::INTENT) {
-        let Bson::Document(intent) = intent else {
-            return Err("its intent is not a document".into());
-        };
-        if intent.contains_key("ranges") {
-            return Err(
-                "its intent is a pass of tally 0.2.0 (lane ranges): finish it with tally 0.2.0's \
-                 `tallyd reconcile` before upgrading"
-                    .into(),
-            );
-        }
-        state.intent = Some(parse_intent(intent)?);
-    }
-    if let Some(floor) = document.get(field::FLOOR) {
-        let Bson::Document(floor) = floor else {
-            return Err("its floor is not a document".into());
-        };
-        state.floor = Some(Raise::from_document(floor).map_err(|why| format!("{why} (floor)"))?);
-    }
-    state.late = parse_late(document.get(field::LATE))?;
-    if let Some(held) = document.get(field::HELD) {
-        let Bson::Array(held) = held else {
-            return Err("its held sums are not an array".into());
-        };
-        for entry in held {
-            let Bson::Document(entry) = entry else {
-                return Err("a held sum is not a document".into());
-            };
-            state.held.push(parse_held(entry)?);
-        }
-    }
-    Ok(state)
-}
-
-fn parse_late(late: Option<&Bson>) -> Result<Vec<Late>, String> {
-    let Some(late) = late else {
-        return Ok(Vec::new());
-    };
-    let Bson::Array(late) = late else {
-        return Err("its debts (late) are not an array".into());
-    };
-    late.iter()
-        .map(|entry| match entry {
-            Bson::Document(entry) => Late::from_document(entry),
-            _ => Err("a debt is not a document".into()),
-        })
-        .collect()
-}
-
-fn parse_raise(intent: &Document, name: &str) -> Result<Option<Raise>, String> {
-    match intent.get(name) {
-        None => Ok(None),
-        Some(Bson::Document(raise)) => Raise::from_document(raise)
-            .map(Some)
-            .map_err(|why| format!("its intent's {name}: {why}")),
-        Some(_) => Err(format!("its intent's {name} is not a document")),
-    }
-}
-
-fn parse_intent(intent: &Document) -> Result<Intent, String> {
-    let bad = |what: &str| format!("its intent's {what} is malformed");
-    let number = |name: &str| {
-        intent
-            .get(name)
-            .and_then(integer_value)
-            .ok_or_else(|| bad(name))
-    };
-    Ok(Intent {
-        pass: number("pass")?,
-        from: number("from")?,
-        to: number("to")?,
-        owner: intent.get_object_id("owner").map_err(|_| bad("owner"))?,
-        deadline: intent
-            .get_datetime("deadline")
-            .map_err(|_| bad("deadline"))?
-            .to_system_time(),
-        recovered: intent.get_bool("recovered").unwrap_or(false),
-        anchor: parse_raise(intent, "anchor")?,
-        live: parse_raise(intent, "live")?,
-        late: parse_late(intent.get("late"))?,
-    })
-}
-
-fn parse_held(entry: &Document) -> Result<Held, String> {
-    let bad = |what: &str| format!("a held sum's {what} is malformed");
-    let amount = match entry.get("n") {
-        Some(Bson::String(text)) => text.parse::<i128>().map_err(|_| bad("sum"))?,
-        Some(value) => i128::from(integer_value(value).ok_or_else(|| bad("sum"))?),
-        None => return Err(bad("sum")),
-    };
-    Ok(Held {
-        key: entry.get("k").cloned().ok_or_else(|| bad("counter key"))?,
-        pass: entry
-            .get("p")
-            .and_then(integer_value)
-            .ok_or_else(|| bad("pass"))?,
-        amount,
-        events: entry
-            .get("e")
-            .and_then(integer_value)
-            .and_then(|e| u64::try_from(e).ok())
-            .unwrap_or(0),
-        maybe_applied: entry.get_bool("a").unwrap_or(true),
-        cause: entry.get_str("why").unwrap_or_default().to_owned(),
-        since: entry
-            .get_datetime("at")
-            .map_or(SystemTime::UNIX_EPOCH, |d| d.to_system_time()),
-    })
-}
-
-impl Held {
-    /// The held sum as stored.
-    pub(crate) fn to_document(&self) -> Document {
-        let amount = match i64::try_from(self.amount) {
-            Ok(n) => Bson::Int64(n),
-            Err(_) => Bson::String(self.amount.to_string()),
-        };
-        let mut entry = Document::new();
-        entry.insert("k", self.key.clone());
-        entry.insert("p", self.pass);
-        entry.insert("n", amount);
-        entry.insert("e", i64::try_from(self.events).unwrap_or(i64::MAX));
-        entry.insert("a", self.maybe_applied);
-        entry.insert("why", self.cause.clone());
-        entry.insert("at", DateTime::from_system_time(self.since));
-        entry
-    }
-}
-
-impl Intent {
-    /// The intent as stored.
-    pub(crate) fn to_document(&self) -> Document {
-        let mut intent = doc! {
-            "pass": self.pass,
-            "from": self.from,
-            "to": self.to,
-            "owner": self.owner,
-            "deadline": DateTime::from_system_time(self.deadline),
-            "recovered": self.recovered,
-        };
-        if let Some(anchor) = &self.anchor {
-            intent.insert("anchor", anchor.to_document());
-        }
-        if let Some(live) = &self.live {
-            intent.insert("live", live.to_document());
-        }
-        if !self.late.is_empty() {
-            let late: Vec<Document> = self.late.iter().map(Late::to_document).collect();
-            intent.insert("late", late);
-        }
-        intent
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use mongodb::bson::doc;
-
-    #[test]
-    fn a_state_document_reads_back_what_the_fold_writes() {
-        let intent = Intent {
-            pass: 4,
-            from: 10,
-            to: 20,
-            owner: ObjectId::new(),
-            deadline: DateTime::from_millis(1_700_000_000_000).to_system_time(),
-            recovered: true,
-            anchor: Some(Raise {
-                floor: 20,
-                token: "a".into(),
-                at: Timestamp {
-                    time: 9,
-                    increment: 1,
-                },
-            }),
-            live: None,
-            late: vec![Late {
-                after: Timestamp {
-                    time: 3,
-                    increment: 4,
-                },
-                below: 10,
-            }],
-        };
-        let held = Held {
-            key: Bson::Document(doc! { "u": 5 }),
-            pass: 3,
-            amount: i128::from(i64::MAX) + 1,
-            events: 2,
-            maybe_applied: false,
-            cause: "refused".into(),
-            since: DateTime::from_millis(1_700_000_000_000).to_system_time(),
-        };
-        let document = doc! {
-            "_id": STATE_ID, "pass": 3i64, "v": 7i64, "W": 10i64,
-            "intent": intent.to_document(),
-            "held": [held.to_document()],
-        };
-        let state = parse(&document).unwrap();
-        assert_eq!((state.pass, state.version, state.watermark), (3, 7, 10));
-        assert_eq!(state.intent, Some(intent.clone()));
-        assert_eq!(state.held, vec![held]);
-        assert_eq!(state.legacy, None);
-        let late = &intent.late[0];
-        assert!(late.owes(
-            10,
-            Timestamp {
-                time: 3,
-                increment: 5
-            }
-        ));
-        assert!(!late.owes(
-            11,
-            Timestamp {
-                time: 4,
-                increment: 0
-            }
-        ));
-        assert!(!late.owes(10, late.after));
-        assert!(intent.folds(11) && intent.folds(20));
-        assert!(!intent.folds(10) && !intent.folds(21));
-    }
-
-    #[test]
-    fn a_state_of_tally_0_2_0_is_recognised() {
-        let lane = ObjectId::new();
-        let state = parse(&doc! { "pass": 2i64, "folded": { lane.to_hex(): 10i64 } }).unwrap();
-        assert_eq!(state.legacy.unwrap().folded, vec![(lane, 10)]);
-        let unfinished = doc! { "intent": { "pass": 3i64, "ranges": {} } };
-        let refused = parse(&unfinished).unwrap_err();
-        assert!(refused.contains("0.2.0"), "{refused}");
-    }
-
-    #[test]
-    fn a_malformed_state_is_refused_never_guessed() {
-        assert!(parse(&doc! { "pass": "x" }).is_err());
-        assert!(parse(&doc! { "W": "x" }).is_err());
-        assert!(parse(&doc! { "folded": { "nota lane": 1 } }).is_err());
-        assert!(parse(&doc! { "intent": { "pass": 1 } }).is_err());
-        assert!(parse(&doc! { "held": [{ "k": "a" }] }).is_err());
     }
 }

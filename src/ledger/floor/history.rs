@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use mongodb::bson::{Document, Timestamp, doc};
 use mongodb::change_stream::ChangeStream;
 
-use super::{Raise, token_of};
+use super::{Floor, Raise, token_of};
 use crate::document::integer_value;
 use crate::error::{Error, Failure, server_code};
 use crate::ledger::field;
@@ -29,15 +29,16 @@ const AWAIT: Duration = Duration::from_millis(200);
 /// reaches back to where the stream was asked to start.
 const HISTORY_LOST: [i32; 2] = [286, 136];
 
-/// The token of the validator `raise`'s `collMod` replaced (`None`: the
-/// collection had no validator a raise set).
+/// The floor `raise`'s `collMod` replaced, read from the change stream
+/// from `before` (a cluster time before it took effect).
 pub(crate) async fn replaced(
     store: &Store,
     events: &str,
     raise: &Raise,
-) -> Result<Option<String>, Error> {
+    before: Timestamp,
+) -> Result<Floor, Error> {
     let pipeline = vec![doc! { "$match": { "operationType": "modify" } }];
-    let mut stream = open(store, events, raise.at, pipeline).await?;
+    let mut stream = open(store, events, before, pipeline).await?;
     let deadline = Instant::now() + RAISE_WAIT;
     loop {
         let Some(event) = next(&mut stream, events, deadline).await? else {
@@ -49,7 +50,7 @@ pub(crate) async fn replaced(
                 ),
             ));
         };
-        if !is(&event, raise) {
+        if !is_ours(&event, raise) {
             continue;
         }
         let Ok(before) = event
@@ -63,7 +64,7 @@ pub(crate) async fn replaced(
                     .into(),
             ));
         };
-        return Ok(before.get_document("validator").ok().and_then(token_of));
+        return Ok(Floor::of(before));
     }
 }
 
@@ -123,6 +124,19 @@ pub(crate) async fn landed(
             found.push(document.clone());
         }
     }
+}
+
+/// Whether the change event `event` is `raise`'s own `collMod`, by its
+/// token alone (the token is unique to the attempt).
+fn is_ours(event: &Document, raise: &Raise) -> bool {
+    event.get_str("operationType").ok() == Some("modify")
+        && event
+            .get_document("operationDescription")
+            .and_then(|d| d.get_document("validator"))
+            .ok()
+            .and_then(token_of)
+            .as_deref()
+            == Some(raise.token.as_str())
 }
 
 /// Whether the change event `event` is `raise`'s own `collMod`.

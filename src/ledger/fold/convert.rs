@@ -28,8 +28,57 @@ impl EventFold {
                  then run this version again (see the changelog)"
             ),
         };
-        // One scan of the events, each lane's lowest and highest number: a
-        // one-off, whatever the number of lanes the old state names.
+        let before = floor::cluster_time(&self.store, &self.events_name).await?;
+        let (highest_folded, lowest_unfolded) = self.split(&legacy, state).await?;
+        if highest_folded >= lowest_unfolded {
+            return Err(refuse(format!(
+                "an event it did not fold is numbered {lowest_unfolded}, below one it folded \
+                 ({highest_folded})"
+            )));
+        }
+        let watermark = highest_folded;
+        // The floor first: a watermark above the server's clock (an old
+        // recorder's clock ran ahead) must never stand without it, or this
+        // version's recorders, numbering by the server's clock, would
+        // record below it, where no pass looks.
+        let raise = floor::raise(&self.store, &self.events_name, watermark).await?;
+        // An insert numbered at or below the watermark that landed after
+        // the scan began and before the raise (held up in the network) was
+        // not folded by 0.2.0 and is not above the watermark: owed, and
+        // found in the change stream by the repair pass that follows.
+        let owed = state::Late {
+            after: before,
+            below: watermark,
+        };
+        if state::convert_legacy(&self.store, &self.state, state, (watermark, &raise), &owed)
+            .await?
+        {
+            let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
+            tracing::info!(
+                events = %self.events_name,
+                watermark,
+                registrations = forgotten,
+                "converted a fold state of tally 0.2.0 to a watermark"
+            );
+        }
+        let converted = state::read(&self.store, &self.state).await?;
+        if converted.legacy.is_some() {
+            return Err(refuse(
+                "another fold changed it while it was converted".into(),
+            ));
+        }
+        Ok(converted)
+    }
+
+    /// The highest number the 0.2.0 state `state` folded and the lowest it
+    /// did not (`i64::MAX`: none), from one scan of the events: each lane's
+    /// lowest and highest number — a one-off, whatever the number of lanes
+    /// the old state names.
+    async fn split(
+        &self,
+        legacy: &state::Legacy,
+        state: &state::FoldState,
+    ) -> Result<(i64, i64), Error> {
         let folded: std::collections::HashMap<ObjectId, i64> =
             legacy.folded.iter().copied().collect();
         let mut highest_folded = state.watermark;
@@ -52,33 +101,6 @@ impl EventFold {
                 }
             }
         }
-        if highest_folded >= lowest_unfolded {
-            return Err(refuse(format!(
-                "an event it did not fold is numbered {lowest_unfolded}, below one it folded \
-                 ({highest_folded})"
-            )));
-        }
-        let watermark = highest_folded;
-        // The floor first: a watermark above the server's clock (an old
-        // recorder's clock ran ahead) must never stand without it, or this
-        // version's recorders, numbering by the server's clock, would
-        // record below it, where no pass looks.
-        let raise = floor::raise(&self.store, &self.events_name, watermark).await?;
-        if state::convert_legacy(&self.store, &self.state, state, watermark, &raise).await? {
-            let forgotten = state::forget_legacy_registrations(&self.store, &self.state).await?;
-            tracing::info!(
-                events = %self.events_name,
-                watermark,
-                registrations = forgotten,
-                "converted a fold state of tally 0.2.0 to a watermark"
-            );
-        }
-        let converted = state::read(&self.store, &self.state).await?;
-        if converted.legacy.is_some() {
-            return Err(refuse(
-                "another fold changed it while it was converted".into(),
-            ));
-        }
-        Ok(converted)
+        Ok((highest_folded, lowest_unfolded))
     }
 }

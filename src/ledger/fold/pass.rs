@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::held::{self, Applied, Work};
 use super::query;
+use super::stand::Read;
 use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
 use crate::document::{CanonicalKey, display_id};
 use crate::error::{Error, ErrorClass};
@@ -24,6 +25,7 @@ use crate::write::lane::{LaneId, LaneIncrement};
 struct Applying {
     live: Raise,
     owed: bool,
+    repaid: Vec<Late>,
     held: Vec<Held>,
     written: u64,
     events: u64,
@@ -98,7 +100,8 @@ impl EventFold {
             return Ok((run, false));
         };
         let applied = self.apply(&state, &intent, clock).await?;
-        self.commit(&intent, &applied.live, &applied.held).await?;
+        self.commit((&intent, &applied.repaid), &applied.live, &applied.held)
+            .await?;
         for held in applied.held.iter().filter(|h| h.pass == intent.pass) {
             tracing::warn!(
                 events = %self.events_name,
@@ -112,7 +115,7 @@ impl EventFold {
         run.events_folded = applied.events;
         run.counters_written = applied.written;
         run.malformed_events = applied.malformed;
-        let repair = !intent.late.is_empty();
+        let repair = !applied.repaid.is_empty();
         if repair {
             run.late_events_folded = applied.events;
         }
@@ -245,7 +248,12 @@ impl EventFold {
         sendable_until: &Mutex<Instant>,
         clock: &(impl Fn() -> SystemTime + Sync),
     ) -> Result<Applying, Error> {
-        let (shares, live, owed) = self.read_pass(state, intent).await?;
+        let Read {
+            shares,
+            live,
+            owed,
+            repaid,
+        } = self.read_pass(state, intent).await?;
         let events = shares.values().map(|s| s.events).sum();
         let malformed: u64 = shares.values().map(|s| s.malformed).sum();
         if malformed > 0 {
@@ -296,6 +304,7 @@ impl EventFold {
         let mut applying = Applying {
             live,
             owed,
+            repaid,
             held: Vec::new(),
             written: 0,
             events,
@@ -360,8 +369,21 @@ impl EventFold {
 
     /// Commits the pass: the watermark moves to its end, the held sums are
     /// stored, the intent goes — only while the pass is still this fold's.
-    async fn commit(&self, intent: &Intent, live: &Raise, held: &[Held]) -> Result<(), Error> {
-        if state::commit(&self.store, &self.state, self.owner, intent, live, held).await? {
+    async fn commit(
+        &self,
+        (intent, repaid): (&Intent, &[Late]),
+        live: &Raise,
+        held: &[Held],
+    ) -> Result<(), Error> {
+        let committed = state::commit(
+            &self.store,
+            &self.state,
+            self.owner,
+            (intent, repaid),
+            live,
+            held,
+        );
+        if committed.await? {
             return Ok(());
         }
         // Our lost first attempt committed it, or another fold took it over

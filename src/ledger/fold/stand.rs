@@ -38,6 +38,19 @@ const REFRESH: Duration = Duration::from_secs(600);
 /// The sums of a pass, per counter.
 pub(super) type Shares = HashMap<CanonicalKey, Share>;
 
+/// What a pass read.
+pub(super) struct Read {
+    /// Its sums.
+    pub(super) shares: Shares,
+    /// The floor's latest raise (the state remembers it at the commit).
+    pub(super) live: Raise,
+    /// It found events owed: a repair pass should follow.
+    pub(super) owed: bool,
+    /// The debts it repays (a repair pass: its own, and one its first
+    /// raise found); the commit drops them.
+    pub(super) repaid: Vec<Late>,
+}
+
 impl EventFold {
     /// With no pass in progress: makes sure the events collection's floor
     /// is the last raise the state remembers. A floor changed since (a
@@ -75,8 +88,8 @@ impl EventFold {
             // later need not reach far back in the change stream.
             let (raise, foreign) =
                 floor::raise_over(&self.store, &self.events_name, to, Some(remembered)).await?;
-            if foreign {
-                self.owe_on_floor(remembered).await?;
+            if foreign && !self.owe_on_floor(remembered).await? {
+                return Ok(true);
             }
             return state::record_floor(&self.store, &self.state, Some(remembered), &raise).await;
         }
@@ -89,21 +102,24 @@ impl EventFold {
              again — the events that landed meanwhile below the watermark are found in the \
              change stream and folded by the next pass"
         );
-        self.owe_on_floor(remembered).await?;
+        if !self.owe_on_floor(remembered).await? {
+            // The state changed since it was read: the next pass judges.
+            return Ok(true);
+        }
         let raise = floor::raise(&self.store, &self.events_name, to).await?;
         state::record_floor(&self.store, &self.state, Some(remembered), &raise).await?;
         Ok(true)
     }
 
-    /// The shares of the pass `intent` and the floor's latest raise, the
-    /// floor standing at its end from before the read to after it; and
-    /// whether the pass found events owed (a repair pass should follow).
+    /// The shares of the pass `intent`, the floor standing at its end from
+    /// before the read to after it (see [`Read`]).
     pub(super) async fn read_pass(
         &self,
         state: &FoldState,
         intent: &Intent,
-    ) -> Result<(Shares, Raise, bool), Error> {
+    ) -> Result<Read, Error> {
         let mut owed = false;
+        let mut repaid = intent.late.clone();
         let (anchor, mut live) = match &intent.anchor {
             Some(anchor) => {
                 let live = intent.live.clone().unwrap_or_else(|| anchor.clone());
@@ -135,15 +151,31 @@ impl EventFold {
                          of an earlier pass that arrived late); the events that landed \
                          meanwhile below the watermark are owed and folded by a repair pass"
                     );
-                    self.owe_in_pass(intent, &debt_from(remembered)).await?;
-                    owed = true;
+                    let debt = debt_from(remembered);
+                    if intent.late.is_empty() {
+                        self.owe_in_pass(intent, &debt).await?;
+                        owed = true;
+                    } else {
+                        // A repair pass repays it with its own debts: it
+                        // reads the change stream up to its anchor anyway.
+                        self.owe_in_repair(intent, &debt).await?;
+                        if !repaid.contains(&debt) {
+                            repaid.push(debt);
+                        }
+                    }
                 }
                 self.record_raise(intent, &raise, true).await?;
                 (raise.clone(), raise)
             }
         };
-        if !intent.late.is_empty() {
-            return Ok((self.repair_shares(intent, &anchor).await?, live, owed));
+        if !repaid.is_empty() {
+            let shares = self.repair_shares(intent, &repaid, &anchor).await?;
+            return Ok(Read {
+                shares,
+                live,
+                owed,
+                repaid,
+            });
         }
         for _ in 0..FLOOR_ROUNDS {
             let mut shares = Shares::new();
@@ -170,7 +202,12 @@ impl EventFold {
                     .await?;
                     query::take_out(&mut shares, &landed);
                 }
-                return Ok((shares, live, owed));
+                return Ok(Read {
+                    shares,
+                    live,
+                    owed,
+                    repaid,
+                });
             }
             owed = true;
             live = self.raise_again(intent, &anchor).await?;
@@ -205,11 +242,17 @@ impl EventFold {
         Ok(raise)
     }
 
-    /// The sums of the events a repair pass owes: found in the change
-    /// stream, from the earliest debt to the pass's anchor.
-    async fn repair_shares(&self, intent: &Intent, anchor: &Raise) -> Result<Shares, Error> {
-        let after = intent.late.iter().map(|l| l.after).min();
-        let below = intent.late.iter().map(|l| l.below).max();
+    /// The sums of the events a repair pass owes for the debts `late`:
+    /// found in the change stream, from the earliest debt to the pass's
+    /// anchor.
+    async fn repair_shares(
+        &self,
+        intent: &Intent,
+        late: &[Late],
+        anchor: &Raise,
+    ) -> Result<Shares, Error> {
+        let after = late.iter().map(|l| l.after).min();
+        let below = late.iter().map(|l| l.below).max();
         let (Some(after), Some(below)) = (after, below) else {
             return Ok(Shares::new());
         };
@@ -219,7 +262,7 @@ impl EventFold {
             after,
             anchor,
             below,
-            |s, at| intent.late.iter().any(|late| late.owes(s, at)),
+            |s, at| late.iter().any(|late| late.owes(s, at)),
         )
         .await?;
         if !landed.is_empty() {
@@ -257,13 +300,19 @@ impl EventFold {
         Err(self.lost(intent))
     }
 
-    async fn owe_on_floor(&self, remembered: &Raise) -> Result<(), Error> {
-        // `false`: the state remembers another raise since (a pass
-        // committed, a repair ran): whoever changed it judges the floor
-        // from there.
-        state::owe_on_floor(&self.store, &self.state, remembered, &debt_from(remembered))
-            .await
-            .map(|_| ())
+    async fn owe_in_repair(&self, intent: &Intent, late: &Late) -> Result<(), Error> {
+        let id = (self.owner, intent.pass);
+        if state::owe_in_repair(&self.store, &self.state, id, late).await? {
+            return Ok(());
+        }
+        Err(self.lost(intent))
+    }
+
+    /// `false`: the state remembers another raise since, or a pass is in
+    /// progress (a pass committed, a repair ran or runs): whoever changed
+    /// it judges the floor from there.
+    async fn owe_on_floor(&self, remembered: &Raise) -> Result<bool, Error> {
+        state::owe_on_floor(&self.store, &self.state, remembered, &debt_from(remembered)).await
     }
 
     fn lost(&self, intent: &Intent) -> Error {

@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::error::ErrorKind;
+use mongodb::options::ReadConcern;
 use mongodb::{Collection, Namespace};
 
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
@@ -197,8 +198,17 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
             if unconfirmed {
                 inserted.iter().for_each(|&i| maybe_applied[i] = true);
             } else {
+                // A router (mongos) reports an ordered write's write error
+                // and drops its write-concern error: the events before the
+                // refused one are recorded only once a majority read finds
+                // them as ours; the others are unknown.
+                let confirmed = confirm(store, events, items, &inserted).await;
                 for &i in &inserted {
-                    outcomes[i] = Some(items[i].recorded());
+                    outcomes[i] = Some(match &confirmed {
+                        Ok(found) if found.contains(&i) => items[i].recorded(),
+                        Ok(_) => items[i].unknown(ns, unconfirmed_error(events, inserted.len())),
+                        Err(read) => items[i].unknown(ns, read.clone()),
+                    });
                 }
             }
             left = if unconfirmed { inserted } else { Vec::new() };
@@ -272,6 +282,61 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
         })
         .collect();
     Sent { fates, retire }
+}
+
+/// Which of `inserted` a majority read finds stored as ours (one `find` at
+/// read concern `majority`).
+async fn confirm(
+    store: &Store,
+    events: &Collection<Document>,
+    items: &[Item],
+    inserted: &[usize],
+) -> Result<Vec<usize>, Error> {
+    if inserted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<&str> = inserted
+        .iter()
+        .map(|&i| items[i].event.key.as_str())
+        .collect();
+    let filter = doc! { "_id": { "$in": keys } };
+    let projection = doc! { field::LANE: 1, field::NUMBER: 1 };
+    let mut budget = RetryBudget::read_once("ledger.confirm_events");
+    let cursor = store
+        .with_retry(&mut budget, || {
+            events
+                .find(filter.clone())
+                .projection(projection.clone())
+                .read_concern(ReadConcern::majority())
+        })
+        .await
+        .map_err(Error::Server)?;
+    let stored: Vec<Document> = cursor
+        .try_collect()
+        .await
+        .map_err(|err| Error::Server(Failure::once("ledger.confirm_events", err)))?;
+    let by_key: HashMap<&str, &Document> = stored
+        .iter()
+        .filter_map(|d| Some((d.get_str("_id").ok()?, d)))
+        .collect();
+    Ok(inserted
+        .iter()
+        .copied()
+        .filter(|&i| {
+            by_key
+                .get(items[i].event.key.as_str())
+                .is_some_and(|stored| items[i].is_ours(stored))
+        })
+        .collect())
+}
+
+/// Why an event inserted before a refused one is unknown: a majority read
+/// did not find it.
+fn unconfirmed_error(events: &Collection<Document>, inserted: usize) -> Error {
+    Error::MajorityUnconfirmed {
+        collection: events.name().to_owned(),
+        writes: inserted as u64,
+    }
 }
 
 /// Reads the events stored under the keys of `candidates` (one `find`) and

@@ -1,5 +1,6 @@
 //! A floor lowered behind the fold's back — by a `collMod` that arrived
-//! late, or a validator changed by hand — at every point of a pass: the
+//! late, or a validator changed by hand — at every point of a pass, during
+//! a repair, and while a 0.2.0 state is converted: the
 //! events that landed while it was down are found in the change stream and
 //! folded by a repair pass, each once, and no pass counts one of them
 //! twice.
@@ -11,12 +12,10 @@
 use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
-use tally::EventsRun;
+use tally::{EventFold, EventsRun, Ledger, Store};
 use tokio_util::sync::CancellationToken;
 
-use tally::{EventFold, Ledger, Store};
-
-use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+use crate::common::proxy::{Action, Exchange, Proxy, Rule, RuleGuard, upstream_of};
 use crate::common::{TestContext, counter};
 use crate::ledger::{assert_outcome, documents, fold_all, fold_of, ledger_on};
 
@@ -39,6 +38,26 @@ async fn land(db: &mongodb::Database, id: &str, key: &str, n: i64, s: i64) {
         .insert_one(event)
         .await
         .expect("the floor is down: the late event lands");
+}
+
+/// The events collection's validator as listCollections shows it.
+async fn validator(db: &mongodb::Database) -> Document {
+    let reply = db
+        .run_command(doc! { "listCollections": 1, "filter": { "name": "views_events" } })
+        .await
+        .unwrap();
+    reply
+        .get_document("cursor")
+        .unwrap()
+        .get_array("firstBatch")
+        .unwrap()[0]
+        .as_document()
+        .unwrap()
+        .get_document("options")
+        .unwrap()
+        .get_document("validator")
+        .unwrap()
+        .clone()
 }
 
 /// The fold state's watermark and the pass in progress's range, if any.
@@ -104,6 +123,22 @@ impl Scene {
         counter(&self.store.collection("views"), key).await
     }
 
+    /// `collMod` on the events collection with `options`.
+    async fn coll_mod(&self, options: Document) {
+        let mut command = doc! { "collMod": "views_events" };
+        command.extend(options);
+        self.db.run_command(command).await.expect("collMod");
+    }
+
+    /// Three passes of a fold, then the counter `key`.
+    async fn folded(&self, key: &str) -> i64 {
+        let fold = fold_of(&self.store, "views");
+        for _ in 0..3 {
+            fold_all(&fold).await;
+        }
+        self.counter(key).await
+    }
+
     /// Two more passes fold nothing and change no counter.
     async fn fold_twice_more_changes_nothing(&self, fold: &EventFold) {
         let before = documents(&self.store, "views").await;
@@ -117,6 +152,27 @@ impl Scene {
             "nothing folded twice"
         );
     }
+}
+
+/// Holds the reply to the fold's first update of its state naming `key`,
+/// and the condition that the update reached the server.
+fn hold_state_update(
+    proxy: &Proxy,
+    key: &'static str,
+) -> (RuleGuard, impl Fn(&[Exchange]) -> bool) {
+    let guard = proxy.rule(
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions(key)
+            .nth(1)
+            .then(Action::DelayReply(HOLD)),
+    );
+    let reached = move |log: &[Exchange]| {
+        log.iter().any(|e| {
+            e.command.as_deref() == Some("update") && e.body_mentions(key) && e.server_replied
+        })
+    };
+    (guard, reached)
 }
 
 /// Runs one `fold` call on `fold` in the background; `meanwhile` runs
@@ -215,20 +271,7 @@ async fn events_landed_while_a_pass_read_its_range_are_folded_once() {
     let (proxy, fold) = scene.fold_through_proxy().await;
     // The pass remembers its raise (an update of the state naming
     // intent.live): its reply is held while the floor goes.
-    let _slow = proxy.rule(
-        Rule::command("update")
-            .collection("views_events_fold")
-            .mentions("intent.live")
-            .nth(1)
-            .then(Action::DelayReply(HOLD)),
-    );
-    let raised = |log: &[Exchange]| {
-        log.iter().any(|e| {
-            e.command.as_deref() == Some("update")
-                && e.body_mentions("intent.live")
-                && e.server_replied
-        })
-    };
+    let (_slow, raised) = hold_state_update(&proxy, "intent.live");
     let (fold, run) = fold_while(&proxy, fold, ("the pass raised the floor", raised), async {
         let (_, range) = state(&scene.db).await;
         let (from, to) = range.expect("the pass in progress");
@@ -294,4 +337,227 @@ async fn a_pass_resumed_after_the_floor_was_taken_away_applies_what_it_read_firs
     );
     assert_eq!(scene.ledger.value("a").await.unwrap().value, 102);
     scene.fold_twice_more_changes_nothing(&fold).await;
+}
+
+/// A repair pass pays the debts its intent names (`d1`) from the change
+/// stream up to its own raise; a debt its own raise finds (`d2`, from the
+/// raise keep_the_floor remembered just before) overlaps `d1`'s window, so
+/// the repair pays it too and its commit drops both: the late event is
+/// folded once (found by the adversarial review: it was folded twice).
+///
+/// 1. A stale collMod of the same floor under another token (a held
+///    attempt of an earlier raise, landed late) replaces the remembered
+///    raise R0: harmless in itself.
+/// 2. A pass: keep_the_floor sees the token changed, owes d1 = {R0.at, W},
+///    raises R1 and remembers it; records a repair intent (late: [d1]).
+/// 3. Before the repair raises, a late collMod lowers the floor and an
+///    event numbered below W lands (at > R1.at > R0.at).
+/// 4. The repair's raise replaced a validator it did not make: it owes
+///    d2 = {R1.at, W}. It folds the late event (d1 owes it) and pulls d1.
+/// 5. The next pass repairs d2 and folds the same event again.
+#[tokio::test]
+async fn a_debt_found_by_a_repairs_own_raise_is_paid_by_that_repair_once() {
+    let scene = Scene::new("lowered_repair_twice").await;
+    let w = scene.watermark;
+    // 1. The same floor under another token: what a held attempt of the
+    // raise that set it does when it lands late.
+    scene
+        .db
+        .run_command(doc! {
+            "collMod": "views_events",
+            "validator": { "s": { "$gt": w }, "tally_floor": { "$ne": "held-attempt" } },
+        })
+        .await
+        .unwrap();
+    let (proxy, fold) = scene.fold_through_proxy().await;
+    // The repair's intent (the first update naming a deadline): its reply
+    // is held while the floor goes and the late event lands.
+    let (_slow, intended) = hold_state_update(&proxy, "deadline");
+    let (fold, _) = fold_while(&proxy, fold, ("the repair's intent", intended), async {
+        lower_the_floor(&scene.db).await;
+        land(&scene.db, "late", "a", 10, w - 5).await;
+    })
+    .await;
+    scene.fold_twice_more_changes_nothing(&fold).await;
+    // Oracle: e1 (1) and the late event (10), each once.
+    assert_eq!(scene.counter("a").await, 11, "the late event counted once");
+    assert_eq!(scene.ledger.value("a").await.unwrap().value, 11);
+}
+
+/// The floor is taken away by hand without touching the validator
+/// (`validationAction: "warn"`): the token stays, but a floor that only
+/// warns is not the raise's, and the next raise replaced a floor it did not
+/// make: the event that landed below the watermark meanwhile is folded once
+/// (found by the adversarial review: it was never folded).
+#[tokio::test]
+async fn an_event_landed_while_the_floor_only_warned_is_folded_once() {
+    let scene = Scene::new("lowered_warn").await;
+    let w = scene.watermark;
+    scene.coll_mod(doc! { "validationAction": "warn" }).await;
+    land(&scene.db, "late", "a", 10, w - 5).await;
+    // A later event, so that a pass raises the floor again.
+    assert_outcome(&scene.ledger.record("e2", "b", 1).await, "recorded");
+    let fold = fold_of(&scene.store, "views");
+    for _ in 0..3 {
+        fold_all(&fold).await;
+    }
+    assert_eq!(scene.counter("b").await, 1);
+    assert_eq!(scene.counter("a").await, 11, "the late event counted once");
+}
+
+/// The same with `validationLevel: "off"`, restored by hand before the
+/// next pass: open (the limit in the design chapter).
+#[tokio::test]
+#[ignore = "open: a floor disabled and enabled again by hand (or a router sending the fold's latest collMod again after a late one) between two checks is not seen: the checks read the floor at points in time (docs/src/design/ledger.md, limits)"]
+async fn an_event_landed_while_validation_was_off_and_on_again_is_folded_once() {
+    let scene = Scene::new("lowered_level_off").await;
+    let w = scene.watermark;
+    scene.coll_mod(doc! { "validationLevel": "off" }).await;
+    land(&scene.db, "late", "a", 10, w - 5).await;
+    scene.coll_mod(doc! { "validationLevel": "strict" }).await;
+    assert_eq!(scene.folded("a").await, 11, "the late event counted once");
+}
+
+/// The validator taken away and put back as it was (an operator's "disable
+/// validation for a migration, then restore the saved options", or a
+/// router sending the latest raise's collMod again after a late one): the
+/// token is the remembered one again, so no check sees that the floor was
+/// down. Open (the limit in the design chapter).
+#[tokio::test]
+#[ignore = "open: a floor disabled and enabled again by hand (or a router sending the fold's latest collMod again after a late one) between two checks is not seen: the checks read the floor at points in time (docs/src/design/ledger.md, limits)"]
+async fn an_event_landed_while_the_floor_was_away_and_put_back_is_folded_once() {
+    let scene = Scene::new("lowered_put_back").await;
+    let w = scene.watermark;
+    let saved = validator(&scene.db).await;
+    lower_the_floor(&scene.db).await;
+    land(&scene.db, "late", "a", 10, w - 5).await;
+    scene.coll_mod(doc! { "validator": saved }).await;
+    assert_eq!(scene.folded("a").await, 11, "the late event counted once");
+}
+
+/// Converting a state of tally 0.2.0 scans the events (which lanes it
+/// folded, where the unfolded ones start) and only then raises the floor to
+/// the watermark it chose. An insert held in the network (numbered below
+/// the highest number 0.2.0 folded) landing after the scan began and before
+/// the raise is owed by the converted state: the repair pass folds it once
+/// (found by the adversarial review: it was never folded).
+#[tokio::test]
+async fn an_event_landed_while_a_0_2_0_state_is_converted_is_folded_once() {
+    let ctx = TestContext::new("lowered_convert").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let db = client.client.database(&ctx.db_name);
+    ledger_on(&store, "views").await;
+    let then = SystemTime::now() - Duration::from_secs(60);
+    let base = i64::try_from(
+        then.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap();
+    let lane = ObjectId::new();
+    let events: Vec<Document> = (1..=3i64)
+        .map(|s| doc! { "_id": format!("old{s}"), "k": "home", "n": 1i64, "at": DateTime::now(), "L": lane, "s": base + s })
+        .collect();
+    db.collection::<Document>("views_events")
+        .insert_many(events)
+        .await
+        .unwrap();
+    db.collection::<Document>("views")
+        .insert_one(doc! { "_id": "home", "counter": 3i64 })
+        .await
+        .unwrap();
+    let state =
+        doc! { "_id": "state", "pass": 3i64, "v": 6i64, "folded": { lane.to_hex(): base + 3 } };
+    db.collection::<Document>("views_events_fold")
+        .insert_one(state)
+        .await
+        .unwrap();
+
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let fold = fold_of(&through, "views");
+    // The conversion's scan (its $group of each lane's lowest and highest
+    // number): its reply is held while the held insert lands.
+    let _slow = proxy.rule(
+        Rule::command("aggregate")
+            .collection("views_events")
+            .mentions("hi")
+            .nth(1)
+            .then(Action::DelayReply(HOLD)),
+    );
+    let scanned = |log: &[Exchange]| {
+        log.iter().any(|e| {
+            e.command.as_deref() == Some("aggregate") && e.body_mentions("hi") && e.server_replied
+        })
+    };
+    let (fold, _) = fold_while(&proxy, fold, ("the conversion's scan", scanned), async {
+        // A new recorder's insert, numbered a moment before the last event
+        // 0.2.0 folded, held in the network: it lands now.
+        land(&db, "held", "home", 100, base + 2).await;
+    })
+    .await;
+    for _ in 0..2 {
+        fold_all(&fold).await;
+    }
+    let stored = db
+        .collection::<Document>("views_events")
+        .count_documents(doc! { "_id": "held" })
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "the held insert landed (recorded)");
+    assert_eq!(
+        counter(&store.collection("views"), "home").await,
+        103,
+        "the held insert counted once"
+    );
+}
+
+/// Passes beside busy writers find their own raise in the change stream.
+/// The test server answers a `collMod` with the cluster time of the reply,
+/// not the `collMod`'s own as MongoDB does: with another write in between,
+/// a raise's `operationTime` is past its own `modify` event, so the stream
+/// is read from a `ping` before the raise and the raise found by its token
+/// (found by the adversarial review: passes stopped after 30 s with
+/// `FoldFloorUnverified`, 4 `collMod`s in 200 beside one writer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passes_beside_busy_writers_find_their_own_raise() {
+    let scene = Scene::new("lowered_busy").await;
+    let stop = CancellationToken::new();
+    let mut noise = Vec::new();
+    for w in 0..4i64 {
+        let db = scene.db.clone();
+        let stop = stop.clone();
+        noise.push(tokio::spawn(async move {
+            let mut i = 0i64;
+            while !stop.is_cancelled() {
+                i += 1;
+                let _ = db
+                    .collection::<Document>("noise")
+                    .insert_one(doc! { "_id": w * 1_000_000_000 + i })
+                    .await;
+            }
+        }));
+    }
+    let fold = fold_of(&scene.store, "views");
+    let mut failure = None;
+    for i in 0..20 {
+        assert_outcome(
+            &scene.ledger.record(format!("busy{i}"), "b", 1).await,
+            "recorded",
+        );
+        let began = std::time::Instant::now();
+        if let Err(err) = fold
+            .fold(SystemTime::now(), &CancellationToken::new())
+            .await
+        {
+            failure = Some(format!("pass {i} after {:?}: {err}", began.elapsed()));
+            break;
+        }
+    }
+    stop.cancel();
+    for task in noise {
+        task.await.unwrap();
+    }
+    assert_eq!(failure, None);
 }

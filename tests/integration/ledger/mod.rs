@@ -43,7 +43,6 @@ mod lowered;
 mod reads;
 mod recording;
 mod retention;
-mod review_floor2;
 mod soak;
 mod upgrade;
 

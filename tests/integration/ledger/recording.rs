@@ -105,8 +105,9 @@ async fn a_command_error_is_not_recorded() {
     assert_outcome(&ledger.record("evt_1", "home", 1).await, "recorded");
 }
 
-/// One ordered insert stops at the first key recorded before; the keys
-/// after it are read in one `find`, and only the new ones sent again.
+/// One ordered insert stops at the first key recorded before; the events
+/// it inserted before it are confirmed by one majority read, the keys after
+/// it are read in one `find`, and only the new ones sent again.
 #[tokio::test]
 async fn record_many_gives_each_event_its_outcome_in_few_round_trips() {
     let ctx = TestContext::new("ledger_record_many").await;
@@ -144,7 +145,11 @@ async fn record_many_gives_each_event_its_outcome_in_few_round_trips() {
         2,
         "stopped once, sent again once"
     );
-    assert_eq!(client.events.count("find"), 1, "the rest read at once");
+    assert_eq!(
+        client.events.count("find"),
+        2,
+        "those before confirmed at majority, the rest read at once"
+    );
     assert_eq!(client.events.count("bulkWrite"), 0);
     assert_eq!(ledger.value("a").await.unwrap().value, 4);
     assert_eq!(ledger.value("b").await.unwrap().value, 5);
@@ -158,6 +163,74 @@ async fn record_many_gives_each_event_its_outcome_in_few_round_trips() {
         (client.events.count("insert"), client.events.count("find")),
         (1, 1)
     );
+}
+
+/// The reply to an ordered insert carries a write error and no
+/// write-concern error — as `mongos` sends it, having dropped the
+/// write-concern error of the events it inserted before. Those events are
+/// recorded only once a majority read finds them; when that read fails,
+/// they are unknown, never recorded, and their tickets settle them.
+#[tokio::test]
+async fn events_before_a_refused_one_are_recorded_only_once_a_majority_read_finds_them() {
+    let ctx = TestContext::new("ledger_hidden_wce").await;
+    let client = ctx.client(false).await;
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
+    assert_outcome(&ledger.record("seen", "a", 1).await, "recorded");
+    let batch = [
+        ("e1", "a", 1),
+        ("e2", "b", 5),
+        ("seen", "a", 1),
+        ("e3", "a", 1),
+    ];
+
+    // The confirming read fails: the events before the refused one are
+    // unknown.
+    let outcomes = {
+        let _unread = proxy.rule(
+            Rule::command("find")
+                .collection("views_events")
+                .mentions("readConcern")
+                .then(Action::error(91, "ShutdownInProgress", &[])),
+        );
+        ledger.record_many(batch).await
+    };
+    let names: Vec<&str> = outcomes.iter().map(Recording::name).collect();
+    assert_eq!(names, ["unknown", "unknown", "duplicate", "recorded"]);
+    let confirming = proxy.requests("find");
+    assert!(
+        confirming.iter().any(|e| {
+            e.body
+                .get_document("readConcern")
+                .is_ok_and(|r| r.get_str("level").ok() == Some("majority"))
+        }),
+        "a majority read was sent: {confirming:#?}"
+    );
+    for outcome in outcomes {
+        if let Recording::Unknown(ticket) = outcome {
+            let again = ledger
+                .record_again(ticket)
+                .await
+                .expect("within the horizon");
+            assert_outcome(&again, "recorded");
+        }
+    }
+
+    // The read finds them: recorded.
+    let outcomes = ledger
+        .record_many([("f1", "a", 1), ("seen", "a", 1), ("f2", "b", 1)])
+        .await;
+    let names: Vec<&str> = outcomes.iter().map(Recording::name).collect();
+    assert_eq!(names, ["recorded", "duplicate", "recorded"]);
+
+    let fold = fold_of(&client.store(), "views");
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("fold");
+    assert_eq!(
+        counter(&client.collection("views"), "a").await,
+        1 + 1 + 1 + 1
+    );
+    assert_eq!(counter(&client.collection("views"), "b").await, 5 + 1);
 }
 
 /// The whole insert's reply is lost: the retry collides on every event,
