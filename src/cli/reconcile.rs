@@ -58,10 +58,7 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
         let target = config.fold_target(name);
         let mut progress = |p: Progress| {
             if show_progress {
-                eprint!(
-                    "\r{name}: {} documents read, {} folded   ",
-                    p.examined, p.folded
-                );
+                eprint!("\r{}   ", progress_line(name, &p, args.dry_run));
                 let _ = std::io::stderr().flush();
             }
         };
@@ -201,5 +198,36 @@ fn print_table(
                 );
             }
         }
+    }
+}
+
+/// The progress line of a collection's run on a terminal. A dry run folds
+/// nothing: it says what a fold would do.
+fn progress_line(name: &str, progress: &Progress, dry_run: bool) -> String {
+    let folded = if dry_run { "would fold" } else { "folded" };
+    format!(
+        "{name}: {} documents read, {} {folded}",
+        progress.examined, progress.folded
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dry_runs_progress_says_would_fold() {
+        let p = Progress {
+            examined: 7,
+            folded: 3,
+        };
+        assert_eq!(
+            progress_line("views", &p, true),
+            "views: 7 documents read, 3 would fold"
+        );
+        assert_eq!(
+            progress_line("views", &p, false),
+            "views: 7 documents read, 3 folded"
+        );
     }
 }

@@ -77,9 +77,29 @@ async fn the_example_config_passes_check_config() {
     let shown = text(&output);
     assert_eq!(output.status.code(), Some(0), "{shown}");
     assert!(shown.contains("name = \"page_views\""), "{shown}");
-    // The example's password is masked.
-    assert!(!shown.contains("change-me"), "{shown}");
-    assert!(shown.contains("tallyd:****@"), "{shown}");
+    // Durations read as the file writes them: hours at the most, never
+    // humantime's `1day` for `24h` (`7d` is `168h`).
+    assert!(shown.contains("lane_ttl = \"24h\""), "{shown}");
+    assert!(shown.contains("event_retention = \"168h\""), "{shown}");
+    // The example follows its own advice: no password in its URI, which
+    // the environment file carries instead (and the URI set there wins).
+    let file = std::fs::read_to_string(&path).unwrap();
+    let uri = file
+        .lines()
+        .find(|l| l.starts_with("uri = "))
+        .expect("a uri line");
+    assert!(!uri.contains('@'), "{uri}");
+    assert!(file.contains("/etc/tally/tallyd.env"), "{file}");
+    let secret = "mongodb://tallyd:s3cret@db9.example.net:27017/?replicaSet=rs0";
+    let output = tallyd(
+        &["--config", path.to_str().unwrap(), "check-config"],
+        &[("TALLYD__MONGODB__URI", secret)],
+    )
+    .await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("tallyd:****@db9.example.net"), "{shown}");
+    assert!(!shown.contains("s3cret"), "{shown}");
 }
 
 #[tokio::test]
