@@ -197,6 +197,18 @@ pub(crate) struct TargetArgs {
 }
 
 impl TargetArgs {
+    /// `--collection NAME` for the collection `name` the command works on
+    /// (named, or the only one configured), and `--any-collection` when it
+    /// was given: what a printed command repeats.
+    fn collection_options(&self, name: &str) -> String {
+        let any = if self.any_collection {
+            " --any-collection"
+        } else {
+            ""
+        };
+        format!(" --collection {}{any}", increment::shell_word(name))
+    }
+
     /// The collection the command works on, or the failure's message and
     /// exit code.
     fn resolve(&self, config: &Config) -> Result<CollectionConfig, (String, u8)> {
@@ -397,6 +409,42 @@ pub(crate) fn command() -> clap::Command {
     with_exit_codes(<Cli as clap::CommandFactory>::command())
 }
 
+/// The global options of this process's command line that a printed
+/// command must repeat (`-c PATH`, `--env-file PATH`), as shell words;
+/// set once, when the command line is parsed.
+static GIVEN_OPTIONS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+impl Cli {
+    /// Keeps the options a printed command repeats ([`shown_command`]).
+    fn remember_options(&self) {
+        let mut given = Vec::new();
+        if let Some(path) = &self.config {
+            given.push(format!(
+                "-c {}",
+                increment::shell_word(&path.to_string_lossy())
+            ));
+        }
+        if let Some(path) = &self.env_file {
+            given.push(format!(
+                "--env-file {}",
+                increment::shell_word(&path.to_string_lossy())
+            ));
+        }
+        let _ = GIVEN_OPTIONS.set(given.join(" "));
+    }
+}
+
+/// `tallyd` with the `-c`/`--config` and `--env-file` this command was
+/// given, then `rest`: a command printed for the user to run, which works
+/// pasted as shown (without them it would read another configuration, or
+/// none).
+pub(crate) fn shown_command(rest: &str) -> String {
+    match GIVEN_OPTIONS.get() {
+        Some(given) if !given.is_empty() => format!("tallyd {given} {rest}"),
+        _ => format!("tallyd {rest}"),
+    }
+}
+
 /// `println!` for what a command prints on standard output, through
 /// [`write_out`].
 macro_rules! out {
@@ -450,6 +498,7 @@ pub fn tallyd_main() -> ExitCode {
     if let Some(exit) = cli.run_without_config() {
         return exit;
     }
+    cli.remember_options();
     let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
         // The problems quote no secret (a URI's password is left out where
