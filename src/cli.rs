@@ -289,9 +289,11 @@ async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
     let store = Store::connect(&config.mongodb)
         .await
         .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))?;
-    tokio::spawn(say_while_unreachable(
+    tokio::spawn(watch_while_unreachable(
         store.clone(),
         config.mongodb.server_selection_timeout,
+        json,
+        secrets,
     ));
     Ok(store)
 }
@@ -300,32 +302,44 @@ async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
 /// error, and how often it says so again.
 const UNANSWERED_FIRST: std::time::Duration = std::time::Duration::from_secs(2);
 const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
+/// How often a command looks at what the driver's monitoring found.
+const UNANSWERED_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
 /// answered and why — while every host of the connection string failed its
-/// last try — instead of a silence as long as server selection; once, that
-/// the hosts belong to another replica set than the connection string
-/// names. Ends with the command (the runtime stops with it).
-async fn say_while_unreachable(store: Store, selection: std::time::Duration) {
+/// last try — instead of a silence as long as server selection. When the
+/// hosts that answer belong to another replica set than the connection
+/// string names, waiting cannot help (the driver selects none of them, so
+/// nothing was sent): the command stops at once, with that error and exit
+/// 78, instead of waiting out server selection. Ends with the command (the
+/// runtime stops with it).
+async fn watch_while_unreachable(
+    store: Store,
+    selection: std::time::Duration,
+    json: bool,
+    secrets: Secrets,
+) {
     let started = tokio::time::Instant::now();
-    tokio::time::sleep(UNANSWERED_FIRST).await;
+    let mut next_said = started + UNANSWERED_FIRST;
     loop {
         if let Some(other) = store.in_another_set() {
-            eprintln!(
-                "tallyd: {other}; waiting will not help (a command gives up after {})",
-                crate::error::human_duration(selection)
+            let message = format!(
+                "{other}; waiting will not help, so the command stops here (nothing was sent)"
             );
-            return;
+            fail(json, &message, &secrets, EXIT_CONFIG);
+            std::process::exit(i32::from(EXIT_CONFIG));
         }
-        if !store.seems_reachable() {
-            let waited = started.elapsed();
-            eprintln!(
-                "tallyd: {}; still trying (a command gives up after {})",
-                store.unanswered(waited),
-                crate::error::human_duration(selection)
-            );
+        if tokio::time::Instant::now() >= next_said {
+            if !store.seems_reachable() {
+                eprintln!(
+                    "tallyd: {}; still trying (a command gives up after {})",
+                    store.unanswered(started.elapsed()),
+                    crate::error::human_duration(selection)
+                );
+            }
+            next_said += UNANSWERED_AGAIN;
         }
-        tokio::time::sleep(UNANSWERED_AGAIN).await;
+        tokio::time::sleep(UNANSWERED_LOOK).await;
     }
 }
 
