@@ -30,12 +30,16 @@ mod increment;
 mod keys;
 mod lane;
 mod ledger;
+mod reach;
 mod reconcile;
 mod sequence;
 mod settle;
 mod setup;
+mod shown;
 
 pub(crate) use keys::{counter_key, event_key};
+use reach::connect;
+pub(crate) use shown::shown_command;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -282,67 +286,6 @@ fn configured(config: &Config, names: &[String], any: bool) -> Result<(), (Strin
     }
 }
 
-/// A client for the configured server, or the exit code of a URI that
-/// cannot be used (printed; 78: the configuration must change).
-async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
-    let secrets = config.secrets();
-    let store = Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))?;
-    tokio::spawn(watch_while_unreachable(
-        store.clone(),
-        config.mongodb.server_selection_timeout,
-        json,
-        secrets,
-    ));
-    Ok(store)
-}
-
-/// How long a command waits for a server before it says so on standard
-/// error, and how often it says so again.
-const UNANSWERED_FIRST: std::time::Duration = std::time::Duration::from_secs(2);
-const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
-/// How often a command looks at what the driver's monitoring found.
-const UNANSWERED_LOOK: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
-/// answered and why — while every host of the connection string failed its
-/// last try — instead of a silence as long as server selection. When the
-/// hosts that answer belong to another replica set than the connection
-/// string names, waiting cannot help (the driver selects none of them, so
-/// nothing was sent): the command stops at once, with that error and exit
-/// 78, instead of waiting out server selection. Ends with the command (the
-/// runtime stops with it).
-async fn watch_while_unreachable(
-    store: Store,
-    selection: std::time::Duration,
-    json: bool,
-    secrets: Secrets,
-) {
-    let started = tokio::time::Instant::now();
-    let mut next_said = started + UNANSWERED_FIRST;
-    loop {
-        if let Some(other) = store.in_another_set() {
-            let message = format!(
-                "{other}; waiting will not help, so the command stops here (nothing was sent)"
-            );
-            fail(json, &message, &secrets, EXIT_CONFIG);
-            std::process::exit(i32::from(EXIT_CONFIG));
-        }
-        if tokio::time::Instant::now() >= next_said {
-            if !store.seems_reachable() {
-                eprintln!(
-                    "tallyd: {}; still trying (a command gives up after {})",
-                    store.unanswered(started.elapsed()),
-                    crate::error::human_duration(selection)
-                );
-            }
-            next_said += UNANSWERED_AGAIN;
-        }
-        tokio::time::sleep(UNANSWERED_LOOK).await;
-    }
-}
-
 impl Cli {
     /// Parses the command line: `Err` with the exit code when it is wrong
     /// (the message printed: 64) or when it asked for `--help` or
@@ -421,42 +364,6 @@ pub(crate) fn command() -> clap::Command {
             .mut_subcommands(with_exit_codes)
     }
     with_exit_codes(<Cli as clap::CommandFactory>::command())
-}
-
-/// The global options of this process's command line that a printed
-/// command must repeat (`-c PATH`, `--env-file PATH`), as shell words;
-/// set once, when the command line is parsed.
-static GIVEN_OPTIONS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-impl Cli {
-    /// Keeps the options a printed command repeats ([`shown_command`]).
-    fn remember_options(&self) {
-        let mut given = Vec::new();
-        if let Some(path) = &self.config {
-            given.push(format!(
-                "-c {}",
-                increment::shell_word(&path.to_string_lossy())
-            ));
-        }
-        if let Some(path) = &self.env_file {
-            given.push(format!(
-                "--env-file {}",
-                increment::shell_word(&path.to_string_lossy())
-            ));
-        }
-        let _ = GIVEN_OPTIONS.set(given.join(" "));
-    }
-}
-
-/// `tallyd` with the `-c`/`--config` and `--env-file` this command was
-/// given, then `rest`: a command printed for the user to run, which works
-/// pasted as shown (without them it would read another configuration, or
-/// none).
-pub(crate) fn shown_command(rest: &str) -> String {
-    match GIVEN_OPTIONS.get() {
-        Some(given) if !given.is_empty() => format!("tallyd {given} {rest}"),
-        _ => format!("tallyd {rest}"),
-    }
 }
 
 /// `println!` for what a command prints on standard output, through
