@@ -27,6 +27,10 @@ pub(crate) const EXIT_TEMPFAIL: u8 = 75;
 /// (`EX_NOPERM`).
 pub(crate) const EXIT_NOPERM: u8 = 77;
 pub(crate) use crate::config::EXIT_CONFIG;
+/// Exit status of a command stopped by Ctrl-C (SIGINT) after it printed
+/// what it did: 128 + 2, as a shell reports a process SIGINT ended. Not a
+/// class of its own: the table of [`EXIT_CODES`] leaves it out.
+pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
 /// Every exit status and what it means, in order: the table `--help`
 /// ([`exit_codes_help`]) and the man pages' EXIT STATUS render.

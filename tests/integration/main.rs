@@ -35,4 +35,5 @@ mod soak;
 mod soak_group;
 mod soak_lanes;
 mod stop;
+mod streaming;
 mod tickets;

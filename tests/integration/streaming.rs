@@ -1,0 +1,184 @@
+//! Commands that stream work stop cleanly: `record --from` at an outage
+//! (one message naming the hosts, a summary of what was and was not sent,
+//! 69 or 75) and at Ctrl-C (the same summary, 130); sending the whole input
+//! again afterwards counts every event once.
+
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use mongodb::Collection;
+use mongodb::bson::{Document, doc};
+use tokio::io::AsyncWriteExt;
+use tokio::process::{Child, ChildStdin, Command};
+
+use crate::cli::{tallyd, text, write_config};
+use crate::common::proxy::{Proxy, upstream_of};
+use crate::common::{TestContext, wait_until};
+
+/// `n` events from `from` on: `{"event": "e<i>", "key": "k<i % 10>"}`.
+fn events(from: usize, n: usize) -> String {
+    (from..from + n)
+        .map(|i| format!("{{\"event\": \"e{i}\", \"key\": \"k{}\"}}\n", i % 10))
+        .collect()
+}
+
+/// A configuration for `uri` with the ledger of `views`, server selection
+/// 2 s.
+fn config(uri: &str, database: &str) -> String {
+    format!(
+        "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{database}\"\nserver_selection_timeout = \"2s\"\n\
+         attempt_timeout = \"3s\"\n[[collections]]\nname = \"views\"\nledger = true\n"
+    )
+}
+
+/// `tallyd --config <path> record --from - --collection views`, reading
+/// the standard input the test writes.
+fn record_from_stdin(path: &str) -> (Child, ChildStdin) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args(["--config", path, "record", "--from", "-"])
+        .args(["--collection", "views"])
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start tallyd");
+    let stdin = child.stdin.take().expect("its standard input");
+    (child, stdin)
+}
+
+/// Waits until `events` holds `n` documents.
+async fn until_recorded(events: &Collection<Document>, n: u64) {
+    wait_until(
+        &format!("{n} events recorded"),
+        Duration::from_secs(30),
+        || async { events.count_documents(doc! {}).await.unwrap() >= n },
+    )
+    .await;
+}
+
+/// Waits (up to 30 s) for `child` to exit; its output.
+async fn finished(child: Child) -> Output {
+    tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("tallyd exits within 30 s")
+        .expect("tallyd's output")
+}
+
+/// The number after `label` in `text` (`not sent: 12 lines` → 12).
+fn number_after(text: &str, label: &str) -> u64 {
+    let at = text
+        .find(label)
+        .unwrap_or_else(|| panic!("no {label:?} in {text}"));
+    text[at + label.len()..]
+        .trim_start()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number after {label:?} in {text}"))
+}
+
+/// 1,500 events recorded, then the server gone (the proxy the command
+/// reaches it through closes): the next batch is the last one sent — one
+/// message naming the proxy's address, a summary with the lines not sent
+/// and the first of them, exit 69 (75 if an insert in flight may have
+/// landed) — within one server selection. Before: every batch waited its
+/// own, one line of output per event, exit 1. Then the whole input sent
+/// again, as the summary says is safe: every event is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_from_stops_at_an_outage_and_sending_it_again_is_exact() {
+    let ctx = TestContext::new("stream_outage").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let address = proxy.address().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let through = write_config(
+        dir.path(),
+        &config(&ctx.child_uri_through(&proxy, false), &ctx.db_name),
+    );
+    let events_coll = ctx.client(false).await.collection("views_events");
+    let (child, mut stdin) = record_from_stdin(&through);
+    stdin.write_all(events(0, 1500).as_bytes()).await.unwrap();
+    stdin.flush().await.unwrap();
+    until_recorded(&events_coll, 1500).await;
+
+    drop(proxy);
+    let cut = Instant::now();
+    stdin
+        .write_all(events(1500, 1500).as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let output = finished(child).await;
+    let took = cut.elapsed();
+    let shown = text(&output);
+    let errors: Vec<&str> = shown.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{shown}");
+    assert!(errors[0].contains("the server is unavailable"), "{shown}");
+    assert!(errors[0].contains(&address), "{shown}");
+    assert!(shown.lines().count() < 10, "{shown}");
+    assert!(took < Duration::from_secs(15), "took {took:?}: {shown}");
+    let recorded = number_after(&shown, "-:");
+    let unknown = number_after(&shown, "conflicts,");
+    let not_sent = number_after(&shown, "not sent:");
+    let first = number_after(&shown, "the first line");
+    assert_eq!(recorded, 1500, "{shown}");
+    assert_eq!(recorded + unknown + not_sent, 3000, "{shown}");
+    assert!(first > 1500, "{shown}");
+    let code = if unknown > 0 { 75 } else { 69 };
+    assert_eq!(output.status.code(), Some(code), "{shown}");
+    assert!(shown.contains("sending it all again is safe"), "{shown}");
+
+    let direct = tempfile::tempdir().unwrap();
+    let path = write_config(direct.path(), &config(&ctx.child_uri(false), &ctx.db_name));
+    let file = direct.path().join("events.ndjson");
+    std::fs::write(&file, events(0, 3000)).unwrap();
+    let file = file.display().to_string();
+    let args = ["--config", &path, "record", "--from", &file];
+    let output = tallyd(&args, &[]).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    let recorded_now = number_after(&shown, "events.ndjson:");
+    let duplicates = number_after(&shown, "recorded,");
+    assert_eq!(recorded_now + duplicates, 3000, "{shown}");
+    assert!(duplicates >= 1500, "{shown}");
+    assert_eq!(events_coll.count_documents(doc! {}).await.unwrap(), 3000);
+    for k in 0..10 {
+        let key = format!("k{k}");
+        let on_key = events_coll.count_documents(doc! { "k": &key }).await;
+        assert_eq!(on_key.unwrap(), 300, "{key}");
+    }
+}
+
+/// Ctrl-C (SIGINT) stops `record --from -` with its summary — what was
+/// recorded, and that the rest of standard input was not sent, from which
+/// line — and exit 130. Before, SIGINT ended it at once, summary-less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_from_stops_at_ctrl_c_with_its_summary() {
+    let ctx = TestContext::new("stream_ctrl_c").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(&ctx.child_uri(false), &ctx.db_name));
+    let events_coll = ctx.client(false).await.collection("views_events");
+    let (child, mut stdin) = record_from_stdin(&path);
+    stdin.write_all(events(0, 20).as_bytes()).await.unwrap();
+    stdin.flush().await.unwrap();
+    until_recorded(&events_coll, 20).await;
+    let pid = child.id().expect("running").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("run kill");
+    assert!(sent.success());
+    let output = finished(child).await;
+    drop(stdin);
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(130), "{shown}");
+    assert!(shown.contains("-: 20 recorded, 0 duplicates"), "{shown}");
+    assert!(
+        shown.contains(
+            "not sent: 0 lines and whatever standard input still holds, the first line 21"
+        ),
+        "{shown}"
+    );
+    assert!(shown.contains("sending it all again is safe"), "{shown}");
+}
