@@ -22,12 +22,13 @@ fn events(from: usize, n: usize) -> String {
         .collect()
 }
 
-/// A configuration for `uri` with the ledger of `views`, server selection
-/// 2 s.
+/// A configuration for `uri` with the ledger of `views`: server selection
+/// 2 s (an outage is found fast), attempts 60 s (a test server under load
+/// may be slow; slow is not down).
 fn config(uri: &str, database: &str) -> String {
     format!(
         "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{database}\"\nserver_selection_timeout = \"2s\"\n\
-         attempt_timeout = \"3s\"\n[[collections]]\nname = \"views\"\nledger = true\n"
+         attempt_timeout = \"60s\"\n[[collections]]\nname = \"views\"\nledger = true\n"
     )
 }
 
@@ -181,4 +182,39 @@ async fn record_from_stops_at_ctrl_c_with_its_summary() {
         "{shown}"
     );
     assert!(shown.contains("sending it all again is safe"), "{shown}");
+}
+
+/// On a terminal `record --from FILE` shows a progress bar — the share of
+/// the file done, the time left, the rate — and on a pipe only its summary
+/// line. (The terminal is `script`'s pseudo-terminal.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_from_shows_a_progress_bar_on_a_terminal_only() {
+    let ctx = TestContext::new("stream_progress").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(&ctx.child_uri(false), &ctx.db_name));
+    let file = dir.path().join("events.ndjson");
+    std::fs::write(&file, events(0, 3000)).unwrap();
+    let file = file.display().to_string();
+    let line = format!(
+        "{} --config {path} record --from {file}",
+        env!("CARGO_BIN_EXE_tallyd")
+    );
+    let output = Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run script (util-linux)");
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("100% ETA"), "{shown}");
+    assert!(shown.contains("3000 lines, "), "{shown}");
+    assert!(shown.contains("/s: 3000 recorded"), "{shown}");
+
+    let output = tallyd(&["--config", &path, "record", "--from", &file], &[]).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(!shown.contains("ETA"), "{shown}");
+    assert_eq!(shown.lines().count(), 1, "{shown}");
+    assert!(shown.contains(": 0 recorded, 3000 duplicates"), "{shown}");
 }

@@ -102,6 +102,7 @@ pub(in crate::cli) async fn record_from(from: &str, target: &Target<'_>) -> Exit
     let mut lines = read_lines(file);
     let bar = (!target.json && std::io::stderr().is_terminal()).then(|| progress_bar(size));
     let mut tally = Tally::default();
+    let started = std::time::Instant::now();
     let mut stop = None;
     while stop.is_none() {
         let (batch, finished) = tokio::select! {
@@ -116,12 +117,8 @@ pub(in crate::cli) async fn record_from(from: &str, target: &Target<'_>) -> Exit
             stop = record_batch(batch, target, &mut tally, &mut interrupts, bar.as_ref()).await;
         }
         if let (Some(bar), Some(through)) = (&bar, through) {
-            bar.set_position(if size.is_some() {
-                through
-            } else {
-                tally.lines()
-            });
-            bar.set_message(tally.summary());
+            bar.set_position(through);
+            bar.set_message(tally.progress(started.elapsed()));
         }
         if finished {
             break;
@@ -171,18 +168,15 @@ fn report(from: &str, target: &Target<'_>, tally: &Tally, stop: Option<&Stop>) -
     ExitCode::from(code)
 }
 
-/// A bar for `size` bytes of a file, or a spinner for standard input:
-/// the lines settled, their rate, and the outcomes so far.
+/// A bar for `size` bytes of a file (its time left), or a spinner for
+/// standard input; its message is [`Tally::progress`].
 fn progress_bar(size: Option<u64>) -> ProgressBar {
     let (bar, template) = match size {
         Some(size) => (
             ProgressBar::new(size),
-            "{bar:30} {percent:>3}% {per_sec} ETA {eta} {msg}",
+            "{bar:30} {percent:>3}% ETA {eta} {msg}",
         ),
-        None => (
-            ProgressBar::new_spinner(),
-            "{spinner} {pos} lines, {per_sec} {msg}",
-        ),
+        None => (ProgressBar::new_spinner(), "{spinner} {msg}"),
     };
     if let Ok(style) = ProgressStyle::with_template(template) {
         bar.set_style(style);

@@ -110,6 +110,20 @@ impl Tally {
         }
     }
 
+    /// The progress bar's message: the lines settled in `elapsed`, their
+    /// rate, and the outcomes so far, short.
+    pub(super) fn progress(&self, elapsed: std::time::Duration) -> String {
+        let lines = self.lines();
+        let rate = lines as f64 / elapsed.as_secs_f64().max(0.001);
+        format!(
+            "{lines} lines, {rate:.0}/s: {} recorded, {} duplicates, {} unknown, {} refused",
+            self.recorded,
+            self.duplicate,
+            self.unknown,
+            self.conflict + self.not_recorded + self.malformed
+        )
+    }
+
     /// The outcomes as one line; after a stop, with the lines not sent.
     pub(super) fn summary(&self) -> String {
         let mut summary = format!(
