@@ -1,14 +1,15 @@
 //! Commands that stream work stop cleanly: `record --from` at an outage
 //! (one message naming the hosts, a summary of what was and was not sent,
 //! 69 or 75) and at Ctrl-C (the same summary, 130); sending the whole input
-//! again afterwards counts every event once.
+//! again afterwards counts every event once. `bench` names its scratch
+//! collections on its first line and drops them at Ctrl-C.
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use mongodb::Collection;
 use mongodb::bson::{Document, doc};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
 use crate::cli::{tallyd, text, write_config};
@@ -57,6 +58,16 @@ async fn until_recorded(events: &Collection<Document>, n: u64) {
         || async { events.count_documents(doc! {}).await.unwrap() >= n },
     )
     .await;
+}
+
+/// Sends SIGINT (Ctrl-C) to `child`.
+fn interrupt(child: &Child) {
+    let pid = child.id().expect("running").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("run kill");
+    assert!(sent.success());
 }
 
 /// Waits (up to 30 s) for `child` to exit; its output.
@@ -164,12 +175,7 @@ async fn record_from_stops_at_ctrl_c_with_its_summary() {
     stdin.write_all(events(0, 20).as_bytes()).await.unwrap();
     stdin.flush().await.unwrap();
     until_recorded(&events_coll, 20).await;
-    let pid = child.id().expect("running").to_string();
-    let sent = std::process::Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .expect("run kill");
-    assert!(sent.success());
+    interrupt(&child);
     let output = finished(child).await;
     drop(stdin);
     let shown = text(&output);
@@ -217,4 +223,82 @@ async fn record_from_shows_a_progress_bar_on_a_terminal_only() {
     assert!(!shown.contains("ETA"), "{shown}");
     assert_eq!(shown.lines().count(), 1, "{shown}");
     assert!(shown.contains(": 0 recorded, 3000 duplicates"), "{shown}");
+}
+
+/// `bench` names its scratch collections on its first line, at once and on
+/// a pipe (before, only in its report at the end); Ctrl-C stops it, exit
+/// 130, and drops them — or, with `--keep`, leaves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_names_its_collections_first_and_drops_them_at_ctrl_c() {
+    let ctx = TestContext::new("stream_bench").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let database = ctx.client(false).await.store().database().clone();
+    for keep in [false, true] {
+        let mut bench = Command::new(env!("CARGO_BIN_EXE_tallyd"));
+        bench
+            .args(["--config", &path, "bench", "--seconds", "600"])
+            .args(["--protocol", "plain,two-step", "--writers", "2"]);
+        if keep {
+            bench.arg("--keep");
+        }
+        let mut child = bench
+            .env_clear()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start tallyd bench");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        tokio::time::timeout(Duration::from_secs(30), stdout.read_line(&mut first))
+            .await
+            .expect("a first line within 30 s")
+            .unwrap();
+        let name = first
+            .strip_prefix("tallyd bench: scratch collections ")
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or_else(|| panic!("no collection named first: {first:?}"))
+            .to_owned();
+        assert!(name.starts_with("tally_bench_"), "{first}");
+        assert!(first.contains(&format!("{name}_events_fold")), "{first}");
+        wait_until(
+            &format!("{name} written"),
+            Duration::from_secs(30),
+            || async {
+                let names = database.list_collection_names().await.unwrap();
+                names.contains(&name)
+            },
+        )
+        .await;
+        interrupt(&child);
+        let mut rest = String::new();
+        stdout.read_to_string(&mut rest).await.unwrap();
+        let output = finished(child).await;
+        let shown = format!("{first}{rest}{}", String::from_utf8_lossy(&output.stderr));
+        assert_eq!(output.status.code(), Some(130), "{shown}");
+        assert!(
+            shown.contains("interrupted: the counters were not checked"),
+            "{shown}"
+        );
+        let left: Vec<String> = database
+            .list_collection_names()
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|n| n.starts_with(&name))
+            .collect();
+        if keep {
+            assert!(left.contains(&name), "--keep: {left:?}: {shown}");
+            for collection in left {
+                database
+                    .collection::<Document>(&collection)
+                    .drop()
+                    .await
+                    .unwrap();
+            }
+        } else {
+            assert!(left.is_empty(), "dropped: {left:?}: {shown}");
+        }
+    }
 }
