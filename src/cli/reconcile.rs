@@ -9,8 +9,10 @@ use clap::Args;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::{CollectionsArgs, EXIT_FAILED, EXIT_OK, exit_code_for};
+use super::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
+use super::{CollectionsArgs, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_code_for, shown_command};
 use crate::config::Config;
+use crate::error::words;
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Progress};
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -54,7 +56,15 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     // monotonic clock: each collection's run gets the time it starts at
     // (a ledger's marks start its dedupe window then, never earlier).
     let began = std::time::Instant::now();
+    // A server that cannot be reached fails every collection after it
+    // the same way, each after its own server selection; Ctrl-C means
+    // stop: the collections after it are not tried.
+    let mut not_tried: Vec<String> = Vec::new();
     for name in &names {
+        if stop.is_cancelled() || runs.iter().any(|(_, run)| stops_the_rest(run)) {
+            not_tried.push(name.clone());
+            continue;
+        }
         let target = config.fold_target(name);
         let mut progress = |p: Progress| {
             if show_progress {
@@ -72,24 +82,59 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     }
     drop(reconciler);
     let ok = runs.iter().all(|(_, run)| run.succeeded());
-    // A failed run exits by its error's class; an interrupted one, 1.
+    let ok = ok && not_tried.is_empty();
+    // Ctrl-C exits 130; a failed run exits by its error's class; an
+    // interrupted one (a shutdown), 1.
     let code = match runs.iter().find_map(|(_, run)| run.error.as_ref()) {
+        _ if stop.is_cancelled() => EXIT_INTERRUPTED,
         Some(err) => exit_code_for(err),
         None if ok => EXIT_OK,
         None => EXIT_FAILED,
     };
     if args.json {
-        print_json(&runs, args.dry_run, ok, &secrets);
+        print_json(&runs, args.dry_run, ok, &not_tried, &secrets);
     } else {
         print_table(&runs, args.dry_run, &secrets, &store);
+        if !not_tried.is_empty() {
+            let why = if stop.is_cancelled() {
+                "interrupted"
+            } else {
+                "the server is unavailable"
+            };
+            eprintln!(
+                "not tried ({why}): {}; run `{}` again to fold them (what was folded stays \
+                 folded, and folding again is safe)",
+                words(&not_tried),
+                shown_command("reconcile")
+            );
+        }
     }
     store.shutdown().await;
     ExitCode::from(code)
 }
 
-fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, secrets: &Secrets) {
+/// Whether `run`'s failure ends the command: a server that cannot be
+/// reached (or a URI naming another replica set) fails the others alike.
+fn stops_the_rest(run: &CollectionRun) -> bool {
+    run.error
+        .as_ref()
+        .is_some_and(|err| matches!(exit_code_for(err), EXIT_UNAVAILABLE | EXIT_CONFIG))
+}
+
+fn print_json(
+    runs: &[(FoldTarget, CollectionRun)],
+    dry_run: bool,
+    ok: bool,
+    not_tried: &[String],
+    secrets: &Secrets,
+) {
     let collections: Vec<_> = runs.iter().map(|(_, run)| run).collect();
-    let summary = json!({ "dry_run": dry_run, "ok": ok, "collections": collections });
+    let summary = json!({
+        "dry_run": dry_run,
+        "ok": ok,
+        "collections": collections,
+        "not_tried": not_tried,
+    });
     out!("{}", secrets.scrub(&summary.to_string()));
 }
 

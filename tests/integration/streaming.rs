@@ -13,7 +13,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
 use crate::cli::{tallyd, text, write_config};
-use crate::common::proxy::{Proxy, upstream_of};
+use crate::common::proxy::{Action, Proxy, Rule, RuleGuard, upstream_of};
 use crate::common::{TestContext, wait_until};
 
 /// `n` events from `from` on: `{"event": "e<i>", "key": "k<i % 10>"}`.
@@ -301,4 +301,87 @@ async fn bench_names_its_collections_first_and_drops_them_at_ctrl_c() {
             assert!(left.is_empty(), "dropped: {left:?}: {shown}");
         }
     }
+}
+
+/// A `tallyd reconcile` of three collections a, b, c through a proxy
+/// that answers each command on one of them as a rule says.
+struct Reconcile {
+    _ctx: TestContext,
+    proxy: Proxy,
+    _rule: RuleGuard,
+    _dir: tempfile::TempDir,
+    child: Child,
+}
+
+impl Reconcile {
+    /// Starts it with `args`, each command on `faulty` answered by `action`.
+    async fn start(name: &str, faulty: &str, action: Action, args: &[&str]) -> Self {
+        let ctx = TestContext::new(name).await;
+        let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+        let dir = tempfile::tempdir().unwrap();
+        let config = format!(
+            "[mongodb]\nuri = \"{}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"2s\"\n\
+             attempt_timeout = \"60s\"\n[[collections]]\nname = \"a\"\n\
+             [[collections]]\nname = \"b\"\n[[collections]]\nname = \"c\"\n",
+            ctx.child_uri_through(&proxy, false),
+            ctx.db_name
+        );
+        let path = write_config(dir.path(), &config);
+        let rule = proxy.rule(Rule::any().collection(faulty).then(action));
+        let child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
+            .args(["--config", &path, "reconcile"])
+            .args(args)
+            .env_clear()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start tallyd reconcile");
+        Self {
+            _ctx: ctx,
+            proxy,
+            _rule: rule,
+            _dir: dir,
+            child,
+        }
+    }
+}
+
+/// A reconcile whose second collection finds the server unavailable
+/// (NotWritablePrimary, the class of an outage) stops there: the third is
+/// not tried — before, each collection after it waited out its own server
+/// selection in an outage — the table says which, and it exits 69.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_stops_at_an_unavailable_server() {
+    let unavailable = Action::error(10107, "NotWritablePrimary", &[]);
+    let run = Reconcile::start("stream_reconcile_down", "b", unavailable, &["--json"]).await;
+    let output = finished(run.child).await;
+    assert_eq!(output.status.code(), Some(69), "{}", text(&output));
+    let out = crate::cli::json(&output);
+    assert_eq!(out["not_tried"], serde_json::json!(["c"]), "{out}");
+    let collections = out["collections"].as_array().expect("collections");
+    assert_eq!(collections.len(), 2, "{out}");
+    assert_eq!(out["ok"], false, "{out}");
+}
+
+/// Ctrl-C stops a reconcile: the collections after the one running are not
+/// tried, the summary says so, and it exits 130 (before: 1, and every
+/// collection after it was still tried, each "interrupted").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_stops_at_ctrl_c() {
+    let slow = Action::DelayReply(Duration::from_secs(2));
+    let run = Reconcile::start("stream_reconcile_int", "a", slow, &[]).await;
+    run.proxy
+        .wait_until("a's first command", Duration::from_secs(30), |log| {
+            log.iter().any(|e| e.collection.as_deref() == Some("a"))
+        })
+        .await;
+    interrupt(&run.child);
+    let output = finished(run.child).await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(130), "{shown}");
+    assert!(
+        shown.contains("not tried (interrupted): b and c"),
+        "{shown}"
+    );
 }
