@@ -43,7 +43,7 @@ use crate::write::lane::LaneIncrement;
 mod report;
 mod side;
 
-use report::{report, report_interrupted};
+use report::{Cut, report, report_cut};
 use side::{Settle, Side, Tally};
 
 /// The longest slice: the sides take turns at least this often.
@@ -203,7 +203,13 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         store.shutdown().await;
         return code;
     }
-    let sides = measure(&args, &protocols, &handles, &interrupted).await;
+    let (sides, outage) = measure(&args, &protocols, &handles, &interrupted).await;
+    if let Some(why) = outage {
+        // Nothing can be settled, checked or dropped now.
+        drop(handles);
+        store.shutdown().await;
+        return report_cut(&args, &scratch, &sides, &Cut::Outage(why));
+    }
     // Ctrl-C during the check (the ledger's fold may take minutes) stops
     // it too: nothing is left to report but the interruption.
     let checked = if interrupted.is_cancelled() {
@@ -227,7 +233,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     match checked {
         Ok(Ok(sides)) => report(&args, &name, &sides),
         Ok(Err(err)) => fail(args.json, &err, &secrets, EXIT_FAILED),
-        Err(sides) => report_interrupted(&args, &scratch, &sides),
+        Err(sides) => report_cut(&args, &scratch, &sides, &Cut::Interrupted),
     }
 }
 
@@ -247,7 +253,7 @@ async fn measure(
     protocols: &[Protocol],
     handles: &Arc<Handles>,
     interrupted: &CancellationToken,
-) -> Vec<Side> {
+) -> (Vec<Side>, Option<String>) {
     let total = Duration::from_secs(u64::from(args.seconds));
     let slices = total.as_secs_f64() / MAX_SLICE.as_secs_f64();
     let slices = (slices.ceil() as u32).max(1);
@@ -255,6 +261,7 @@ async fn measure(
     let mut sides: Vec<Side> = protocols.iter().map(|p| Side::new(*p)).collect();
     let progress = (!args.json && std::io::stderr().is_terminal())
         .then(|| progress_bar(u64::from(slices) * sides.len() as u64));
+    let mut outage = None;
     'slices: for round in 0..slices {
         for k in 0..sides.len() {
             if interrupted.is_cancelled() {
@@ -279,14 +286,21 @@ async fn measure(
             if let Some(bar) = &progress {
                 bar.inc(1);
             }
+            // Every host failed its last heartbeat: each further slice
+            // would wait out server selection for the same answer.
+            if !handles.store.seems_reachable() {
+                // (at least for the slice that just ended)
+                outage = Some(handles.store.unanswered(slice));
+                break 'slices;
+            }
         }
     }
-    if interrupted.is_cancelled() {
-        // Nothing is settled or checked: the scratch collections go.
+    if interrupted.is_cancelled() || outage.is_some() {
+        // Nothing is settled or checked.
         if let Some(bar) = &progress {
             bar.finish_and_clear();
         }
-        return sides;
+        return (sides, outage);
     }
     if let Some(bar) = &progress {
         bar.set_message("settling the unknown and pending outcomes…");
@@ -300,7 +314,7 @@ async fn measure(
     if let Some(bar) = &progress {
         bar.finish_and_clear();
     }
-    sides
+    (sides, None)
 }
 
 /// A bar over the `slices` of every side: their share done and the time

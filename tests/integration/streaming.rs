@@ -33,6 +33,30 @@ fn config(uri: &str, database: &str) -> String {
     )
 }
 
+/// A test's database reached through a proxy, and a configuration file
+/// ([`config`]) for it: the context, the proxy, the file's directory and
+/// its path.
+async fn behind_proxy(name: &str) -> (TestContext, Proxy, tempfile::TempDir, String) {
+    let ctx = TestContext::new(name).await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(
+        dir.path(),
+        &config(&ctx.child_uri_through(&proxy, false), &ctx.db_name),
+    );
+    (ctx, proxy, dir, path)
+}
+
+/// The one error line of `shown`, which says the server at `address` is
+/// unavailable.
+fn one_unavailable_error<'a>(shown: &'a str, address: &str) -> &'a str {
+    let errors: Vec<&str> = shown.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{shown}");
+    assert!(errors[0].contains("the server is unavailable"), "{shown}");
+    assert!(errors[0].contains(address), "{shown}");
+    errors[0]
+}
+
 /// `tallyd --config <path> record --from - --collection views`, reading
 /// the standard input the test writes.
 fn record_from_stdin(path: &str) -> (Child, ChildStdin) {
@@ -100,14 +124,8 @@ fn number_after(text: &str, label: &str) -> u64 {
 /// again, as the summary says is safe: every event is counted once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn record_from_stops_at_an_outage_and_sending_it_again_is_exact() {
-    let ctx = TestContext::new("stream_outage").await;
-    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let (ctx, proxy, _dir, through) = behind_proxy("stream_outage").await;
     let address = proxy.address().to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let through = write_config(
-        dir.path(),
-        &config(&ctx.child_uri_through(&proxy, false), &ctx.db_name),
-    );
     let events_coll = ctx.client(false).await.collection("views_events");
     let (child, mut stdin) = record_from_stdin(&through);
     stdin.write_all(events(0, 1500).as_bytes()).await.unwrap();
@@ -124,10 +142,7 @@ async fn record_from_stops_at_an_outage_and_sending_it_again_is_exact() {
     let output = finished(child).await;
     let took = cut.elapsed();
     let shown = text(&output);
-    let errors: Vec<&str> = shown.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errors.len(), 1, "{shown}");
-    assert!(errors[0].contains("the server is unavailable"), "{shown}");
-    assert!(errors[0].contains(&address), "{shown}");
+    one_unavailable_error(&shown, &address);
     assert!(shown.lines().count() < 10, "{shown}");
     assert!(took < Duration::from_secs(15), "took {took:?}: {shown}");
     let recorded = number_after(&shown, "-:");
@@ -235,42 +250,13 @@ async fn bench_names_its_collections_first_and_drops_them_at_ctrl_c() {
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
     let database = ctx.client(false).await.store().database().clone();
     for keep in [false, true] {
-        let mut bench = Command::new(env!("CARGO_BIN_EXE_tallyd"));
-        bench
-            .args(["--config", &path, "bench", "--seconds", "600"])
-            .args(["--protocol", "plain,two-step", "--writers", "2"]);
+        let mut extra = vec!["--protocol", "plain,two-step"];
         if keep {
-            bench.arg("--keep");
+            extra.push("--keep");
         }
-        let mut child = bench
-            .env_clear()
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start tallyd bench");
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut first = String::new();
-        tokio::time::timeout(Duration::from_secs(30), stdout.read_line(&mut first))
-            .await
-            .expect("a first line within 30 s")
-            .unwrap();
-        let name = first
-            .strip_prefix("tallyd bench: scratch collections ")
-            .and_then(|rest| rest.split(',').next())
-            .unwrap_or_else(|| panic!("no collection named first: {first:?}"))
-            .to_owned();
-        assert!(name.starts_with("tally_bench_"), "{first}");
+        let (child, mut stdout, first, name) = start_bench(&path, &extra).await;
         assert!(first.contains(&format!("{name}_events_fold")), "{first}");
-        wait_until(
-            &format!("{name} written"),
-            Duration::from_secs(30),
-            || async {
-                let names = database.list_collection_names().await.unwrap();
-                names.contains(&name)
-            },
-        )
-        .await;
+        until_created(&database, &name).await;
         interrupt(&child);
         let mut rest = String::new();
         stdout.read_to_string(&mut rest).await.unwrap();
@@ -384,4 +370,101 @@ async fn reconcile_stops_at_ctrl_c() {
         shown.contains("not tried (interrupted): b and c"),
         "{shown}"
     );
+}
+
+/// Starts `tallyd --config <path> bench --seconds 600 --writers 2 <extra>`
+/// and reads its first line, which must come at once: the child, the rest
+/// of its standard output, that line, and the scratch collection it names.
+async fn start_bench(
+    path: &str,
+    extra: &[&str],
+) -> (
+    Child,
+    BufReader<tokio::process::ChildStdout>,
+    String,
+    String,
+) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args([
+            "--config",
+            path,
+            "bench",
+            "--seconds",
+            "600",
+            "--writers",
+            "2",
+        ])
+        .args(extra)
+        .env_clear()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start tallyd bench");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    tokio::time::timeout(Duration::from_secs(30), stdout.read_line(&mut first))
+        .await
+        .expect("a first line within 30 s")
+        .unwrap();
+    let name = first
+        .strip_prefix("tallyd bench: scratch collections ")
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("no collection named first: {first:?}"))
+        .to_owned();
+    assert!(name.starts_with("tally_bench_"), "{first}");
+    (child, stdout, first, name)
+}
+
+/// Waits until the collection `name` exists.
+async fn until_created(database: &mongodb::Database, name: &str) {
+    wait_until(
+        &format!("{name} written"),
+        Duration::from_secs(30),
+        || async {
+            let names = database.list_collection_names().await.unwrap();
+            names.iter().any(|n| n == name)
+        },
+    )
+    .await;
+}
+
+/// With the server gone mid-run (the proxy it reaches it through closes),
+/// `bench` stops within a slice or two: one message naming the address and
+/// why, what it measured, unchecked, and the scratch collections left to
+/// drop; exit 69, or 75 when some increment's outcome is not known.
+/// Before, every caller waited out its server selection slice after slice
+/// for the whole run, then each open outcome its settling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_stops_at_an_outage() {
+    let (ctx, proxy, _dir, path) = behind_proxy("stream_bench_down").await;
+    let address = proxy.address().to_string();
+    let database = ctx.client(false).await.store().database().clone();
+    let (child, mut stdout, first, name) = start_bench(&path, &["--protocol", "plain"]).await;
+    until_created(&database, &name).await;
+    drop(proxy);
+    let cut = Instant::now();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).await.unwrap();
+    let output = finished(child).await;
+    let took = cut.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shown = format!("{first}{rest}{stderr}");
+    let error = one_unavailable_error(&shown, &address);
+    assert!(error.contains(&format!("collections {name},")), "{shown}");
+    assert!(
+        matches!(output.status.code(), Some(69 | 75)),
+        "{:?}: {shown}",
+        output.status
+    );
+    assert!(took < Duration::from_secs(20), "took {took:?}: {shown}");
+    for collection in database.list_collection_names().await.unwrap() {
+        if collection.starts_with(&name) {
+            database
+                .collection::<Document>(&collection)
+                .drop()
+                .await
+                .unwrap();
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! What `tallyd bench` prints: the table (or the JSON) of the sides and
-//! their checks, or, after Ctrl-C, what was measured unchecked.
+//! their checks, or, after Ctrl-C or an outage, what was measured
+//! unchecked.
 
 use std::process::ExitCode;
 
@@ -7,8 +8,8 @@ use serde_json::json;
 
 use super::side::Side;
 use super::{BenchArgs, Protocol};
-use crate::cli::exit::EXIT_INTERRUPTED;
-use crate::cli::{EXIT_FAILED, EXIT_OK, out};
+use crate::cli::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
+use crate::cli::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, out};
 use crate::error::words;
 
 /// Prints the table (or the JSON) and says whether every check held.
@@ -58,26 +59,60 @@ pub(super) fn report(args: &BenchArgs, collection: &str, sides: &[Side]) -> Exit
     ExitCode::from(if ok { EXIT_OK } else { EXIT_FAILED })
 }
 
-/// What a bench stopped by Ctrl-C measured, unchecked, and what became of
-/// its scratch collections: exit 130.
-pub(super) fn report_interrupted(args: &BenchArgs, scratch: &[String], sides: &[Side]) -> ExitCode {
+/// Why a bench stopped before its end.
+pub(super) enum Cut {
+    /// Ctrl-C (SIGINT).
+    Interrupted,
+    /// The server could not be reached: where, and why.
+    Outage(String),
+}
+
+/// What a bench cut short measured, unchecked, and what became of its
+/// scratch collections: exit 130 for Ctrl-C; for an outage 69, or 75 when
+/// some increment's outcome is not known.
+pub(super) fn report_cut(
+    args: &BenchArgs,
+    scratch: &[String],
+    sides: &[Side],
+    cut: &Cut,
+) -> ExitCode {
     let plain = sides
         .iter()
         .find(|s| s.protocol == Protocol::Plain)
         .map(Side::per_second);
-    let kept = if args.keep { "kept" } else { "dropped" };
-    let said = format!(
-        "interrupted: the counters were not checked; the scratch collections {} were {kept}",
-        words(scratch)
-    );
+    let (outcome, said, code) = match cut {
+        Cut::Interrupted => {
+            let kept = if args.keep { "kept" } else { "dropped" };
+            let said = format!(
+                "interrupted: the counters were not checked; the scratch collections {} were \
+                 {kept}",
+                words(scratch)
+            );
+            ("interrupted", said, EXIT_INTERRUPTED)
+        }
+        Cut::Outage(why) => {
+            let said = format!(
+                "error: the server is unavailable: {why}; stopped: the counters were not \
+                 checked, and the scratch collections {} were left (drop them once it answers)",
+                words(scratch)
+            );
+            let uncertain = sides.iter().any(Side::uncertain);
+            let code = if uncertain {
+                EXIT_TEMPFAIL
+            } else {
+                EXIT_UNAVAILABLE
+            };
+            ("unavailable", said, code)
+        }
+    };
     if args.json {
         let shown: Vec<_> = sides.iter().map(|s| s.json(plain)).collect();
         out!(
             "{}",
             json!({
-                "outcome": "interrupted",
+                "outcome": outcome,
                 "collections": scratch,
-                "kept": args.keep,
+                "kept": args.keep || matches!(cut, Cut::Outage(_)),
                 "sides": shown,
                 "ok": false,
             })
@@ -89,5 +124,5 @@ pub(super) fn report_interrupted(args: &BenchArgs, scratch: &[String], sides: &[
         }
     }
     eprintln!("{said}");
-    ExitCode::from(EXIT_INTERRUPTED)
+    ExitCode::from(code)
 }
