@@ -279,7 +279,11 @@ pub(super) fn print_backlogs(rows: &[Value]) {
         let indexes = if missing.is_empty() {
             "indexes ok".to_owned()
         } else {
-            format!("missing indexes {} (run tallyd setup)", missing.join(", "))
+            format!(
+                "missing indexes {} (run `{}`)",
+                missing.join(", "),
+                shown_command("setup")
+            )
         };
         let held = row["held_sums"].as_array().map_or(0, Vec::len);
         let held = if held == 0 {
