@@ -1,11 +1,12 @@
 //! `tallyd reconcile [--dry-run] [--collection NAME]... [--json]`.
 
 use crate::cli::out;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +51,7 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
     } else {
         Mode::Fold
     };
-    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let bar = (!args.json && std::io::stderr().is_terminal()).then(spinner);
     let mut runs = Vec::new();
     // The server's clock at the setup, carried forward by this process's
     // monotonic clock: each collection's run gets the time it starts at
@@ -66,21 +67,23 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
             continue;
         }
         let target = config.fold_target(name);
+        let started = std::time::Instant::now();
         let mut progress = |p: Progress| {
-            if show_progress {
-                eprint!("\r{}   ", progress_line(name, &p, args.dry_run));
-                let _ = std::io::stderr().flush();
+            if let Some(bar) = &bar {
+                let rate = p.examined as f64 / started.elapsed().as_secs_f64().max(0.001);
+                let line = progress_line(name, &p, args.dry_run);
+                bar.set_message(format!("{line} ({rate:.0} documents/s)"));
             }
         };
         let run = reconciler
             .reconcile(&target, mode, now + began.elapsed(), &stop, &mut progress)
             .await;
-        if show_progress {
-            eprint!("\r\x1b[2K");
-        }
         runs.push((target, run));
     }
     drop(reconciler);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
     let ok = runs.iter().all(|(_, run)| run.succeeded());
     let ok = ok && not_tried.is_empty();
     // Ctrl-C exits 130; a failed run exits by its error's class; an
@@ -244,6 +247,18 @@ fn print_table(
             }
         }
     }
+}
+
+/// The progress of a run on a terminal: a spinner, its message the
+/// collection's [`progress_line`] and its rate (how many documents a run
+/// reads is not known ahead).
+fn spinner() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg}") {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
 }
 
 /// The progress line of a collection's run on a terminal. A dry run folds
