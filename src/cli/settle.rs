@@ -196,7 +196,10 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
                     crate::document::shown(&args.key),
                     config.mongodb.database,
                 );
-                let fields = json!({ "outcome": "not_pending" });
+                let fields = json!({
+                    "outcome": "not_pending",
+                    "database": config.mongodb.database,
+                });
                 print(&target, &shown, fields, &text, EXIT_OK)
             }
             Err(err) => {

@@ -206,4 +206,12 @@ async fn a_printed_command_repeats_the_options_it_was_given() {
         shown.contains(&format!("(database {})", ctx.db_name)),
         "{shown}"
     );
+    let mut args = vec!["-c", config.as_str(), "--env-file", env_file.as_str()];
+    args.extend(["complete", "k", &token, "--collection", "other", "--json"]);
+    let output = tallyd(&args, &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "not_pending", "{out}");
+    assert_eq!(out["database"], ctx.db_name.as_str(), "{out}");
+    assert_eq!(out["collection"], "other", "{out}");
 }

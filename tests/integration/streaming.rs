@@ -468,3 +468,30 @@ async fn bench_stops_at_an_outage() {
         }
     }
 }
+
+/// With no server at all, `record --from FILE` sends its first batch, finds
+/// the server unreachable, and stops: exit 69, nothing sent, the first line
+/// not sent is line 1, and the URI's password is never shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_from_with_no_server_sends_nothing_and_hides_the_password() {
+    let port = crate::common::tallyd::free_address().port();
+    let uri = format!("mongodb://tally:S3cret-pw@127.0.0.1:{port}/?directConnection=true");
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(&uri, "app"));
+    let file = dir.path().join("events.ndjson");
+    std::fs::write(&file, events(0, 2500)).unwrap();
+    let file = file.display().to_string();
+    let output = tallyd(&["--config", &path, "record", "--from", &file], &[]).await;
+    let shown = crate::errors::readable(&output);
+    assert_eq!(output.status.code(), Some(69), "{shown}");
+    one_unavailable_error(&shown, &format!("127.0.0.1:{port}"));
+    assert!(
+        shown.contains("0 recorded, 0 duplicates, 0 conflicts, 0 unknown"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("not sent: 2500 lines, the first line 1"),
+        "{shown}"
+    );
+    assert!(!shown.contains("S3cret-pw"), "{shown}");
+}
