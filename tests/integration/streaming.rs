@@ -494,4 +494,17 @@ async fn record_from_with_no_server_sends_nothing_and_hides_the_password() {
         "{shown}"
     );
     assert!(!shown.contains("S3cret-pw"), "{shown}");
+
+    // In JSON: no object for a line not sent, one summary object.
+    let args = ["--config", &path, "record", "--from", &file, "--json"];
+    let output = tallyd(&args, &[]).await;
+    let shown = crate::errors::readable(&output);
+    assert_eq!(output.status.code(), Some(69), "{shown}");
+    let out = crate::cli::json(&output);
+    assert_eq!(out["outcome"], "unavailable", "{out}");
+    assert_eq!(out["not_sent"], 2500, "{out}");
+    assert_eq!(out["first_not_sent_line"], 1, "{out}");
+    let error = out["error"].as_str().unwrap_or_default();
+    assert!(error.contains(&format!("127.0.0.1:{port}")), "{out}");
+    assert!(!shown.contains("S3cret-pw"), "{shown}");
 }

@@ -354,13 +354,21 @@ async fn record_batch(
                 tally.not_sent_from(read.number);
                 continue;
             }
+            // Said once for the batch, below (each line in JSON).
             unknown_in_outage.push(read.number);
+            tally.add(&recording);
+            if target.json {
+                report_line(read.number, &recording, target);
+            }
+            continue;
         }
         tally.add(&recording);
         report_line(read.number, &recording, target);
     }
     tally.sent_through(batch.last().map_or(0, |read| read.number));
     let Some(why) = outage else { return stop };
+    let why = target.secrets.scrub(&why);
+    tally.unavailable = Some(why.clone());
     if !target.json {
         let unknown = match unknown_in_outage.as_slice() {
             [] => String::new(),
@@ -370,10 +378,8 @@ async fn record_batch(
                 words(&shown_lines(lines))
             ),
         };
-        let said = format!(
-            "error: the server is unavailable: {}{unknown}; stopped, sending no more",
-            target.secrets.scrub(&why)
-        );
+        let said =
+            format!("error: the server is unavailable: {why}{unknown}; stopped, sending no more");
         match bar {
             Some(bar) => bar.println(said),
             None => eprintln!("{said}"),

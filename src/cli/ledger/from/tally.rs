@@ -43,6 +43,8 @@ pub(super) struct Tally {
     /// Standard input was not read to its end: more lines may follow the
     /// ones counted as not sent.
     rest_unread: bool,
+    /// Why the server could not be reached, when an outage stopped it.
+    pub(super) unavailable: Option<String>,
 }
 
 impl Tally {
@@ -162,6 +164,7 @@ impl Tally {
             "not_sent": self.not_sent,
             "first_not_sent_line": self.first_not_sent,
             "rest_unread": self.rest_unread,
+            "error": self.unavailable,
         })
     }
 }
