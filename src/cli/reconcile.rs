@@ -102,7 +102,7 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
             let why = if stop.is_cancelled() {
                 "interrupted"
             } else {
-                "the server is unavailable"
+                "the error above fails them alike"
             };
             eprintln!(
                 "not tried ({why}): {}; run `{}` again to fold them (what was folded stays \

@@ -140,7 +140,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         if !not_tried.is_empty() {
             eprintln!(
                 "not tried: {} (the same server would fail them alike); run `{}` again once \
-                 it answers",
+                 the error above is fixed",
                 words(&not_tried),
                 super::shown_command("setup")
             );
