@@ -54,7 +54,9 @@ use reach::Heartbeats;
 
 use config::DEFAULT_SERVER_SELECTION_TIMEOUT;
 pub use config::StoreConfig;
-pub(crate) use config::{serialize_duration, serialize_optional_duration, shown_duration};
+#[cfg(feature = "daemon")]
+pub(crate) use config::shown_duration;
+pub(crate) use config::{serialize_duration, serialize_optional_duration};
 
 /// Default bound on one attempt of an operation: longer than the default
 /// server selection timeout, so an outage is told apart from a lost reply.
