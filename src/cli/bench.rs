@@ -170,13 +170,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     } else {
         out!("{first}");
     }
-    let interrupted = CancellationToken::new();
-    let on_interrupt = interrupted.clone();
-    tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            on_interrupt.cancel();
-        }
-    });
+    let interrupted = super::exit::cancelled_at_ctrl_c();
     let handles = Arc::new(Handles {
         plain: store.collection(&name),
         counters: Counters::new(&store, spec.clone(), config.writer),

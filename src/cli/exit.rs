@@ -32,6 +32,27 @@ pub(crate) use crate::config::EXIT_CONFIG;
 /// class of its own: the table of [`EXIT_CODES`] leaves it out.
 pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
+/// A token cancelled at the first Ctrl-C (SIGINT), for a command that then
+/// stops in order and exits [`EXIT_INTERRUPTED`]. The handler is in place
+/// when this returns: a Ctrl-C from then on never ends the process
+/// abruptly.
+pub(crate) fn cancelled_at_ctrl_c() -> tokio_util::sync::CancellationToken {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = tokio_util::sync::CancellationToken::new();
+    let cancel = token.clone();
+    match signal(SignalKind::interrupt()) {
+        Ok(mut interrupts) => {
+            tokio::spawn(async move {
+                if interrupts.recv().await.is_some() {
+                    cancel.cancel();
+                }
+            });
+        }
+        Err(err) => eprintln!("warning: Ctrl-C will not stop this command in order: {err}"),
+    }
+    token
+}
+
 /// Every exit status and what it means, in order: the table `--help`
 /// ([`exit_codes_help`]) and the man pages' EXIT STATUS render.
 pub(crate) const EXIT_CODES: &[(u8, &str)] = &[

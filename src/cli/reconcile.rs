@@ -8,7 +8,6 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 use super::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
 use super::{CollectionsArgs, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_code_for, shown_command};
@@ -39,13 +38,7 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
             Ok(setup) => setup,
             Err(code) => return code,
         };
-    let stop = CancellationToken::new();
-    let on_interrupt = stop.clone();
-    tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            on_interrupt.cancel();
-        }
-    });
+    let stop = super::exit::cancelled_at_ctrl_c();
     let mode = if args.dry_run {
         Mode::DryRun
     } else {
