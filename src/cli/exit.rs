@@ -33,9 +33,10 @@ pub(crate) use crate::config::EXIT_CONFIG;
 pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
 /// A token cancelled at the first Ctrl-C (SIGINT), for a command that then
-/// stops in order and exits [`EXIT_INTERRUPTED`]. The handler is in place
-/// when this returns: a Ctrl-C from then on never ends the process
-/// abruptly.
+/// stops in order and exits [`EXIT_INTERRUPTED`]; a second Ctrl-C ends the
+/// process at once, with that exit status (what was in flight, such as a
+/// write waiting for an unreachable server, is not waited for). The handler
+/// is in place when this returns.
 pub(crate) fn cancelled_at_ctrl_c() -> tokio_util::sync::CancellationToken {
     use tokio::signal::unix::{SignalKind, signal};
     let token = tokio_util::sync::CancellationToken::new();
@@ -44,7 +45,15 @@ pub(crate) fn cancelled_at_ctrl_c() -> tokio_util::sync::CancellationToken {
         Ok(mut interrupts) => {
             tokio::spawn(async move {
                 if interrupts.recv().await.is_some() {
+                    eprintln!(
+                        "tallyd: interrupted: stopping in order after the work in flight (Ctrl-C \
+                         again to stop at once)"
+                    );
                     cancel.cancel();
+                }
+                if interrupts.recv().await.is_some() {
+                    eprintln!("tallyd: interrupted again: stopping at once");
+                    std::process::exit(i32::from(EXIT_INTERRUPTED));
                 }
             });
         }

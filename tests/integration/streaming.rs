@@ -508,3 +508,44 @@ async fn record_from_with_no_server_sends_nothing_and_hides_the_password() {
     assert!(error.contains(&format!("127.0.0.1:{port}")), "{out}");
     assert!(!shown.contains("S3cret-pw"), "{shown}");
 }
+
+/// A second Ctrl-C stops a reconcile at once, without waiting for the
+/// command in flight (here a reply held for 60 s): the first one says that
+/// it stops in order, and how to stop at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_ctrl_c_stops_a_reconcile_at_once() {
+    let held = Action::DelayReply(Duration::from_secs(60));
+    let mut run = Reconcile::start("stream_reconcile_int2", "a", held, &[]).await;
+    run.proxy
+        .wait_until("a's first command", Duration::from_secs(30), |log| {
+            log.iter().any(|e| e.collection.as_deref() == Some("a"))
+        })
+        .await;
+    let mut stderr = BufReader::new(run.child.stderr.take().unwrap());
+    interrupt(&run.child);
+    let said = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut line = String::new();
+        while !line.contains("interrupted: stopping in order") {
+            line.clear();
+            assert!(
+                stderr.read_line(&mut line).await.unwrap() > 0,
+                "stderr ended"
+            );
+        }
+        line
+    })
+    .await
+    .expect("the first Ctrl-C is said within 30 s");
+    assert!(said.contains("Ctrl-C again to stop at once"), "{said}");
+    let again = Instant::now();
+    interrupt(&run.child);
+    let output = finished(run.child).await;
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).await.unwrap();
+    assert_eq!(output.status.code(), Some(130), "{rest}");
+    assert!(
+        rest.contains("interrupted again: stopping at once"),
+        "{rest}"
+    );
+    assert!(again.elapsed() < Duration::from_secs(20), "{rest}");
+}
