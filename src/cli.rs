@@ -30,12 +30,16 @@ mod increment;
 mod keys;
 mod lane;
 mod ledger;
+mod reach;
 mod reconcile;
 mod sequence;
 mod settle;
 mod setup;
+mod shown;
 
 pub(crate) use keys::{counter_key, event_key};
+use reach::connect;
+pub(crate) use shown::shown_command;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -197,6 +201,18 @@ pub(crate) struct TargetArgs {
 }
 
 impl TargetArgs {
+    /// `--collection NAME` for the collection `name` the command works on
+    /// (named, or the only one configured), and `--any-collection` when it
+    /// was given: what a printed command repeats.
+    fn collection_options(&self, name: &str) -> String {
+        let any = if self.any_collection {
+            " --any-collection"
+        } else {
+            ""
+        };
+        format!(" --collection {}{any}", increment::shell_word(name))
+    }
+
     /// The collection the command works on, or the failure's message and
     /// exit code.
     fn resolve(&self, config: &Config) -> Result<CollectionConfig, (String, u8)> {
@@ -267,53 +283,6 @@ fn configured(config: &Config, names: &[String], any: bool) -> Result<(), (Strin
             EXIT_CONFIG,
         )),
         _ => Ok(()),
-    }
-}
-
-/// A client for the configured server, or the exit code of a URI that
-/// cannot be used (printed; 78: the configuration must change).
-async fn connect(config: &Config, json: bool) -> Result<Store, ExitCode> {
-    let secrets = config.secrets();
-    let store = Store::connect(&config.mongodb)
-        .await
-        .map_err(|err| fail(json, &err.to_string(), &secrets, EXIT_CONFIG))?;
-    tokio::spawn(say_while_unreachable(
-        store.clone(),
-        config.mongodb.server_selection_timeout,
-    ));
-    Ok(store)
-}
-
-/// How long a command waits for a server before it says so on standard
-/// error, and how often it says so again.
-const UNANSWERED_FIRST: std::time::Duration = std::time::Duration::from_secs(2);
-const UNANSWERED_AGAIN: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Says on standard error, from 2 s on and every 5 s, that MongoDB has not
-/// answered and why — while every host of the connection string failed its
-/// last try — instead of a silence as long as server selection; once, that
-/// the hosts belong to another replica set than the connection string
-/// names. Ends with the command (the runtime stops with it).
-async fn say_while_unreachable(store: Store, selection: std::time::Duration) {
-    let started = tokio::time::Instant::now();
-    tokio::time::sleep(UNANSWERED_FIRST).await;
-    loop {
-        if let Some(other) = store.in_another_set() {
-            eprintln!(
-                "tallyd: {other}; waiting will not help (a command gives up after {})",
-                crate::error::human_duration(selection)
-            );
-            return;
-        }
-        if !store.seems_reachable() {
-            let waited = started.elapsed();
-            eprintln!(
-                "tallyd: {}; still trying (a command gives up after {})",
-                store.unanswered(waited),
-                crate::error::human_duration(selection)
-            );
-        }
-        tokio::time::sleep(UNANSWERED_AGAIN).await;
     }
 }
 
@@ -450,6 +419,7 @@ pub fn tallyd_main() -> ExitCode {
     if let Some(exit) = cli.run_without_config() {
         return exit;
     }
+    cli.remember_options();
     let config = match cli.load_config(std::env::vars()) {
         Ok(config) => config,
         // The problems quote no secret (a URI's password is left out where

@@ -54,6 +54,8 @@ use reach::Heartbeats;
 
 use config::DEFAULT_SERVER_SELECTION_TIMEOUT;
 pub use config::StoreConfig;
+#[cfg(feature = "daemon")]
+pub(crate) use config::shown_duration;
 pub(crate) use config::{serialize_duration, serialize_optional_duration};
 
 /// Default bound on one attempt of an operation: longer than the default

@@ -26,21 +26,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::TryStreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
-use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, connect, fail, fail_with, out};
+use super::{EXIT_FAILED, EXIT_USAGE, connect, fail, fail_with, out};
 use crate::config::Config;
+use crate::error::words;
 use crate::ledger::{EventFold, EventFoldSettings};
 use crate::ledger::{Ledger, Recording};
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, Increment};
 use crate::write::lane::LaneIncrement;
 
+mod report;
 mod side;
 
+use report::{Cut, report, report_cut};
 use side::{Settle, Side, Tally};
 
 /// The longest slice: the sides take turns at least this often.
@@ -151,6 +154,23 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
             return code;
         }
     }
+    let kept = if args.keep {
+        "kept at the end (--keep)"
+    } else {
+        "dropped at the end, and at Ctrl-C"
+    };
+    let first = format!(
+        "tallyd bench: scratch collections {} ({kept})",
+        words(&scratch)
+    );
+    // The first line, before any is written: what to look for (or drop)
+    // if the command is cut short. On a pipe too, at once.
+    if args.json {
+        eprintln!("{first}");
+    } else {
+        out!("{first}");
+    }
+    let interrupted = super::exit::cancelled_at_ctrl_c();
     let handles = Arc::new(Handles {
         plain: store.collection(&name),
         counters: Counters::new(&store, spec.clone(), config.writer),
@@ -177,8 +197,24 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         store.shutdown().await;
         return code;
     }
-    let sides = measure(&args, &protocols, &handles).await;
-    let checked = check(&handles, sides).await;
+    let (sides, outage) = measure(&args, &protocols, &handles, &interrupted).await;
+    if let Some(why) = outage {
+        // Nothing can be settled, checked or dropped now.
+        drop(handles);
+        store.shutdown().await;
+        return report_cut(&args, &scratch, &sides, &Cut::Outage(why));
+    }
+    // Ctrl-C during the check (the ledger's fold may take minutes) stops
+    // it too: nothing is left to report but the interruption.
+    let checked = if interrupted.is_cancelled() {
+        Err(sides)
+    } else {
+        tokio::select! {
+            biased;
+            () = interrupted.cancelled() => Err(Vec::new()),
+            checked = check(&handles, sides) => Ok(checked),
+        }
+    };
     if !args.keep {
         for collection in &scratch {
             if let Err(err) = store.collection(collection).drop().await {
@@ -189,8 +225,9 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     drop(handles);
     store.shutdown().await;
     match checked {
-        Ok(sides) => report(&args, &name, &sides),
-        Err(err) => fail(args.json, &err, &secrets, EXIT_FAILED),
+        Ok(Ok(sides)) => report(&args, &name, &sides),
+        Ok(Err(err)) => fail(args.json, &err, &secrets, EXIT_FAILED),
+        Err(sides) => report_cut(&args, &scratch, &sides, &Cut::Interrupted),
     }
 }
 
@@ -205,22 +242,32 @@ async fn existing(store: &Store, names: &[String]) -> Result<Vec<String>, crate:
 }
 
 /// Runs the sides in interleaved slices and settles what was left open.
-async fn measure(args: &BenchArgs, protocols: &[Protocol], handles: &Arc<Handles>) -> Vec<Side> {
+async fn measure(
+    args: &BenchArgs,
+    protocols: &[Protocol],
+    handles: &Arc<Handles>,
+    interrupted: &CancellationToken,
+) -> (Vec<Side>, Option<String>) {
     let total = Duration::from_secs(u64::from(args.seconds));
     let slices = total.as_secs_f64() / MAX_SLICE.as_secs_f64();
     let slices = (slices.ceil() as u32).max(1);
     let slice = total / slices;
     let mut sides: Vec<Side> = protocols.iter().map(|p| Side::new(*p)).collect();
-    let progress = !args.json && std::io::stderr().is_terminal();
-    for round in 0..slices {
+    let progress = (!args.json && std::io::stderr().is_terminal())
+        .then(|| progress_bar(u64::from(slices) * sides.len() as u64));
+    let mut outage = None;
+    'slices: for round in 0..slices {
         for k in 0..sides.len() {
+            if interrupted.is_cancelled() {
+                break 'slices;
+            }
             let at = (k + round as usize) % sides.len();
-            if progress {
-                eprint!(
-                    "\r\x1b[Kslice {}/{slices}: {}",
+            if let Some(bar) = &progress {
+                bar.set_message(format!(
+                    "slice {}/{slices}: {}",
                     round + 1,
                     sides[at].protocol.name()
-                );
+                ));
             }
             let before = handles.counters.lane_stats();
             let tally = run_slice(handles, sides[at].protocol, args.writers, slice, round).await;
@@ -230,10 +277,27 @@ async fn measure(args: &BenchArgs, protocols: &[Protocol], handles: &Arc<Handles
                 after.updates - before.updates,
                 after.increments - before.increments,
             );
+            if let Some(bar) = &progress {
+                bar.inc(1);
+            }
+            // Every host failed its last heartbeat: each further slice
+            // would wait out server selection for the same answer.
+            if !handles.store.seems_reachable() {
+                // (at least for the slice that just ended)
+                outage = Some(handles.store.unanswered(slice));
+                break 'slices;
+            }
         }
     }
-    if progress {
-        eprint!("\r\x1b[Ksettling the unknown and pending outcomes…");
+    if interrupted.is_cancelled() || outage.is_some() {
+        // Nothing is settled or checked.
+        if let Some(bar) = &progress {
+            bar.finish_and_clear();
+        }
+        return (sides, outage);
+    }
+    if let Some(bar) = &progress {
+        bar.set_message("settling the unknown and pending outcomes…");
     }
     for side in &mut sides {
         let open = std::mem::take(&mut side.open);
@@ -241,10 +305,21 @@ async fn measure(args: &BenchArgs, protocols: &[Protocol], handles: &Arc<Handles
             side.settled(settle_one(handles, settle).await);
         }
     }
-    if progress {
-        eprint!("\r\x1b[K");
+    if let Some(bar) = &progress {
+        bar.finish_and_clear();
     }
-    sides
+    (sides, None)
+}
+
+/// A bar over the `slices` of every side: their share done and the time
+/// left; its message names the slice running.
+fn progress_bar(slices: u64) -> ProgressBar {
+    let bar = ProgressBar::new(slices);
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {percent:>3}% ETA {eta} {msg}") {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
 }
 
 /// `writers` callers on one side for `length`.
@@ -449,51 +524,4 @@ fn regex_escape(text: &str) -> String {
             special.then_some('\\').into_iter().chain([c])
         })
         .collect()
-}
-
-/// Prints the table (or the JSON) and says whether every check held.
-fn report(args: &BenchArgs, collection: &str, sides: &[Side]) -> ExitCode {
-    let plain = sides
-        .iter()
-        .find(|s| s.protocol == Protocol::Plain)
-        .map(Side::per_second);
-    let ok = sides.iter().all(|s| s.check().is_ok());
-    let kept = if args.keep { "kept" } else { "dropped" };
-    if args.json {
-        let shown: Vec<_> = sides.iter().map(|s| s.json(plain)).collect();
-        out!(
-            "{}",
-            json!({
-                "writers": args.writers,
-                "keys": args.keys,
-                "seconds": args.seconds,
-                "collection": collection,
-                "kept": args.keep,
-                "sides": shown,
-                "ok": ok,
-            })
-        );
-    } else {
-        let writers = match args.writers {
-            1 => "1 writer".to_owned(),
-            n => format!("{n} writers sharing one handle"),
-        };
-        let keys = match args.keys {
-            1 => "1 key".to_owned(),
-            n => format!("{n} keys"),
-        };
-        out!(
-            "tallyd bench: {writers}, {keys}, {}s per side in interleaved slices; collection \
-             {collection} ({kept})",
-            args.seconds
-        );
-        out!("{}", Side::header());
-        for side in sides {
-            out!("{}", side.row(plain));
-        }
-        for side in sides {
-            out!("{}", side.check_line());
-        }
-    }
-    ExitCode::from(if ok { EXIT_OK } else { EXIT_FAILED })
 }

@@ -27,6 +27,40 @@ pub(crate) const EXIT_TEMPFAIL: u8 = 75;
 /// (`EX_NOPERM`).
 pub(crate) const EXIT_NOPERM: u8 = 77;
 pub(crate) use crate::config::EXIT_CONFIG;
+/// Exit status of a command stopped by Ctrl-C (SIGINT) after it printed
+/// what it did: 128 + 2, as a shell reports a process SIGINT ended. Not a
+/// class of its own: the table of [`EXIT_CODES`] leaves it out.
+pub(crate) const EXIT_INTERRUPTED: u8 = 130;
+
+/// A token cancelled at the first Ctrl-C (SIGINT), for a command that then
+/// stops in order and exits [`EXIT_INTERRUPTED`]; a second Ctrl-C ends the
+/// process at once, with that exit status (what was in flight, such as a
+/// write waiting for an unreachable server, is not waited for). The handler
+/// is in place when this returns.
+pub(crate) fn cancelled_at_ctrl_c() -> tokio_util::sync::CancellationToken {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = tokio_util::sync::CancellationToken::new();
+    let cancel = token.clone();
+    match signal(SignalKind::interrupt()) {
+        Ok(mut interrupts) => {
+            tokio::spawn(async move {
+                if interrupts.recv().await.is_some() {
+                    eprintln!(
+                        "tallyd: interrupted: stopping in order after the work in flight (Ctrl-C \
+                         again to stop at once)"
+                    );
+                    cancel.cancel();
+                }
+                if interrupts.recv().await.is_some() {
+                    eprintln!("tallyd: interrupted again: stopping at once");
+                    std::process::exit(i32::from(EXIT_INTERRUPTED));
+                }
+            });
+        }
+        Err(err) => eprintln!("warning: Ctrl-C will not stop this command in order: {err}"),
+    }
+    token
+}
 
 /// Every exit status and what it means, in order: the table `--help`
 /// ([`exit_codes_help`]) and the man pages' EXIT STATUS render.

@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 
 use super::{
     EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail, lane,
+    shown_command,
 };
 use crate::config::Config;
 use crate::error::Error;
@@ -101,6 +102,9 @@ pub(super) struct Target {
     /// `[writer]`: its protocol (the default of `incr` and `resume`) and
     /// horizons.
     pub(super) writer: WriterConfig,
+    /// `--collection NAME` (and `--any-collection` when it was given), as
+    /// a printed command repeats them.
+    pub(super) collection_options: String,
 }
 
 impl Target {
@@ -156,6 +160,7 @@ pub(super) async fn open(target: &TargetArgs, config: &Config) -> Result<Target,
         }
     };
     Ok(Target {
+        collection_options: target.collection_options(&spec.name),
         counters,
         store,
         spec,
@@ -264,11 +269,13 @@ pub(super) fn report_increment(
         Increment::Pending(_) => (
             format!(
                 "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{shown_key} but not \
-                 yet counted; run `tallyd complete {} {shown_ticket}{} --collection {}` or let \
-                 the daemon fold it. Cause: {cause}",
-                shell_word(key),
-                by_option(amount),
-                shell_word(collection),
+                 yet counted; run `{}` or let the daemon fold it. Cause: {cause}",
+                shown_command(&format!(
+                    "complete {} {shown_ticket}{}{}",
+                    shell_word(key),
+                    by_option(amount),
+                    target.collection_options
+                )),
             ),
             EXIT_TEMPFAIL,
         ),
@@ -288,13 +295,15 @@ pub(super) fn report_increment(
         Increment::Unknown(_) => (
             format!(
                 "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
-                 {collection}/{shown_key}; run `tallyd resume {} {shown_ticket}{}{} --collection {}` \
-                 soon (within the retry horizon of {}), after that it is counted at most once. \
-                 Cause: {cause}",
-                shell_word(key),
-                by_option(amount),
-                protocol_flag(Protocol::TwoStep),
-                shell_word(collection),
+                 {collection}/{shown_key}; run `{}` soon (within the retry horizon of {}), \
+                 after that it is counted at most once. Cause: {cause}",
+                shown_command(&format!(
+                    "resume {} {shown_ticket}{}{}{}",
+                    shell_word(key),
+                    by_option(amount),
+                    protocol_flag(Protocol::TwoStep),
+                    target.collection_options
+                )),
                 humantime::format_duration(target.counters.retry_horizon()),
             ),
             EXIT_TEMPFAIL,

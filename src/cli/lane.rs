@@ -20,7 +20,7 @@ use super::increment::{
     Shown, Target, by_option, counted_text, print, print_failure, protocol_flag, shell_word,
 };
 use super::settle::other_protocol;
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, exit_code_for};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, exit_code_for, shown_command};
 use crate::write::counter::{Found, Protocol};
 use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
 use crate::write::ticket::{Settles, Ticket};
@@ -95,14 +95,16 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         LaneIncrement::Unknown(_) => (
             format!(
                 "unknown: the update of lane ticket {shown_ticket} ({amount:+}) may or may not \
-                 have applied to {collection}/{shown_key}; run `tallyd resume {} {shown_ticket}{}{} \
-                 --collection {}` — harmless to repeat, as often as needed — within the lane \
-                 resume horizon of {} from when the update was sent ({}); after that it is \
-                 counted at most once. Cause: {cause}",
-                shell_word(key),
-                by_option(amount),
-                protocol_flag(Protocol::Lanes),
-                shell_word(collection),
+                 have applied to {collection}/{shown_key}; run `{}` — harmless to repeat, as \
+                 often as needed — within the lane resume horizon of {} from when the update \
+                 was sent ({}); after that it is counted at most once. Cause: {cause}",
+                shown_command(&format!(
+                    "resume {} {shown_ticket}{}{}{}",
+                    shell_word(key),
+                    by_option(amount),
+                    protocol_flag(Protocol::Lanes),
+                    target.collection_options
+                )),
                 humantime::format_duration(target.writer.lane_resume_horizon),
                 resume_deadline(outcome, target.writer.lane_resume_horizon),
             ),

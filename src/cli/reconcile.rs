@@ -1,16 +1,18 @@
 //! `tallyd reconcile [--dry-run] [--collection NAME]... [--json]`.
 
 use crate::cli::out;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
-use super::{CollectionsArgs, EXIT_FAILED, EXIT_OK, exit_code_for};
+use super::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
+use super::{CollectionsArgs, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_code_for, shown_command};
 use crate::config::Config;
+use crate::error::words;
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Progress};
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -36,63 +38,99 @@ pub(super) async fn run(args: ReconcileArgs, config: &Config) -> ExitCode {
             Ok(setup) => setup,
             Err(code) => return code,
         };
-    let stop = CancellationToken::new();
-    let on_interrupt = stop.clone();
-    tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            on_interrupt.cancel();
-        }
-    });
+    let stop = super::exit::cancelled_at_ctrl_c();
     let mode = if args.dry_run {
         Mode::DryRun
     } else {
         Mode::Fold
     };
-    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let bar = (!args.json && std::io::stderr().is_terminal()).then(spinner);
     let mut runs = Vec::new();
     // The server's clock at the setup, carried forward by this process's
     // monotonic clock: each collection's run gets the time it starts at
     // (a ledger's marks start its dedupe window then, never earlier).
     let began = std::time::Instant::now();
+    // A server that cannot be reached fails every collection after it
+    // the same way, each after its own server selection; Ctrl-C means
+    // stop: the collections after it are not tried.
+    let mut not_tried: Vec<String> = Vec::new();
     for name in &names {
+        if stop.is_cancelled() || runs.iter().any(|(_, run)| stops_the_rest(run)) {
+            not_tried.push(name.clone());
+            continue;
+        }
         let target = config.fold_target(name);
+        let started = std::time::Instant::now();
         let mut progress = |p: Progress| {
-            if show_progress {
-                eprint!(
-                    "\r{name}: {} documents read, {} folded   ",
-                    p.examined, p.folded
-                );
-                let _ = std::io::stderr().flush();
+            if let Some(bar) = &bar {
+                let rate = p.examined as f64 / started.elapsed().as_secs_f64().max(0.001);
+                let line = progress_line(name, &p, args.dry_run);
+                bar.set_message(format!("{line} ({rate:.0} documents/s)"));
             }
         };
         let run = reconciler
             .reconcile(&target, mode, now + began.elapsed(), &stop, &mut progress)
             .await;
-        if show_progress {
-            eprint!("\r\x1b[2K");
-        }
         runs.push((target, run));
     }
     drop(reconciler);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
     let ok = runs.iter().all(|(_, run)| run.succeeded());
-    // A failed run exits by its error's class; an interrupted one, 1.
+    let ok = ok && not_tried.is_empty();
+    // Ctrl-C exits 130; a failed run exits by its error's class; an
+    // interrupted one (a shutdown), 1.
     let code = match runs.iter().find_map(|(_, run)| run.error.as_ref()) {
+        _ if stop.is_cancelled() => EXIT_INTERRUPTED,
         Some(err) => exit_code_for(err),
         None if ok => EXIT_OK,
         None => EXIT_FAILED,
     };
     if args.json {
-        print_json(&runs, args.dry_run, ok, &secrets);
+        print_json(&runs, args.dry_run, ok, &not_tried, &secrets);
     } else {
         print_table(&runs, args.dry_run, &secrets, &store);
+        if !not_tried.is_empty() {
+            let why = if stop.is_cancelled() {
+                "interrupted"
+            } else {
+                "the error above fails them alike"
+            };
+            eprintln!(
+                "not tried ({why}): {}; run `{}` again to fold them (what was folded stays \
+                 folded, and folding again is safe)",
+                words(&not_tried),
+                shown_command("reconcile")
+            );
+        }
     }
     store.shutdown().await;
     ExitCode::from(code)
 }
 
-fn print_json(runs: &[(FoldTarget, CollectionRun)], dry_run: bool, ok: bool, secrets: &Secrets) {
+/// Whether `run`'s failure ends the command: a server that cannot be
+/// reached (or a URI naming another replica set) fails the others alike.
+fn stops_the_rest(run: &CollectionRun) -> bool {
+    run.error
+        .as_ref()
+        .is_some_and(|err| matches!(exit_code_for(err), EXIT_UNAVAILABLE | EXIT_CONFIG))
+}
+
+fn print_json(
+    runs: &[(FoldTarget, CollectionRun)],
+    dry_run: bool,
+    ok: bool,
+    not_tried: &[String],
+    secrets: &Secrets,
+) {
     let collections: Vec<_> = runs.iter().map(|(_, run)| run).collect();
-    let summary = json!({ "dry_run": dry_run, "ok": ok, "collections": collections });
+    let summary = json!({
+        "dry_run": dry_run,
+        "ok": ok,
+        "collections": collections,
+        "not_tried": not_tried,
+    });
     out!("{}", secrets.scrub(&summary.to_string()));
 }
 
@@ -201,5 +239,48 @@ fn print_table(
                 );
             }
         }
+    }
+}
+
+/// The progress of a run on a terminal: a spinner, its message the
+/// collection's [`progress_line`] and its rate (how many documents a run
+/// reads is not known ahead).
+fn spinner() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg}") {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
+}
+
+/// The progress line of a collection's run on a terminal. A dry run folds
+/// nothing: it says what a fold would do.
+fn progress_line(name: &str, progress: &Progress, dry_run: bool) -> String {
+    let folded = if dry_run { "would fold" } else { "folded" };
+    format!(
+        "{name}: {} documents read, {} {folded}",
+        progress.examined, progress.folded
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dry_runs_progress_says_would_fold() {
+        let p = Progress {
+            examined: 7,
+            folded: 3,
+        };
+        assert_eq!(
+            progress_line("views", &p, true),
+            "views: 7 documents read, 3 would fold"
+        );
+        assert_eq!(
+            progress_line("views", &p, false),
+            "views: 7 documents read, 3 folded"
+        );
     }
 }

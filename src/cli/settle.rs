@@ -21,7 +21,9 @@ use serde_json::json;
 use super::increment::{
     Shown, Target, by_option, open, print, print_failure, report_increment, shell_word,
 };
-use super::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, fail, lane};
+use super::{
+    EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, fail, lane, shown_command,
+};
 use crate::config::Config;
 use crate::error::Error;
 use crate::token::Token;
@@ -125,11 +127,19 @@ impl Target {
 pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
     let ticket = &args.ticket;
     if ticket.protocol() == Protocol::Lanes {
+        let collection = args
+            .target
+            .resolve(config)
+            .map(|spec| args.target.collection_options(&spec.name))
+            .unwrap_or_default();
         let message = format!(
             "ticket {ticket} is a lane's (it carries the lane's number), and `tallyd complete` \
-             settles a two-step token: resume it with `tallyd resume {} {ticket}{}`",
-            shell_word(&args.key),
-            by_option(args.by.unwrap_or(1)),
+             settles a two-step token: resume it with `{}`",
+            shown_command(&format!(
+                "resume {} {ticket}{}{collection}",
+                shell_word(&args.key),
+                by_option(args.by.unwrap_or(1)),
+            )),
         );
         return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
     }
@@ -179,12 +189,17 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
             },
             Ok(Found::Absent) => {
                 let text = format!(
-                    "token {token} is not pending in {}/{}: nothing to do (already counted, or \
-                     never added)",
+                    "token {token} is not pending in {}/{} (database {}): nothing to do \
+                     (already counted, or never added — or added in another database or \
+                     collection)",
                     target.spec.name,
-                    crate::document::shown(&args.key)
+                    crate::document::shown(&args.key),
+                    config.mongodb.database,
                 );
-                let fields = json!({ "outcome": "not_pending" });
+                let fields = json!({
+                    "outcome": "not_pending",
+                    "database": config.mongodb.database,
+                });
                 print(&target, &shown, fields, &text, EXIT_OK)
             }
             Err(err) => {

@@ -16,13 +16,14 @@ use std::process::ExitCode;
 use clap::Args;
 use futures::TryStreamExt;
 use mongodb::IndexModel;
-use mongodb::bson::doc;
+use mongodb::bson::{Bson, Document, doc};
 use mongodb::options::IndexOptions;
+use serde_json::{Value, json};
 
-use super::{EXIT_OK, exit_code_for};
+use super::{EXIT_CONFIG, EXIT_OK, exit::EXIT_UNAVAILABLE, exit_code_for};
 use crate::config::Config;
-use crate::error::{Error, Failure, RetryBudget, server_code};
-use crate::ledger::Ledger;
+use crate::error::{Error, Failure, RetryBudget, server_code, words};
+use crate::ledger::index::{self, Created};
 use crate::store::Store;
 use crate::write::counter::CollectionConfig;
 
@@ -34,43 +35,116 @@ pub(crate) struct SetupArgs {
     pub(crate) json: bool,
 }
 
+/// One index `setup` found or created.
+struct IndexDone {
+    collection: String,
+    name: String,
+    keys: Document,
+    sparse: bool,
+    created: bool,
+    /// The line the text output shows.
+    line: String,
+}
+
+impl IndexDone {
+    fn json(&self) -> Value {
+        json!({
+            "collection": self.collection,
+            "index": self.name,
+            "keys": Bson::Document(self.keys.clone()).into_relaxed_extjson(),
+            "sparse": self.sparse,
+            "action": if self.created { "created" } else { "present" },
+        })
+    }
+}
+
+/// Whether a failure of one collection ends the command: a server that
+/// cannot be reached (or a connection string naming another replica set)
+/// fails every other collection the same way, each after a full server
+/// selection, so they are not tried.
+fn stops_the_rest(code: u8) -> bool {
+    code == EXIT_UNAVAILABLE || code == EXIT_CONFIG
+}
+
 pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let store = match super::connect(config, args.json).await {
         Ok(store) => store,
         Err(code) => return code,
     };
-    let mut done = Vec::new();
-    let mut failed = Vec::new();
+    let mut done: Vec<IndexDone> = Vec::new();
+    let mut failed: Vec<(String, String)> = Vec::new();
     // The exit code of the first failure: its class says what to do.
     let mut code = EXIT_OK;
-    let mut failure = |name: &str, err: &Error| {
-        if code == EXIT_OK {
-            code = exit_code_for(err);
-        }
-        failed.push(format!("{name}: {}", secrets.scrub(&store.explain(err))));
-    };
+    let mut not_tried: Vec<String> = Vec::new();
+    let mut stopped = false;
     for spec in &config.collections {
+        if stopped {
+            not_tried.push(spec.name.clone());
+            continue;
+        }
+        let mut failure = |name: &str, err: &Error| {
+            if code == EXIT_OK {
+                code = exit_code_for(err);
+            }
+            failed.push((name.to_owned(), secrets.scrub(&store.explain(err))));
+            stops_the_rest(exit_code_for(err))
+        };
         for field in [&spec.pending_field, &spec.settled_field] {
             match sparse_index(&store, spec, field).await {
-                Ok(line) => done.push(line),
-                Err(err) => failure(&spec.name, &err),
+                Ok(index) => done.push(index),
+                Err(err) => {
+                    stopped = failure(&spec.name, &err);
+                    if stopped {
+                        break;
+                    }
+                }
             }
         }
-        if spec.events_collection.is_some() {
-            let ledger = Ledger::new(&store, spec.clone());
-            match ledger.create_indexes().await {
-                Ok(lines) => done.extend(lines),
-                Err(err) => failure(&spec.events_collection_name(), &err),
+        if spec.events_collection.is_some() && !stopped {
+            let events = spec.events_collection_name();
+            match index::create(&store, &events).await {
+                Ok(created) => done.extend(created.into_iter().map(|(need, created)| IndexDone {
+                    line: index::describe(&events, &need, created),
+                    collection: events.clone(),
+                    name: need.name.to_owned(),
+                    keys: need.keys,
+                    sparse: false,
+                    created: created == Created::New,
+                })),
+                Err(err) => stopped = failure(&events, &err),
             }
         }
     }
     store.shutdown().await;
     if args.json {
-        out!("{}", serde_json::json!({ "done": done, "failed": failed }));
+        let failed: Vec<Value> = failed
+            .iter()
+            .map(|(collection, error)| json!({ "collection": collection, "error": error }))
+            .collect();
+        let indexes: Vec<Value> = done.iter().map(IndexDone::json).collect();
+        out!(
+            "{}",
+            json!({
+                "outcome": if code == EXIT_OK { "done" } else { "error" },
+                "indexes": indexes,
+                "failed": failed,
+                "not_tried": not_tried,
+            })
+        );
     } else {
-        done.iter().for_each(|line| out!("{line}"));
-        failed.iter().for_each(|line| eprintln!("error: {line}"));
+        done.iter().for_each(|index| out!("{}", index.line));
+        for (collection, error) in &failed {
+            eprintln!("error: {collection}: {error}");
+        }
+        if !not_tried.is_empty() {
+            eprintln!(
+                "not tried: {} (the same server would fail them alike); run `{}` again once \
+                 the error above is fixed",
+                words(&not_tried),
+                super::shown_command("setup")
+            );
+        }
     }
     ExitCode::from(code)
 }
@@ -81,7 +155,7 @@ async fn sparse_index(
     store: &Store,
     spec: &CollectionConfig,
     field: &str,
-) -> Result<String, Error> {
+) -> Result<IndexDone, Error> {
     let collection = store.collection(&spec.name);
     let mut budget = RetryBudget::read_once("setup.list_indexes");
     let listed: Vec<IndexModel> = match store
@@ -105,7 +179,14 @@ async fn sparse_index(
             .as_ref()
             .and_then(|o| o.name.clone())
             .unwrap_or_default();
-        return Ok(format!("{}: index {name} on {field}: present", spec.name));
+        return Ok(IndexDone {
+            line: format!("{}: index {name} on {field}: present", spec.name),
+            collection: spec.name.clone(),
+            name,
+            keys: found.keys.clone(),
+            sparse: found.options.as_ref().and_then(|o| o.sparse) == Some(true),
+            created: false,
+        });
     }
     let name = format!("tally_{field}_sparse");
     let model = IndexModel::builder()
@@ -122,8 +203,12 @@ async fn sparse_index(
         .with_retry(&mut budget, || collection.create_index(model.clone()))
         .await
         .map_err(Error::Server)?;
-    Ok(format!(
-        "{}: index {name} on {field} (sparse): created",
-        spec.name
-    ))
+    Ok(IndexDone {
+        line: format!("{}: index {name} on {field} (sparse): created", spec.name),
+        collection: spec.name.clone(),
+        name,
+        keys: doc! { field: 1 },
+        sparse: true,
+        created: true,
+    })
 }

@@ -81,6 +81,17 @@ impl Issues {
         self.list.push(ConfigIssue { key, message });
     }
 
+    /// The variables that set keys below `key` (`collections.0.grace` is
+    /// below `collections`), not `key` itself.
+    pub(crate) fn vars_below(&self, key: &str) -> Vec<String> {
+        let below = format!("{key}.");
+        self.from_env
+            .iter()
+            .filter(|(dotted, _)| dotted.starts_with(&below))
+            .map(|(_, var)| var.clone())
+            .collect()
+    }
+
     /// Reports every key of a table that is not part of the schema. An
     /// unknown top-level key set from the environment (`TALLYD__X__Y`)
     /// names its variable, since no table of the file shows it.
@@ -276,5 +287,29 @@ pub(crate) fn describe(value: &Value) -> String {
         Value::String(_) => "a string".into(),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "a table".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    /// A `TALLYD__COLLECTIONS__…` variable replaces the file's list of
+    /// collections with a table: the error names the variable and says
+    /// what to do, not only "found a table".
+    #[test]
+    fn a_bad_collections_variable_is_named() {
+        let text = "[mongodb]\nuri = \"mongodb://h/\"\ndatabase = \"app\"\n\
+                    [[collections]]\nname = \"views\"\n";
+        let env = [(
+            "TALLYD__COLLECTIONS__0__GRACE".to_owned(),
+            "soon".to_owned(),
+        )];
+        let message = Config::from_toml(text, env).unwrap_err().to_string();
+        assert!(
+            message.contains("set by TALLYD__COLLECTIONS__0__GRACE"),
+            "{message}"
+        );
+        assert!(message.contains("set the key in the file"), "{message}");
     }
 }

@@ -297,13 +297,22 @@ pub(super) fn validate_collections(
         None => return Vec::new(),
         Some(Value::Array(entries)) => entries,
         Some(other) => {
-            issues.push(
-                "collections",
-                format!(
-                    "expected [[collections]] tables, found {}",
-                    describe(&other)
-                ),
+            let mut message = format!(
+                "expected [[collections]] tables, found {}",
+                describe(&other)
             );
+            // `TALLYD__COLLECTIONS__0__GRACE` makes the whole list a table
+            // `{"0": {"grace": …}}`: the variable is what to name.
+            let vars = issues.vars_below("collections");
+            if !vars.is_empty() {
+                message.push_str(&format!(
+                    " (set by {}): an environment variable cannot set a key of one \
+                     [[collections]] entry, it replaces the whole list; set the key in the file \
+                     and unset the variable",
+                    crate::error::words(&vars)
+                ));
+            }
+            issues.push("collections", message);
             return Vec::new();
         }
     };

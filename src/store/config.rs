@@ -131,7 +131,35 @@ pub(crate) fn serialize_duration<S: serde::Serializer>(
     d: &Duration,
     s: S,
 ) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&humantime::format_duration(*d).to_string())
+    s.serialize_str(&shown_duration(*d))
+}
+
+/// A duration in hours at the most, as a configuration writes one: `24h`,
+/// `1h 30m`, `250ms` — never humantime's days, months or years (`24h`
+/// shown as `1day`, `720h` as `30days`, which read as other
+/// settings than the file's). What it shows parses back to the same
+/// duration.
+pub(crate) fn shown_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    let nanos = d.subsec_nanos();
+    let parts = [
+        (secs / 3600, "h"),
+        (secs / 60 % 60, "m"),
+        (secs % 60, "s"),
+        (u64::from(nanos / 1_000_000), "ms"),
+        (u64::from(nanos / 1_000 % 1_000), "us"),
+        (u64::from(nanos % 1_000), "ns"),
+    ];
+    let shown: Vec<String> = parts
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect();
+    if shown.is_empty() {
+        "0s".to_owned()
+    } else {
+        shown.join(" ")
+    }
 }
 
 /// An optional duration as settings are shown.
@@ -147,4 +175,33 @@ pub(crate) fn serialize_optional_duration<S: serde::Serializer>(
 
 fn serialize_uri<S: serde::Serializer>(uri: &SecretString, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&redact_uri(uri.expose()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown_duration;
+    use std::time::Duration;
+
+    /// `check-config` shows a duration as a configuration writes one: a
+    /// day as `24h`, not humantime's `1day`; and what it shows parses back
+    /// to the same duration.
+    #[test]
+    fn durations_are_shown_in_hours_at_the_most_and_parse_back() {
+        let cases = [
+            ("24h", "24h"),
+            ("1h 30m", "1h 30m"),
+            ("90m", "1h 30m"),
+            ("720h", "720h"),
+            ("10s", "10s"),
+            ("250ms", "250ms"),
+            ("1s 5ms", "1s 5ms"),
+            ("0s", "0s"),
+        ];
+        for (written, shown) in cases {
+            let d = humantime::parse_duration(written).unwrap();
+            assert_eq!(shown_duration(d), shown, "{written}");
+            assert_eq!(humantime::parse_duration(shown).unwrap(), d, "{written}");
+        }
+        assert_eq!(shown_duration(Duration::from_nanos(1_001)), "1us 1ns");
+    }
 }

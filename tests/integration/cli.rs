@@ -60,6 +60,30 @@ pub fn resume_ticket(
     counters.ticket(&unknown)
 }
 
+/// The words of a printed command after `tallyd`, to run it as shown: it
+/// repeats the `-c` and `--env-file` the command was given.
+pub fn hint_args(hint: &str) -> Vec<&str> {
+    let mut words = hint.split_whitespace();
+    assert_eq!(words.next(), Some("tallyd"), "{hint}");
+    words.collect()
+}
+
+/// The command of a printed command, without `tallyd` and the global
+/// options it repeats (`-c PATH`, `--env-file PATH`): to run it under
+/// other ones.
+pub fn hint_command(hint: &str) -> Vec<&str> {
+    let mut words = hint_args(hint).into_iter().peekable();
+    while let Some(&word) = words.peek() {
+        if word == "-c" || word == "--config" || word == "--env-file" {
+            words.next();
+            words.next();
+        } else {
+            break;
+        }
+    }
+    words.collect()
+}
+
 /// The command a printed outcome asks to run: the text between its first
 /// pair of backquotes.
 pub fn hint(output: &Output) -> String {
@@ -77,9 +101,29 @@ async fn the_example_config_passes_check_config() {
     let shown = text(&output);
     assert_eq!(output.status.code(), Some(0), "{shown}");
     assert!(shown.contains("name = \"page_views\""), "{shown}");
-    // The example's password is masked.
-    assert!(!shown.contains("change-me"), "{shown}");
-    assert!(shown.contains("tallyd:****@"), "{shown}");
+    // Durations read as the file writes them: hours at the most, never
+    // humantime's `1day` for `24h` (`7d` is `168h`).
+    assert!(shown.contains("lane_ttl = \"24h\""), "{shown}");
+    assert!(shown.contains("event_retention = \"168h\""), "{shown}");
+    // The example follows its own advice: no password in its URI, which
+    // the environment file carries instead (and the URI set there wins).
+    let file = std::fs::read_to_string(&path).unwrap();
+    let uri = file
+        .lines()
+        .find(|l| l.starts_with("uri = "))
+        .expect("a uri line");
+    assert!(!uri.contains('@'), "{uri}");
+    assert!(file.contains("/etc/tally/tallyd.env"), "{file}");
+    let secret = "mongodb://tallyd:s3cret@db9.example.net:27017/?replicaSet=rs0";
+    let output = tallyd(
+        &["--config", path.to_str().unwrap(), "check-config"],
+        &[("TALLYD__MONGODB__URI", secret)],
+    )
+    .await;
+    let shown = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("tallyd:****@db9.example.net"), "{shown}");
+    assert!(!shown.contains("s3cret"), "{shown}");
 }
 
 #[tokio::test]
@@ -352,13 +396,20 @@ async fn incr_by_5_lost_twice(ctx: &TestContext, path: &str, json_output: bool) 
     if json_output {
         args.push("--json");
     }
+    updates_lost_twice(ctx, &args).await
+}
+
+/// `tallyd <args>` while the next two updates of `ctx`'s application are
+/// cut off before reaching the server: an increment's step 1 and its one
+/// retry, so its outcome is unknown.
+pub async fn updates_lost_twice(ctx: &TestContext, args: &[&str]) -> Output {
     let _fail = FailPoint::set(
         ctx,
         Bson::Document(doc! { "times": 2 }),
         doc! { "failCommands": ["update"], "closeConnection": true },
     )
     .await;
-    tallyd(&args, &[]).await
+    tallyd(args, &[]).await
 }
 
 /// `tallyd resume k TOKEN --collection views` with the config at `path`.
@@ -427,11 +478,13 @@ async fn an_unknown_incr_by_5_says_5_and_its_hint_counts_5() {
     let output = incr_by_5_lost_twice(&ctx, &path, false).await;
     assert_eq!(output.status.code(), Some(75), "{}", text(&output));
     let hint = hint(&output);
-    assert!(hint.starts_with("tallyd resume k "), "{hint}");
+    // It repeats the configuration it was given: it works pasted as shown.
+    assert!(
+        hint.starts_with(&format!("tallyd -c {path} resume k ")),
+        "{hint}"
+    );
     assert!(hint.contains("--by 5"), "{hint}");
-    let mut args = vec!["--config", &path];
-    args.extend(hint.split_whitespace().skip(1));
-    let output = tallyd(&args, &[]).await;
+    let output = tallyd(&hint_args(&hint), &[]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     assert!(
         text(&output).starts_with("counted: views/k +5"),

@@ -591,10 +591,12 @@ async fn a_replica_set_name_that_does_not_match_is_a_configuration_to_fix() {
 }
 
 /// A command waiting for a server whose hosts belong to another replica
-/// set says so on standard error as soon as they answer (from 2 s on),
-/// once, not only when server selection gives up — and not "still trying".
+/// set says so as soon as they answer, once — not "still trying" — and
+/// stops there with 78: waiting cannot help, and it does not wait out
+/// server selection (30 s here; before, it said "waiting will not help"
+/// and then waited the 30 s).
 #[tokio::test]
-async fn a_replica_set_name_that_does_not_match_is_said_while_waiting() {
+async fn a_replica_set_name_that_does_not_match_stops_the_command_at_once() {
     let ctx = TestContext::new("errors_set_name_wait").await;
     if external() {
         return; // the test server's set name is known; a real one's is not
@@ -602,20 +604,43 @@ async fn a_replica_set_name_that_does_not_match_is_said_while_waiting() {
     let server = ctx.uri.split('/').nth(2).unwrap().to_owned();
     let uri = format!("mongodb://{server}/?replicaSet=not-this-set");
     let config = format!(
-        "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"4s\"\n\
-         [[collections]]\nname = \"views\"\n",
+        "[mongodb]\nuri = \"{uri}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"30s\"\n\
+         attempt_timeout = \"40s\"\n[[collections]]\nname = \"views\"\n",
         ctx.db_name
     );
-    let output = run(&config, &["incr", "k"]).await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(78), "{stderr}");
-    let said: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("tallyd: the connection string names replica set"))
-        .collect();
-    assert_eq!(said.len(), 1, "{stderr}");
-    assert!(said[0].contains("waiting will not help"), "{stderr}");
-    assert!(!stderr.contains("still trying"), "{stderr}");
+    for args in [&["incr", "k"][..], &["setup"], &["status"]] {
+        let began = std::time::Instant::now();
+        let output = run(&config, args).await;
+        let took = began.elapsed();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {stderr}");
+        let said: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("the connection string names replica set not-this-set"))
+            .collect();
+        assert_eq!(said.len(), 1, "{args:?}: {stderr}");
+        assert!(said[0].contains("waiting will not help"), "{stderr}");
+        assert!(
+            said[0].contains("correct the replicaSet option"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("still trying"), "{args:?}: {stderr}");
+        assert!(
+            took < std::time::Duration::from_secs(10),
+            "{args:?} took {took:?}"
+        );
+    }
+    let output = run(&config, &["incr", "k", "--json"]).await;
+    assert_eq!(output.status.code(), Some(78), "{}", readable(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "error", "{out}");
+    assert!(
+        out["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not-this-set"),
+        "{out}"
+    );
 }
 
 /// `--json` answers in JSON whatever failed: a bad configuration, as a

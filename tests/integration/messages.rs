@@ -1,6 +1,7 @@
 //! Output people read (issue 26, "Messages"): a user-supplied value is
-//! shown shortened and with its control characters escaped, and an empty
-//! counter key is a usage error.
+//! shown shortened and with its control characters escaped, an empty
+//! counter key is a usage error, a printed command works pasted as shown,
+//! and a settle that finds nothing says where it looked.
 
 use std::process::Output;
 
@@ -8,8 +9,9 @@ use mongodb::Collection;
 use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Document, doc};
 
-use crate::cli::{json, tallyd, write_config};
-use crate::common::TestContext;
+use crate::cli::{hint, hint_args, json, tallyd, text, updates_lost_twice, write_config};
+use crate::common::tallyd::free_address;
+use crate::common::{TestContext, counter};
 use crate::errors::readable;
 
 /// A test's database, a config file for it, and its `views` collection.
@@ -136,4 +138,80 @@ async fn values_are_shown_short_and_escaped_json_keeps_them_whole() {
         .collect();
     assert_eq!(lines[0]["key"], serde_json::json!(7), "{stdout}");
     assert_eq!(lines[1]["key"], serde_json::json!({"a": 1}), "{stdout}");
+}
+
+/// The command printed to settle an unknown increment repeats the `-c`,
+/// `--env-file` and `--collection` it was given, so pasted as shown it
+/// settles the increment — here the URI is only in the environment file
+/// (the configuration file's points at a closed port), and two collections
+/// are configured. Before, it dropped `-c` and `--env-file`: it exited 78,
+/// or read the default configuration's database. A `complete` that finds
+/// nothing names the database and collection it looked in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_printed_command_repeats_the_options_it_was_given() {
+    let ctx = TestContext::new("msg_hint_options").await;
+    let dir = tempfile::tempdir().unwrap();
+    let env_file = dir.path().join("tallyd.env");
+    std::fs::write(
+        &env_file,
+        format!("TALLYD__MONGODB__URI={}\n", ctx.child_uri(false)),
+    )
+    .unwrap();
+    let env_file = env_file.display().to_string();
+    let closed = free_address().port();
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[mongodb]\nuri = \"mongodb://127.0.0.1:{closed}/\"\ndatabase = \"{}\"\n\
+             server_selection_timeout = \"10s\"\n\
+             [[collections]]\nname = \"views\"\n[[collections]]\nname = \"other\"\n",
+            ctx.db_name
+        ),
+    );
+    let mut given = vec!["-c", config.as_str(), "--env-file", env_file.as_str()];
+    given.extend(["incr", "k", "--by", "5", "--collection", "views"]);
+    let output = updates_lost_twice(&ctx, &given).await;
+    assert_eq!(output.status.code(), Some(75), "{}", text(&output));
+    let hint = hint(&output);
+    let options = format!("tallyd -c {config} --env-file {env_file} resume k ");
+    assert!(hint.starts_with(&options), "{hint}");
+    assert!(hint.contains(" --collection views"), "{hint}");
+    for _ in 0..2 {
+        let output = tallyd(&hint_args(&hint), &[]).await;
+        assert_eq!(output.status.code(), Some(0), "{hint}: {}", text(&output));
+    }
+    let views = ctx.client(false).await.collection("views");
+    assert_eq!(counter(&views, "k").await, 5);
+
+    let token = ObjectId::new().to_hex();
+    let output = tallyd(
+        &[
+            "-c",
+            &config,
+            "--env-file",
+            &env_file,
+            "complete",
+            "k",
+            &token,
+            "--collection",
+            "other",
+        ],
+        &[],
+    )
+    .await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(0), "{shown}");
+    assert!(shown.contains("not pending in other/k"), "{shown}");
+    assert!(
+        shown.contains(&format!("(database {})", ctx.db_name)),
+        "{shown}"
+    );
+    let mut args = vec!["-c", config.as_str(), "--env-file", env_file.as_str()];
+    args.extend(["complete", "k", &token, "--collection", "other", "--json"]);
+    let output = tallyd(&args, &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    let out = json(&output);
+    assert_eq!(out["outcome"], "not_pending", "{out}");
+    assert_eq!(out["database"], ctx.db_name.as_str(), "{out}");
+    assert_eq!(out["collection"], "other", "{out}");
 }

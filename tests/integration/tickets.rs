@@ -16,7 +16,7 @@ use mongodb::Collection;
 use mongodb::bson::{Document, doc};
 use serde_json::Value;
 
-use crate::cli::{hint, json, tallyd, text, write_config};
+use crate::cli::{hint, hint_args, hint_command, json, tallyd, text, write_config};
 use crate::common::proxy::{Action, Proxy, Rule, RuleGuard, upstream_of};
 use crate::common::{TestContext, counter, pending_len};
 
@@ -351,8 +351,10 @@ async fn resume_takes_a_checked_ticket_whose_shape_says_the_protocol() {
         ])
         .await;
     assert_eq!(output.status.code(), Some(64), "{}", text(&output));
+    let resume = format!("tallyd -c {} resume home", rig.path);
+    assert!(text(&output).contains(&resume), "{}", text(&output));
     assert!(
-        text(&output).contains("tallyd resume home"),
+        text(&output).contains("--collection views"),
         "{}",
         text(&output)
     );
@@ -440,9 +442,9 @@ async fn every_printed_hint_run_twice_settles_its_increment_once() {
     let refused = [(2, Action::error(2, "BadValue", &[]))];
     let lost = step_1_lost();
     let cases: [(&str, i64, &Faults, &str); 3] = [
-        ("--two-step", 2, &refused, "tallyd complete home "),
-        ("--two-step", 3, &lost, "tallyd resume home "),
-        ("--lane", 4, &lost, "tallyd resume home "),
+        ("--two-step", 2, &refused, "complete home "),
+        ("--two-step", 3, &lost, "resume home "),
+        ("--lane", 4, &lost, "resume home "),
     ];
     let mut expected = 0;
     for (flag, by, faults, starts) in cases {
@@ -462,9 +464,10 @@ async fn every_printed_hint_run_twice_settles_its_increment_once() {
         };
         assert_eq!(output.status.code(), Some(75), "{}", text(&output));
         let hint = hint(&output);
-        assert!(hint.starts_with(starts), "{hint}");
+        let shown_as = format!("tallyd -c {} {starts}", rig.path);
+        assert!(hint.starts_with(&shown_as), "{hint}");
         assert!(hint.contains(&format!("--by {by}")), "{hint}");
-        let ticket = hint.split_whitespace().nth(3).unwrap();
+        let ticket = hint_command(&hint)[2];
         assert!(ticket.contains('-'), "the hint shows the ticket: {hint}");
         assert!(
             text(&output).contains(&format!("ticket {ticket}")),
@@ -473,8 +476,7 @@ async fn every_printed_hint_run_twice_settles_its_increment_once() {
         );
         expected += by;
         for earlier in [false, true] {
-            let mut args = vec!["--config", rig.path.as_str()];
-            args.extend(hint.split_whitespace().skip(1));
+            let mut args = hint_args(&hint);
             args.push("--json");
             let output = tallyd(&args, &[]).await;
             assert_eq!(output.status.code(), Some(0), "{hint}: {}", text(&output));

@@ -117,6 +117,12 @@ impl Side {
         }
     }
 
+    /// Whether some increment's outcome is not known: told unknown or
+    /// pending and not settled, or a plain `$inc` that failed.
+    pub(crate) fn uncertain(&self) -> bool {
+        !self.open.is_empty() || self.failed > 0
+    }
+
     /// An open outcome's settlement.
     pub(crate) fn settled(&mut self, counted: Option<bool>) {
         match counted {

@@ -15,7 +15,7 @@ use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Bson, doc};
 
 use super::lane_map;
-use crate::cli::{hint, json, tallyd, text, write_config};
+use crate::cli::{hint, hint_args, hint_command, json, tallyd, text, write_config};
 use crate::common::{FailPoint, TestContext, counter, pending_len};
 
 /// A test database and a configuration file for it (`extra` appended),
@@ -123,11 +123,13 @@ async fn an_unknown_lane_incr_by_5_says_5_and_its_hint_counts_5_once() {
     let output = lost_twice(false).await;
     assert_eq!(output.status.code(), Some(75), "{}", text(&output));
     let hint = hint(&output);
-    assert!(hint.starts_with("tallyd resume k "), "{hint}");
+    assert!(
+        hint.starts_with(&format!("tallyd -c {path} resume k ")),
+        "{hint}"
+    );
     assert!(hint.contains(" --by 5"), "{hint}");
     assert!(hint.contains(" --lane"), "{hint}");
-    let mut args = vec!["--config", path.as_str()];
-    args.extend(hint.split_whitespace().skip(1));
+    let args = hint_args(&hint);
     for (run, earlier) in [(1, false), (2, true), (3, true)] {
         let output = tallyd(&args, &[]).await;
         assert_eq!(
@@ -393,7 +395,7 @@ async fn resume_hints_always_name_the_protocol() {
         let hint = hint(&output);
         assert!(hint.contains(&format!(" {flag}")), "{flag}: {hint}");
         let mut args = vec!["--config", followed_under.as_str()];
-        args.extend(hint.split_whitespace().skip(1));
+        args.extend(hint_command(&hint));
         for _ in 0..2 {
             let output = tallyd(&args, &[]).await;
             assert_eq!(output.status.code(), Some(0), "{flag}: {}", text(&output));

@@ -1,0 +1,40 @@
+//! The commands `tallyd` prints for the user to run, as the user would
+//! paste them.
+
+use super::Cli;
+
+/// The global options of this process's command line that a printed
+/// command must repeat (`-c PATH`, `--env-file PATH`), as shell words;
+/// set once, when the command line is parsed.
+static GIVEN_OPTIONS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+impl Cli {
+    /// Keeps the options a printed command repeats ([`shown_command`]).
+    pub(super) fn remember_options(&self) {
+        let mut given = Vec::new();
+        if let Some(path) = &self.config {
+            given.push(format!(
+                "-c {}",
+                super::increment::shell_word(&path.to_string_lossy())
+            ));
+        }
+        if let Some(path) = &self.env_file {
+            given.push(format!(
+                "--env-file {}",
+                super::increment::shell_word(&path.to_string_lossy())
+            ));
+        }
+        let _ = GIVEN_OPTIONS.set(given.join(" "));
+    }
+}
+
+/// `tallyd` with the `-c`/`--config` and `--env-file` this command was
+/// given, then `rest`: a command printed for the user to run, which works
+/// pasted as shown (without them it would read another configuration, or
+/// none).
+pub(crate) fn shown_command(rest: &str) -> String {
+    match GIVEN_OPTIONS.get() {
+        Some(given) if !given.is_empty() => format!("tallyd {given} {rest}"),
+        _ => format!("tallyd {rest}"),
+    }
+}
