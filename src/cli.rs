@@ -35,6 +35,7 @@ mod sequence;
 mod settle;
 mod setup;
 
+pub(crate) use doctor::sharding::refusal as shard_key_refusal;
 pub(crate) use keys::{counter_key, event_key};
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -19,7 +19,10 @@ use crate::common::{TestContext, external, with_options};
 
 /// `tallyd --config <config> doctor --json <extra>`: its exit code and its
 /// checks by name (`indexes:<collection>` for the index checks).
-async fn doctor(config: &str, extra: &[&str]) -> (Option<i32>, BTreeMap<String, Value>, Output) {
+pub(crate) async fn doctor(
+    config: &str,
+    extra: &[&str],
+) -> (Option<i32>, BTreeMap<String, Value>, Output) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_config(dir.path(), config);
     let mut args = vec!["--config", path.as_str(), "doctor", "--json"];
@@ -42,7 +45,7 @@ async fn doctor(config: &str, extra: &[&str]) -> (Option<i32>, BTreeMap<String, 
 }
 
 /// The verdict and message of check `name`.
-fn verdict<'a>(checks: &'a BTreeMap<String, Value>, name: &str) -> (&'a str, &'a str) {
+pub(crate) fn verdict<'a>(checks: &'a BTreeMap<String, Value>, name: &str) -> (&'a str, &'a str) {
     let check = checks
         .get(name)
         .unwrap_or_else(|| panic!("no check {name}: {checks:?}"));

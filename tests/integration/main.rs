@@ -27,6 +27,7 @@ mod reconcile;
 mod review_lanes;
 mod sequence;
 mod settle;
+mod sharding;
 mod shown_book;
 mod shown_commands;
 mod shown_configs;
