@@ -70,10 +70,12 @@ impl Verdict {
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
     /// `ledger_indexes`, `unfolded_events`, `privileges` or
-    /// `change_stream_history`.
+    /// `change_stream_history`; on a sharded cluster also `shards`,
+    /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
-    /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`:
-    /// events) check is about.
+    /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`,
+    /// `shard_indexes`: events; `shard_key`: any configured) check is
+    /// about.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) collection: Option<String>,
     /// How it came out.

@@ -289,7 +289,7 @@ async fn shard_keys_on_id_pass_and_the_daemon_starts() {
         let (pause, message) = verdict(&checks, "migration_pause");
         assert_eq!(pause, "warn", "{message}");
         assert!(
-            message.contains("views_events and clicks_events sharded"),
+            message.contains("with views_events and clicks_events sharded:"),
             "{message}"
         );
         assert!(message.contains("{pauseMigrationsDuringMultiUpdates: {enabled: true}}"));

@@ -294,7 +294,7 @@ async fn migration_pause(store: &Store, sharded_events: &[String]) -> Check {
             name,
             Verdict::Warn,
             format!(
-                "pauseMigrationsDuringMultiUpdates is off (or not reported) and {} sharded: the \
+                "pauseMigrationsDuringMultiUpdates is off (or not reported), with {} sharded: the \
                  fold's deleteMany of folded events can race a chunk migration and leave some \
                  behind; turn it on: db.adminCommand({{setClusterParameter: \
                  {{pauseMigrationsDuringMultiUpdates: {{enabled: true}}}}}})",
