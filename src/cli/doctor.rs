@@ -299,13 +299,27 @@ const CLOCK_SAMPLES: usize = 3;
 /// margin the configuration leaves (the rule of `daemon::clock`).
 async fn clock_skew(store: &Store, config: &Config, clock: Clock) -> Check {
     let admin = store.client().database("admin");
-    let Some(skew) = sample_skew(store, &admin, clock).await else {
-        return Check::new(
-            "clock_skew",
-            Verdict::Warn,
-            "unknown: the server's hello gave no localTime, so this host's clock could not be \
-             compared with the server's",
-        );
+    let skew = match sample_skew(store, &admin, clock).await {
+        Ok(Some(skew)) => skew,
+        Ok(None) => {
+            return Check::new(
+                "clock_skew",
+                Verdict::Warn,
+                "unknown: the server's hello gave no localTime, so this host's clock could not \
+                 be compared with the server's",
+            );
+        }
+        Err(err) => {
+            return Check::new(
+                "clock_skew",
+                Verdict::Warn,
+                format!(
+                    "unknown: the server did not answer hello, so this host's clock could not \
+                     be compared with the server's: {}",
+                    store.describe(&err)
+                ),
+            );
+        }
     };
     let (tightest, margin) = tightest_margin(config);
     let found = format!(
@@ -327,21 +341,31 @@ fn tightest_margin(config: &Config) -> (clock::Margin, String) {
 
 /// The best of [`CLOCK_SAMPLES`] `hello`s to `admin` (of `store`'s client
 /// or another's): the one with the shortest round trip; `None` when no
-/// reply gave a `localTime`.
-async fn sample_skew(store: &Store, admin: &mongodb::Database, clock: Clock) -> Option<Skew> {
+/// reply gave a `localTime`. A failed `hello` ends the sampling (a server
+/// that does not answer is not waited for three times): the error, when
+/// nothing was measured before it.
+async fn sample_skew(
+    store: &Store,
+    admin: &mongodb::Database,
+    clock: Clock,
+) -> Result<Option<Skew>, mongodb::error::Error> {
     let mut best: Option<Skew> = None;
     for _ in 0..CLOCK_SAMPLES {
         let sent = clock.now();
         let reply = store.attempt(admin.run_command(doc! { "hello": 1 })).await;
         let received = clock.now();
-        let Ok(reply) = reply else { continue };
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(err) if best.is_none() => return Err(err),
+            Err(_) => break,
+        };
         if let Some(skew) = Skew::from_hello(sent, received, &reply)
             && best.is_none_or(|b| skew.round_trip < b.round_trip)
         {
             best = Some(skew);
         }
     }
-    best
+    Ok(best)
 }
 
 /// The verdict on a skew of this level, and what it costs.

@@ -12,7 +12,7 @@ use super::sharding;
 use super::{Check, Verdict, ledgers, run_admin, sample_skew, skew_cost, tightest_margin};
 use crate::config::Config;
 use crate::daemon::clock::{self, Clock, SkewLevel};
-use crate::error::server_code;
+use crate::error::{Readable, server_code};
 use crate::store::Store;
 
 /// MongoDB 8.0's wire version: the first with the cluster parameter
@@ -217,19 +217,28 @@ async fn mongos_clocks(store: &Store, config: &Config, clock: Clock) -> Check {
                 client.shutdown().await;
                 skew
             }
-            Err(_) => None,
+            Err(err) => Err(err),
         };
         match skew {
-            Some(skew) => {
+            Ok(Some(skew)) => {
                 let cost = skew_cost(clock::judge(skew.worst_case(), tightest.margin));
                 if cost.0 > worst.0 {
                     worst = cost;
                 }
                 found.push(format!("{host}: {}", skew.describe()));
             }
-            None => {
+            Ok(None) => {
                 unmeasured = true;
-                found.push(format!("{host}: no answer with a localTime"));
+                found.push(format!("{host}: its hello gave no localTime"));
+            }
+            Err(err) => {
+                unmeasured = true;
+                // The error as such: the store's hosts are not this one's.
+                let readable = Readable {
+                    err: &err,
+                    reach: None,
+                };
+                found.push(format!("{host}: no answer ({readable})"));
             }
         }
     }
@@ -238,7 +247,7 @@ async fn mongos_clocks(store: &Store, config: &Config, clock: Clock) -> Check {
     if unmeasured {
         verdict = verdict.max(Verdict::Warn);
         cost.push_str(
-            "; a mongos that gave no localTime could not be measured: check NTP on its host",
+            "; a mongos that could not be measured may be off by any amount: check NTP on its host",
         );
     }
     Check::new(
