@@ -447,3 +447,49 @@ async fn shard_keys_that_would_double_count_fail_and_the_daemon_refuses_them() {
         "a warning is no refusal: {log}"
     );
 }
+
+/// Shard keys this user may not read (`find` on `config.collections`
+/// refused): doctor says unknown and how to see them; the daemon starts,
+/// saying in its log that it did not check them. Mock only: a real
+/// cluster's test user can read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shard_keys_that_cannot_be_read_are_unknown_and_the_daemon_starts() {
+    let cluster = Cluster::new("shard_keys_unread", &[], &[], false).await;
+    if !cluster.mocked() {
+        return;
+    }
+    let _refused: Vec<RuleGuard> = cluster
+        .mongos
+        .iter()
+        .map(|mongos| {
+            mongos.rule_first(
+                Rule::command("find")
+                    .collection("collections")
+                    .database("config")
+                    .then(Action::error(13, "Unauthorized", &[])),
+            )
+        })
+        .collect();
+    cluster.setup().await;
+    let config = cluster.config("tally_state");
+    let (code, checks, _) = doctor(&config, &[]).await;
+    let (keys, message) = verdict(&checks, "shard_key");
+    assert_eq!(keys, "warn", "{message}");
+    assert!(
+        message.starts_with("unknown: cannot read the shard keys from config.collections: "),
+        "{message}"
+    );
+    assert!(message.contains("Unauthorized"), "{message}");
+    assert!(message.contains("clusterMonitor"), "{message}");
+    assert_eq!(code, Some(0), "{checks:?}");
+
+    let mut daemon = Tallyd::start(&config, &[]);
+    daemon.wait_ready("active", Duration::from_secs(30)).await;
+    let status = daemon.terminate();
+    let log = daemon.log();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        log.contains("starting without checking the shard keys (tallyd doctor checks them)"),
+        "{log}"
+    );
+}

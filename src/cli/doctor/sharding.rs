@@ -282,7 +282,10 @@ pub(crate) async fn refusal(store: &Store, config: &Config) -> Result<(), String
         .filter_map(|check| match (check.verdict, check.collection) {
             (Verdict::Fail, Some(collection)) => Some(format!("{collection}: {}", check.message)),
             (Verdict::Warn, None) => {
-                tracing::warn!("{}", check.message);
+                tracing::warn!(
+                    "starting without checking the shard keys (tallyd doctor checks them): {}",
+                    check.message
+                );
                 None
             }
             _ => None,

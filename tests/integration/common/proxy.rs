@@ -884,6 +884,18 @@ impl Proxy {
         self.address
     }
 
+    /// Installs `rule` before the existing ones: it wins over them (e.g. a
+    /// refusal in front of a mock's answer); it stays until the guard is
+    /// dropped.
+    pub fn rule_first(&self, rule: Rule) -> RuleGuard {
+        let guard = self.rule(rule);
+        let mut rules = lock(&self.shared.rules);
+        if let Some(last) = rules.pop() {
+            rules.insert(0, last);
+        }
+        guard
+    }
+
     /// Installs `rule` after the existing ones (the first installed rule that
     /// selects a request wins); it stays until the guard is dropped.
     pub fn rule(&self, rule: Rule) -> RuleGuard {
