@@ -37,6 +37,7 @@ mod settle;
 mod setup;
 mod shown;
 
+pub(crate) use doctor::sharding::refusal as shard_key_refusal;
 pub(crate) use keys::{counter_key, event_key};
 use reach::connect;
 pub(crate) use shown::shown_command;

@@ -246,6 +246,11 @@ async fn serve(
     if !reached {
         return Ok(drain(tracker, config, "before MongoDB answered", reloading).await);
     }
+    if let Err(refusal) = crate::cli::shard_key_refusal(store, config).await {
+        shutdown.cancel();
+        drain(tracker, config, "at start", reloading).await;
+        return Err(DaemonError::Config(refusal));
+    }
     let targets: Vec<FoldTarget> = config
         .collections
         .iter()

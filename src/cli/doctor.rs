@@ -16,8 +16,10 @@
 //! create a database (a misspelt `[mongodb] database` is reported instead).
 
 mod access;
+mod cluster;
 mod deployment;
 mod ledger;
+pub(crate) mod sharding;
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -68,10 +70,12 @@ impl Verdict {
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
     /// `ledger_indexes`, `unfolded_events`, `privileges` or
-    /// `change_stream_history`.
+    /// `change_stream_history`; on a sharded cluster also `shards`,
+    /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
-    /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`:
-    /// events) check is about.
+    /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`,
+    /// `shard_indexes`: events; `shard_key`: any configured) check is
+    /// about.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) collection: Option<String>,
     /// How it came out.
@@ -167,6 +171,9 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
     checks.extend(ledger::unfolded_elsewhere(store, config, now).await);
     checks.push(access::privileges(store, config).await);
     checks.push(deployment::history(store, &topology).await);
+    if sharding::is_mongos(&hello) {
+        checks.extend(cluster::checks(store, config, &hello, clock).await);
+    }
     (checks, None)
 }
 
@@ -176,13 +183,7 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
 async fn database_check(store: &Store, config: &Config) -> (bool, Check) {
     let names: Vec<String> = config.collections.iter().map(|c| c.name.clone()).collect();
     let mut wanted = names.clone();
-    wanted.extend(
-        config
-            .collections
-            .iter()
-            .filter(|c| c.events_collection.is_some())
-            .map(|c| c.events_collection_name()),
-    );
+    wanted.extend(ledgers(config).map(|c| c.events_collection_name()));
     wanted.push(config.daemon.state_collection.clone());
     let name = store.database().name().to_owned();
     let (held, verdict, message) = match database::existing(store, &wanted).await {
@@ -271,6 +272,14 @@ pub(super) async fn check_indexes(config: &Config) -> ExitCode {
     ExitCode::from(if failed { EXIT_FAILED } else { EXIT_OK })
 }
 
+/// The configured collections with a ledger.
+fn ledgers(config: &Config) -> impl Iterator<Item = &crate::write::counter::CollectionConfig> {
+    config
+        .collections
+        .iter()
+        .filter(|c| c.events_collection.is_some())
+}
+
 /// Prints checks one a line, with their verdicts.
 pub(super) fn print_checks(checks: &[Check]) {
     for check in checks {
@@ -289,57 +298,90 @@ const CLOCK_SAMPLES: usize = 3;
 /// This host's clock against the server's, judged against the tightest
 /// margin the configuration leaves (the rule of `daemon::clock`).
 async fn clock_skew(store: &Store, config: &Config, clock: Clock) -> Check {
-    let mut best: Option<Skew> = None;
-    for _ in 0..CLOCK_SAMPLES {
-        let sent = clock.now();
-        let reply = run_admin(store, doc! { "hello": 1 }).await;
-        let received = clock.now();
-        let Ok(reply) = reply else { continue };
-        if let Some(skew) = Skew::from_hello(sent, received, &reply)
-            && best.is_none_or(|b| skew.round_trip < b.round_trip)
-        {
-            best = Some(skew);
+    let admin = store.client().database("admin");
+    let skew = match sample_skew(store, &admin, clock).await {
+        Ok(Some(skew)) => skew,
+        Ok(None) => {
+            return Check::new(
+                "clock_skew",
+                Verdict::Warn,
+                "unknown: the server's hello gave no localTime, so this host's clock could not \
+                 be compared with the server's",
+            );
         }
-    }
-    let Some(skew) = best else {
-        return Check::new(
-            "clock_skew",
-            Verdict::Warn,
-            "unknown: the server's hello gave no localTime, so this host's clock could not be \
-             compared with the server's",
-        );
+        Err(err) => {
+            return Check::new(
+                "clock_skew",
+                Verdict::Warn,
+                format!(
+                    "unknown: the server did not answer hello, so this host's clock could not \
+                     be compared with the server's: {}",
+                    store.describe(&err)
+                ),
+            );
+        }
     };
-    let margins = clock::margins(config);
-    let tightest = &margins[0];
-    let margin = humantime::format_duration(tightest.margin);
+    let (tightest, margin) = tightest_margin(config);
     let found = format!(
         "{}; the collection {} leaves {margin} for writers' clocks behind the server's ({})",
         skew.describe(),
         tightest.collection,
         tightest.made_of
     );
-    match clock::judge(skew.worst_case(), tightest.margin) {
-        SkewLevel::Safe => Check::new(
-            "clock_skew",
-            Verdict::Ok,
-            format!("{found}: the skew uses at most a quarter of it"),
-        ),
-        SkewLevel::Watch => Check::new(
-            "clock_skew",
+    let (verdict, cost) = skew_cost(clock::judge(skew.worst_case(), tightest.margin));
+    Check::new("clock_skew", verdict, format!("{found}: {cost}"))
+}
+
+/// The tightest margin the configuration leaves, and it shown.
+fn tightest_margin(config: &Config) -> (clock::Margin, String) {
+    let tightest = clock::margins(config).swap_remove(0);
+    let shown = humantime::format_duration(tightest.margin).to_string();
+    (tightest, shown)
+}
+
+/// The best of [`CLOCK_SAMPLES`] `hello`s to `admin` (of `store`'s client
+/// or another's): the one with the shortest round trip; `None` when no
+/// reply gave a `localTime`. A failed `hello` ends the sampling (a server
+/// that does not answer is not waited for three times): the error, when
+/// nothing was measured before it.
+async fn sample_skew(
+    store: &Store,
+    admin: &mongodb::Database,
+    clock: Clock,
+) -> Result<Option<Skew>, mongodb::error::Error> {
+    let mut best: Option<Skew> = None;
+    for _ in 0..CLOCK_SAMPLES {
+        let sent = clock.now();
+        let reply = store.attempt(admin.run_command(doc! { "hello": 1 })).await;
+        let received = clock.now();
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(err) if best.is_none() => return Err(err),
+            Err(_) => break,
+        };
+        if let Some(skew) = Skew::from_hello(sent, received, &reply)
+            && best.is_none_or(|b| skew.round_trip < b.round_trip)
+        {
+            best = Some(skew);
+        }
+    }
+    Ok(best)
+}
+
+/// The verdict on a skew of this level, and what it costs.
+fn skew_cost(level: SkewLevel) -> (Verdict, &'static str) {
+    match level {
+        SkewLevel::Safe => (Verdict::Ok, "the skew uses at most a quarter of it"),
+        SkewLevel::Watch => (
             Verdict::Warn,
-            format!(
-                "{found}: the skew uses more than a quarter of it — counts stay exact, but find \
-                 out why (is NTP running here and on the servers?) before it grows"
-            ),
+            "the skew uses more than a quarter of it — counts stay exact, but find out why (is \
+             NTP running here and on the servers?) before it grows",
         ),
-        SkewLevel::Unsafe => Check::new(
-            "clock_skew",
+        SkewLevel::Unsafe => (
             Verdict::Fail,
-            format!(
-                "{found}: the skew uses more than half of it — a writer whose clock is this far \
-                 behind could have a token folded before its last retry lands, counting it \
-                 twice; fix the clocks (NTP), or raise [reconcile] grace"
-            ),
+            "the skew uses more than half of it — a writer whose clock is this far behind could \
+             have a token folded before its last retry lands, counting it twice; fix the clocks \
+             (NTP), or raise [reconcile] grace",
         ),
     }
 }

@@ -28,6 +28,7 @@ mod review_lanes;
 mod sequence;
 mod settle;
 mod setup;
+mod sharding;
 mod shown_book;
 mod shown_commands;
 mod shown_configs;

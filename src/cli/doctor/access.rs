@@ -6,7 +6,7 @@ use futures::TryStreamExt;
 use mongodb::IndexModel;
 use mongodb::bson::{Bson, Document, doc};
 
-use super::{Check, Verdict, code, run_admin};
+use super::{Check, Verdict, code, ledgers, run_admin};
 use crate::config::Config;
 use crate::error::server_code;
 use crate::ledger::{Ledger, state};
@@ -47,11 +47,7 @@ pub(super) async fn indexes(store: &Store, config: &Config) -> Vec<Check> {
 /// daemon refuses to fold it.
 pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check> {
     let mut checks = Vec::new();
-    for spec in config
-        .collections
-        .iter()
-        .filter(|s| s.events_collection.is_some())
-    {
+    for spec in ledgers(config) {
         let events = spec.events_collection_name();
         let ledger = Ledger::new(store, spec.clone());
         let (verdict, message) = match ledger.missing_indexes().await {

@@ -8,7 +8,7 @@ use humantime::format_duration;
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use mongodb::options::{Acknowledgment, ConnectionString};
 
-use super::{Check, Verdict, code, run_admin};
+use super::{Check, Verdict, code, ledgers, run_admin};
 use crate::config::Config;
 use crate::error::server_code;
 use crate::store::Store;
@@ -85,12 +85,7 @@ pub(super) async fn server(
         Err(_) => "MongoDB (version unknown)".to_owned(),
     };
     let wire = hello.get("maxWireVersion").and_then(Bson::as_i32);
-    let ledgers: Vec<&str> = config
-        .collections
-        .iter()
-        .filter(|c| c.events_collection.is_some())
-        .map(|c| c.name.as_str())
-        .collect();
+    let ledgers: Vec<&str> = ledgers(config).map(|c| c.name.as_str()).collect();
     if !ledgers.is_empty() && wire.is_some_and(|w| w < LEDGER_MIN_WIRE_VERSION) {
         return Check::new(
             "server",

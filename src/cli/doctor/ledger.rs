@@ -9,7 +9,7 @@
 
 use std::time::SystemTime;
 
-use super::{Check, Verdict};
+use super::{Check, Verdict, ledgers};
 use crate::config::Config;
 use crate::ledger::{EventFold, EventFoldSettings};
 use crate::store::Store;
@@ -34,10 +34,7 @@ pub(super) async fn unfolded_elsewhere(
             return vec![Check::new("unfolded_events", Verdict::Warn, message)];
         }
     };
-    let folded: Vec<String> = config
-        .collections
-        .iter()
-        .filter(|s| s.events_collection.is_some())
+    let folded: Vec<String> = ledgers(config)
         .map(CollectionConfig::events_collection_name)
         .collect();
     let mut candidates: Vec<&str> = names

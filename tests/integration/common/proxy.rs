@@ -169,6 +169,17 @@ impl WireMessage {
 /// Encodes an `OP_MSG` with flag bits 0 and a single body section: how the
 /// proxy answers for the server.
 pub fn encode_op_msg(request_id: i32, response_to: i32, body: &Document) -> Vec<u8> {
+    encode_op_msg_with_flags(request_id, response_to, 0, body)
+}
+
+/// The same with these flag bits (`moreToCome` kept for a reply of an
+/// exhaust stream; a checksum is never written, so its bit is cleared).
+fn encode_op_msg_with_flags(
+    request_id: i32,
+    response_to: i32,
+    flag_bits: u32,
+    body: &Document,
+) -> Vec<u8> {
     let body = body
         .to_vec()
         .expect("a Document always encodes (keys have no NUL bytes)");
@@ -178,7 +189,7 @@ pub fn encode_op_msg(request_id: i32, response_to: i32, body: &Document) -> Vec<
     bytes.extend_from_slice(&request_id.to_le_bytes());
     bytes.extend_from_slice(&response_to.to_le_bytes());
     bytes.extend_from_slice(&OP_MSG.to_le_bytes());
-    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&(flag_bits & !CHECKSUM_PRESENT).to_le_bytes());
     bytes.push(0);
     bytes.extend_from_slice(&body);
     bytes
@@ -315,6 +326,15 @@ pub enum Action {
     /// recorded (never delivered: the client has gone). Dropping the proxy
     /// first discards it: it never reaches the server.
     HoldRequest(Release),
+    /// Never forward; answer with this document (`ok: 1` added when it
+    /// has no `ok`): a server that is not there, e.g. a mongos's
+    /// `listShards` in front of a replica set.
+    Answer(Document),
+    /// Forward; when the server's replies arrive (every reply of an exhaust
+    /// stream), set these fields in them before delivering: the server's
+    /// answer, partly someone else's (e.g. `hello` with `msg: "isdbgrid"`,
+    /// as a mongos says it).
+    AmendReply(Document),
     /// Never forward; answer as the server would with this error.
     Error {
         /// The server error code, e.g. 10107.
@@ -380,6 +400,25 @@ fn with_write_concern_error(
         body.insert("errorLabels", labels);
     }
     encode_op_msg(reply.request_id, reply.response_to, &body)
+}
+
+/// `reply` (the server's, parsed) with `fields` set, its flag bits kept.
+fn amended(reply: &WireMessage, fields: &Document) -> Vec<u8> {
+    let mut body = reply.body.clone();
+    for (key, value) in fields {
+        body.insert(key.clone(), value.clone());
+    }
+    encode_op_msg_with_flags(reply.request_id, reply.response_to, reply.flag_bits, &body)
+}
+
+/// The reply for an [`Action::Answer`]: `body`, with `ok: 1` unless it
+/// says otherwise.
+fn answer_reply(body: &Document, request_id: i32, response_to: i32) -> Vec<u8> {
+    let mut body = body.clone();
+    if !body.contains_key("ok") {
+        body.insert("ok", 1.0);
+    }
+    encode_op_msg(request_id, response_to, &body)
 }
 
 /// The reply the server would send for an [`Action::Error`].
@@ -461,6 +500,7 @@ fn duplicate_key_reply(request: &WireMessage, reply_id: i32) -> Vec<u8> {
 pub struct Matcher {
     command: Option<String>,
     collection: Option<String>,
+    database: Option<String>,
     mentions: Option<String>,
     nth: Option<u64>,
     after: Option<u64>,
@@ -472,6 +512,13 @@ impl Matcher {
     /// key).
     pub fn collection(mut self, name: &str) -> Self {
         self.collection = Some(name.to_owned());
+        self
+    }
+
+    /// Only requests on this database (the command's `$db`), e.g. `config`
+    /// for a `find` on `config.collections`.
+    pub fn database(mut self, name: &str) -> Self {
+        self.database = Some(name.to_owned());
         self
     }
 
@@ -561,6 +608,10 @@ impl ActiveRule {
                 .collection
                 .as_ref()
                 .is_some_and(|c| message.collection.as_ref() != Some(c))
+            || matcher
+                .database
+                .as_ref()
+                .is_some_and(|d| message.body.get_str("$db").ok() != Some(d.as_str()))
             || matcher
                 .mentions
                 .as_ref()
@@ -831,6 +882,18 @@ impl Proxy {
     /// The loopback address the proxy listens on.
     pub fn address(&self) -> SocketAddr {
         self.address
+    }
+
+    /// Installs `rule` before the existing ones: it wins over them (e.g. a
+    /// refusal in front of a mock's answer); it stays until the guard is
+    /// dropped.
+    pub fn rule_first(&self, rule: Rule) -> RuleGuard {
+        let guard = self.rule(rule);
+        let mut rules = lock(&self.shared.rules);
+        if let Some(last) = rules.pop() {
+            rules.insert(0, last);
+        }
+        guard
     }
 
     /// Installs `rule` after the existing ones (the first installed rule that
@@ -1114,6 +1177,9 @@ impl Pair {
                     });
                 }
                 Some(Action::DuplicateKey) => Some(duplicate_key_reply(&message, reply_id())),
+                Some(Action::Answer(body)) => {
+                    Some(answer_reply(body, reply_id(), message.request_id))
+                }
                 Some(Action::Error {
                     code,
                     code_name,
@@ -1168,10 +1234,18 @@ impl Pair {
                     // no action left to apply. mongod makes each answer the
                     // previous reply, SecantusDB the request: accept both.
                     if reply.more_to_come() {
+                        // An amended stream stays amended (a mongos says
+                        // so in every `hello`); no other action repeats.
+                        let kept = match &request.action {
+                            Some(Action::AmendReply(fields)) => {
+                                Some(Action::AmendReply(fields.clone()))
+                            }
+                            _ => None,
+                        };
                         for key in [reply.response_to, reply.request_id] {
                             let next = Pending {
                                 seq: request.seq,
-                                action: None,
+                                action: kept.clone(),
                             };
                             pending.insert(key, next);
                         }
@@ -1205,6 +1279,7 @@ impl Pair {
                     code_name,
                     labels,
                 }) => with_write_concern_error(&reply, code, &code_name, &labels),
+                Some(Action::AmendReply(fields)) => amended(&reply, &fields),
                 _ => bytes,
             };
             if self.deliver(&bytes).await.is_err() {
