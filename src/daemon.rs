@@ -111,13 +111,28 @@ pub(crate) struct Kept {
     metrics: Metrics,
     ledger: AlertLedger,
     clock: Clock,
+    start_check: Option<StartCheck>,
 }
 
+/// A check the command line gives the daemon, run once a run reached
+/// MongoDB and before any work: `Err` says what the deployment or the
+/// configuration must fix, and the daemon stops with 78 (`tallyd run`
+/// passes `doctor`'s shard-key rules; the daemon names no command-line
+/// module).
+pub(crate) type StartCheck = for<'a> fn(
+    &'a Store,
+    &'a Config,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(), String>> + Send + 'a>,
+>;
+
 impl Kept {
-    /// Nothing kept yet; this host's clock read as `clock` reads it.
-    pub(crate) fn with_clock(clock: Clock) -> Self {
+    /// Nothing kept yet; this host's clock read as `clock` reads it, and
+    /// `start_check` run at the start of every run.
+    pub(crate) fn with_clock(clock: Clock, start_check: Option<StartCheck>) -> Self {
         Self {
             clock,
+            start_check,
             ..Self::default()
         }
     }
@@ -246,7 +261,9 @@ async fn serve(
     if !reached {
         return Ok(drain(tracker, config, "before MongoDB answered", reloading).await);
     }
-    if let Err(refusal) = crate::cli::shard_key_refusal(store, config).await {
+    if let Some(check) = kept.start_check
+        && let Err(refusal) = check(store, config).await
+    {
         shutdown.cancel();
         drain(tracker, config, "at start", reloading).await;
         return Err(DaemonError::Config(refusal));

@@ -54,6 +54,7 @@ pub(super) async fn run(cli: &Cli, config: Config, logging: &Logging) -> ExitCod
         load,
         |new| logging.apply(new),
         commands,
+        Some(|store, config| Box::pin(super::shard_key_refusal(store, config))),
     );
     match supervised.await {
         Ok(drained) if drained.is_clean() => ExitCode::from(EXIT_OK),

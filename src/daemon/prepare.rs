@@ -59,6 +59,11 @@ impl Prepared {
         &self.config
     }
 
+    /// The MongoDB client it runs with.
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// The socket it serves the HTTP endpoints on.
     pub(crate) fn listening(&self) -> &Listening {
         &self.listener

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigErrors};
 use crate::daemon::clock::Clock;
-use crate::daemon::{DaemonError, Drained, Kept, Listening, Prepared, Reloading, run};
+use crate::daemon::{DaemonError, Drained, Kept, Listening, Prepared, Reloading, StartCheck, run};
 use crate::error::words;
 
 /// How long a reload waits for the new server's answer to its credentials;
@@ -51,8 +51,9 @@ pub(crate) async fn supervise(
     mut load: impl FnMut() -> Result<Config, ConfigErrors>,
     mut on_reload: impl FnMut(&Config),
     mut commands: mpsc::UnboundedReceiver<Command>,
+    start_check: Option<StartCheck>,
 ) -> Result<Drained, DaemonError> {
-    let kept = Kept::with_clock(clock);
+    let kept = Kept::with_clock(clock, start_check);
     let metrics = kept.metrics.clone();
     let alive = CancellationToken::new();
     let _stop_watchdog = alive.clone().drop_guard();
@@ -85,7 +86,7 @@ pub(crate) async fn supervise(
                         // configuration is made ready.
                         let ready = tokio::select! {
                             ended = &mut running => return ended,
-                            ready = prepare(&mut load, &listening) => ready,
+                            ready = prepare(&mut load, &listening, start_check) => ready,
                         };
                         match ready {
                             Ok(next) => break next,
@@ -135,6 +136,7 @@ pub(crate) async fn supervise(
 async fn prepare(
     load: &mut impl FnMut() -> Result<Config, ConfigErrors>,
     listening: &Listening,
+    start_check: Option<StartCheck>,
 ) -> Result<Prepared, String> {
     let config = load().map_err(|errors| {
         for issue in &errors.issues {
@@ -154,6 +156,20 @@ async fn prepare(
     if let Err(err) = prepared.check_credentials(CREDENTIALS_WITHIN).await {
         prepared.discard().await;
         return Err(err.to_string());
+    }
+    // What the new run would refuse at its start (a shard key that would
+    // count twice), refused now: the running daemon keeps its
+    // configuration. A server that does not answer in time is not a
+    // refusal: the new run checks again at its start.
+    if let Some(check) = start_check {
+        let checked = tokio::time::timeout(
+            CREDENTIALS_WITHIN,
+            check(prepared.store(), prepared.config()),
+        );
+        if let Ok(Err(refusal)) = checked.await {
+            prepared.discard().await;
+            return Err(refusal);
+        }
     }
     Ok(prepared)
 }

@@ -232,6 +232,8 @@ async fn shard_keys_on_id_pass_and_the_daemon_starts() {
         ("clicks", ranged.clone()),
         ("views_events", hashed),
         ("clicks_events", ranged),
+        // For the reload below: a daemon state on another key.
+        ("state_other", doc! { "owner": 1 }),
     ];
     let cluster = Cluster::new("shard_keys_pass", &keys, &["views_events_fold"], false).await;
     cluster.setup().await;
@@ -347,6 +349,24 @@ async fn shard_keys_on_id_pass_and_the_daemon_starts() {
 
     let mut daemon = Tallyd::start(&config, &[]);
     daemon.wait_ready("active", Duration::from_secs(30)).await;
+    // A reload onto a shard key that would count twice is refused: the
+    // daemon runs on with the configuration it has.
+    daemon.rewrite_config(&cluster.config("state_other"));
+    daemon.signal("HUP");
+    daemon
+        .wait_metric(
+            "tally_config_reload_failures_total",
+            1.0,
+            Duration::from_secs(60),
+        )
+        .await;
+    assert!(daemon.running(), "{}", daemon.log());
+    assert_eq!(daemon.ready().await.as_deref(), Some("active"));
+    let log = daemon.log();
+    assert!(
+        log.contains("state_other: the daemon's state"),
+        "the refusal names the collection: {log}"
+    );
     let status = daemon.terminate();
     assert!(status.success(), "{status:?}\n{}", daemon.log());
 }
