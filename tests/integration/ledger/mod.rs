@@ -43,6 +43,7 @@ mod lowered;
 mod reads;
 mod recording;
 mod retention;
+mod review3;
 mod soak;
 mod upgrade;
 
