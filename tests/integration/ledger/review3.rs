@@ -98,3 +98,124 @@ async fn review3_record_many_retry_collisions_are_recorded_without_a_majority_re
         "reported recorded on a local read alone: {names:?}"
     );
 }
+
+mod anchor_time {
+    //! Finding 2: a raise's cluster time (`at`) is the `collMod` reply's
+    //! `operationTime`, which can be later than the `collMod`'s own oplog
+    //! entry (the maintainers' own note: "the test server's collMod reply
+    //! can name a later cluster time"; a DDL's reply names the node's last
+    //! optime, concurrent writes included). Every debt starts at such an
+    //! `at` (`{after: anchor.at, below: to}`, `{after: remembered.at, …}`)
+    //! and owes only events that landed *after* it; an event numbered below
+    //! the pass's range that lands between the raise and the time its reply
+    //! names — under a floor lowered in that gap — is in no pass: the range
+    //! read does not hold it (its number is below the range) and the debt
+    //! does not owe it (it landed "before" the anchor). Lost.
+
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use mongodb::bson::{DateTime, Document, Timestamp, doc, oid::ObjectId};
+    use tokio_util::sync::CancellationToken;
+
+    use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+    use crate::common::{TestContext, counter};
+    use crate::ledger::{assert_outcome, fold_all, fold_of, ledger_on};
+
+    const HOLD: Duration = Duration::from_secs(3);
+
+    async fn land(db: &mongodb::Database, id: &str, key: &str, n: i64, s: i64) {
+        let event = doc! {
+            "_id": id, "k": key, "n": n, "at": DateTime::now(), "L": ObjectId::new(), "s": s,
+        };
+        db.collection::<Document>("views_events")
+            .insert_one(event)
+            .await
+            .expect("the floor is down: the late event lands");
+    }
+
+    async fn range(db: &mongodb::Database) -> (i64, Option<(i64, i64)>) {
+        let state = db
+            .collection::<Document>("views_events_fold")
+            .find_one(doc! { "_id": "state" })
+            .await
+            .unwrap()
+            .expect("a fold state");
+        let range = state
+            .get_document("intent")
+            .ok()
+            .map(|i| (i.get_i64("from").unwrap(), i.get_i64("to").unwrap()));
+        (state.get_i64("W").unwrap(), range)
+    }
+
+    /// The pass's first raise replies with a cluster time two seconds on
+    /// (what its reply may name); within those two seconds the floor is
+    /// taken away and two events land: one in the pass's range, one below
+    /// it. The pass finds the floor changed after its read and owes what
+    /// landed after its anchor's `at` — which names a time after both.
+    #[tokio::test]
+    async fn review3_an_event_landed_before_the_time_a_raise_reply_names_is_lost() {
+        let ctx = TestContext::new("review3_anchor_time").await;
+        let client = ctx.client(false).await;
+        let store = client.store();
+        let db = client.client.database(&ctx.db_name);
+        let ledger = ledger_on(&store, "views").await;
+        assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+        fold_all(&fold_of(&store, "views")).await;
+        assert_outcome(&ledger.record("e2", "b", 1).await, "recorded");
+
+        let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+        let through = ctx.client_through(&proxy, false).await.store();
+        let fold = fold_of(&through, "views");
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as u32;
+        let later = Timestamp {
+            time: now + 2,
+            increment: 0,
+        };
+        let _late_time = std::env::var("R3_CONTROL").is_err().then(|| proxy.rule(
+            Rule::command("collMod")
+                .nth(1)
+                .then(Action::AmendReply(doc! { "operationTime": later })),
+        ));
+        let _slow = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("intent.live")
+                .nth(1)
+                .then(Action::DelayReply(HOLD)),
+        );
+        let pass = tokio::spawn(async move {
+            let run = fold
+                .fold(SystemTime::now(), &CancellationToken::new())
+                .await;
+            (fold, run)
+        });
+        proxy
+            .wait_until("the pass raised the floor", HOLD, |log: &[Exchange]| {
+                log.iter().any(|e| {
+                    e.command.as_deref() == Some("update")
+                        && e.body_mentions("intent.live")
+                        && e.server_replied
+                })
+            })
+            .await;
+        let (_, range_now) = range(&db).await;
+        let (from, _) = range_now.expect("the pass in progress");
+        db.run_command(doc! { "collMod": "views_events", "validator": {} })
+            .await
+            .expect("collMod");
+        land(&db, "late-in-range", "b", 100, from + 1).await;
+        land(&db, "late-below", "a", 10, from - 1).await;
+        let (fold, run) = pass.await.unwrap();
+        let run = run.expect("the pass");
+        eprintln!("{run:?}");
+        for _ in 0..3 {
+            fold_all(&fold).await;
+        }
+        let views = store.collection("views");
+        assert_eq!(
+            (counter(&views, "a").await, counter(&views, "b").await),
+            (1 + 10, 1 + 100),
+            "every event inserted counted once"
+        );
+    }
+}
