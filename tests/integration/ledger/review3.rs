@@ -5,20 +5,12 @@
 //! The oracle is what the test recorded and what is stored (or, for
 //! replication, what a majority read returns), never what the code reports.
 
-#[allow(unused_imports)]
-use std::time::SystemTime;
-
 use mongodb::bson::doc;
 use tally::Recording;
-#[allow(unused_imports)]
-use tokio_util::sync::CancellationToken;
 
-use super::*;
+use crate::common::TestContext;
 use crate::common::proxy::{Action, Rule};
-#[allow(unused_imports)]
-use crate::common::{TestContext, counter};
-#[allow(unused_imports)]
-use crate::ledger::{fold_of, ledger_through_proxy};
+use crate::ledger::{assert_outcome, ledger_through_proxy};
 
 /// A majority read that does not (yet) find the events: what a majority read
 /// returns while an insert is on the primary only — the state a failover
@@ -96,6 +88,41 @@ async fn review3_record_many_retry_collisions_are_recorded_without_a_majority_re
     assert!(
         names.iter().all(|n| *n != "recorded"),
         "reported recorded on a local read alone: {names:?}"
+    );
+}
+
+/// Finding 1, `record_again`: a ticket whose first attempt landed (both
+/// replies lost: unknown) is sent again; the resend collides, a local read
+/// finds the first attempt's lane and number: `recorded`, though nothing
+/// ever confirmed a majority has it.
+#[tokio::test]
+async fn review3_a_ticket_is_settled_recorded_on_a_local_read() {
+    let ctx = TestContext::new("review3_local_ticket").await;
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
+    let ns = format!("{}.views_events", ctx.db_name);
+    let first = {
+        let _lost = [
+            proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply)),
+            proxy.rule(Rule::command("insert").nth(2).then(Action::DropReply)),
+        ];
+        ledger.record("evt_1", "home", 1).await
+    };
+    assert_outcome(&first, "unknown");
+    let Recording::Unknown(ticket) = first else {
+        unreachable!()
+    };
+    let again = {
+        let _unreplicated = proxy.rule(
+            Rule::command("find")
+                .collection("views_events")
+                .mentions("readConcern")
+                .then(not_majority_committed(&ns)),
+        );
+        ledger.record_again(ticket).await.expect("within the horizon")
+    };
+    assert!(
+        again.name() != "recorded",
+        "a ticket settled recorded on a local read alone: {again:?}"
     );
 }
 
