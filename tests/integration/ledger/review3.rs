@@ -246,3 +246,105 @@ mod anchor_time {
         );
     }
 }
+
+mod exact_read {
+    //! Note (not a count error): an exact read with a range pass's debt
+    //! pending. An event that lands in a pass's range after its anchor
+    //! (floor lowered meanwhile) is read by `Ledger::value` while above the
+    //! watermark; the pass takes it out of its sums and commits; until the
+    //! repair pass commits, the exact read no longer sees it — a value read
+    //! as including it goes back down, then up again.
+
+    use std::time::{Duration, SystemTime};
+
+    use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
+    use tokio_util::sync::CancellationToken;
+
+    use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
+    use crate::common::TestContext;
+    use crate::ledger::{assert_outcome, fold_all, fold_of, ledger_on};
+
+    const HOLD: Duration = Duration::from_secs(3);
+
+    #[tokio::test]
+    async fn review3_an_exact_read_goes_down_while_a_range_pass_debt_is_pending() {
+        let ctx = TestContext::new("review3_exact_pending").await;
+        let client = ctx.client(false).await;
+        let store = client.store();
+        let db = client.client.database(&ctx.db_name);
+        let ledger = ledger_on(&store, "views").await;
+        assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+        fold_all(&fold_of(&store, "views")).await;
+        assert_outcome(&ledger.record("e2", "b", 1).await, "recorded");
+
+        let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+        let through = ctx.client_through(&proxy, false).await.store();
+        let fold = fold_of(&through, "views");
+        let _slow = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("intent.live")
+                .nth(1)
+                .then(Action::DelayReply(HOLD)),
+        );
+        // The repair pass's intent is held (the second update naming the
+        // debts: the first records the debt).
+        let _repair = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("late")
+                .nth(2)
+                .then(Action::DelayReply(HOLD * 2)),
+        );
+        let pass = tokio::spawn(async move {
+            fold.fold(SystemTime::now(), &CancellationToken::new()).await
+        });
+        proxy
+            .wait_until("the pass raised the floor", HOLD, |log: &[Exchange]| {
+                log.iter().any(|e| {
+                    e.command.as_deref() == Some("update")
+                        && e.body_mentions("intent.live")
+                        && e.server_replied
+                })
+            })
+            .await;
+        let state = db
+            .collection::<Document>("views_events_fold")
+            .find_one(doc! { "_id": "state" })
+            .await
+            .unwrap()
+            .unwrap();
+        let from = state.get_document("intent").unwrap().get_i64("from").unwrap();
+        db.run_command(doc! { "collMod": "views_events", "validator": {} })
+            .await
+            .unwrap();
+        let late = doc! {
+            "_id": "late-in-range", "k": "b", "n": 100i64, "at": DateTime::now(),
+            "L": ObjectId::new(), "s": from + 1,
+        };
+        db.collection::<Document>("views_events")
+            .insert_one(late)
+            .await
+            .unwrap();
+        let before = ledger.value("b").await.unwrap().value;
+        assert_eq!(before, 101, "read while the late event is above the watermark");
+        proxy
+            .wait_until("the repair's intent was sent", HOLD * 3, |log: &[Exchange]| {
+                log.iter().any(|e| {
+                    e.command.as_deref() == Some("update")
+                        && e.body_mentions("late")
+                        && e.body_mentions("intent")
+                        && e.server_replied
+                })
+            })
+            .await;
+        let pending = ledger.value("b").await.unwrap().value;
+        let _ = pass.await.unwrap().expect("fold");
+        let after = ledger.value("b").await.unwrap().value;
+        assert_eq!(after, 101);
+        assert_eq!(
+            pending, 101,
+            "an exact read of 101 went back to {pending} while the repair was pending"
+        );
+    }
+}
