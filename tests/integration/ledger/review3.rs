@@ -91,6 +91,32 @@ async fn review3_record_many_retry_collisions_are_recorded_without_a_majority_re
     );
 }
 
+/// Finding 1 without a router: the retry's duplicate-key reply *carries* a
+/// write-concern error (the server waited for a majority on the write it
+/// collided with and timed out — what a replica set answers while the
+/// first insert is on the primary only). The code still reads the key at
+/// read concern local and says `recorded`.
+#[tokio::test]
+async fn review3_a_collision_whose_reply_says_unreplicated_is_recorded() {
+    let ctx = TestContext::new("review3_local_judge_wce").await;
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
+    let recording = {
+        let _lost = proxy.rule(Rule::command("insert").nth(1).then(Action::DropReply));
+        let _unreplicated = proxy.rule(
+            Rule::command("insert")
+                .nth(2)
+                .then(Action::write_concern_error(64, "WriteConcernFailed", &[])),
+        );
+        ledger.record("evt_1", "home", 1).await
+    };
+    let inserts = proxy.requests("insert");
+    assert_eq!(inserts.len(), 2, "sent, then retried once");
+    assert!(
+        recording.name() != "recorded",
+        "recorded though the only reply about it said its write concern failed: {recording:?}"
+    );
+}
+
 /// Finding 1, `record_again`: a ticket whose first attempt landed (both
 /// replies lost: unknown) is sent again; the resend collides, a local read
 /// finds the first attempt's lane and number: `recorded`, though nothing
