@@ -4,6 +4,20 @@
 //!
 //! The oracle is what the test recorded and what is stored (or, for
 //! replication, what a majority read returns), never what the code reports.
+//!
+//! - Finding 1 (four tests): the event an insert collides with is judged
+//!   "ours" — `recorded` — by a read at read concern local, with no majority
+//!   confirmation: a retry after a lost reply, a `record_many` retry, a
+//!   `record_again` ticket, and even a collision whose reply carries a
+//!   write-concern error. A rollback loses an event reported recorded.
+//! - Finding 2 (`anchor_time`): a raise's `at` is its `collMod` reply's
+//!   `operationTime` (SecantusDB: the last minted cluster time when the
+//!   reply is built, concurrent writes included), not the `collMod`'s own
+//!   oplog time; debts owe only events after `at`, so an event that lands
+//!   below the watermark between the raise and `at` is lost. Control: with
+//!   `R3_CONTROL=1` (no amended reply) the same test passes.
+//! - Note (`exact_read`): an exact read goes down (101 -> 1 -> 101) while
+//!   a range pass's debt is pending.
 
 use mongodb::bson::doc;
 use tally::Recording;
