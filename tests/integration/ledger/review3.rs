@@ -158,7 +158,10 @@ async fn review3_a_ticket_is_settled_recorded_on_a_local_read() {
                 .mentions("readConcern")
                 .then(not_majority_committed(&ns)),
         );
-        ledger.record_again(ticket).await.expect("within the horizon")
+        ledger
+            .record_again(ticket)
+            .await
+            .expect("within the horizon")
     };
     assert!(
         again.name() != "recorded",
@@ -233,16 +236,21 @@ mod anchor_time {
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
         let through = ctx.client_through(&proxy, false).await.store();
         let fold = fold_of(&through, "views");
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as u32;
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as u32;
         let later = Timestamp {
             time: now + 2,
             increment: 0,
         };
-        let _late_time = std::env::var("R3_CONTROL").is_err().then(|| proxy.rule(
-            Rule::command("collMod")
-                .nth(1)
-                .then(Action::AmendReply(doc! { "operationTime": later })),
-        ));
+        let _late_time = std::env::var("R3_CONTROL").is_err().then(|| {
+            proxy.rule(
+                Rule::command("collMod")
+                    .nth(1)
+                    .then(Action::AmendReply(doc! { "operationTime": later })),
+            )
+        });
         let _slow = proxy.rule(
             Rule::command("update")
                 .collection("views_events_fold")
@@ -300,8 +308,8 @@ mod exact_read {
     use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
     use tokio_util::sync::CancellationToken;
 
-    use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
     use crate::common::TestContext;
+    use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
     use crate::ledger::{assert_outcome, fold_all, fold_of, ledger_on};
 
     const HOLD: Duration = Duration::from_secs(3);
@@ -337,7 +345,8 @@ mod exact_read {
                 .then(Action::DelayReply(HOLD * 2)),
         );
         let pass = tokio::spawn(async move {
-            fold.fold(SystemTime::now(), &CancellationToken::new()).await
+            fold.fold(SystemTime::now(), &CancellationToken::new())
+                .await
         });
         proxy
             .wait_until("the pass raised the floor", HOLD, |log: &[Exchange]| {
@@ -354,7 +363,11 @@ mod exact_read {
             .await
             .unwrap()
             .unwrap();
-        let from = state.get_document("intent").unwrap().get_i64("from").unwrap();
+        let from = state
+            .get_document("intent")
+            .unwrap()
+            .get_i64("from")
+            .unwrap();
         db.run_command(doc! { "collMod": "views_events", "validator": {} })
             .await
             .unwrap();
@@ -367,16 +380,23 @@ mod exact_read {
             .await
             .unwrap();
         let before = ledger.value("b").await.unwrap().value;
-        assert_eq!(before, 101, "read while the late event is above the watermark");
+        assert_eq!(
+            before, 101,
+            "read while the late event is above the watermark"
+        );
         proxy
-            .wait_until("the repair's intent was sent", HOLD * 3, |log: &[Exchange]| {
-                log.iter().any(|e| {
-                    e.command.as_deref() == Some("update")
-                        && e.body_mentions("late")
-                        && e.body_mentions("intent")
-                        && e.server_replied
-                })
-            })
+            .wait_until(
+                "the repair's intent was sent",
+                HOLD * 3,
+                |log: &[Exchange]| {
+                    log.iter().any(|e| {
+                        e.command.as_deref() == Some("update")
+                            && e.body_mentions("late")
+                            && e.body_mentions("intent")
+                            && e.server_replied
+                    })
+                },
+            )
             .await;
         let pending = ledger.value("b").await.unwrap().value;
         let _ = pass.await.unwrap().expect("fold");
