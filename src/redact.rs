@@ -50,16 +50,25 @@ pub(crate) fn redact_uri(uri: &str) -> String {
 
 /// The byte range of the password in `scheme://user:password@hosts/...`.
 fn uri_password_span(uri: &str) -> Option<(usize, usize)> {
-    let authority_start = uri.find("://")? + 3;
-    let rest = &uri[authority_start..];
-    // The authority ends at the first '/' or '?' after the last '@' of the
-    // user info; a password may itself contain '/' only percent-encoded.
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let at = authority.rfind('@')?;
-    let user_info = &authority[..at];
-    let colon = user_info.find(':')?;
-    Some((authority_start + colon + 1, authority_start + at))
+    // Where the user info starts: after `//`, or — a URI missing a slash or
+    // its colon, which the driver refuses with the URI in its message —
+    // after the scheme and its colon and slashes.
+    let start = match uri.find("//") {
+        Some(slashes) => slashes + 2,
+        None => {
+            let colon = uri.find(':')?;
+            colon + 1 + uri[colon + 1..].len() - uri[colon + 1..].trim_start_matches('/').len()
+        }
+    };
+    let rest = &uri[start..];
+    // The user info ends at the last '@': a password with an unencoded
+    // '/', '?' or '@' (refused by the driver, and printed in its message)
+    // is masked whole.
+    let at = rest.rfind('@')?;
+    let user_info = &rest[..at];
+    // `user:password`, or a password after a stray '@' (`user@password`).
+    let secret_start = user_info.find(':').or_else(|| user_info.find('@'))?;
+    Some((start + secret_start + 1, start + at))
 }
 
 /// The secret strings of a configuration, to scrub from foreign messages.
@@ -135,6 +144,27 @@ mod tests {
             redact_uri("mongodb+srv://app:p%40ss@cluster.example.net/?w=majority"),
             "mongodb+srv://app:****@cluster.example.net/?w=majority"
         );
+    }
+
+    #[test]
+    fn a_malformed_uri_never_shows_its_password() {
+        for uri in [
+            "mongodb//tallyd:S3cretPW@127.0.0.1:27517/",
+            "mongodb:/tallyd:S3cretPW@127.0.0.1:27517/",
+            "mongodb://tallyd:S3cr/etPW@127.0.0.1:27517/",
+            "mongodb://tallyd:S3cr?etPW@127.0.0.1:27517/",
+            "mongodb://tallyd@S3cretPW@127.0.0.1:27517/",
+            "mongodb://tallyd:S3cr@tPW@127.0.0.1:27517/?replicaSet=rs0",
+        ] {
+            let secrets = Secrets::new(uri, []);
+            let message =
+                format!("malformed connection string {uri}: password must be URL encoded");
+            let scrubbed = secrets.scrub(&message);
+            for part in ["S3cretPW", "S3cr/etPW", "S3cr?etPW", "S3cr@tPW"] {
+                assert!(!scrubbed.contains(part), "{uri}: {scrubbed}");
+            }
+            assert!(scrubbed.contains("127.0.0.1:27517"), "{uri}: {scrubbed}");
+        }
     }
 
     #[test]

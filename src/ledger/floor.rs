@@ -205,7 +205,8 @@ pub(crate) async fn cluster_time(store: &Store, events: &str) -> Result<Timestam
 /// Raises the floor of `events` to `floor` over the raise `expected` (the
 /// last one the fold state remembers; `None` when it remembers none) and
 /// says whether the validator it replaced was another's: a `collMod` no
-/// raise remembered made, which may have lowered the floor.
+/// raise remembered made, which may have lowered the floor. The raise's
+/// `at` is the cluster time of its own `modify` event.
 pub(crate) async fn raise_over(
     store: &Store,
     events: &str,
@@ -217,15 +218,18 @@ pub(crate) async fn raise_over(
         created,
         before,
     } = set(store, events, floor).await?;
-    let Some(expected) = expected else {
-        return Ok((raise, false));
-    };
     if created {
         // The collection was gone: the floor with it.
-        return Ok((raise, true));
+        return Ok((raise, expected.is_some()));
     }
-    let replaced = history::replaced(store, events, &raise, before).await?;
-    Ok((raise, !replaced.is(expected)))
+    // The raise's own `modify` event says what it replaced, and when it
+    // took effect: its cluster time, exactly (the reply's `operationTime`
+    // may name a later one on the test server), is where the debts and
+    // windows that start at this raise start.
+    let (replaced, at) = history::replaced(store, events, &raise, before).await?;
+    let raise = Raise { at, ..raise };
+    let foreign = expected.is_some_and(|expected| !replaced.is(expected));
+    Ok((raise, foreign))
 }
 
 /// Raises the floor of `events` to `floor`, whatever it replaced.

@@ -9,6 +9,7 @@
 
 mod bench;
 mod cli;
+mod group;
 
 use std::time::{Duration, SystemTime};
 

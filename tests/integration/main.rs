@@ -24,7 +24,6 @@ mod packaging;
 mod proxy;
 mod pruning;
 mod reconcile;
-mod review_lanes;
 mod sequence;
 mod settle;
 mod setup;

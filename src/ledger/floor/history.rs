@@ -29,14 +29,15 @@ const AWAIT: Duration = Duration::from_millis(200);
 /// reaches back to where the stream was asked to start.
 const HISTORY_LOST: [i32; 2] = [286, 136];
 
-/// The floor `raise`'s `collMod` replaced, read from the change stream
-/// from `before` (a cluster time before it took effect).
+/// The floor `raise`'s `collMod` replaced and the cluster time it took
+/// effect, read from the change stream from `before` (a cluster time
+/// before it took effect).
 pub(crate) async fn replaced(
     store: &Store,
     events: &str,
     raise: &Raise,
     before: Timestamp,
-) -> Result<Floor, Error> {
+) -> Result<(Floor, Timestamp), Error> {
     let pipeline = vec![doc! { "$match": { "operationType": "modify" } }];
     let mut stream = open(store, events, before, pipeline).await?;
     let deadline = Instant::now() + RAISE_WAIT;
@@ -64,7 +65,8 @@ pub(crate) async fn replaced(
                     .into(),
             ));
         };
-        return Ok(Floor::of(before));
+        let at = event.get_timestamp("clusterTime").unwrap_or(raise.at);
+        return Ok((Floor::of(before), at));
     }
 }
 

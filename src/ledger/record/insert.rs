@@ -224,10 +224,12 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
                     }
                 }
                 if outcomes[stopped].is_none() {
-                    // Not under `_id`: another unique index of the events
-                    // collection refused it.
-                    outcomes[stopped] =
-                        Some(items[stopped].undecided(maybe_applied[stopped], ns, cause()));
+                    // Not found by a majority read: the key is there on the
+                    // primary only (an attempt of ours or another's, not
+                    // replicated yet: it may be rolled back), or another
+                    // unique index of the events collection refused it.
+                    // Unknown: the ticket settles it.
+                    outcomes[stopped] = Some(items[stopped].unknown(ns, cause()));
                 }
             } else {
                 outcomes[stopped] =
@@ -339,9 +341,10 @@ fn unconfirmed_error(events: &Collection<Document>, inserted: usize) -> Error {
     }
 }
 
-/// Reads the events stored under the keys of `candidates` (one `find`) and
-/// judges each one found; the others are left without an outcome (not
-/// there: to be sent).
+/// Reads the events stored under the keys of `candidates` (one `find` at
+/// read concern `majority`: only what a failover cannot roll back judges an
+/// event recorded, a duplicate or a conflict) and judges each one found;
+/// the others are left without an outcome (not there: to be sent).
 async fn judge_existing(
     store: &Store,
     events: &Collection<Document>,
@@ -358,7 +361,10 @@ async fn judge_existing(
     let mut budget = RetryBudget::read_once("ledger.read_events");
     let cursor = store
         .with_retry(&mut budget, || {
-            events.find(filter.clone()).projection(projection.clone())
+            events
+                .find(filter.clone())
+                .projection(projection.clone())
+                .read_concern(ReadConcern::majority())
         })
         .await
         .map_err(Error::Server)?;

@@ -102,6 +102,11 @@ impl Site {
         match self {
             // The commit is the fold state's update that drops the intent.
             Self::Commit => matcher.mentions("$unset").nth(nth),
+            // The survey seeks the lowest number (`$sort`); the sum groups
+            // (`$group`); neither is a change stream (a raise reads its
+            // own `collMod` from one).
+            Self::Survey => matcher.mentions("$sort").nth(1),
+            Self::Sum => matcher.mentions("$group").nth(1),
             _ => matcher.nth(nth),
         }
     }
@@ -408,7 +413,7 @@ fn owns(site: Site, exchange: &Exchange) -> bool {
     match site {
         Site::Commit => exchange.body_mentions("$unset"),
         Site::Sum => exchange.body_mentions("e"),
-        Site::Survey => !exchange.body_mentions("e"),
+        Site::Survey => !exchange.body_mentions("e") && !exchange.body_mentions("$changeStream"),
         _ => true,
     }
 }

@@ -19,6 +19,8 @@
 //! - `reads`: exact reads, exact while the fold runs;
 //! - `floor`: the events collection's floor — late inserts, late `collMod`s,
 //!   recorders whose clocks are off;
+//! - `confirmed`: "recorded" only once a majority read confirms it; debts
+//!   start where a raise took effect;
 //! - `lowered`: a floor lowered behind the fold's back at every point of a
 //!   pass — the events that landed meanwhile found and folded once;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
@@ -33,6 +35,7 @@
 //! Here: the helpers they share.
 
 mod cli;
+mod confirmed;
 mod cost;
 mod daemon;
 mod duplicates;
@@ -43,7 +46,6 @@ mod lowered;
 mod reads;
 mod recording;
 mod retention;
-mod review3;
 mod soak;
 mod upgrade;
 

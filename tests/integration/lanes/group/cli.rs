@@ -1,5 +1,5 @@
-//! The command line's part of the review (`tallyd resume --lane`, `tallyd
-//! doctor`): what an operator is told, and what following it does.
+//! Group commit's edges on the command line (`tallyd resume --lane`,
+//! `tallyd doctor`): what an operator is told, and what following it does.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -38,7 +38,7 @@ fn resume_lane(path: &str, ticket: &str, by: &str) -> Vec<String> {
 /// time: from that time; a count: from the lane's creation).
 #[tokio::test]
 async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number() {
-    let ctx = TestContext::new("review_lanes_cli_horizon").await;
+    let ctx = TestContext::new("group_cli_horizon").await;
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
     let day = Duration::from_secs(24 * 3600);
@@ -87,7 +87,7 @@ async fn an_unknown_resume_of_a_library_ticket_hints_the_horizon_of_its_number()
 /// --lane`'s), so the ticket is counted once.
 #[tokio::test]
 async fn a_library_ticket_resumed_from_the_cli_without_its_position_is_not_counted_twice() {
-    let ctx = TestContext::new("review_lanes_cli_position").await;
+    let ctx = TestContext::new("group_cli_position").await;
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = write_config(dir.path(), &ctx.config_toml(false, ""));
     let client = ctx.client(false).await;
@@ -131,7 +131,7 @@ async fn a_library_ticket_resumed_from_the_cli_without_its_position_is_not_count
 /// included.
 #[tokio::test]
 async fn the_clock_check_judges_a_skew_against_the_lanes_margin_too() {
-    let ctx = TestContext::new("review_lanes_lane_margin").await;
+    let ctx = TestContext::new("group_lane_margin").await;
     let dir = tempfile::tempdir().expect("a temporary directory");
     let config = ctx.config_toml(
         false,

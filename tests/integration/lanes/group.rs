@@ -1,11 +1,12 @@
-//! An adversarial review of the counting paths of group commit (issue 20):
-//! interleavings, repeated calls and faults a real caller meets, each
-//! judged against an oracle outside the library — the proxy's log of what
-//! reached the server, the document as the server holds it, and the sum of
-//! what the callers were told.
-//!
-//! Each test here failed on the code it reviewed (merge d614423) unless its
-//! comment says it is coverage of a path found sound.
+//! Group commit's counting edges: one document under two key forms, a
+//! refusal after an attempt that may have applied, a group's sum past the
+//! int64 limit or inexact on a double counter, a ticket whose shares sum to
+//! zero, a caller that panics outside a runtime — each judged against an
+//! oracle outside the library: the proxy's log of what reached the server,
+//! the document as the server holds it, and the sum of what the callers
+//! were told. (Found by the adversarial review of group commit, issue 20:
+//! each test failed on the code it reviewed unless its comment says it
+//! covers a path found sound.)
 
 mod cli;
 
@@ -39,7 +40,7 @@ fn handle(store: &tally::Store, name: &str) -> Counters {
 /// compares `_id`s, so the resume applies the update (counted).
 #[tokio::test]
 async fn a_double_and_a_decimal_key_naming_one_document_share_its_lanes_retirement() {
-    let ctx = TestContext::new("review_lanes_decimal_key").await;
+    let ctx = TestContext::new("group_decimal_key").await;
     let client = ctx.client(false).await;
     let views = handle(&client.store(), "views");
     let coll = client.collection("views");
@@ -102,7 +103,7 @@ async fn a_double_and_a_decimal_key_naming_one_document_share_its_lanes_retireme
 /// the overflow refusal is definite only for a step 1 sent once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overflow_refusal_after_an_attempt_that_may_have_applied_is_not_not_counted() {
-    let rig = Rig::new("review_lanes_overflow_maybe", false).await;
+    let rig = Rig::new("group_overflow_maybe", false).await;
     let name = "big";
     let direct = rig.direct.collection(name);
     let start = i64::MAX - 10;
@@ -260,7 +261,7 @@ async fn group_behind_a_pilot(
 /// the +10 not (each caller told the refusal of its own amount).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_that_fits_is_not_refused_because_its_group_passes_the_int64_limit() {
-    let rig = Rig::new("review_lanes_group_overflow", false).await;
+    let rig = Rig::new("group_group_overflow", false).await;
     let name = "big";
     let direct = rig.direct.collection(name);
     direct
@@ -293,7 +294,7 @@ async fn a_share_that_fits_is_not_refused_because_its_group_passes_the_int64_lim
 /// total (or a group never sums to 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_ticket_whose_shares_sum_to_zero_can_be_rebuilt_elsewhere() {
-    let rig = Rig::new("review_lanes_group_zero", false).await;
+    let rig = Rig::new("group_group_zero", false).await;
     let name = "views";
     let views = handle(&rig.store, name);
     let (_, told) = group_behind_a_pilot(
@@ -332,7 +333,7 @@ async fn a_groups_ticket_whose_shares_sum_to_zero_can_be_rebuilt_elsewhere() {
 /// back (or never queues it), and the counter stays usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_add_that_panics_outside_a_runtime_does_not_strand_its_counter() {
-    let ctx = TestContext::new("review_lanes_no_runtime").await;
+    let ctx = TestContext::new("group_no_runtime").await;
     let client = ctx.client(false).await;
     let views = handle(&client.store(), "views");
     let outside = views.clone();
@@ -373,7 +374,7 @@ async fn an_add_that_panics_outside_a_runtime_does_not_strand_its_counter() {
 /// Should be: the +3 counted, the +10 not counted (its own amount named).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_that_fits_is_not_refused_because_its_group_is_inexact_on_a_double_counter() {
-    let rig = Rig::new("review_lanes_group_double", false).await;
+    let rig = Rig::new("group_group_double", false).await;
     let name = "legacy";
     let direct = rig.direct.collection(name);
     let below = (1i64 << 53) - 105;
