@@ -29,6 +29,9 @@ const AWAIT: Duration = Duration::from_millis(200);
 /// reaches back to where the stream was asked to start.
 const HISTORY_LOST: [i32; 2] = [286, 136];
 
+/// `Unauthorized`: the user may not read the change stream.
+const UNAUTHORIZED: i32 = 13;
+
 /// The floor `raise`'s `collMod` replaced and the cluster time it took
 /// effect, read from the change stream from `before` (a cluster time
 /// before it took effect).
@@ -215,6 +218,16 @@ fn failed(events: &str, from: Timestamp, err: mongodb::error::Error) -> Error {
                  the events that landed while a late collMod held the floor down cannot be \
                  found; fold at least once per oplog window (the daemon does), and see the \
                  book's \"floor lowered\" limit for what to do now"
+            ),
+        );
+    }
+    if server_code(&err) == Some(UNAUTHORIZED) {
+        return unverified(
+            events,
+            format!(
+                "it may not read {events}'s change stream (13 Unauthorized), which it reads to \
+                 find what a late collMod let land below its watermark: grant changeStream on \
+                 {events} (the book's smallest role)"
             ),
         );
     }
