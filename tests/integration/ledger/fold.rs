@@ -248,7 +248,7 @@ async fn another_fold_takes_a_stopped_pass_over_after_its_lease_and_applies_it_o
     let ledger = ledger_on(&store, "views").await;
     record_spread(&ledger, 60, 6).await;
     let settings = EventFoldSettings {
-        lease: Duration::from_secs(1),
+        lease: Duration::from_secs(3),
         ..EventFoldSettings::default()
     };
     let first = EventFold::new(&through, CollectionConfig::new("views"), settings.clone());
