@@ -286,8 +286,7 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
     Sent { fates, retire }
 }
 
-/// Which of `inserted` a majority read finds stored as ours (one `find` at
-/// read concern `majority`).
+/// Which of `inserted` a majority read finds stored as ours.
 async fn confirm(
     store: &Store,
     events: &Collection<Document>,
@@ -297,35 +296,12 @@ async fn confirm(
     if inserted.is_empty() {
         return Ok(Vec::new());
     }
-    let keys: Vec<&str> = inserted
-        .iter()
-        .map(|&i| items[i].event.key.as_str())
-        .collect();
-    let filter = doc! { "_id": { "$in": keys } };
-    let projection = doc! { field::LANE: 1, field::NUMBER: 1 };
-    let mut budget = RetryBudget::read_once("ledger.confirm_events");
-    let cursor = store
-        .with_retry(&mut budget, || {
-            events
-                .find(filter.clone())
-                .projection(projection.clone())
-                .read_concern(ReadConcern::majority())
-        })
-        .await
-        .map_err(Error::Server)?;
-    let stored: Vec<Document> = cursor
-        .try_collect()
-        .await
-        .map_err(|err| Error::Server(Failure::once("ledger.confirm_events", err)))?;
-    let by_key: HashMap<&str, &Document> = stored
-        .iter()
-        .filter_map(|d| Some((d.get_str("_id").ok()?, d)))
-        .collect();
+    let stored = read_stored(store, events, items, inserted, "ledger.confirm_events").await?;
     Ok(inserted
         .iter()
         .copied()
         .filter(|&i| {
-            by_key
+            stored
                 .get(items[i].event.key.as_str())
                 .is_some_and(|stored| items[i].is_ours(stored))
         })
@@ -341,10 +317,10 @@ fn unconfirmed_error(events: &Collection<Document>, inserted: usize) -> Error {
     }
 }
 
-/// Reads the events stored under the keys of `candidates` (one `find` at
-/// read concern `majority`: only what a failover cannot roll back judges an
-/// event recorded, a duplicate or a conflict) and judges each one found;
-/// the others are left without an outcome (not there: to be sent).
+/// Judges each of `candidates` whose key holds an event (read at majority:
+/// only what a failover cannot roll back judges an event recorded, a
+/// duplicate or a conflict); the others are left without an outcome (not
+/// there: to be sent).
 async fn judge_existing(
     store: &Store,
     events: &Collection<Document>,
@@ -352,13 +328,31 @@ async fn judge_existing(
     candidates: &[usize],
     outcomes: &mut [Option<Recording>],
 ) -> Result<(), Error> {
-    let keys: Vec<&str> = candidates
+    let stored = read_stored(store, events, items, candidates, "ledger.read_events").await?;
+    for &i in candidates {
+        if let Some(stored) = stored.get(items[i].event.key.as_str()) {
+            outcomes[i] = Some(items[i].judge(stored));
+        }
+    }
+    Ok(())
+}
+
+/// The events stored under the keys of `items` at `indices`, by key: one
+/// `find` at read concern `majority`.
+async fn read_stored(
+    store: &Store,
+    events: &Collection<Document>,
+    items: &[Item],
+    indices: &[usize],
+    operation: &'static str,
+) -> Result<HashMap<String, Document>, Error> {
+    let keys: Vec<&str> = indices
         .iter()
         .map(|&i| items[i].event.key.as_str())
         .collect();
     let filter = doc! { "_id": { "$in": keys } };
     let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::LANE: 1, field::NUMBER: 1 };
-    let mut budget = RetryBudget::read_once("ledger.read_events");
+    let mut budget = RetryBudget::read_once(operation);
     let cursor = store
         .with_retry(&mut budget, || {
             events
@@ -371,17 +365,11 @@ async fn judge_existing(
     let stored: Vec<Document> = cursor
         .try_collect()
         .await
-        .map_err(|err| Error::Server(Failure::once("ledger.read_events", err)))?;
-    let by_key: HashMap<&str, &Document> = stored
-        .iter()
-        .filter_map(|d| Some((d.get_str("_id").ok()?, d)))
-        .collect();
-    for &i in candidates {
-        if let Some(stored) = by_key.get(items[i].event.key.as_str()) {
-            outcomes[i] = Some(items[i].judge(stored));
-        }
-    }
-    Ok(())
+        .map_err(|err| Error::Server(Failure::once(operation, err)))?;
+    Ok(stored
+        .into_iter()
+        .filter_map(|d| Some((d.get_str("_id").ok()?.to_owned(), d)))
+        .collect())
 }
 
 #[cfg(test)]
