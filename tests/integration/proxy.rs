@@ -224,7 +224,9 @@ async fn close_before_forwarding_never_reaches_the_server() {
 #[tokio::test]
 async fn a_delayed_reply_is_lost_when_the_client_gives_up() {
     let rig = Rig::new("proxy_delay_reply").await;
-    let delay = Duration::from_secs(1);
+    // Far longer than the wait below: the reply can only be settled by the
+    // client closing its connection, however slow the machine is.
+    let delay = PATIENCE * 4;
     let _rule = rig
         .proxy
         .rule(Rule::command("insert").then(Action::DelayReply(delay)));
