@@ -429,7 +429,7 @@ async fn restore(
     for target in targets {
         let name = target.spec.name.as_str();
         let ledger = target.spec.events_collection.is_some();
-        for result in ["ok", "failed", "interrupted"] {
+        for result in ["ok", "failed", "unavailable", "interrupted"] {
             metrics.reconcile_runs.with_label_values(&[name, result]);
         }
         for kind in alert::AlertKind::ALL {

@@ -6,8 +6,10 @@
 //! configured collection names, alert kinds and a few result values — never
 //! a document id.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use prometheus::core::{MetricVec, MetricVecBuilder};
 use prometheus::{
     Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -28,7 +30,9 @@ pub(crate) struct Inner {
     /// without `[ha]`).
     pub(crate) lease_active: IntGauge,
     /// `tally_reconcile_runs_total{collection,result}`: result is `ok`,
-    /// `failed` or `interrupted`.
+    /// `failed`, `unavailable` (MongoDB could not be reached: an outage,
+    /// which readiness reports, not a failure of the run's own) or
+    /// `interrupted`.
     pub(crate) reconcile_runs: IntCounterVec,
     /// `tally_reconcile_duration_seconds{collection}`.
     pub(crate) reconcile_duration: HistogramVec,
@@ -394,6 +398,71 @@ impl Metrics {
         metrics
     }
 
+    /// Removes every series of a collection not in `configured`: a reload
+    /// that drops a collection drops its series too, so no rule reads (and
+    /// no alert fires on) a collection the daemon no longer looks at.
+    pub(crate) fn forget_collections_except(&self, configured: &[&str]) {
+        let mut stale: Vec<HashMap<String, String>> = Vec::new();
+        for family in self.registry.gather() {
+            for metric in family.get_metric() {
+                let labels: HashMap<String, String> = metric
+                    .get_label()
+                    .iter()
+                    .map(|l| (l.name().to_owned(), l.value().to_owned()))
+                    .collect();
+                if labels
+                    .get("collection")
+                    .is_some_and(|c| !configured.contains(&c.as_str()))
+                    && !stale.contains(&labels)
+                {
+                    stale.push(labels);
+                }
+            }
+        }
+        let vecs: [&dyn Forget; 29] = [
+            &self.reconcile_runs,
+            &self.reconcile_duration,
+            &self.documents_folded,
+            &self.tokens_folded,
+            &self.last_success,
+            &self.pending_documents,
+            &self.pending_tokens,
+            &self.stuck_tokens,
+            &self.oldest_pending_age,
+            &self.largest_pending,
+            &self.lane_documents,
+            &self.lane_entries,
+            &self.largest_lane_map,
+            &self.malformed_documents,
+            &self.fold_refused,
+            &self.monitor_up,
+            &self.monitor_events,
+            &self.monitor_restarts,
+            &self.monitor_rescans,
+            &self.monitor_lag,
+            &self.events_folded,
+            &self.events_backlog,
+            &self.events_fold_lag,
+            &self.events_held,
+            &self.events_fold_state_bytes,
+            &self.events_stream_up,
+            &self.events_stream_failures,
+            &self.alerts_firing,
+            &self.alert_notifications,
+        ];
+        for labels in &stale {
+            let labels: HashMap<&str, &str> = labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            // Only the vectors with exactly these label names hold the
+            // series; the others refuse, which is nothing to remove.
+            for vec in vecs {
+                vec.forget(&labels);
+            }
+        }
+    }
+
     /// Everything, in the Prometheus text format.
     pub(crate) fn render(&self) -> String {
         let mut out = Vec::new();
@@ -411,6 +480,17 @@ fn metrics_ready(inner: &Inner) {
     inner.config_last_reload_success.set(1);
     for result in ["delivered", "retried", "failed"] {
         inner.webhook_deliveries.with_label_values(&[result]);
+    }
+}
+
+/// A labelled metric whose series can be removed one label set at a time.
+trait Forget {
+    fn forget(&self, labels: &HashMap<&str, &str>);
+}
+
+impl<T: MetricVecBuilder> Forget for MetricVec<T> {
+    fn forget(&self, labels: &HashMap<&str, &str>) {
+        let _ = self.remove(labels);
     }
 }
 

@@ -71,13 +71,24 @@ impl Prepared {
 
     /// Asks the new server once (within `within`) whether it takes the new
     /// credentials: refused ones are the operator's to fix, and a reload
-    /// must not let the running daemon go for them. A server that does not
-    /// answer in time is not a refusal: the new run waits for it as a start
-    /// does.
+    /// must not let the running daemon go for them. When the reload moves
+    /// to another server (`new_server`: the URI changed), that server must
+    /// answer too: a running daemon is not let go for one it cannot reach.
+    /// Otherwise a server that does not answer in time is not a refusal:
+    /// the new run waits for it as a start does (the outage is the running
+    /// one's too).
     pub(crate) async fn check_credentials(
         &self,
         within: std::time::Duration,
+        new_server: bool,
     ) -> Result<(), DaemonError> {
+        let unreachable = |cause: String| {
+            DaemonError::Start(format!(
+                "MongoDB at the new [mongodb] uri did not answer within {} ({cause}); \
+                 send SIGHUP again once it answers, or correct the URI",
+                humantime::format_duration(within)
+            ))
+        };
         match tokio::time::timeout(within, self.store.hello()).await {
             Ok(Err(err)) if readiness::refused_credentials(&err) => {
                 Err(DaemonError::Denied(format!(
@@ -85,6 +96,10 @@ impl Prepared {
                     self.config.secrets().scrub(&self.store.explain(&err))
                 )))
             }
+            Ok(Err(err)) if new_server => Err(unreachable(
+                self.config.secrets().scrub(&self.store.explain(&err)),
+            )),
+            Err(_) if new_server => Err(unreachable("no reply".to_owned())),
             _ => Ok(()),
         }
     }

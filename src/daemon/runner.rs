@@ -17,7 +17,7 @@ use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
 use crate::daemon::sleep_until;
 use crate::daemon::state::State;
-use crate::error::{Error, human_duration, words};
+use crate::error::{Error, Trouble, human_duration, words};
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -211,7 +211,12 @@ impl Runner {
         retry_at: &mut BTreeMap<String, Instant>,
     ) {
         let name = run.collection.as_str();
+        let unavailable = matches!(
+            &run.error,
+            Some(Error::Server(failure)) if failure.trouble() == Trouble::Unavailable
+        );
         let result = match (&run.error, run.interrupted) {
+            (Some(_), _) if unavailable => "unavailable",
             (Some(_), _) => "failed",
             (None, true) => "interrupted",
             (None, false) => "ok",
@@ -232,10 +237,15 @@ impl Runner {
             .tokens_folded
             .with_label_values(&[name])
             .inc_by(run.tokens_folded);
-        self.metrics
-            .malformed_documents
-            .with_label_values(&[name])
-            .set(run.survey.malformed as i64);
+        // Only a run that read every document measured them: a failed or
+        // interrupted one leaves the last measurement standing (an outage
+        // never resolves the malformed alert).
+        if run.succeeded() {
+            self.metrics
+                .malformed_documents
+                .with_label_values(&[name])
+                .set(run.survey.malformed as i64);
+        }
         tracing::info!(
             collection = name,
             result,
@@ -274,6 +284,19 @@ impl Runner {
                     .saturating_mul(1 << (*count - 1).min(10))
                     .min(RETRY_MAX);
                 retry_at.insert(name.to_owned(), Instant::now() + wait);
+                // An outage is its own signal (not ready, MongoDB
+                // unreachable): a run it failed says nothing new about the
+                // collection, so run_failed keeps what it said.
+                if unavailable {
+                    tracing::error!(
+                        collection = name,
+                        failures = *count,
+                        retry_in = %human_duration(wait),
+                        cause = %self.explain(err),
+                        "reconcile run failed: MongoDB is unavailable; it will be retried"
+                    );
+                    return;
+                }
                 tracing::error!(
                     collection = name,
                     failures = *count,

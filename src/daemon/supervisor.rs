@@ -65,6 +65,7 @@ pub(crate) async fn supervise(
         let shutdown = CancellationToken::new();
         let reloading = Reloading::default();
         let listening = prepared.listening().clone();
+        let running_uri = prepared.config().mongodb.uri.expose().to_owned();
         let mut running = Box::pin(run(
             prepared,
             kept.clone(),
@@ -86,7 +87,7 @@ pub(crate) async fn supervise(
                         // configuration is made ready.
                         let ready = tokio::select! {
                             ended = &mut running => return ended,
-                            ready = prepare(&mut load, &listening, start_check) => ready,
+                            ready = prepare(&mut load, &listening, &running_uri, start_check) => ready,
                         };
                         match ready {
                             Ok(next) => break next,
@@ -124,6 +125,13 @@ pub(crate) async fn supervise(
             return Ok(drained);
         }
         on_reload(next.config());
+        let configured: Vec<&str> = next
+            .config()
+            .collections
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        metrics.forget_collections_except(&configured);
         metrics.config_last_reload_success.set(1);
         tracing::info!("configuration reloaded; running on the new one");
         prepared = next;
@@ -131,11 +139,12 @@ pub(crate) async fn supervise(
 }
 
 /// The configuration `load` reads, made ready to take over from the one
-/// serving on `listening`; why not, in one sentence, when it cannot be
-/// (its bad keys are logged one by one first).
+/// serving on `listening` and connected with `running_uri`; why not, in one
+/// sentence, when it cannot be (its bad keys are logged one by one first).
 async fn prepare(
     load: &mut impl FnMut() -> Result<Config, ConfigErrors>,
     listening: &Listening,
+    running_uri: &str,
     start_check: Option<StartCheck>,
 ) -> Result<Prepared, String> {
     let config = load().map_err(|errors| {
@@ -153,7 +162,11 @@ async fn prepare(
     let prepared = Prepared::new(config, Some(listening))
         .await
         .map_err(|err| err.to_string())?;
-    if let Err(err) = prepared.check_credentials(CREDENTIALS_WITHIN).await {
+    let new_server = prepared.config().mongodb.uri.expose() != running_uri;
+    if let Err(err) = prepared
+        .check_credentials(CREDENTIALS_WITHIN, new_server)
+        .await
+    {
         prepared.discard().await;
         return Err(err.to_string());
     }

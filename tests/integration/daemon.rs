@@ -856,13 +856,13 @@ async fn the_daemon_runs_with_the_least_privileged_role() {
 /// A server on a fixed port and data directory, which a test can stop and
 /// start again; `users` (name, password) are created before `auth`
 /// switches authentication on.
-struct OwnServer {
+pub(crate) struct OwnServer {
     options: ServerOptions,
     _data: tempfile::TempDir,
 }
 
 impl OwnServer {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let data = tempfile::tempdir().unwrap();
         let options = ServerOptions {
             port: free_address().port(),
@@ -875,7 +875,7 @@ impl OwnServer {
         }
     }
 
-    fn start(&self) -> TestServer {
+    pub(crate) fn start(&self) -> TestServer {
         TestServer::start(&self.options)
     }
 
