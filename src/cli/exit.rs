@@ -28,8 +28,7 @@ pub(crate) const EXIT_TEMPFAIL: u8 = 75;
 pub(crate) const EXIT_NOPERM: u8 = 77;
 pub(crate) use crate::config::EXIT_CONFIG;
 /// Exit status of a command stopped by Ctrl-C (SIGINT) after it printed
-/// what it did: 128 + 2, as a shell reports a process SIGINT ended. Not a
-/// class of its own: the table of [`EXIT_CODES`] leaves it out.
+/// what it did: 128 + 2, as a shell reports a process SIGINT ended.
 pub(crate) const EXIT_INTERRUPTED: u8 = 130;
 
 /// A token cancelled at the first Ctrl-C (SIGINT), for a command that then
@@ -90,6 +89,11 @@ pub(crate) const EXIT_CODES: &[(u8, &str)] = &[
     (
         EXIT_CONFIG,
         "configuration: a bad key, a collection not configured, a URI that cannot be used",
+    ),
+    (
+        EXIT_INTERRUPTED,
+        "stopped by Ctrl-C after saying what it did (`record --from`, `bench`, `reconcile`); \
+         running it again is safe",
     ),
 ];
 
