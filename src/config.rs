@@ -166,7 +166,7 @@ impl Config {
             Err(err) => {
                 return Err(ConfigErrors::single(
                     "--config",
-                    format!("cannot read {}: {err}", path.display()),
+                    crate::error::cannot_read(&path, &err),
                 ));
             }
         };

@@ -27,8 +27,8 @@ use std::path::Path;
 
 /// The variables of the environment file at `path`, in order.
 pub(crate) fn read(path: &Path) -> Result<Vec<(String, String)>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|err| crate::error::cannot_read(path, &err))?;
     parse(&text).map_err(|(line, problem)| format!("{}, line {line}: {problem}", path.display()))
 }
 

@@ -483,6 +483,30 @@ pub(crate) fn human_duration(duration: Duration) -> String {
     humantime::format_duration(shown).to_string()
 }
 
+/// Why the file at `path` could not be read, in one sentence with what to
+/// do, instead of the system's `(os error N)` text.
+#[cfg(feature = "daemon")]
+pub(crate) fn cannot_read(path: &std::path::Path, err: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let path = path.display();
+    match err.kind() {
+        ErrorKind::NotFound => format!("cannot read {path}: there is no such file; check the path"),
+        ErrorKind::PermissionDenied => format!(
+            "cannot read {path}: permission denied; run as a user that may read it, or make it \
+             readable"
+        ),
+        ErrorKind::IsADirectory => {
+            format!("cannot read {path}: it is a directory; name the file inside it")
+        }
+        ErrorKind::InvalidData => format!("cannot read {path}: it is not UTF-8 text"),
+        _ => {
+            let text = err.to_string();
+            let text = text.split(" (os error").next().unwrap_or(&text).to_owned();
+            format!("cannot read {path}: {}", text.to_lowercase())
+        }
+    }
+}
+
 /// A list as words: `a`, `a and b`, `a, b and c`; `none` when empty.
 pub(crate) fn words<T: AsRef<str>>(items: &[T]) -> String {
     match items {

@@ -215,3 +215,47 @@ async fn a_printed_command_repeats_the_options_it_was_given() {
     assert_eq!(out["database"], ctx.db_name.as_str(), "{out}");
     assert_eq!(out["collection"], "other", "{out}");
 }
+
+/// A file that cannot be read — the configuration, the environment file,
+/// `record --from`'s input — is named with why in words and what to do,
+/// never the system's `(os error N)`.
+#[tokio::test]
+async fn a_file_that_cannot_be_read_is_named_with_why_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.toml");
+    let missing = missing.to_str().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    for (args, said, code) in [
+        (
+            vec!["--config", missing, "status"],
+            format!("--config: cannot read {missing}: there is no such file; check the path"),
+            78,
+        ),
+        (
+            vec!["--env-file", folder, "status"],
+            format!("--env-file: cannot read {folder}: it is a directory; name the file inside it"),
+            78,
+        ),
+    ] {
+        let output = tallyd(&args, &[]).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {shown}");
+        assert!(shown.contains(&said), "{args:?}: {shown}");
+        assert!(!shown.contains("os error"), "{args:?}: {shown}");
+    }
+    let setup = Setup::new(
+        "msg_unreadable_from",
+        "[[collections]]\nname = \"hits\"\nledger = true\n",
+    )
+    .await;
+    let output = setup
+        .run(&["record", "--from", missing, "--collection", "hits"])
+        .await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(64), "{shown}");
+    assert!(
+        shown.contains(&format!("cannot read {missing}: there is no such file")),
+        "{shown}"
+    );
+    assert!(!shown.contains("os error"), "{shown}");
+}

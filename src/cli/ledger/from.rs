@@ -87,7 +87,7 @@ pub(in crate::cli) async fn record_from(from: &str, target: &Target<'_>) -> Exit
                 (Some(file), size)
             }
             Err(err) => {
-                let message = format!("cannot read {from}: {err}");
+                let message = crate::error::cannot_read(std::path::Path::new(from), &err);
                 return fail(target.json, &message, target.secrets, EXIT_USAGE);
             }
         }
