@@ -337,7 +337,9 @@ fn unconfirmed(
     server_says(f, code, Some(code_name), message)
 }
 
-/// `no server could be selected within 30s at HOST (why)`.
+/// `no server could be selected within 30s at HOST (why)`; when every host
+/// refused the connection, what to check: nothing listens there, and
+/// waiting helps only if a server is about to start.
 fn unselectable(f: &mut fmt::Formatter<'_>, reach: &Reach) -> fmt::Result {
     write!(
         f,
@@ -345,7 +347,19 @@ fn unselectable(f: &mut fmt::Formatter<'_>, reach: &Reach) -> fmt::Result {
         human_duration(reach.selection_timeout),
         reach.hosts(),
         why_unreachable(reach)
-    )
+    )?;
+    let all_refused = !reach.unreachable.is_empty()
+        && reach.unreachable.iter().all(|(_, err)| {
+            matches!(err.kind.as_ref(), ErrorKind::Io(io)
+                if io.kind() == std::io::ErrorKind::ConnectionRefused)
+        });
+    if all_refused {
+        f.write_str(
+            ": nothing listens there; check the host and port of the connection string, or \
+             start MongoDB",
+        )?;
+    }
+    Ok(())
 }
 
 /// `the connection string names replica set rs0, but the server at HOST

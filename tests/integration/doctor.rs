@@ -294,7 +294,8 @@ async fn an_unreachable_server_fails_the_connection_check() {
         message,
         format!(
             "[mongodb] uri: no server could be selected within 1s at 127.0.0.1:{port} \
-             (connection refused)"
+             (connection refused): nothing listens there; check the host and port of the \
+             connection string, or start MongoDB"
         )
     );
     assert_eq!(checks.len(), 1, "{checks:?}");

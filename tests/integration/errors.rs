@@ -66,8 +66,11 @@ async fn an_unreachable_server_exits_69_saying_where_and_why() {
     let port = free_address().port();
     let uri = format!("mongodb://tally:S3cret-pw@127.0.0.1:{port}/?directConnection=true");
     let config = quick(&uri, "app", "");
-    let said =
-        format!("no server could be selected within 1s at 127.0.0.1:{port} (connection refused)");
+    let said = format!(
+        "no server could be selected within 1s at 127.0.0.1:{port} (connection refused): \
+         nothing listens there; check the host and port of the connection string, or start \
+         MongoDB"
+    );
     let commands: [&[&str]; 6] = [
         &["incr", "k"],
         &["status"],
