@@ -68,7 +68,6 @@ impl Evaluator {
             for (gauge, value) in [
                 (&m.pending_documents, snapshot.pending_documents),
                 (&m.pending_tokens, snapshot.pending_tokens),
-                (&m.stuck_tokens, snapshot.stuck_tokens),
                 (&m.largest_pending, snapshot.largest_pending),
                 (&m.lane_documents, snapshot.lane_documents),
                 (&m.lane_entries, snapshot.lane_entries),
@@ -76,11 +75,28 @@ impl Evaluator {
             ] {
                 gauge.with_label_values(&labels).set(value as i64);
             }
+            // While the change stream is down the view is what it was when
+            // the stream broke off: its tokens only age, whether or not a
+            // writer settled them meanwhile. Their age is not measured then
+            // — the stuck count, the oldest age and the stuck_tokens alert
+            // keep what they said (an outage is its own signal:
+            // monitor_down, readiness) — and the scan that reopens the
+            // stream measures again.
+            let view_current =
+                !(self.config.monitor.enabled && self.monitor.down_for(name).is_some());
             let oldest_age = snapshot.oldest.map(|t| t.age(now));
-            self.metrics
-                .oldest_pending_age
-                .with_label_values(&labels)
-                .set(oldest_age.map_or(0.0, |a| a.as_secs_f64()));
+            if view_current {
+                m.stuck_tokens
+                    .with_label_values(&labels)
+                    .set(snapshot.stuck_tokens as i64);
+                m.oldest_pending_age
+                    .with_label_values(&labels)
+                    .set(oldest_age.map_or(0.0, |a| a.as_secs_f64()));
+            } else {
+                // Served from the first scrape, at 0 until measured.
+                m.stuck_tokens.with_label_values(&labels);
+                m.oldest_pending_age.with_label_values(&labels);
+            }
             // Malformed documents are counted from the view once a scan
             // filled it; before, the count the last run recorded stands (an
             // empty view would say none).
@@ -95,13 +111,15 @@ impl Evaluator {
                 // Only the active instance alerts and repairs.
                 continue;
             }
-            let stuck = (snapshot.stuck_tokens > 0).then(|| Observation {
-                count: snapshot.stuck_tokens,
-                oldest_age,
-                sample_ids: snapshot.stuck_sample.clone(),
-                detail: None,
-            });
-            self.alerts.set(AlertKind::StuckTokens, name, stuck);
+            if view_current {
+                let stuck = (snapshot.stuck_tokens > 0).then(|| Observation {
+                    count: snapshot.stuck_tokens,
+                    oldest_age,
+                    sample_ids: snapshot.stuck_sample.clone(),
+                    detail: None,
+                });
+                self.alerts.set(AlertKind::StuckTokens, name, stuck);
+            }
             let too_long = (snapshot.too_long > 0).then(|| Observation {
                 count: snapshot.too_long,
                 oldest_age: None,

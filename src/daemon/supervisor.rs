@@ -61,6 +61,7 @@ pub(crate) async fn supervise(
         tokio::spawn(watchdog(interval / 2, alive.clone()));
     }
     let mut prepared = Prepared::new(config, None).await?;
+    let mut reload_again = false;
     loop {
         let shutdown = CancellationToken::new();
         let reloading = Reloading::default();
@@ -73,35 +74,40 @@ pub(crate) async fn supervise(
             reloading.clone(),
         ));
         let next = loop {
-            tokio::select! {
-                // The daemon returns on its own only when it cannot start.
-                ended = &mut running => return ended,
-                command = commands.recv() => match command {
-                    None | Some(Command::Stop) => {
-                        notify_systemd(&[sd_notify::NotifyState::Stopping]);
-                        shutdown.cancel();
-                        return running.await;
-                    }
-                    Some(Command::Reload) => {
-                        // The running daemon goes on while the new
-                        // configuration is made ready.
-                        let ready = tokio::select! {
-                            ended = &mut running => return ended,
-                            ready = prepare(&mut load, &listening, &running_uri, start_check) => ready,
-                        };
-                        match ready {
-                            Ok(next) => break next,
-                            Err(reason) => {
-                                metrics.config_reload_failures.inc();
-                                metrics.config_last_reload_success.set(0);
-                                tracing::error!(
-                                    "configuration not reloaded, running on with the previous \
-                                     one: {reason}"
-                                );
-                            }
+            let command = if std::mem::take(&mut reload_again) {
+                Some(Command::Reload)
+            } else {
+                tokio::select! {
+                    // The daemon returns on its own only when it cannot start.
+                    ended = &mut running => return ended,
+                    command = commands.recv() => command,
+                }
+            };
+            match command {
+                None | Some(Command::Stop) => {
+                    notify_systemd(&[sd_notify::NotifyState::Stopping]);
+                    shutdown.cancel();
+                    return running.await;
+                }
+                Some(Command::Reload) => {
+                    // The running daemon goes on while the new
+                    // configuration is made ready.
+                    let ready = tokio::select! {
+                        ended = &mut running => return ended,
+                        ready = prepare(&mut load, &listening, &running_uri, start_check) => ready,
+                    };
+                    match ready {
+                        Ok(next) => break next,
+                        Err(reason) => {
+                            metrics.config_reload_failures.inc();
+                            metrics.config_last_reload_success.set(0);
+                            tracing::error!(
+                                "configuration not reloaded, running on with the previous \
+                                 one: {reason}"
+                            );
                         }
                     }
-                },
+                }
             }
         };
         let mut reloading_states = vec![sd_notify::NotifyState::Reloading];
@@ -120,9 +126,17 @@ pub(crate) async fn supervise(
         if !drained.is_clean() {
             tracing::warn!(not_done = %drained.not_done.join("; "), "the reload's drain was not complete");
         }
-        if let Ok(Command::Stop) = commands.try_recv() {
-            next.discard().await;
-            return Ok(drained);
+        // What came during the reload: a stop ends here; a reload (the
+        // file changed again) reads the file once more as soon as the new
+        // configuration runs — never dropped.
+        while let Ok(command) = commands.try_recv() {
+            match command {
+                Command::Stop => {
+                    next.discard().await;
+                    return Ok(drained);
+                }
+                Command::Reload => reload_again = true,
+            }
         }
         on_reload(next.config());
         let configured: Vec<&str> = next

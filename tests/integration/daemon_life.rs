@@ -551,3 +551,121 @@ async fn a_failed_measurement_neither_fires_nor_resolves_a_ledger_alert() {
         "still refused after it"
     );
 }
+
+/// The operator edits the file (B), sends SIGHUP, edits it again (C) and
+/// sends SIGHUP again while the first reload drains: the second one is
+/// not lost — once B runs, the file is read again and C takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_during_a_reload_is_read_once_the_first_is_done() {
+    let ctx = TestContext::new("life_sighup_during_reload").await;
+    let text = format!("{}{LEDGER}", render(&ctx, &Conf::idle()));
+    let mut daemon = Tallyd::start(&text, &[("RUST_LOG", "info")]);
+    daemon.wait_ready("active", LONG).await;
+    let (b, c) = (free_address(), free_address());
+    daemon.rewrite_config_listening(&text, b);
+    daemon.signal("HUP");
+    // The first reload read B: it drains now.
+    let deadline = Instant::now() + LONG;
+    while !daemon.log().contains("the new configuration is ready") {
+        assert!(Instant::now() < deadline, "{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    daemon.rewrite_config_listening(&text, c);
+    daemon.signal("HUP");
+    until(
+        &daemon,
+        "C serves: the second SIGHUP applied",
+        LONG,
+        || async { matches!(get(c, "/healthz").await, Some((200, _))) },
+    )
+    .await;
+    until(&daemon, "B closed", LONG, || async { !listening(b) }).await;
+    assert_eq!(
+        daemon.log().matches("configuration reloaded").count(),
+        2,
+        "{}",
+        daemon.log()
+    );
+    assert!(daemon.terminate().success(), "{}", daemon.log());
+}
+
+/// The daemon's own link to MongoDB goes down (the application's writers
+/// are fine) while a two-step increment is pending, and the writer settles
+/// it: the monitor cannot see that, but its view's token only ages — it
+/// is not measured, so `stuck_tokens` neither fires during the outage
+/// (past `stuck_after`) nor resolves after it; once the stream is back,
+/// the scan measures no token at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_of_the_daemons_link_fires_no_stuck_tokens() {
+    use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+    let ctx = TestContext::new("life_outage_stuck").await;
+    let views = ctx.client(false).await.collection("views");
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let stuck_after = Duration::from_secs(10);
+    let text = format!(
+        "{}[alerts]\nstuck_after = \"10s\"\n",
+        Conf::idle().render(&ctx.child_uri_through(&proxy, false), &ctx.db_name)
+    );
+    let daemon = Tallyd::start(&text, &[("RUST_LOG", "info")]);
+    daemon.wait_ready("active", LONG).await;
+    daemon
+        .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+        .await;
+    let token = tally::Token::created_at_time(std::time::SystemTime::now()).object_id();
+    let created = Instant::now();
+    views
+        .insert_one(doc! { "_id": "k", "counter": 0i64, "pending": [token] })
+        .await
+        .unwrap();
+    daemon
+        .wait_metric("tally_pending_tokens{collection=\"views\"}", 1.0, LONG)
+        .await;
+    let cut = proxy.rule(Rule::any().then(Action::CloseBeforeForwarding));
+    until(&daemon, "the monitor sees the outage", LONG, || async {
+        daemon
+            .metric("tally_monitor_up{collection=\"views\"}")
+            .await
+            == Some(0.0)
+    })
+    .await;
+    // The writer settles its increment, directly.
+    views
+        .update_one(
+            doc! { "_id": "k", "pending": token },
+            doc! { "$inc": { "counter": 1i64 }, "$pull": { "pending": token } },
+        )
+        .await
+        .unwrap();
+    let stuck_said = |log: &str| log.contains("kind=stuck_tokens");
+    // Watched past stuck_after plus a few evaluations: it never fires.
+    let watched_until = created + stuck_after + Duration::from_secs(4);
+    while Instant::now() < watched_until {
+        assert!(
+            !stuck_said(&daemon.log()),
+            "a settled token alerted as stuck during the outage:\n{}",
+            daemon.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(cut);
+    daemon
+        .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+        .await;
+    until(
+        &daemon,
+        "the scan measures no pending token",
+        LONG,
+        || async {
+            daemon
+                .metric("tally_pending_tokens{collection=\"views\"}")
+                .await
+                == Some(0.0)
+                && daemon
+                    .metric("tally_stuck_tokens{collection=\"views\"}")
+                    .await
+                    == Some(0.0)
+        },
+    )
+    .await;
+    assert!(!stuck_said(&daemon.log()), "{}", daemon.log());
+}

@@ -32,7 +32,7 @@ use mongodb::{Collection, Namespace};
 
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
 use crate::document::{integer_value, same_key};
-use crate::error::{Effect, Error, Facts, Failure, Next, RetryBudget, code};
+use crate::error::{Effect, Error, Facts, Failure, FailureKind, Next, RetryBudget, code};
 use crate::ledger::{field, floor};
 use crate::store::Store;
 
@@ -232,6 +232,18 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
                     outcomes[stopped] = Some(items[stopped].unknown(ns, cause()));
                 }
             } else {
+                // A write error that says nothing was written (a validator,
+                // a document too large) is a refusal; one that may follow a
+                // write — a router reporting a shard's lost connection or
+                // step-down as the write error of the op it was sending —
+                // leaves the event unknown: its ticket settles it.
+                let stopped_write = Facts {
+                    kind: FailureKind::Write(refused_code),
+                    retryable_label: false,
+                };
+                if stopped_write.effect() != Effect::NotApplied {
+                    maybe_applied[stopped] = true;
+                }
                 outcomes[stopped] =
                     Some(items[stopped].undecided(maybe_applied[stopped], ns, cause()));
             }

@@ -499,3 +499,45 @@ async fn landed_unknown(proxy: &Proxy, recorder: &Ledger, event: &str) -> EventT
         other => panic!("expected unknown, got {other:?}"),
     }
 }
+
+/// A router (mongos) whose batch to a shard failed with a network error
+/// after the shard applied it reports that as the *write error* of the op
+/// it was sending (HostUnreachable, code 6): the event there is not
+/// "definitely not written" — it landed — but unknown, its ticket to
+/// settle it; the events before it are recorded (a majority read finds
+/// them), and every event is counted once.
+#[tokio::test]
+async fn a_write_error_that_may_follow_a_write_leaves_the_event_unknown_not_unrecorded() {
+    let ctx = TestContext::new("ledger_write_error_maybe_applied").await;
+    let client = ctx.client(false).await;
+    let (proxy, ledger) = ledger_through_proxy(&ctx).await;
+    let outcomes = {
+        let _mongos = proxy.rule(
+            Rule::command("insert")
+                .collection("views_events")
+                .nth(1)
+                .then(Action::AmendReply(doc! {
+                    "n": 1,
+                    "writeErrors": [{
+                        "index": 1,
+                        "code": 6,
+                        "codeName": "HostUnreachable",
+                        "errmsg": "Connection refused: shard01/host:27018",
+                    }],
+                })),
+        );
+        ledger
+            .record_many([("e1", "a", 1), ("e2", "a", 1), ("e3", "a", 1)])
+            .await
+    };
+    let names: Vec<&str> = outcomes.iter().map(Recording::name).collect();
+    assert_eq!(names, ["recorded", "unknown", "recorded"], "{outcomes:?}");
+    // The unknown one settles as recorded: it is there, ours.
+    let Recording::Unknown(ticket) = &outcomes[1] else {
+        unreachable!()
+    };
+    let settled = ledger.record_again(ticket.clone()).await.expect("in time");
+    assert!(settled.is_counted(), "{settled:?}");
+    fold_all(&fold_of(&client.store(), "views")).await;
+    assert_eq!(counter(&client.collection("views"), "a").await, 3);
+}
