@@ -302,6 +302,17 @@ impl Cli {
                 })
             })
             .map_err(|err| {
+                // A value its parser refused: the parser's sentence names
+                // the value (escaped, shortened); clap's own would repeat
+                // it raw and whole, a line end or 100 kB of it included.
+                if err.kind() == clap::error::ErrorKind::ValueValidation
+                    && let Some(clap::error::ContextValue::String(arg)) =
+                        err.get(clap::error::ContextKind::InvalidArg)
+                    && let Some(why) = std::error::Error::source(&err)
+                {
+                    eprintln!("error: {arg}: {why}\n\nFor more information, try '--help'.");
+                    return ExitCode::from(EXIT_USAGE);
+                }
                 let _ = err.print();
                 // Help and version are written to standard output: not errors.
                 ExitCode::from(if err.use_stderr() {
