@@ -46,7 +46,7 @@ mod supervisor;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -69,6 +69,14 @@ use readiness::Readiness;
 use runner::{Request, Runner};
 use schedule::Schedule;
 use state::State;
+
+/// How often a drain looks at whether its work is done.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
+
+/// How long a drain waits for its work once every host failed its last
+/// heartbeat: the monitors' last saves get their second
+/// (`LAST_SAVE_UNREACHABLE`), the rest waits for a server that is gone.
+const DRAIN_UNREACHABLE: Duration = Duration::from_secs(3);
 
 pub(crate) use supervisor::{Command, supervise};
 
@@ -254,18 +262,18 @@ async fn serve(
         Ok(reached) => reached,
         Err(err) => {
             shutdown.cancel();
-            drain(tracker, config, "at start", reloading).await;
+            drain(tracker, config, store, "at start", reloading).await;
             return Err(err);
         }
     };
     if !reached {
-        return Ok(drain(tracker, config, "before MongoDB answered", reloading).await);
+        return Ok(drain(tracker, config, store, "before MongoDB answered", reloading).await);
     }
     if let Some(check) = kept.start_check
         && let Err(refusal) = check(store, config).await
     {
         shutdown.cancel();
-        drain(tracker, config, "at start", reloading).await;
+        drain(tracker, config, store, "at start", reloading).await;
         return Err(DaemonError::Config(refusal));
     }
     let targets: Vec<FoldTarget> = config
@@ -392,7 +400,7 @@ async fn serve(
     tracing::info!(role = role.borrow().as_str(), "ready");
 
     shutdown.cancelled().await;
-    let mut drained = drain(tracker, config, "at shutdown", reloading).await;
+    let mut drained = drain(tracker, config, store, "at shutdown", reloading).await;
     for name in monitor.unsaved() {
         drained
             .not_done
@@ -476,6 +484,7 @@ async fn restore(
 async fn drain(
     tracker: TaskTracker,
     config: &Config,
+    store: &Store,
     when: &str,
     reloading: &Reloading,
 ) -> Drained {
@@ -487,25 +496,43 @@ async fn drain(
         tracing::info!(when, deadline = %human_duration(deadline), "shutting down");
     }
     tracker.close();
-    if tokio::time::timeout(deadline, tracker.wait())
-        .await
-        .is_err()
-    {
-        let then = if reload {
-            "the new configuration takes over anyway"
-        } else {
-            "exiting anyway"
-        };
+    let then = if reload {
+        "the new configuration takes over anyway"
+    } else {
+        "exiting anyway"
+    };
+    // The work is waited for until the deadline — or, once every host has
+    // failed its last heartbeat (the server is gone), for a moment only:
+    // what still runs then waits for a server that is not there.
+    let started = Instant::now();
+    let wait = tracker.wait();
+    tokio::pin!(wait);
+    let cut_off = loop {
+        tokio::select! {
+            () = &mut wait => break None,
+            () = tokio::time::sleep(DRAIN_POLL) => {}
+        }
+        let waited = started.elapsed();
+        if waited >= deadline {
+            break Some(format!(
+                "the shutdown deadline passed ({}) with work still running",
+                human_duration(deadline)
+            ));
+        }
+        if waited >= DRAIN_UNREACHABLE && !store.seems_reachable() {
+            break Some(format!(
+                "MongoDB is unreachable: work still waiting for it after {} was abandoned",
+                human_duration(waited)
+            ));
+        }
+    };
+    if let Some(why) = cut_off {
         tracing::error!(
-            deadline = %human_duration(deadline),
-            "the shutdown deadline passed with work still running; {then} (a fold batch that \
-             was cut off is applied or not as a whole, and will be folded again)"
+            "{why}; {then} (a fold batch that was cut off is applied or not as a whole, and \
+             will be folded again)"
         );
         return Drained {
-            not_done: vec![format!(
-                "the drain: the shutdown deadline passed ({}) with work still running",
-                human_duration(deadline)
-            )],
+            not_done: vec![format!("the drain: {why}")],
         };
     }
     if reload {

@@ -68,6 +68,10 @@ pub(crate) const SELECTION_MARGIN: Duration = Duration::from_secs(1);
 /// How long [`Store::shutdown`] waits for the driver's clean-up before it
 /// closes everything at once.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
+
+/// How long [`Store::shutdown`] waits when no host answered its last
+/// heartbeat: the clean-up would only wait for a server that is gone.
+const SHUTDOWN_WAIT_UNREACHABLE: Duration = Duration::from_secs(1);
 /// A connected handle: client, database and what the deployment supports.
 ///
 /// ```no_run
@@ -271,7 +275,8 @@ impl Store {
         self.inner.attempt_timeout
     }
 
-    /// Shuts the client down in order: waits (up to 10 s) for the driver's
+    /// Shuts the client down in order: waits (up to 10 s; 1 s when every
+    /// host failed its last heartbeat, the server gone) for the driver's
     /// clean-up of server-side resources, ends the server sessions and
     /// closes the connections. Call it before the runtime stops — at the end
     /// of a command-line program — or the driver's clean-up may race the
@@ -289,8 +294,13 @@ impl Store {
     /// ```
     pub async fn shutdown(self) {
         let client = self.inner.client.clone();
+        let wait = if self.seems_reachable() {
+            SHUTDOWN_WAIT
+        } else {
+            SHUTDOWN_WAIT_UNREACHABLE
+        };
         drop(self);
-        if tokio::time::timeout(SHUTDOWN_WAIT, client.clone().shutdown())
+        if tokio::time::timeout(wait, client.clone().shutdown())
             .await
             .is_err()
         {

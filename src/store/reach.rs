@@ -186,7 +186,6 @@ impl Store {
     /// Whether the driver's monitoring reached a server at its last try:
     /// false once every host of the connection string failed its last
     /// heartbeat. A stop does not wait for a server known to be gone.
-    #[cfg(feature = "daemon")]
     pub(crate) fn seems_reachable(&self) -> bool {
         let failing = self.inner.heartbeats.now();
         let hosts = &self.inner.reach.hosts;

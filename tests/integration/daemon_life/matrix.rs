@@ -71,6 +71,9 @@ struct Scene {
     recorded: i64,
     extra: bool,
     ha: bool,
+    /// Server selection waits 30 s (the default), not 2 s: what is in
+    /// flight at an outage waits that long.
+    patient: bool,
 }
 
 impl Scene {
@@ -106,6 +109,7 @@ impl Scene {
             recorded: 0,
             extra: false,
             ha: false,
+            patient: false,
         })
     }
 
@@ -122,10 +126,29 @@ impl Scene {
             extra,
             ..Conf::default()
         };
-        format!(
+        let text = format!(
             "{}{ALERTS}",
             conf.render(&self.ctx.child_uri(false), &self.ctx.db_name)
-        )
+        );
+        if !self.patient {
+            return text;
+        }
+        // The default selection timeout, and the margins it implies.
+        [
+            (
+                "server_selection_timeout = \"2s\"",
+                "server_selection_timeout = \"30s\"",
+            ),
+            ("attempt_timeout = \"3s\"", "attempt_timeout = \"35s\""),
+            ("retry_horizon = \"6s\"", "retry_horizon = \"70s\""),
+            ("grace = \"10s\"", "grace = \"120s\""),
+            ("stuck_after = \"10s\"", "stuck_after = \"120s\""),
+        ]
+        .into_iter()
+        .fold(text, |text, (from, to)| {
+            assert!(text.contains(from), "{from} in {text}");
+            text.replace(from, to)
+        })
     }
 
     fn start(&self) -> Tallyd {
@@ -469,6 +492,48 @@ async fn sigterm_during_an_outage() {
     // saved if they could be; the next start resumes from the last one
     // saved): nothing is left unsaved, so exit 0.
     stops_in_time(&mut daemon);
+    scene.start_server();
+    scene.record("after the outage").await;
+    let mut daemon = scene.start();
+    holds_after(&mut scene, &mut daemon, 0, true).await;
+    stops_in_time(&mut daemon);
+}
+
+/// SIGTERM during an outage while work waits out a 30 s server selection:
+/// the server is known gone (every host failed its last heartbeat), so the
+/// stop abandons that work within seconds — exit 1 by the table, saying
+/// so — instead of waiting out the drain's deadline and the client's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_an_outage_while_work_waits_for_the_server() {
+    let Some(mut scene) = Scene::new("life_m_term_outage_waiting", true).await else {
+        return; // stops its own server
+    };
+    scene.patient = true;
+    let (mut daemon, _) = running(&mut scene).await;
+    scene.stop_server();
+    // A scheduled run (every second) is now waiting for a server.
+    let waiting = |log: &str| log.matches("MongoDB has not answered").count();
+    wait_until("the readiness probe sees the outage", PATIENCE, || async {
+        waiting(&daemon.log()) > 0 || daemon.ready_status().await == Some(503)
+    })
+    .await;
+    let started = Instant::now();
+    daemon.signal("TERM");
+    let status = daemon.wait(stop_deadline());
+    let took = started.elapsed();
+    assert_eq!(status.code(), Some(1), "{}", daemon.log());
+    assert!(
+        took < Duration::from_secs(10),
+        "stopped in {took:?}, not within seconds\n{}",
+        daemon.log()
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("MongoDB is unreachable: work still waiting for it"),
+        "{}",
+        daemon.log()
+    );
     scene.start_server();
     scene.record("after the outage").await;
     let mut daemon = scene.start();
