@@ -155,7 +155,7 @@ pub(crate) enum Command {
     /// Fold leftover pending tokens older than the grace into their
     /// counters, safely on live documents (or, with --dry-run, report what
     /// that would do). When a collection failed, exits by the failure's
-    /// class (1, 69 or 77).
+    /// class (1, 69 or 77); stopped by Ctrl-C, 130 after its summary.
     Reconcile(ReconcileArgs),
     /// Record an event once under its key (an idempotency key): a repeat
     /// is a duplicate, counted once. Exit 0 recorded or duplicate, 75

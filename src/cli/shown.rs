@@ -9,20 +9,20 @@ use super::Cli;
 static GIVEN_OPTIONS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 impl Cli {
-    /// Keeps the options a printed command repeats ([`shown_command`]).
+    /// Keeps the options a printed command repeats ([`shown_command`]),
+    /// their paths made absolute: the command is pasted anywhere (another
+    /// directory, another shell), where a relative path names nothing.
     pub(super) fn remember_options(&self) {
+        let word = |path: &std::path::Path| {
+            let path = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+            super::increment::shell_word(&path.to_string_lossy())
+        };
         let mut given = Vec::new();
         if let Some(path) = &self.config {
-            given.push(format!(
-                "-c {}",
-                super::increment::shell_word(&path.to_string_lossy())
-            ));
+            given.push(format!("-c {}", word(path)));
         }
         if let Some(path) = &self.env_file {
-            given.push(format!(
-                "--env-file {}",
-                super::increment::shell_word(&path.to_string_lossy())
-            ));
+            given.push(format!("--env-file {}", word(path)));
         }
         let _ = GIVEN_OPTIONS.set(given.join(" "));
     }

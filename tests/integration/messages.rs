@@ -281,3 +281,47 @@ async fn a_file_that_cannot_be_read_is_named_with_why_in_words() {
     );
     assert!(!shown.contains("os error"), "{shown}");
 }
+
+/// A printed command names the configuration by its absolute path: given
+/// `-c tallyd.toml` in one directory, the printed `resume` pasted in
+/// another settles the increment (it said "cannot read tallyd.toml").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_printed_command_names_the_configuration_by_its_absolute_path() {
+    use mongodb::bson::Bson;
+    let ctx = TestContext::new("msg_hint_absolute").await;
+    let dir = tempfile::tempdir().unwrap();
+    write_config(dir.path(), &ctx.config_toml(false, ""));
+    let output = {
+        let _fail = crate::common::FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 2 }),
+            doc! { "failCommands": ["update"], "closeConnection": true },
+        )
+        .await;
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+            .args(["-c", "tallyd.toml", "incr", "k", "--by", "3"])
+            .current_dir(dir.path())
+            .env_clear()
+            .output()
+            .await
+            .unwrap()
+    };
+    assert_eq!(output.status.code(), Some(75), "{}", text(&output));
+    let hint = hint(&output);
+    let absolute = dir.path().join("tallyd.toml").display().to_string();
+    assert!(
+        hint.starts_with(&format!("tallyd -c {absolute} resume k ")),
+        "{hint}"
+    );
+    let elsewhere = tempfile::tempdir().unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .args(hint_args(&hint))
+        .current_dir(elsewhere.path())
+        .env_clear()
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{hint}: {}", text(&output));
+    let views = ctx.client(false).await.collection("views");
+    assert_eq!(counter(&views, "k").await, 3);
+}
