@@ -47,7 +47,22 @@ async fn watch_while_unreachable(
 ) {
     let started = tokio::time::Instant::now();
     let mut next_said = started + UNANSWERED_FIRST;
+    // Since when every host has failed: what "has not answered for" says
+    // (a long command, such as `record --from`, may meet an outage late).
+    let mut unanswered_since: Option<tokio::time::Instant> = None;
+    let mut answered = false;
     loop {
+        if store.seems_reachable() {
+            unanswered_since = None;
+            answered |= store.answered();
+        } else if unanswered_since.is_none() {
+            // Never answered: since the command began; else since now.
+            unanswered_since = Some(if answered {
+                tokio::time::Instant::now()
+            } else {
+                started
+            });
+        }
         if let Some(other) = store.in_another_set() {
             let message = format!(
                 "{other}; waiting will not help, so the command stops here (nothing was sent)"
@@ -56,10 +71,11 @@ async fn watch_while_unreachable(
             std::process::exit(i32::from(EXIT_CONFIG));
         }
         if tokio::time::Instant::now() >= next_said {
-            if !store.seems_reachable() {
+            if let Some(since) = unanswered_since {
                 eprintln!(
-                    "tallyd: {}; still trying (a command gives up after {})",
-                    store.unanswered(started.elapsed()),
+                    "tallyd: {}; still trying (each operation gives up after {} without an \
+                     answer)",
+                    store.unanswered(since.elapsed()),
                     crate::error::human_duration(selection)
                 );
             }

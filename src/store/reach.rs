@@ -183,6 +183,12 @@ impl Store {
         crate::error::other_set(&reach).map(|said| self.scrub(&said))
     }
 
+    /// Whether any host has answered a heartbeat since the client started.
+    #[cfg(feature = "daemon")]
+    pub(crate) fn answered(&self) -> bool {
+        !self.inner.heartbeats.set_names().is_empty()
+    }
+
     /// Whether the driver's monitoring reached a server at its last try:
     /// false once every host of the connection string failed its last
     /// heartbeat. A stop does not wait for a server known to be gone.

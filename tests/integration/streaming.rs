@@ -549,3 +549,56 @@ async fn a_second_ctrl_c_stops_a_reconcile_at_once() {
     );
     assert!(again.elapsed() < Duration::from_secs(20), "{rest}");
 }
+
+/// An outage that comes late in a long `record --from -`: "has not
+/// answered for" counts from the outage, not from the start of the
+/// command, and says that each operation (not the command) gives up after
+/// the selection timeout. Before, 6 s into the command it said "for 8s" two
+/// seconds into the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_late_in_a_long_command_is_timed_from_the_outage() {
+    let ctx = TestContext::new("stream_outage_late").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let dir = tempfile::tempdir().unwrap();
+    let settings = config(&ctx.child_uri_through(&proxy, false), &ctx.db_name).replace(
+        "server_selection_timeout = \"2s\"",
+        "server_selection_timeout = \"8s\"",
+    );
+    let path = write_config(dir.path(), &settings);
+    let events_coll = ctx.client(false).await.collection("views_events");
+    let started = Instant::now();
+    let (child, mut stdin) = record_from_stdin(&path);
+    stdin.write_all(events(0, 10).as_bytes()).await.unwrap();
+    stdin.flush().await.unwrap();
+    until_recorded(&events_coll, 10).await;
+    // The command has run a while when the outage comes.
+    while started.elapsed() < Duration::from_secs(6) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(proxy);
+    let cut = Instant::now();
+    stdin.write_all(events(10, 10).as_bytes()).await.unwrap();
+    drop(stdin);
+    let output = finished(child).await;
+    let since_cut = cut.elapsed();
+    let shown = text(&output);
+    let said: Vec<Duration> = shown
+        .lines()
+        .filter(|l| l.contains("has not answered for "))
+        .map(|line| {
+            assert!(line.contains("each operation gives up after 8s"), "{line}");
+            line.split("has not answered for ")
+                .nth(1)
+                .and_then(|rest| rest.split(" (").next())
+                .and_then(|d| humantime::parse_duration(d).ok())
+                .unwrap_or_else(|| panic!("a duration in {line}"))
+        })
+        .collect();
+    assert!(!said.is_empty(), "it said it waits: {shown}");
+    for said in said {
+        assert!(
+            said <= since_cut,
+            "{said:?} said, {since_cut:?} since the cut: {shown}"
+        );
+    }
+}
