@@ -211,20 +211,20 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                 "error": holds_none,
             })
         );
+    } else if let Some(message) = &holds_none {
+        // Nothing else is worth reading (every count is 0, every index
+        // missing), and setup's advice would create the misspelt name.
+        out!("{}", database::described(&store));
+        eprintln!("error: {}", secrets.scrub(message));
     } else {
         out!("{}", database::described(&store));
         print_table(&rows, now, config);
-        if holds_none.is_none() {
-            for name in names.iter().filter(|n| missing(n) == Some(true)) {
-                out!("{name}: no such collection in this database yet");
-            }
+        for name in names.iter().filter(|n| missing(n) == Some(true)) {
+            out!("{name}: no such collection in this database yet");
         }
         super::ledger::print_backlogs(&ledgers);
         if !attention.is_empty() {
             out!("needs attention: {}", attention.join("; "));
-        }
-        if let Some(message) = &holds_none {
-            eprintln!("error: {}", secrets.scrub(message));
         }
     }
     store.shutdown().await;

@@ -163,7 +163,22 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
         deployment::write_concern(store, &topology, config, held).await,
         clock_skew(store, config, clock).await,
     ];
-    checks.extend(index_checks(store, config).await);
+    let mut indexes = index_checks(store, config).await;
+    if !held {
+        // A fresh deployment, or a misspelt name: setup creates what it
+        // names, so the name comes first.
+        let database = store.database().name().to_owned();
+        for check in indexes
+            .iter_mut()
+            .filter(|c| c.message.contains("tallyd setup"))
+        {
+            check.message.push_str(&format!(
+                " — but first check [mongodb] database: {database} holds none of the configured \
+                 collections, and setup would create it as named"
+            ));
+        }
+    }
+    checks.extend(indexes);
     let now = store
         .server_time()
         .await

@@ -415,7 +415,7 @@ impl Watcher {
                     None => continue,
                     Some(Err(err)) => {
                         self.save(stream.resume_token(), &mut saved_token).await;
-                        self.stream_ended();
+                        self.watched.unsaved.store(false, Ordering::Relaxed);
                         return Ended::Failed(err);
                     }
                     Some(Ok(())) => {}
@@ -436,8 +436,10 @@ impl Watcher {
                 Ok(None) if stream.is_alive() => {}
                 Ok(None) => return Ended::Restart("invalidate"),
                 Err(err) => {
+                    // Broken off: the next stream resumes from the last saved
+                    // position (and scans); none is left unsaved for a stop.
                     self.save(stream.resume_token(), &mut saved_token).await;
-                    self.stream_ended();
+                    self.watched.unsaved.store(false, Ordering::Relaxed);
                     return ended_by("monitor.next", err);
                 }
             }
@@ -566,14 +568,6 @@ impl Watcher {
                  resumes from the last saved one"
             );
         }
-    }
-
-    /// The stream broke off after its position was saved if it could be:
-    /// the next one resumes from the last saved position (and scans), in
-    /// this process or the next, so no position is left unsaved — a stop
-    /// while it waits to open again has nothing to save.
-    fn stream_ended(&self) {
-        self.watched.unsaved.store(false, Ordering::Relaxed);
     }
 
     /// Saves the stream's position (`token`, taken from the stream) when it

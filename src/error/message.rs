@@ -293,7 +293,13 @@ fn server_says(
         Some(name) => write!(f, "{message} ({code} {name})")?,
         None => write!(f, "{message} (code {code})")?,
     }
-    if let Some(advice) = advice(code) {
+    if code == code::UNAUTHORIZED && message.contains("requires authentication") {
+        // No user logged in at all: no role would help.
+        f.write_str(
+            "; no user is logged in: the server requires one, so put its name and password in \
+             the connection string (mongodb://USER:PASSWORD@HOST/?authSource=admin)",
+        )?;
+    } else if let Some(advice) = advice(code) {
         write!(f, "; {advice}")?;
     }
     Ok(())

@@ -158,6 +158,22 @@ async fn a_wrong_password_and_a_missing_privilege_exit_77() {
         assert!(!shown.contains("Wr0ng-pw"), "{args:?}: {shown}");
     }
 
+    // No user at all in the URI: no role would help, a user would.
+    let nobody = quick(
+        &format!(
+            "mongodb://127.0.0.1:{}/?directConnection=true",
+            server.port()
+        ),
+        "app",
+        "",
+    );
+    let output = run(&nobody, &["incr", "k"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(77), "{shown}");
+    assert!(shown.contains("(13 Unauthorized)"), "{shown}");
+    assert!(shown.contains("no user is logged in"), "{shown}");
+    assert!(!shown.contains("smallest MongoDB role"), "{shown}");
+
     let reader = quick(&server.uri("reader", "Pw-of-reader", "app"), "app", "");
     let output = run(&reader, &["incr", "k"]).await;
     let shown = readable(&output);
@@ -433,6 +449,35 @@ async fn a_database_that_holds_nothing_is_said_so_and_never_created() {
     assert!(probe.contains("not probed"), "{probe}");
     let databases = client.client.list_database_names().await.unwrap();
     assert!(!databases.contains(&typo), "created: {databases:?}");
+
+    // With a ledger: no advice to run setup, which would create the
+    // misspelt database, before the name is checked.
+    let ledger = ctx
+        .config_toml(false, "[[collections]]\nname = \"views\"\nledger = true\n")
+        .replace(
+            &format!("database = \"{}\"", ctx.db_name),
+            &format!("database = \"{typo}\""),
+        );
+    let output = run(&ledger, &["status"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(78), "{shown}");
+    assert!(!shown.contains("setup"), "{shown}");
+    let output = run(&ledger, &["doctor", "--json"]).await;
+    let out = json(&output);
+    let checks = out["checks"].as_array().unwrap();
+    for check in checks.iter().filter(|c| c["name"] == "ledger_indexes") {
+        let message = check["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!(
+                "first check [mongodb] database: {typo} holds none of the configured collections"
+            )),
+            "{message}"
+        );
+    }
+    assert!(
+        checks.iter().any(|c| c["name"] == "ledger_indexes"),
+        "{out}"
+    );
 
     // The right database: named, no error.
     let output = run(&ctx.config_toml(false, ""), &["status"]).await;

@@ -24,7 +24,7 @@
 //! draws the k-th number of its generator). Timing still differs between
 //! runs — which request is the k-th, how calls interleave — so a replay
 //! makes the same choices, not necessarily the same history.
-//! `TALLY_HISTORY_SECONDS` sets how long the clients run (default 30).
+//! `TALLY_HISTORY_SECONDS` sets how long the clients run (default 20).
 
 mod checker;
 mod ledger;
@@ -66,7 +66,7 @@ const WORKERS: usize = 8;
 /// Workers with retryable writes on (the test server slows down after
 /// ~10k retryable writes, so only a few).
 const RETRYING_WORKERS: usize = 2;
-const DEFAULT_SECONDS: u64 = 30;
+const DEFAULT_SECONDS: u64 = 20;
 /// Share of the faultable requests each run faults, over all actions.
 const FAULT_SHARE: f64 = 0.08;
 /// The clients' bound on one attempt (it must exceed their server

@@ -167,6 +167,11 @@ impl AuthServer {
         }
     }
 
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// A URI for `user` (authenticated against `auth_source`).
     pub fn uri(&self, user: &str, password: &str, auth_source: &str) -> String {
         format!(
