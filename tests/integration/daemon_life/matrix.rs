@@ -484,8 +484,12 @@ async fn sigterm_during_an_outage() {
     };
     let (mut daemon, _) = running(&mut scene).await;
     scene.stop_server();
-    wait_until("not ready during the outage", PATIENCE, || async {
-        daemon.ready_status().await == Some(503)
+    wait_until("both change streams broke off", PATIENCE, || async {
+        daemon
+            .metric("tally_monitor_up{collection=\"views\"}")
+            .await
+            == Some(0.0)
+            && daemon.metric("tally_monitor_up{collection=\"hits\"}").await == Some(0.0)
     })
     .await;
     // Its change streams broke off when the server went (their positions
