@@ -488,6 +488,13 @@ impl Error {
             _ => None,
         }
     }
+
+    /// Whether no server could be reached or used (an outage): what the
+    /// exit code 69 and the daemon's readiness stand for.
+    #[cfg(feature = "daemon")]
+    pub(crate) fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Server(failure) if failure.trouble() == Trouble::Unavailable)
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! configured collection names, alert kinds and a few result values — never
 //! a document id.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -24,6 +25,9 @@ pub(crate) struct Metrics {
 /// The metric handles; see each field for its name and meaning.
 pub(crate) struct Inner {
     registry: Registry,
+    /// Every labelled metric, as registered: what a reload that drops a
+    /// collection removes that collection's series from.
+    labelled: Vec<Box<dyn Forget + Send + Sync>>,
     /// `tally_ready`: 1 once the daemon has reached the server.
     pub(crate) ready: IntGauge,
     /// `tally_lease_active`: 1 while this instance holds the lease (always 1
@@ -154,7 +158,7 @@ impl Default for Metrics {
 impl Metrics {
     /// A fresh registry with every metric registered.
     pub(crate) fn new() -> Self {
-        let registry = Registry::new();
+        let registry = Registrar::default();
         let collection = &["collection"];
         let inner = Inner {
             ready: gauge(
@@ -173,7 +177,7 @@ impl Metrics {
                 "Reconcile runs per collection and result",
                 &["collection", "result"],
             ),
-            reconcile_duration: register(
+            reconcile_duration: register_vec(
                 &registry,
                 HistogramVec::new(
                     HistogramOpts::new(
@@ -381,13 +385,14 @@ impl Metrics {
                 "tally_config_last_reload_success",
                 "0 while the last reload failed and the previous configuration runs on, else 1",
             ),
-            registry,
+            labelled: registry.labelled.into_inner(),
+            registry: registry.registry,
         };
         metrics_ready(&inner);
         let metrics = Self {
             inner: Arc::new(inner),
         };
-        let build = register(
+        let build = register_in(
             &metrics.registry,
             IntGaugeVec::new(
                 Opts::new("tally_build_info", "The running tally version"),
@@ -419,37 +424,6 @@ impl Metrics {
                 }
             }
         }
-        let vecs: [&dyn Forget; 29] = [
-            &self.reconcile_runs,
-            &self.reconcile_duration,
-            &self.documents_folded,
-            &self.tokens_folded,
-            &self.last_success,
-            &self.pending_documents,
-            &self.pending_tokens,
-            &self.stuck_tokens,
-            &self.oldest_pending_age,
-            &self.largest_pending,
-            &self.lane_documents,
-            &self.lane_entries,
-            &self.largest_lane_map,
-            &self.malformed_documents,
-            &self.fold_refused,
-            &self.monitor_up,
-            &self.monitor_events,
-            &self.monitor_restarts,
-            &self.monitor_rescans,
-            &self.monitor_lag,
-            &self.events_folded,
-            &self.events_backlog,
-            &self.events_fold_lag,
-            &self.events_held,
-            &self.events_fold_state_bytes,
-            &self.events_stream_up,
-            &self.events_stream_failures,
-            &self.alerts_firing,
-            &self.alert_notifications,
-        ];
         for labels in &stale {
             let labels: HashMap<&str, &str> = labels
                 .iter()
@@ -457,7 +431,7 @@ impl Metrics {
                 .collect();
             // Only the vectors with exactly these label names hold the
             // series; the others refuse, which is nothing to remove.
-            for vec in vecs {
+            for vec in &self.labelled {
                 vec.forget(&labels);
             }
         }
@@ -494,7 +468,38 @@ impl<T: MetricVecBuilder> Forget for MetricVec<T> {
     }
 }
 
+/// The registry while the metrics are made, and the labelled ones made so
+/// far.
+#[derive(Default)]
+struct Registrar {
+    registry: Registry,
+    labelled: RefCell<Vec<Box<dyn Forget + Send + Sync>>>,
+}
+
 fn register<T: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registrar,
+    metric: prometheus::Result<T>,
+) -> T {
+    register_in(&registry.registry, metric)
+}
+
+/// Registers a labelled metric, kept among those a reload can forget.
+fn register_vec<T: MetricVecBuilder + 'static>(
+    registry: &Registrar,
+    metric: prometheus::Result<MetricVec<T>>,
+) -> MetricVec<T>
+where
+    MetricVec<T>: prometheus::core::Collector + Clone + Send + Sync,
+{
+    let metric = register(registry, metric);
+    registry
+        .labelled
+        .borrow_mut()
+        .push(Box::new(metric.clone()));
+    metric
+}
+
+fn register_in<T: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
     metric: prometheus::Result<T>,
 ) -> T {
@@ -506,24 +511,24 @@ fn register<T: prometheus::core::Collector + Clone + 'static>(
     metric
 }
 
-fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+fn gauge(registry: &Registrar, name: &str, help: &str) -> IntGauge {
     register(registry, IntGauge::new(name, help))
 }
 
-fn float(registry: &Registry, name: &str, help: &str) -> Gauge {
+fn float(registry: &Registrar, name: &str, help: &str) -> Gauge {
     register(registry, Gauge::new(name, help))
 }
 
-fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    register(registry, IntGaugeVec::new(Opts::new(name, help), labels))
+fn gauge_vec(registry: &Registrar, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    register_vec(registry, IntGaugeVec::new(Opts::new(name, help), labels))
 }
 
-fn float_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
-    register(registry, GaugeVec::new(Opts::new(name, help), labels))
+fn float_vec(registry: &Registrar, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    register_vec(registry, GaugeVec::new(Opts::new(name, help), labels))
 }
 
-fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    register(registry, IntCounterVec::new(Opts::new(name, help), labels))
+fn counter_vec(registry: &Registrar, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register_vec(registry, IntCounterVec::new(Opts::new(name, help), labels))
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use crate::daemon::DaemonError;
 use crate::daemon::clock::{Clock, LastSkew, Skew};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
-use crate::error::{Error, Trouble, human_duration};
+use crate::error::{Error, human_duration};
 use crate::redact::Secrets;
 use crate::store::Store;
 
@@ -137,7 +137,7 @@ impl Readiness {
                     )));
                 }
                 // No server could be selected: the messages above say why.
-                Err(Error::Server(failure)) if failure.trouble() == Trouble::Unavailable => {}
+                Err(err) if err.is_unavailable() => {}
                 Err(err) => tracing::warn!(
                     cause = %secrets.scrub(&store.explain(&err)),
                     retry_in = %human_duration(backoff),

@@ -17,7 +17,7 @@ use crate::daemon::metrics::Metrics;
 use crate::daemon::schedule::Schedule;
 use crate::daemon::sleep_until;
 use crate::daemon::state::State;
-use crate::error::{Error, Trouble, human_duration, words};
+use crate::error::{Error, human_duration, words};
 use crate::reconcile::{CollectionRun, FoldTarget, Mode, Reconciler};
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -211,10 +211,7 @@ impl Runner {
         retry_at: &mut BTreeMap<String, Instant>,
     ) {
         let name = run.collection.as_str();
-        let unavailable = matches!(
-            &run.error,
-            Some(Error::Server(failure)) if failure.trouble() == Trouble::Unavailable
-        );
+        let unavailable = run.error.as_ref().is_some_and(Error::is_unavailable);
         let result = match (&run.error, run.interrupted) {
             (Some(_), _) if unavailable => "unavailable",
             (Some(_), _) => "failed",
