@@ -496,10 +496,16 @@ async fn sigterm_during_an_outage() {
     // saved if they could be; the next start resumes from the last one
     // saved): nothing is left unsaved, so exit 0.
     stops_in_time(&mut daemon);
+    restarted_after_the_outage(&mut scene).await;
+}
+
+/// The server back after an outage its daemon was stopped in: an event
+/// recorded meanwhile, a new daemon, and what must hold after a start.
+async fn restarted_after_the_outage(scene: &mut Scene) {
     scene.start_server();
     scene.record("after the outage").await;
     let mut daemon = scene.start();
-    holds_after(&mut scene, &mut daemon, 0, true).await;
+    holds_after(scene, &mut daemon, 0, true).await;
     stops_in_time(&mut daemon);
 }
 
@@ -538,11 +544,7 @@ async fn sigterm_during_an_outage_while_work_waits_for_the_server() {
         "{}",
         daemon.log()
     );
-    scene.start_server();
-    scene.record("after the outage").await;
-    let mut daemon = scene.start();
-    holds_after(&mut scene, &mut daemon, 0, true).await;
-    stops_in_time(&mut daemon);
+    restarted_after_the_outage(&mut scene).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
