@@ -31,7 +31,7 @@
 
 mod history;
 
-pub(crate) use history::landed;
+pub(crate) use history::{Watch, landed};
 
 use mongodb::bson::{Bson, Document, Timestamp, doc, oid::ObjectId};
 
@@ -206,12 +206,14 @@ pub(crate) async fn cluster_time(store: &Store, events: &str) -> Result<Timestam
 /// last one the fold state remembers; `None` when it remembers none) and
 /// says whether the validator it replaced was another's: a `collMod` no
 /// raise remembered made, which may have lowered the floor. The raise's
-/// `at` is the cluster time of its own `modify` event.
+/// `at` is the cluster time of its own `modify` event, read through
+/// `watch` (the fold's stream, kept from one raise to the next).
 pub(crate) async fn raise_over(
     store: &Store,
     events: &str,
     floor: i64,
     expected: Option<&Raise>,
+    watch: &Watch,
 ) -> Result<(Raise, bool), Error> {
     let Raised {
         raise,
@@ -219,22 +221,29 @@ pub(crate) async fn raise_over(
         before,
     } = set(store, events, floor).await?;
     if created {
-        // The collection was gone: the floor with it.
+        // The collection was gone: the floor with it, and the end of any
+        // stream kept on it.
+        watch.forget().await;
         return Ok((raise, expected.is_some()));
     }
     // The raise's own `modify` event says what it replaced, and when it
     // took effect: its cluster time, exactly (the reply's `operationTime`
     // may name a later one on the test server), is where the debts and
     // windows that start at this raise start.
-    let (replaced, at) = history::replaced(store, events, &raise, before).await?;
+    let (replaced, at) = history::replaced(store, events, &raise, before, watch).await?;
     let raise = Raise { at, ..raise };
     let foreign = expected.is_some_and(|expected| !replaced.is(expected));
     Ok((raise, foreign))
 }
 
 /// Raises the floor of `events` to `floor`, whatever it replaced.
-pub(crate) async fn raise(store: &Store, events: &str, floor: i64) -> Result<Raise, Error> {
-    raise_over(store, events, floor, None)
+pub(crate) async fn raise(
+    store: &Store,
+    events: &str,
+    floor: i64,
+    watch: &Watch,
+) -> Result<Raise, Error> {
+    raise_over(store, events, floor, None, watch)
         .await
         .map(|(raise, _)| raise)
 }

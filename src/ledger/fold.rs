@@ -274,7 +274,9 @@ pub struct EventsRun {
 
 /// Folds one ledger's events into its counters. One pass at a time per
 /// fold (a second waits for the first); keep one per process: it owns its
-/// passes by an id minted when it is made.
+/// passes by an id minted when it is made, and keeps the events
+/// collection's change stream open from one pass to the next (drop it
+/// before [`Store::shutdown`], which waits for open cursors).
 ///
 /// ```no_run
 /// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
@@ -294,6 +296,9 @@ pub struct EventsRun {
 ///         tokio::time::sleep(Duration::from_secs(5)).await;
 ///     }
 /// }
+/// // The fold's change stream is a cursor: let go of it first.
+/// drop(fold);
+/// store.shutdown().await;
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -307,6 +312,9 @@ pub struct EventFold {
     settings: EventFoldSettings,
     owner: ObjectId,
     last_sweep: Mutex<Option<Instant>>,
+    /// The events collection's change stream, kept from one raise of the
+    /// floor to the next (see `floor::Watch`).
+    floor_watch: floor::Watch,
 }
 
 impl EventFold {
@@ -333,6 +341,7 @@ impl EventFold {
             settings,
             owner: ObjectId::new(),
             last_sweep: Mutex::new(None),
+            floor_watch: floor::Watch::default(),
         }
     }
 

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use mongodb::bson::{Document, Timestamp, doc};
 use mongodb::change_stream::ChangeStream;
+use tokio::sync::Mutex;
 
 use super::{Floor, Raise, token_of};
 use crate::document::integer_value;
@@ -32,27 +33,81 @@ const HISTORY_LOST: [i32; 2] = [286, 136];
 /// `Unauthorized`: the user may not read the change stream.
 const UNAUTHORIZED: i32 = 13;
 
+/// The events collection's change stream of `collMod`s, kept open from one
+/// raise of the floor to the next by the fold that raises it.
+///
+/// A raise reads its own `modify` event from the stream. A stream opened
+/// afresh at each raise makes the server find where to start, and a server
+/// that finds it by reading its oplog from the beginning (the test server
+/// does) pays for the whole oplog at every pass; a stream kept open reads
+/// only what was written since the last raise. Its position is never past a
+/// raise not yet made, so it cannot miss one; a stream that fails (its
+/// cursor killed, its history lost, the collection dropped) is given up and
+/// the raise reads a new one from just before itself, as it would without.
+#[derive(Default)]
+pub(crate) struct Watch(Mutex<Option<ChangeStream<Document>>>);
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Watch")
+    }
+}
+
+impl Watch {
+    /// Lets go of the kept stream (the collection was created again: its
+    /// stream ended).
+    pub(crate) async fn forget(&self) {
+        *self.0.lock().await = None;
+    }
+}
+
 /// The floor `raise`'s `collMod` replaced and the cluster time it took
-/// effect, read from the change stream from `before` (a cluster time
-/// before it took effect).
+/// effect, read from `watch`'s kept stream, or from a new one from
+/// `before` (a cluster time before it took effect).
 pub(crate) async fn replaced(
     store: &Store,
     events: &str,
     raise: &Raise,
     before: Timestamp,
+    watch: &Watch,
 ) -> Result<(Floor, Timestamp), Error> {
+    let deadline = Instant::now() + RAISE_WAIT;
+    let mut kept = watch.0.lock().await;
+    if let Some(stream) = kept.as_mut() {
+        match find(stream, events, raise, deadline).await {
+            Ok(Some(found)) => return found,
+            Ok(None) => tracing::debug!(events, "the kept change stream did not show the raise"),
+            Err(err) => tracing::debug!(events, error = %err, "the kept change stream failed"),
+        }
+        *kept = None;
+    }
     let pipeline = vec![doc! { "$match": { "operationType": "modify" } }];
     let mut stream = open(store, events, before, pipeline).await?;
-    let deadline = Instant::now() + RAISE_WAIT;
+    let Some(found) = find(&mut stream, events, raise, deadline).await? else {
+        return Err(unverified(
+            events,
+            format!(
+                "its floor's collMod did not show in the change stream within {}s",
+                RAISE_WAIT.as_secs()
+            ),
+        ));
+    };
+    *kept = Some(stream);
+    found
+}
+
+/// `raise`'s own `modify` event in `stream`: what it replaced and when it
+/// took effect; `None` when it did not show by `deadline` or the stream
+/// ended.
+async fn find(
+    stream: &mut ChangeStream<Document>,
+    events: &str,
+    raise: &Raise,
+    deadline: Instant,
+) -> Result<Option<Result<(Floor, Timestamp), Error>>, Error> {
     loop {
-        let Some(event) = next(&mut stream, events, deadline).await? else {
-            return Err(unverified(
-                events,
-                format!(
-                    "its floor's collMod did not show in the change stream within {}s",
-                    RAISE_WAIT.as_secs()
-                ),
-            ));
+        let Some(event) = next(stream, events, deadline).await? else {
+            return Ok(None);
         };
         if !is_ours(&event, raise) {
             continue;
@@ -61,15 +116,15 @@ pub(crate) async fn replaced(
             .get_document("stateBeforeChange")
             .and_then(|state| state.get_document("collectionOptions"))
         else {
-            return Err(unverified(
+            return Ok(Some(Err(unverified(
                 events,
                 "the server's change stream does not say what a collMod replaced \
                  (stateBeforeChange): the ledger's fold needs MongoDB 6.0 or newer"
                     .into(),
-            ));
+            ))));
         };
         let at = event.get_timestamp("clusterTime").unwrap_or(raise.at);
-        return Ok((Floor::of(before), at));
+        return Ok(Some(Ok((Floor::of(before), at))));
     }
 }
 
@@ -178,13 +233,14 @@ async fn open(
     Ok(stream.with_type::<Document>())
 }
 
-/// The next change event, `None` once `deadline` passed.
+/// The next change event, `None` once `deadline` passed or the stream
+/// ended.
 async fn next(
     stream: &mut ChangeStream<Document>,
     events: &str,
     deadline: Instant,
 ) -> Result<Option<Document>, Error> {
-    while Instant::now() < deadline {
+    while Instant::now() < deadline && stream.is_alive() {
         match stream.next_if_any().await {
             Ok(Some(event)) => return Ok(Some(event)),
             Ok(None) => {}

@@ -41,7 +41,8 @@ impl EventFold {
         // recorder's clock ran ahead) must never stand without it, or this
         // version's recorders, numbering by the server's clock, would
         // record below it, where no pass looks.
-        let raise = floor::raise(&self.store, &self.events_name, watermark).await?;
+        let raise =
+            floor::raise(&self.store, &self.events_name, watermark, &self.floor_watch).await?;
         // An insert numbered at or below the watermark that landed after
         // the scan began and before the raise (held up in the network) was
         // not folded by 0.2.0 and is not above the watermark: owed, and

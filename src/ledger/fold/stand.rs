@@ -76,7 +76,13 @@ impl EventFold {
                      state remembers no raise to look for late events from; raised again"
                 );
             }
-            let raise = floor::raise(&self.store, &self.events_name, state.watermark).await?;
+            let raise = floor::raise(
+                &self.store,
+                &self.events_name,
+                state.watermark,
+                &self.floor_watch,
+            )
+            .await?;
             return state::record_floor(&self.store, &self.state, None, &raise).await;
         };
         let to = state.watermark.max(remembered.floor);
@@ -86,8 +92,14 @@ impl EventFold {
             }
             // An idle ledger: raise the floor again, so that a debt found
             // later need not reach far back in the change stream.
-            let (raise, foreign) =
-                floor::raise_over(&self.store, &self.events_name, to, Some(remembered)).await?;
+            let (raise, foreign) = floor::raise_over(
+                &self.store,
+                &self.events_name,
+                to,
+                Some(remembered),
+                &self.floor_watch,
+            )
+            .await?;
             if foreign && !self.owe_on_floor(remembered).await? {
                 return Ok(true);
             }
@@ -106,7 +118,7 @@ impl EventFold {
             // The state changed since it was read: the next pass judges.
             return Ok(true);
         }
-        let raise = floor::raise(&self.store, &self.events_name, to).await?;
+        let raise = floor::raise(&self.store, &self.events_name, to, &self.floor_watch).await?;
         state::record_floor(&self.store, &self.state, Some(remembered), &raise).await?;
         Ok(true)
     }
@@ -141,6 +153,7 @@ impl EventFold {
                     &self.events_name,
                     intent.to,
                     state.floor.as_ref(),
+                    &self.floor_watch,
                 )
                 .await?;
                 if foreign && let Some(remembered) = &state.floor {
@@ -237,7 +250,8 @@ impl EventFold {
             below: intent.to,
         };
         self.owe_in_pass(intent, &debt).await?;
-        let raise = floor::raise(&self.store, &self.events_name, intent.to).await?;
+        let raise =
+            floor::raise(&self.store, &self.events_name, intent.to, &self.floor_watch).await?;
         self.record_raise(intent, &raise, false).await?;
         Ok(raise)
     }

@@ -10,14 +10,14 @@
 
 use std::time::SystemTime;
 
-use mongodb::bson::doc;
+use mongodb::bson::{Bson, doc};
 use tally::{EventTicket, Ledger, Recording};
 use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::cli::{tallyd, write_config};
 use crate::common::proxy::{Action, Proxy, Release, Rule, upstream_of};
-use crate::common::{TestContext, counter};
+use crate::common::{FailPoint, TestContext, counter};
 use crate::ledger::{assert_outcome, fold_all, fold_of, ledger_on, ledger_through_proxy, unfolded};
 
 /// An insert held up in the network (its recorder gave up on it: unknown)
@@ -640,4 +640,52 @@ async fn floor_of(db: &mongodb::Database) -> Option<i64> {
         .ok()?
         .get_i64("$gt")
         .ok()
+}
+
+/// A fold keeps the events collection's change stream open from one raise
+/// of the floor to the next: each later pass reads its raise from where
+/// the last left off. Opened afresh at each raise, the stream makes the
+/// server find its start, which the test server does by reading its whole
+/// oplog — the record-to-counter lag grew from 18 ms to 1.9 s with the
+/// oplog full. A kept stream that fails is given up for a new one, and the
+/// passes stay exact. The proxy's log is the oracle for the opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folds_later_passes_read_their_raise_from_the_stream_it_kept_open() {
+    let ctx = TestContext::new("floor_kept_stream").await;
+    let direct = ctx.client(false).await;
+    let ledger = ledger_on(&direct.store(), "views").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let fold = fold_of(&ctx.client_through(&proxy, false).await.store(), "views");
+    let opens = || {
+        proxy
+            .requests("aggregate")
+            .iter()
+            .filter(|e| e.body_mentions("$changeStream"))
+            .count()
+    };
+    for i in 0..5 {
+        assert_outcome(&ledger.record(format!("e{i}"), "a", 1).await, "recorded");
+        let run = fold_all(&fold).await;
+        assert_eq!(run.events_folded, 1, "pass {i}: {run:?}");
+    }
+    assert_eq!(opens(), 1, "five passes, one change stream");
+
+    // The kept stream's next read fails (a command error, which the driver
+    // does not resume): the raise reads a new stream, and the pass folds.
+    {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["getMore"], "errorCode": 2 },
+        )
+        .await;
+        assert_outcome(&ledger.record("e5", "a", 1).await, "recorded");
+        let run = fold_all(&fold).await;
+        assert_eq!(run.events_folded, 1, "{run:?}");
+    }
+    assert_eq!(opens(), 2, "the failed stream was replaced once");
+    assert_outcome(&ledger.record("e6", "a", 1).await, "recorded");
+    assert_eq!(fold_all(&fold).await.events_folded, 1);
+    assert_eq!(opens(), 2, "and the new one kept");
+    assert_eq!(counter(&direct.collection("views"), "a").await, 7);
 }
