@@ -215,6 +215,7 @@ pub(crate) async fn raise_over(
     expected: Option<&Raise>,
     watch: &Watch,
 ) -> Result<(Raise, bool), Error> {
+    watch.open_if_none(store, events).await;
     let Raised {
         raise,
         created,

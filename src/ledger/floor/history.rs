@@ -19,8 +19,11 @@ use crate::error::{Error, Failure, server_code};
 use crate::ledger::field;
 use crate::store::Store;
 
-/// How long the fold waits for its own raise to show in the stream.
+/// How long the fold waits for its own raise to show in a new stream.
 const RAISE_WAIT: Duration = Duration::from_secs(30);
+/// How long it waits for it in the stream it kept before it gives that
+/// one up for a new one (which gets [`RAISE_WAIT`] of its own).
+const KEPT_WAIT: Duration = Duration::from_secs(10);
 /// How long it reads a window of the stream before it gives up.
 const WINDOW_WAIT: Duration = Duration::from_secs(600);
 /// How long one read of the stream waits for more.
@@ -54,11 +57,40 @@ impl std::fmt::Debug for Watch {
 }
 
 impl Watch {
+    /// Opens the stream from now, when none is kept: before a raise, so
+    /// that the raise's own event comes after its start. A stream opened
+    /// with no start point costs the server no search of its oplog; one
+    /// that cannot be opened leaves none, and the raise reads a new stream
+    /// from its `ping`.
+    pub(crate) async fn open_if_none(&self, store: &Store, events: &str) {
+        let mut kept = self.0.lock().await;
+        if kept.is_some() {
+            return;
+        }
+        let opened = store
+            .database()
+            .collection::<Document>(events)
+            .watch()
+            .pipeline(modify_events())
+            .show_expanded_events(true)
+            .max_await_time(AWAIT)
+            .await;
+        match opened {
+            Ok(stream) => *kept = Some(stream.with_type::<Document>()),
+            Err(err) => tracing::debug!(events, error = %err, "cannot open the change stream yet"),
+        }
+    }
+
     /// Lets go of the kept stream (the collection was created again: its
     /// stream ended).
     pub(crate) async fn forget(&self) {
         *self.0.lock().await = None;
     }
+}
+
+/// The change stream's pipeline that keeps `collMod`s alone.
+fn modify_events() -> Vec<Document> {
+    vec![doc! { "$match": { "operationType": "modify" } }]
 }
 
 /// The floor `raise`'s `collMod` replaced and the cluster time it took
@@ -71,19 +103,17 @@ pub(crate) async fn replaced(
     before: Timestamp,
     watch: &Watch,
 ) -> Result<(Floor, Timestamp), Error> {
-    let deadline = Instant::now() + RAISE_WAIT;
     let mut kept = watch.0.lock().await;
     if let Some(stream) = kept.as_mut() {
-        match find(stream, events, raise, deadline).await {
+        match find(stream, events, raise, Instant::now() + KEPT_WAIT).await {
             Ok(Some(found)) => return found,
             Ok(None) => tracing::debug!(events, "the kept change stream did not show the raise"),
             Err(err) => tracing::debug!(events, error = %err, "the kept change stream failed"),
         }
         *kept = None;
     }
-    let pipeline = vec![doc! { "$match": { "operationType": "modify" } }];
-    let mut stream = open(store, events, before, pipeline).await?;
-    let Some(found) = find(&mut stream, events, raise, deadline).await? else {
+    let mut stream = open(store, events, before, modify_events()).await?;
+    let Some(found) = find(&mut stream, events, raise, Instant::now() + RAISE_WAIT).await? else {
         return Err(unverified(
             events,
             format!(
@@ -240,9 +270,11 @@ async fn next(
     events: &str,
     deadline: Instant,
 ) -> Result<Option<Document>, Error> {
-    while Instant::now() < deadline && stream.is_alive() {
+    while Instant::now() < deadline {
         match stream.next_if_any().await {
             Ok(Some(event)) => return Ok(Some(event)),
+            // Nothing buffered and no cursor left (an `invalidate`).
+            Ok(None) if !stream.is_alive() => return Ok(None),
             Ok(None) => {}
             Err(err) => {
                 return Err(failed(

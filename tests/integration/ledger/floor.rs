@@ -689,3 +689,35 @@ async fn a_folds_later_passes_read_their_raise_from_the_stream_it_kept_open() {
     assert_eq!(opens(), 2, "and the new one kept");
     assert_eq!(counter(&direct.collection("views"), "a").await, 7);
 }
+
+/// A kept stream whose read stalls past its wait and then fails is given
+/// up, and the raise reads a new stream with a wait of its own: the pass
+/// folds (found by the adversarial review: the new stream shared the
+/// kept one's deadline, and the pass stopped with `FoldFloorUnverified`,
+/// which fires the `events_stuck` alert).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_stream_that_stalls_then_fails_leaves_the_raise_a_new_one_with_time_to_read() {
+    let ctx = TestContext::new("floor_kept_stall").await;
+    let direct = ctx.client(false).await;
+    let ledger = ledger_on(&direct.store(), "views").await;
+    let fold = fold_of(&direct.store(), "views");
+    assert_outcome(&ledger.record("e0", "a", 1).await, "recorded");
+    assert_eq!(fold_all(&fold).await.events_folded, 1);
+    // The kept stream's next read blocks past the whole wait a raise had
+    // before (30 s), then fails.
+    let run = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["getMore"], "blockConnection": true,
+            "blockTimeMS": 30_500, "errorCode": 2 },
+        )
+        .await;
+        assert_outcome(&ledger.record("e1", "a", 1).await, "recorded");
+        fold.fold(SystemTime::now(), &CancellationToken::new())
+            .await
+    };
+    let run = run.expect("the pass reads a new stream and folds");
+    assert_eq!(run.events_folded, 1, "{run:?}");
+    assert_eq!(counter(&direct.collection("views"), "a").await, 2);
+}

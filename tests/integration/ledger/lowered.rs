@@ -11,12 +11,12 @@
 
 use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{DateTime, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 use tally::{EventFold, EventsRun, Ledger, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::proxy::{Action, Exchange, Proxy, Rule, RuleGuard, upstream_of};
-use crate::common::{TestContext, counter};
+use crate::common::{FailPoint, TestContext, counter};
 use crate::ledger::{assert_outcome, documents, fold_all, fold_of, ledger_on};
 
 /// How long the proxy holds the reply the test places its writes behind.
@@ -560,4 +560,42 @@ async fn passes_beside_busy_writers_find_their_own_raise() {
         task.await.unwrap();
     }
     assert_eq!(failure, None);
+}
+
+/// A floor lowered while the fold's kept change stream loses its
+/// connection: the driver resumes the stream from its last position, the
+/// next raise still reads what it replaced, and the event that landed
+/// below the watermark meanwhile is folded once (from the adversarial
+/// review of the kept stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_lowered_while_the_kept_stream_is_resumed_is_seen_and_repaired_once() {
+    let ctx = TestContext::new("lowered_kept_resume").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let db = client.client.database(&ctx.db_name);
+    let ledger = ledger_on(&store, "views").await;
+    let fold = fold_of(&store, "views");
+    for i in 0..3 {
+        assert_outcome(&ledger.record(format!("e{i}"), "a", 1).await, "recorded");
+        assert_eq!(fold_all(&fold).await.events_folded, 1);
+    }
+    let (watermark, _) = state(&db).await;
+    lower_the_floor(&db).await;
+    land(&db, "late", "a", 1, watermark - 1).await;
+    let run = {
+        let _cut = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "times": 1 }),
+            doc! { "failCommands": ["getMore"], "closeConnection": true },
+        )
+        .await;
+        assert_outcome(&ledger.record("e3", "a", 1).await, "recorded");
+        fold_all(&fold).await
+    };
+    let mut late = run.late_events_folded;
+    for _ in 0..3 {
+        late += fold_all(&fold).await.late_events_folded;
+    }
+    assert_eq!(late, 1, "the late event folded once");
+    assert_eq!(counter(&client.collection("views"), "a").await, 5);
 }
