@@ -215,7 +215,8 @@ pub(crate) async fn raise_over(
     expected: Option<&Raise>,
     watch: &Watch,
 ) -> Result<(Raise, bool), Error> {
-    watch.open_if_none(store, events).await;
+    let since = expected.map(|expected| expected.at);
+    watch.prepare(store, events, since).await;
     let Raised {
         raise,
         created,
@@ -231,9 +232,15 @@ pub(crate) async fn raise_over(
     // took effect: its cluster time, exactly (the reply's `operationTime`
     // may name a later one on the test server), is where the debts and
     // windows that start at this raise start.
-    let (replaced, at) = history::replaced(store, events, &raise, before, watch).await?;
-    let raise = Raise { at, ..raise };
-    let foreign = expected.is_some_and(|expected| !replaced.is(expected));
+    let replaced = history::replaced(store, events, &raise, (since, before), watch).await?;
+    let raise = Raise {
+        at: replaced.at,
+        ..raise
+    };
+    // Another's validator replaced, or any validation change between the
+    // remembered raise and this one (the floor taken away and put back).
+    let foreign = expected.is_some_and(|expected| !replaced.floor.is(expected))
+        || replaced.changed == Some(true);
     Ok((raise, foreign))
 }
 

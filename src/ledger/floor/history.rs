@@ -40,15 +40,78 @@ const UNAUTHORIZED: i32 = 13;
 /// raise of the floor to the next by the fold that raises it.
 ///
 /// A raise reads its own `modify` event from the stream. A stream opened
-/// afresh at each raise makes the server find where to start, and a server
-/// that finds it by reading its oplog from the beginning (the test server
-/// does) pays for the whole oplog at every pass; a stream kept open reads
+/// at a given time makes the server find where to start, and a server that
+/// finds it by reading its oplog from the beginning (the test server does)
+/// would pay for the whole oplog at every pass; a stream kept open reads
 /// only what was written since the last raise. Its position is never past a
 /// raise not yet made, so it cannot miss one; a stream that fails (its
 /// cursor killed, its history lost, the collection dropped) is given up and
-/// the raise reads a new one from just before itself, as it would without.
+/// the raise reads a new one.
+///
+/// On its way to a raise the stream shows every change of the collection's
+/// validation since the last one, so the raise also learns whether anything
+/// changed the floor between the raise the fold remembers and itself — a
+/// floor taken away and put back as it was included, which what the raise
+/// replaced cannot show.
 #[derive(Default)]
-pub(crate) struct Watch(Mutex<Option<ChangeStream<Document>>>);
+pub(crate) struct Watch(Mutex<Option<Kept>>);
+
+/// A stream kept open, and what it showed.
+struct Kept {
+    stream: ChangeStream<Document>,
+    seen: Seen,
+}
+
+impl Kept {
+    fn new(stream: ChangeStream<Document>, from: Option<Timestamp>) -> Self {
+        Self {
+            stream,
+            seen: Seen {
+                from,
+                changes: Vec::new(),
+            },
+        }
+    }
+}
+
+/// The validation changes a stream showed.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    /// The stream has shown every change after this cluster time (`None`:
+    /// opened with no start point, it has shown what came after it opened,
+    /// from a time it does not know).
+    from: Option<Timestamp>,
+    /// The validation changes it showed after `from`, oldest first.
+    changes: Vec<Timestamp>,
+}
+
+impl Seen {
+    /// Notes a validation change at `at`.
+    fn note(&mut self, at: Timestamp) {
+        if self.from.is_none_or(|from| at > from) {
+            self.changes.push(at);
+        }
+    }
+
+    /// Whether it has shown every change after `since`.
+    fn covers(&self, since: Timestamp) -> bool {
+        self.from.is_some_and(|from| from <= since)
+    }
+
+    /// Whether it showed a validation change after `since` and before
+    /// `until` (`None`: it cannot tell, not having shown all of them).
+    fn changed_between(&self, since: Timestamp, until: Timestamp) -> Option<bool> {
+        self.covers(since)
+            .then(|| self.changes.iter().any(|&at| at > since && at < until))
+    }
+
+    /// Forgets what it showed before `at` (a raise just found: what comes
+    /// after it is what the next raise asks about).
+    fn forget_before(&mut self, at: Timestamp) {
+        self.changes.retain(|&change| change >= at);
+        self.from = Some(self.from.map_or(at, |from| from.max(at)));
+    }
+}
 
 impl std::fmt::Debug for Watch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -57,15 +120,35 @@ impl std::fmt::Debug for Watch {
 }
 
 impl Watch {
-    /// Opens the stream from now, when none is kept: before a raise, so
-    /// that the raise's own event comes after its start. A stream opened
-    /// with no start point costs the server no search of its oplog; one
-    /// that cannot be opened leaves none, and the raise reads a new stream
-    /// from its `ping`.
-    pub(crate) async fn open_if_none(&self, store: &Store, events: &str) {
+    /// Before a raise: makes sure a stream is kept that will show the
+    /// raise's own event and, when the fold remembers a raise that took
+    /// effect at `since`, every change after it. A stream opened with no
+    /// start point costs the server no search of its oplog; one opened at
+    /// `since` does once (a fold's first raise in a process, or after
+    /// another fold's raises it did not see). One that cannot be opened
+    /// leaves none, and the raise reads a new stream from its `ping`.
+    pub(crate) async fn prepare(&self, store: &Store, events: &str, since: Option<Timestamp>) {
         let mut kept = self.0.lock().await;
-        if kept.is_some() {
+        if kept
+            .as_ref()
+            .is_some_and(|kept| since.is_none_or(|since| kept.seen.covers(since)))
+        {
             return;
+        }
+        *kept = None;
+        if let Some(since) = since {
+            match open(store, events, since, modify_events()).await {
+                Ok(stream) => {
+                    *kept = Some(Kept::new(stream, Some(since)));
+                    return;
+                }
+                Err(err) => tracing::warn!(
+                    events,
+                    error = %err,
+                    "cannot read the events collection's changes since the floor's last raise; \
+                     this raise checks only what it replaced"
+                ),
+            }
         }
         let opened = store
             .database()
@@ -76,7 +159,7 @@ impl Watch {
             .max_await_time(AWAIT)
             .await;
         match opened {
-            Ok(stream) => *kept = Some(stream.with_type::<Document>()),
+            Ok(stream) => *kept = Some(Kept::new(stream.with_type::<Document>(), None)),
             Err(err) => tracing::debug!(events, error = %err, "cannot open the change stream yet"),
         }
     }
@@ -93,26 +176,54 @@ fn modify_events() -> Vec<Document> {
     vec![doc! { "$match": { "operationType": "modify" } }]
 }
 
-/// The floor `raise`'s `collMod` replaced and the cluster time it took
-/// effect, read from `watch`'s kept stream, or from a new one from
-/// `before` (a cluster time before it took effect).
+/// What a raise's own `modify` event says.
+pub(crate) struct Replaced {
+    /// The floor it replaced.
+    pub(crate) floor: Floor,
+    /// The cluster time it took effect.
+    pub(crate) at: Timestamp,
+    /// Whether the validation changed after the cluster time `since` and
+    /// before the raise (`None`: not asked, or the stream read cannot
+    /// tell).
+    pub(crate) changed: Option<bool>,
+}
+
+/// What `raise`'s `collMod` replaced, when it took effect, and whether
+/// anything changed the validation between `since` and it: read from
+/// `watch`'s kept stream, or from a new one from `since` or `before` (a
+/// cluster time before the raise took effect).
 pub(crate) async fn replaced(
     store: &Store,
     events: &str,
     raise: &Raise,
-    before: Timestamp,
+    (since, before): (Option<Timestamp>, Timestamp),
     watch: &Watch,
-) -> Result<(Floor, Timestamp), Error> {
+) -> Result<Replaced, Error> {
     let mut kept = watch.0.lock().await;
     if let Some(stream) = kept.as_mut() {
         match find(stream, events, raise, Instant::now() + KEPT_WAIT).await {
-            Ok(Some(found)) => return found,
+            Ok(Some(found)) => return found.map(|found| settle(stream, found, since)),
             Ok(None) => tracing::debug!(events, "the kept change stream did not show the raise"),
             Err(err) => tracing::debug!(events, error = %err, "the kept change stream failed"),
         }
         *kept = None;
     }
-    let mut stream = open(store, events, before, modify_events()).await?;
+    // From the remembered raise when the server still has it, else from
+    // just before this one (then only what it replaced tells).
+    let from_since = match since {
+        Some(since) => open(store, events, since, modify_events())
+            .await
+            .ok()
+            .map(|stream| Kept::new(stream, Some(since))),
+        None => None,
+    };
+    let mut stream = match from_since {
+        Some(stream) => stream,
+        None => Kept::new(
+            open(store, events, before, modify_events()).await?,
+            Some(before),
+        ),
+    };
     let Some(found) = find(&mut stream, events, raise, Instant::now() + RAISE_WAIT).await? else {
         return Err(unverified(
             events,
@@ -122,23 +233,37 @@ pub(crate) async fn replaced(
             ),
         ));
     };
+    let found = found.map(|found| settle(&mut stream, found, since));
     *kept = Some(stream);
     found
 }
 
-/// `raise`'s own `modify` event in `stream`: what it replaced and when it
-/// took effect; `None` when it did not show by `deadline` or the stream
-/// ended.
+/// The raise found in `kept` at `at`: what it replaced, and whether the
+/// validation changed since `since`; `kept` then looks ahead from it.
+fn settle(kept: &mut Kept, (floor, at): (Floor, Timestamp), since: Option<Timestamp>) -> Replaced {
+    let changed = since.and_then(|since| kept.seen.changed_between(since, at));
+    kept.seen.forget_before(at);
+    Replaced { floor, at, changed }
+}
+
+/// `raise`'s own `modify` event in `kept`'s stream: what it replaced and
+/// when it took effect; `None` when it did not show by `deadline` or the
+/// stream ended. Every validation change it passes is noted in `kept`.
 async fn find(
-    stream: &mut ChangeStream<Document>,
+    kept: &mut Kept,
     events: &str,
     raise: &Raise,
     deadline: Instant,
 ) -> Result<Option<Result<(Floor, Timestamp), Error>>, Error> {
     loop {
-        let Some(event) = next(stream, events, deadline).await? else {
+        let Some(event) = next(&mut kept.stream, events, deadline).await? else {
             return Ok(None);
         };
+        if let Ok(at) = event.get_timestamp("clusterTime")
+            && changes_validation(&event)
+        {
+            kept.seen.note(at);
+        }
         if !is_ours(&event, raise) {
             continue;
         }
@@ -156,6 +281,18 @@ async fn find(
         let at = event.get_timestamp("clusterTime").unwrap_or(raise.at);
         return Ok(Some(Ok((Floor::of(before), at))));
     }
+}
+
+/// Whether the `modify` event `event` changed the collection's validation
+/// (its validator, level or action), which sets the floor.
+fn changes_validation(event: &Document) -> bool {
+    event
+        .get_document("operationDescription")
+        .is_ok_and(|description| {
+            ["validator", "validationLevel", "validationAction"]
+                .iter()
+                .any(|name| description.contains_key(name))
+        })
 }
 
 /// The events that landed after the cluster time `after` and before the
@@ -371,6 +508,59 @@ mod tests {
         ));
         let insert = doc! { "operationType": "insert", "clusterTime": raise.at };
         assert!(!is(&insert, &raise));
+    }
+
+    #[test]
+    fn a_raise_learns_of_every_validation_change_since_the_remembered_one() {
+        let t = |increment| Timestamp {
+            time: 10,
+            increment,
+        };
+        // Opened at the remembered raise (t1): a change at t3, the raise at t5.
+        let mut seen = Seen {
+            from: Some(t(1)),
+            changes: Vec::new(),
+        };
+        for at in [t(1), t(3), t(5)] {
+            seen.note(at);
+        }
+        assert_eq!(seen.changed_between(t(1), t(5)), Some(true));
+        // Nothing between the remembered raise and this one.
+        assert_eq!(seen.changed_between(t(3), t(5)), Some(false));
+        // Before the stream's start: it cannot tell.
+        assert_eq!(seen.changed_between(t(0), t(5)), None);
+        // The raise at t5 found: the next asks from t5 on.
+        seen.forget_before(t(5));
+        assert_eq!(seen.from, Some(t(5)));
+        assert_eq!(seen.changed_between(t(5), t(9)), Some(false));
+        assert_eq!(
+            seen.changed_between(t(3), t(9)),
+            None,
+            "forgotten: not told"
+        );
+        seen.note(t(7));
+        assert_eq!(seen.changed_between(t(5), t(9)), Some(true));
+        // Opened with no start point: from its first raise on.
+        let mut now = Seen {
+            from: None,
+            changes: Vec::new(),
+        };
+        now.note(t(4));
+        assert_eq!(now.changed_between(t(2), t(4)), None);
+        now.forget_before(t(4));
+        assert_eq!(now.changed_between(t(4), t(8)), Some(false));
+
+        let modify = |description: Document| doc! { "operationDescription": description };
+        assert!(changes_validation(&modify(
+            doc! { "validationLevel": "off" }
+        )));
+        assert!(changes_validation(&modify(
+            doc! { "validationAction": "warn" }
+        )));
+        assert!(changes_validation(&modify(doc! { "validator": {} })));
+        assert!(!changes_validation(&modify(
+            doc! { "index": { "name": "s_1" } }
+        )));
     }
 
     #[test]
