@@ -25,7 +25,8 @@
 //!    write records the pass `P = pass + 1`, its range, its owner and a
 //!    deadline (renewed while it works), conditioned on the state's
 //!    version: two folds never record the same pass.
-//! 2. **Floor** raised to `W'`.
+//! 2. **Floor** raised to `W'` (and again over itself after the sums: a
+//!    floor taken away and put back while they were read shows there).
 //! 3. **Sums** on the server: the range's events `$group`ed by counter.
 //! 4. **Apply.** Each counter's sum goes through the ledger's fold lane —
 //!    the named lane `fold:<events collection>` of the lanes protocol

@@ -200,30 +200,52 @@ impl EventFold {
             )
             .await?;
             let found = floor::read_floor(&self.store, &self.events_name).await?;
-            if found.is(&live) {
-                if live != anchor {
-                    // The range's events that landed after the anchor are
-                    // the repair's, not this pass's.
-                    let landed = floor::landed(
-                        &self.store,
-                        &self.events_name,
-                        anchor.at,
-                        &live,
-                        intent.to,
-                        |s, _| intent.folds(s),
-                    )
-                    .await?;
-                    query::take_out(&mut shares, &landed);
-                }
-                return Ok(Read {
-                    shares,
-                    live,
-                    owed,
-                    repaid,
-                });
+            if !found.is(&live) {
+                owed = true;
+                live = self.raise_again(intent, &anchor).await?;
+                continue;
             }
-            owed = true;
-            live = self.raise_again(intent, &anchor).await?;
+            // The floor is the latest raise again; whether it stood the
+            // whole time (a floor taken away and put back as it was reads
+            // the same) is told by a raise over it, which sees every
+            // validation change since.
+            let (check, foreign) = floor::raise_over(
+                &self.store,
+                &self.events_name,
+                intent.to,
+                Some(&live),
+                &self.floor_watch,
+            )
+            .await?;
+            if foreign {
+                // Changed under the read: what landed after the anchor is
+                // the repair's, as when the token changed.
+                owed = true;
+                live = self.owe_for(intent, &anchor, check).await?;
+                continue;
+            }
+            if live != anchor {
+                // The range's events that landed after the anchor are
+                // the repair's, not this pass's.
+                let landed = floor::landed(
+                    &self.store,
+                    &self.events_name,
+                    anchor.at,
+                    &live,
+                    intent.to,
+                    |s, _| intent.folds(s),
+                )
+                .await?;
+                query::take_out(&mut shares, &landed);
+            }
+            // From `live` to `check` the floor stood: `check` is the
+            // raise the pass stands on.
+            return Ok(Read {
+                shares,
+                live: check,
+                owed,
+                repaid,
+            });
         }
         Err(Error::FoldPassLost {
             events: self.events_name.clone(),
@@ -238,6 +260,26 @@ impl EventFold {
     /// The floor was changed under the pass `intent` since its anchor:
     /// records the debt, raises it again and remembers the raise.
     async fn raise_again(&self, intent: &Intent, anchor: &Raise) -> Result<Raise, Error> {
+        // The debt first: the raise takes the changed floor away.
+        self.changed_under(intent, anchor).await?;
+        let raise =
+            floor::raise(&self.store, &self.events_name, intent.to, &self.floor_watch).await?;
+        self.record_raise(intent, &raise, false).await?;
+        Ok(raise)
+    }
+
+    /// The floor was changed under the pass `intent` since its anchor, as
+    /// `raise` (made over it) found: records the debt and remembers the
+    /// raise.
+    async fn owe_for(&self, intent: &Intent, anchor: &Raise, raise: Raise) -> Result<Raise, Error> {
+        self.changed_under(intent, anchor).await?;
+        self.record_raise(intent, &raise, false).await?;
+        Ok(raise)
+    }
+
+    /// Records that the floor was changed under the pass `intent` since its
+    /// anchor: the events that landed after it are owed.
+    async fn changed_under(&self, intent: &Intent, anchor: &Raise) -> Result<(), Error> {
         tracing::error!(
             events = %self.events_name,
             pass = intent.pass,
@@ -249,11 +291,7 @@ impl EventFold {
             after: anchor.at,
             below: intent.to,
         };
-        self.owe_in_pass(intent, &debt).await?;
-        let raise =
-            floor::raise(&self.store, &self.events_name, intent.to, &self.floor_watch).await?;
-        self.record_raise(intent, &raise, false).await?;
-        Ok(raise)
+        self.owe_in_pass(intent, &debt).await
     }
 
     /// The sums of the events a repair pass owes for the debts `late`:

@@ -643,3 +643,77 @@ async fn a_floor_lowered_while_the_kept_stream_is_resumed_is_seen_and_repaired_o
     assert_eq!(late, 1, "the late event folded once");
     assert_eq!(counter(&client.collection("views"), "a").await, 5);
 }
+
+/// The floor taken away and put back as it was (a late `collMod`, then a
+/// router resending the pass's own raise) *while a pass reads its range*:
+/// the floor read after the sums shows the pass's own token, but the raise
+/// over it sees the two changes, so the event that landed in the range is
+/// the repair's, folded once (found by the adversarial review: the pass
+/// folded it, and the next raise's debt folded it again — 201, not 101).
+#[tokio::test]
+async fn an_event_landed_in_a_passs_range_while_its_floor_was_away_and_put_back_is_folded_once() {
+    let scene = Scene::new("lowered_put_back_in_pass").await;
+    assert_outcome(&scene.ledger.record("e2", "b", 1).await, "recorded");
+    let (proxy, fold) = scene.fold_through_proxy().await;
+    let (_slow, raised) = hold_state_update(&proxy, "intent.live");
+    let (fold, first) = fold_while(&proxy, fold, ("the pass raised the floor", raised), async {
+        let (_, range) = state(&scene.db).await;
+        let (from, _) = range.expect("the pass in progress");
+        let raised = validator(&scene.db).await;
+        lower_the_floor(&scene.db).await;
+        land(&scene.db, "late-in-range", "b", 100, from + 1).await;
+        // The pass's own raise sent again: its token is back.
+        scene.coll_mod(doc! { "validator": raised }).await;
+    })
+    .await;
+    assert_outcome(&scene.ledger.record("more", "other", 1).await, "recorded");
+    let mut late = first.late_events_folded;
+    for _ in 0..3 {
+        late += fold_all(&fold).await.late_events_folded;
+    }
+    assert_eq!(late, 1, "a repair folds it");
+    assert_eq!(scene.counter("other").await, 1);
+    // Oracle: e2 (1) and late-in-range (100), each once.
+    assert_eq!(scene.counter("b").await, 101, "late-in-range counted once");
+    assert_eq!(scene.ledger.value("b").await.unwrap().value, 101);
+}
+
+/// The same in a resumed pass: one counter applied, the floor taken away,
+/// events land in the range for both counters, the pass's raise put back
+/// as it was; the resumed pass and then the repair count each once (found
+/// by the adversarial review: (102, 2001); before the interval check,
+/// (2, 1001)).
+#[tokio::test]
+async fn a_resumed_pass_whose_floor_was_away_and_put_back_counts_each_late_event_once() {
+    let scene = Scene::new("lowered_put_back_resumed").await;
+    assert_outcome(&scene.ledger.record("x1", "a", 1).await, "recorded");
+    assert_outcome(&scene.ledger.record("x2", "b", 1).await, "recorded");
+    let (proxy, fold) = scene.fold_through_proxy().await;
+    {
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views")
+                .after(1)
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(
+            fold.fold(SystemTime::now(), &CancellationToken::new())
+                .await
+                .is_err()
+        );
+    }
+    let (_, range) = state(&scene.db).await;
+    let (from, _) = range.expect("the pass in progress");
+    let raised = validator(&scene.db).await;
+    lower_the_floor(&scene.db).await;
+    land(&scene.db, "late-a", "a", 100, from + 1).await;
+    land(&scene.db, "late-b", "b", 1000, from + 2).await;
+    scene.coll_mod(doc! { "validator": raised }).await;
+    fold_all(&fold).await;
+    assert_outcome(&scene.ledger.record("more", "other", 1).await, "recorded");
+    for _ in 0..3 {
+        fold_all(&fold).await;
+    }
+    let (a, b) = (scene.counter("a").await, scene.counter("b").await);
+    assert_eq!((a, b), (102, 1001), "each late event counted once");
+}
