@@ -139,6 +139,29 @@ impl Scene {
         self.counter(key).await
     }
 
+    /// Events on `a` and `b`, and a pass through a proxy that applies one
+    /// of the two counters and stops (its connection cut): the fold, its
+    /// pass in progress.
+    async fn a_pass_stopped_after_one_of_two_counters(&self) -> (Proxy, EventFold) {
+        assert_outcome(&self.ledger.record("x1", "a", 1).await, "recorded");
+        assert_outcome(&self.ledger.record("x2", "b", 1).await, "recorded");
+        let (proxy, fold) = self.fold_through_proxy().await;
+        let crash = proxy.rule(
+            Rule::command("update")
+                .collection("views")
+                .after(1)
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(
+            fold.fold(SystemTime::now(), &CancellationToken::new())
+                .await
+                .is_err(),
+            "the pass stops after one counter"
+        );
+        drop(crash);
+        (proxy, fold)
+    }
+
     /// An event recorded on another counter (so that the next pass raises
     /// the floor), three passes of a fold, then the counter `key`.
     async fn folded_after_more(&self, key: &str) -> i64 {
@@ -312,23 +335,7 @@ async fn events_landed_while_a_pass_read_its_range_are_folded_once() {
 #[tokio::test]
 async fn a_pass_resumed_after_the_floor_was_taken_away_applies_what_it_read_first() {
     let scene = Scene::new("lowered_resumed").await;
-    assert_outcome(&scene.ledger.record("x1", "a", 1).await, "recorded");
-    assert_outcome(&scene.ledger.record("x2", "b", 1).await, "recorded");
-    let (proxy, fold) = scene.fold_through_proxy().await;
-    {
-        let _crash = proxy.rule(
-            Rule::command("update")
-                .collection("views")
-                .after(1)
-                .then(Action::CloseBeforeForwarding),
-        );
-        assert!(
-            fold.fold(SystemTime::now(), &CancellationToken::new())
-                .await
-                .is_err(),
-            "the pass stops after one counter"
-        );
-    }
+    let (_proxy, fold) = scene.a_pass_stopped_after_one_of_two_counters().await;
     let applied = scene.counter("a").await + scene.counter("b").await;
     assert_eq!(applied, 2, "one counter of the pass applied (a had 1)");
     let (_, range) = state(&scene.db).await;
@@ -686,22 +693,7 @@ async fn an_event_landed_in_a_passs_range_while_its_floor_was_away_and_put_back_
 #[tokio::test]
 async fn a_resumed_pass_whose_floor_was_away_and_put_back_counts_each_late_event_once() {
     let scene = Scene::new("lowered_put_back_resumed").await;
-    assert_outcome(&scene.ledger.record("x1", "a", 1).await, "recorded");
-    assert_outcome(&scene.ledger.record("x2", "b", 1).await, "recorded");
-    let (proxy, fold) = scene.fold_through_proxy().await;
-    {
-        let _crash = proxy.rule(
-            Rule::command("update")
-                .collection("views")
-                .after(1)
-                .then(Action::CloseBeforeForwarding),
-        );
-        assert!(
-            fold.fold(SystemTime::now(), &CancellationToken::new())
-                .await
-                .is_err()
-        );
-    }
+    let (_proxy, fold) = scene.a_pass_stopped_after_one_of_two_counters().await;
     let (_, range) = state(&scene.db).await;
     let (from, _) = range.expect("the pass in progress");
     let raised = validator(&scene.db).await;
