@@ -398,7 +398,10 @@ fn owned(owner: ObjectId, pass: i64) -> Document {
 
 /// Records `raise` as `owner`'s pass `pass`'s latest raise of the floor
 /// (and as its anchor, its first, when `anchor`). `false` when the pass is
-/// no longer `owner`'s.
+/// no longer `owner`'s — or, for an anchor, when the pass has another one
+/// already: an anchor is set once, so that an earlier attempt's write held
+/// up in the network and arriving late never replaces the anchor a later
+/// attempt applied counters against.
 pub(crate) async fn record_raise(
     store: &Store,
     collection: &Collection<Document>,
@@ -406,9 +409,10 @@ pub(crate) async fn record_raise(
     raise: &Raise,
     anchor: bool,
 ) -> Result<bool, Error> {
-    let filter = owned(owner, pass);
+    let mut filter = owned(owner, pass);
     let mut set = doc! { field::INTENT_LIVE: raise.to_document() };
     if anchor {
+        filter.insert(field::INTENT_ANCHOR, doc! { "$exists": false });
         set.insert(field::INTENT_ANCHOR, raise.to_document());
     }
     let recorded = store
@@ -419,7 +423,16 @@ pub(crate) async fn record_raise(
             "ledger.fold.raise",
         )
         .await?;
-    Ok(recorded.matched_count == 1)
+    if recorded.matched_count == 1 || !anchor {
+        return Ok(recorded.matched_count == 1);
+    }
+    // Our own first attempt, whose reply was lost, may have set it.
+    let mut ours = owned(owner, pass);
+    ours.insert(format!("{}.t", field::INTENT_ANCHOR), &raise.token);
+    let found = store
+        .find_one(collection, ours, doc! { "_id": 1 }, "ledger.fold.raise")
+        .await?;
+    Ok(found.is_some())
 }
 
 /// Records that the fold owes `late`, while `owner`'s pass `pass` is in

@@ -239,7 +239,9 @@ impl EventFold {
                 query::take_out(&mut shares, &landed);
             }
             // From `live` to `check` the floor stood: `check` is the
-            // raise the pass stands on.
+            // raise the pass stands on, remembered before any counter is
+            // written (a pass resumed finds the floor it left).
+            self.record_raise(intent, &check, false).await?;
             return Ok(Read {
                 shares,
                 live: check,
@@ -340,6 +342,15 @@ impl EventFold {
         let id = (self.owner, intent.pass);
         if state::record_raise(&self.store, &self.state, id, raise, anchor).await? {
             return Ok(());
+        }
+        if anchor {
+            return Err(Error::FoldPassLost {
+                events: self.events_name.clone(),
+                pass: intent.pass,
+                why: "it has an anchor already (another fold took it over, or an earlier \
+                      attempt's write arrived late); the next pass resumes it from that anchor"
+                    .into(),
+            });
         }
         Err(self.lost(intent))
     }

@@ -65,15 +65,15 @@ async fn the_fold_puts_every_event_in_its_counter_once_and_never_writes_an_event
         before,
         "no event written"
     );
-    // Writes: the intent, the raise it remembers, the commit, one per
-    // counter.
+    // Writes: the intent, the two raises it remembers (its anchor, and the
+    // raise over it after the read), the commit, one per counter.
     let on_events = client
         .events
         .sent()
         .iter()
         .filter(|s| ["insert", "update", "delete"].contains(&s.name.as_str()))
         .count();
-    assert_eq!(on_events, 3 + 7, "{:?}", client.events.sent());
+    assert_eq!(on_events, 4 + 7, "{:?}", client.events.sent());
     let views = client.collection("views");
     for (key, n) in &expected {
         assert_eq!(counter(&views, key.as_str()).await, *n, "counter {key}");

@@ -15,7 +15,7 @@ use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 use tally::{EventFold, EventsRun, Ledger, Store};
 use tokio_util::sync::CancellationToken;
 
-use crate::common::proxy::{Action, Exchange, Proxy, Rule, RuleGuard, upstream_of};
+use crate::common::proxy::{Action, Exchange, Proxy, Release, Rule, RuleGuard, upstream_of};
 use crate::common::{FailPoint, TestContext, counter};
 use crate::ledger::{assert_outcome, documents, fold_all, fold_of, ledger_on};
 
@@ -708,4 +708,72 @@ async fn a_resumed_pass_whose_floor_was_away_and_put_back_counts_each_late_event
     }
     let (a, b) = (scene.counter("a").await, scene.counter("b").await);
     assert_eq!((a, b), (102, 1001), "each late event counted once");
+}
+
+/// An earlier attempt's record of its anchor, held up in the network,
+/// arrives after a later attempt of the same pass anchored on its own raise
+/// and applied counters: it is refused (an anchor is set once), so the
+/// resumed pass keeps the sums it applied and the event that landed before
+/// the later raise is counted once (found by the adversarial review: the
+/// late anchor made the resume give that event to a repair — 201 for 101).
+#[tokio::test]
+async fn an_anchor_recorded_late_by_an_earlier_attempt_never_replaces_the_pass_s_own() {
+    let scene = Scene::new("lowered_late_anchor").await;
+    assert_outcome(&scene.ledger.record("x1", "a", 1).await, "recorded");
+    assert_outcome(&scene.ledger.record("x2", "b", 1).await, "recorded");
+    let (proxy, fold) = scene.fold_through_proxy().await;
+    let anchor = || {
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions("intent.anchor")
+    };
+    // Attempt 1: its anchor's record is held in the network, every resend
+    // cut: the pass stops with nothing applied.
+    let held = proxy.rule(
+        anchor()
+            .nth(1)
+            .then(Action::HoldRequest(Release::WhenReleased)),
+    );
+    let cut = proxy.rule(anchor().then(Action::CloseBeforeForwarding));
+    assert!(
+        fold.fold(SystemTime::now(), &CancellationToken::new())
+            .await
+            .is_err(),
+        "attempt 1 stops"
+    );
+    drop(cut);
+    // A late collMod takes the floor away; an event lands in the range.
+    let (_, range) = state(&scene.db).await;
+    let (from, _) = range.expect("the pass in progress");
+    lower_the_floor(&scene.db).await;
+    land(&scene.db, "late", "b", 100, from + 1).await;
+    // Attempt 2 anchors on its own raise, applies both counters, and its
+    // commit is cut.
+    let commit = proxy.rule(
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions("$unset")
+            .then(Action::CloseBeforeForwarding),
+    );
+    assert!(
+        fold.fold(SystemTime::now(), &CancellationToken::new())
+            .await
+            .is_err(),
+        "attempt 2 applies and stops at its commit"
+    );
+    drop(commit);
+    // Attempt 1's anchor arrives now.
+    let released = proxy.release_held().await;
+    assert!(released.iter().any(|e| e.server_replied), "{released:?}");
+    drop(held);
+    for _ in 0..3 {
+        fold_all(&fold).await;
+    }
+    // Oracle: a = e1 + x1; b = x2 + late, each once.
+    assert_eq!(
+        (scene.counter("a").await, scene.counter("b").await),
+        (2, 101),
+        "each event counted once"
+    );
+    assert_eq!(scene.ledger.value("b").await.unwrap().value, 101);
 }
