@@ -120,7 +120,9 @@ impl Skew {
             "behind"
         };
         let error = round_to_millis(self.round_trip / 2 + Duration::from_millis(1));
-        // Within what the measurement can tell, neither ahead nor behind.
+        let by = round_to_millis(by);
+        // Within what the measurement can tell, neither ahead nor behind
+        // (compared as shown: never "1ms ahead (±1ms)").
         if by <= error {
             return format!(
                 "this host's clock agrees with the server's (±{})",
@@ -129,7 +131,7 @@ impl Skew {
         }
         format!(
             "this host's clock is {} {direction} the server's (±{})",
-            format_duration(round_to_millis(by)),
+            format_duration(by),
             format_duration(error)
         )
     }
@@ -285,6 +287,27 @@ mod tests {
         assert!(worst <= Duration::from_millis(10_103), "{worst:?}");
         assert!(skew.describe().contains("ahead of"), "{}", skew.describe());
         assert!(Skew::from_hello(sent, received, &doc! {}).is_none());
+    }
+
+    #[test]
+    fn a_skew_no_larger_than_its_error_as_shown_agrees() {
+        // 1.4 ms ahead, ±1.3 ms: both show as 1ms.
+        let skew = Skew {
+            seconds: 0.0014,
+            round_trip: Duration::from_micros(600),
+        };
+        assert_eq!(
+            skew.describe(),
+            "this host's clock agrees with the server's (±1ms)"
+        );
+        let skew = Skew {
+            seconds: -0.0025,
+            round_trip: Duration::from_micros(600),
+        };
+        assert_eq!(
+            skew.describe(),
+            "this host's clock is 2ms behind the server's (±1ms)"
+        );
     }
 
     #[test]
