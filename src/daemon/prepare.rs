@@ -124,15 +124,59 @@ fn bind(config: &Config) -> Result<Listening, DaemonError> {
                 socket: Arc::new(socket),
             })
         })
-        .map_err(|err| {
-            let message = format!("cannot listen on {listen} ([http] listen): {err}");
-            match err.kind() {
-                ErrorKind::AddrInUse
-                | ErrorKind::AddrNotAvailable
-                | ErrorKind::PermissionDenied => DaemonError::Config(format!(
-                    "{message}; choose another address in [http] listen, or stop what holds it"
-                )),
-                _ => DaemonError::Start(message),
-            }
-        })
+        .map_err(|err| cannot_listen(listen, &err))
+}
+
+/// The error of an address the daemon cannot listen on, in words (never
+/// the system's `(os error N)`): the operator's to fix when the address is
+/// taken, absent or forbidden.
+fn cannot_listen(listen: std::net::SocketAddr, err: &std::io::Error) -> DaemonError {
+    let start = format!("cannot listen on {listen} ([http] listen)");
+    let config = |why: &str, what: &str| DaemonError::Config(format!("{start}: {why}; {what}"));
+    match err.kind() {
+        ErrorKind::AddrInUse => config(
+            "another process listens there",
+            "stop it, or choose another address in [http] listen",
+        ),
+        ErrorKind::AddrNotAvailable => config(
+            "this host has no such address",
+            "choose one of this host's addresses in [http] listen",
+        ),
+        ErrorKind::PermissionDenied => config(
+            "permission denied (a port below 1024 needs privileges)",
+            "choose a port above 1023 in [http] listen",
+        ),
+        _ => {
+            let text = err.to_string();
+            let text = text.split(" (os error").next().unwrap_or(&text);
+            DaemonError::Start(format!("{start}: {}", text.to_lowercase()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_in_use_is_named_in_words_with_the_remedy() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = taken.local_addr().unwrap();
+        let err = std::net::TcpListener::bind(address).unwrap_err();
+        let DaemonError::Config(message) = cannot_listen(address, &err) else {
+            panic!("a configuration error (78)");
+        };
+        assert_eq!(
+            message,
+            format!(
+                "cannot listen on {address} ([http] listen): another process listens there; \
+                 stop it, or choose another address in [http] listen"
+            )
+        );
+        let other = std::io::Error::from_raw_os_error(22);
+        let DaemonError::Start(message) = cannot_listen(address, &other) else {
+            panic!("a start error");
+        };
+        assert!(!message.contains("os error"), "{message}");
+    }
 }
