@@ -136,30 +136,8 @@ impl Watch {
             return;
         }
         *kept = None;
-        if let Some(since) = since {
-            match open(store, events, since, modify_events()).await {
-                Ok(stream) => {
-                    *kept = Some(Kept::new(stream, Some(since)));
-                    return;
-                }
-                Err(err) => tracing::warn!(
-                    events,
-                    error = %err,
-                    "cannot read the events collection's changes since the floor's last raise; \
-                     this raise checks only what it replaced"
-                ),
-            }
-        }
-        let opened = store
-            .database()
-            .collection::<Document>(events)
-            .watch()
-            .pipeline(modify_events())
-            .show_expanded_events(true)
-            .max_await_time(AWAIT)
-            .await;
-        match opened {
-            Ok(stream) => *kept = Some(Kept::new(stream.with_type::<Document>(), None)),
+        match open_kept(store, events, since, None).await {
+            Ok(opened) => *kept = Some(opened),
             Err(err) => tracing::debug!(events, error = %err, "cannot open the change stream yet"),
         }
     }
@@ -169,6 +147,31 @@ impl Watch {
     pub(crate) async fn forget(&self) {
         *self.0.lock().await = None;
     }
+}
+
+/// A stream of `collMod`s from the remembered raise at `since` when the
+/// server still has it (it then shows every validation change after that
+/// raise), else from `or` (`None`: from now, which costs the server no
+/// search of its oplog; then only what a raise replaced tells).
+async fn open_kept(
+    store: &Store,
+    events: &str,
+    since: Option<Timestamp>,
+    or: Option<Timestamp>,
+) -> Result<Kept, Error> {
+    if let Some(since) = since {
+        match open(store, events, Some(since), modify_events()).await {
+            Ok(stream) => return Ok(Kept::new(stream, Some(since))),
+            Err(err) => tracing::warn!(
+                events,
+                error = %err,
+                "cannot read the events collection's changes since the floor's last raise; \
+                 this raise checks only what it replaced"
+            ),
+        }
+    }
+    let stream = open(store, events, or, modify_events()).await?;
+    Ok(Kept::new(stream, or))
 }
 
 /// The change stream's pipeline that keeps `collMod`s alone.
@@ -208,22 +211,7 @@ pub(crate) async fn replaced(
         }
         *kept = None;
     }
-    // From the remembered raise when the server still has it, else from
-    // just before this one (then only what it replaced tells).
-    let from_since = match since {
-        Some(since) => open(store, events, since, modify_events())
-            .await
-            .ok()
-            .map(|stream| Kept::new(stream, Some(since))),
-        None => None,
-    };
-    let mut stream = match from_since {
-        Some(stream) => stream,
-        None => Kept::new(
-            open(store, events, before, modify_events()).await?,
-            Some(before),
-        ),
-    };
+    let mut stream = open_kept(store, events, since, Some(before)).await?;
     let Some(found) = find(&mut stream, events, raise, Instant::now() + RAISE_WAIT).await? else {
         return Err(unverified(
             events,
@@ -319,7 +307,7 @@ pub(crate) async fn landed(
         ] } },
         doc! { "$project": project },
     ];
-    let mut stream = open(store, events, after, pipeline).await?;
+    let mut stream = open(store, events, Some(after), pipeline).await?;
     let deadline = Instant::now() + WINDOW_WAIT;
     let mut found = Vec::new();
     loop {
@@ -385,18 +373,25 @@ fn is(event: &Document, raise: &Raise) -> bool {
 async fn open(
     store: &Store,
     events: &str,
-    from: Timestamp,
+    from: Option<Timestamp>,
     pipeline: Vec<Document>,
 ) -> Result<ChangeStream<Document>, Error> {
     let collection = store.database().collection::<Document>(events);
-    let stream = collection
+    let mut watch = collection
         .watch()
         .pipeline(pipeline)
         .show_expanded_events(true)
-        .start_at_operation_time(from)
-        .max_await_time(AWAIT)
-        .await
-        .map_err(|err| failed(events, from, err))?;
+        .max_await_time(AWAIT);
+    if let Some(from) = from {
+        watch = watch.start_at_operation_time(from);
+    }
+    let stream = watch.await.map_err(|err| {
+        let at = from.unwrap_or(Timestamp {
+            time: 0,
+            increment: 0,
+        });
+        failed(events, at, err)
+    })?;
     Ok(stream.with_type::<Document>())
 }
 

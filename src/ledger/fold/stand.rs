@@ -221,7 +221,9 @@ impl EventFold {
                 // Changed under the read: what landed after the anchor is
                 // the repair's, as when the token changed.
                 owed = true;
-                live = self.owe_for(intent, &anchor, check).await?;
+                self.changed_under(intent, &anchor).await?;
+                self.record_raise(intent, &check, false).await?;
+                live = check;
                 continue;
             }
             if live != anchor {
@@ -266,15 +268,6 @@ impl EventFold {
         self.changed_under(intent, anchor).await?;
         let raise =
             floor::raise(&self.store, &self.events_name, intent.to, &self.floor_watch).await?;
-        self.record_raise(intent, &raise, false).await?;
-        Ok(raise)
-    }
-
-    /// The floor was changed under the pass `intent` since its anchor, as
-    /// `raise` (made over it) found: records the debt and remembers the
-    /// raise.
-    async fn owe_for(&self, intent: &Intent, anchor: &Raise, raise: Raise) -> Result<Raise, Error> {
-        self.changed_under(intent, anchor).await?;
         self.record_raise(intent, &raise, false).await?;
         Ok(raise)
     }
