@@ -328,11 +328,12 @@ impl LedgerFolder {
             }),
         });
         // A pass that failed without a verdict on the ledger (an outage: the
-        // server unreachable, a lease that ran out) and a backlog that could
-        // not be read measured nothing: the alert stays as it was, neither
-        // fired nor resolved by the outage (which `tally_ready` and `/readyz`
-        // show).
-        let measured = refused.is_none() || refusing || backlog.is_some();
+        // server unreachable, a lease that ran out) measured at most the
+        // backlog: events waiting too long fire the alert, but nothing
+        // resolves it — whether the fold still refuses is unknown. The
+        // alert stays as it was through the outage (which `tally_ready` and
+        // `/readyz` show).
+        let measured = refused.is_none() || refusing || stuck;
         if measured {
             self.alerts.set(AlertKind::EventsStuck, name, observation);
         }

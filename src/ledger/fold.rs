@@ -316,6 +316,9 @@ pub struct EventFold {
     /// The events collection's change stream, kept from one raise of the
     /// floor to the next (see `floor::Watch`).
     floor_watch: floor::Watch,
+    /// The watermark above which this fold's last look found no event at
+    /// all: where to look first next time (only what landed since).
+    quiet_above: std::sync::Mutex<Option<i64>>,
 }
 
 impl EventFold {
@@ -343,6 +346,7 @@ impl EventFold {
             owner: ObjectId::new(),
             last_sweep: Mutex::new(None),
             floor_watch: floor::Watch::default(),
+            quiet_above: std::sync::Mutex::new(None),
         }
     }
 

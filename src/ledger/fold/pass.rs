@@ -21,6 +21,28 @@ use crate::ledger::state::{self, FoldState, Held, Intent, Late};
 use crate::ledger::unix_micros;
 use crate::write::lane::{LaneId, LaneIncrement};
 
+/// How far before a new pass's end its first look for waiting events
+/// reaches, in microseconds (the numbers' unit): where a busy ledger's
+/// newest events are.
+const RECENT: i64 = 50_000;
+
+/// How many times as long each further look back is than the one before.
+const FURTHER: i64 = 4;
+
+/// The longest look back before the rest is looked at in one: about 3½
+/// minutes (50 ms × 4⁶).
+const MAX_WIDTH: i64 = RECENT * 4_096;
+
+/// What waits above the watermark, for a new pass.
+enum Waiting {
+    /// No event.
+    Nothing,
+    /// Events numbered up to the pass's end.
+    UpTo,
+    /// Events numbered only after the pass's end.
+    OnlyAhead,
+}
+
 /// What applying a pass came to.
 struct Applying {
     live: Raise,
@@ -72,21 +94,19 @@ impl EventFold {
             }
             None => {
                 let mut to = self.pass_end(&state, clock());
-                // One seek: the lowest number waiting above the watermark.
-                let lowest =
-                    query::lowest_above(&self.store, &self.events, state.watermark).await?;
-                if lowest.is_none() && state.held.is_empty() {
-                    return Ok((run, false));
-                }
-                if lowest.is_some_and(|lowest| lowest > to) {
+                match self.waiting(state.watermark, to).await? {
+                    Waiting::Nothing if state.held.is_empty() => return Ok((run, false)),
+                    Waiting::Nothing | Waiting::UpTo => {}
                     // Only events numbered ahead of the server's clock (a
                     // recorder numbered above a floor a converted state or
                     // a caller's clock put ahead): the floor protects any
                     // end, so the pass ends at the highest.
-                    to = query::highest_number(&self.store, &self.events)
-                        .await?
-                        .unwrap_or(to)
-                        .max(to);
+                    Waiting::OnlyAhead => {
+                        to = query::highest_number(&self.store, &self.events)
+                            .await?
+                            .unwrap_or(to)
+                            .max(to);
+                    }
                 }
                 if !state.exists {
                     self.check_no_floor().await?;
@@ -121,6 +141,47 @@ impl EventFold {
         }
         let again = run.recovered || repair || applied.owed;
         Ok((run, again))
+    }
+
+    /// What waits above the watermark `from` for a pass ending at `to`.
+    ///
+    /// On MongoDB one index seek on `{s: 1}` would do. The test server
+    /// reads a whole range before it stops at the first event, so a look
+    /// at everything above the watermark would cost the whole backlog:
+    /// as much as the pass's own sums. So the fold looks where events
+    /// are: first at those numbered in the last [`RECENT`] before `to`
+    /// or after it (a busy ledger's newest), then further back in ranges
+    /// each [`FURTHER`] times as long, and the rest of `(from, to]` in
+    /// one. A look costs the events in its range, and a pass stops
+    /// looking at the first it finds. After a look that found nothing
+    /// above this watermark, the next looks at all of them at once: what
+    /// landed since, one seek on an idle ledger.
+    async fn waiting(&self, from: i64, to: i64) -> Result<Waiting, Error> {
+        let quiet = *lock(&self.quiet_above) == Some(from);
+        let mut bound = if quiet {
+            from
+        } else {
+            to.saturating_sub(RECENT).max(from)
+        };
+        let newest = query::lowest_above(&self.store, &self.events, bound).await?;
+        let mut found = newest.is_some_and(|lowest| lowest <= to);
+        let mut width = RECENT;
+        while !found && bound > from {
+            width = width.saturating_mul(FURTHER);
+            let lower = if width > MAX_WIDTH {
+                from
+            } else {
+                bound.saturating_sub(width).max(from)
+            };
+            found = query::any_in(&self.store, &self.events, lower, bound).await?;
+            bound = lower;
+        }
+        *lock(&self.quiet_above) = (!found && newest.is_none()).then_some(from);
+        Ok(match newest {
+            _ if found => Waiting::UpTo,
+            Some(_) => Waiting::OnlyAhead,
+            None => Waiting::Nothing,
+        })
     }
 
     /// Where a new pass of `state` ends at `now` (the server's clock when
