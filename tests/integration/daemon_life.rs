@@ -522,9 +522,12 @@ async fn a_failed_measurement_neither_fires_nor_resolves_a_ledger_alert() {
                 .then(Action::CloseBeforeForwarding),
         );
         let before = daemon.log().matches(failed).count();
-        until(&daemon, "three passes to fail by the outage", LONG, || async {
-            daemon.log().matches(failed).count() >= before + 3
-        })
+        until(
+            &daemon,
+            "three passes to fail by the outage",
+            LONG,
+            || async { daemon.log().matches(failed).count() >= before + 3 },
+        )
         .await;
         assert_eq!(
             daemon.metric(firing).await,

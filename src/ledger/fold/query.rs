@@ -70,7 +70,11 @@ pub(super) async fn any_in(
 }
 
 /// The lowest number above `from` (`None` when no event waits): one index
-/// seek on `{s: 1}`.
+/// seek on `{s: 1}`. A number that is not an integer (a fraction or a
+/// Decimal128 written by hand) reads as the integer just below it, or as
+/// `from + 1` when it cannot be read at all: an event waits there, and
+/// the pass that folds its range reports it — it never hides the events
+/// above it.
 pub(super) async fn lowest_above(
     store: &Store,
     events: &Collection<Document>,
@@ -83,10 +87,18 @@ pub(super) async fn lowest_above(
         doc! { "$project": { field::NUMBER: 1 } },
     ];
     let rows = aggregate_all(store, events, pipeline, "ledger.fold.survey").await?;
-    Ok(rows
-        .first()
-        .and_then(|row| row.get(field::NUMBER))
-        .and_then(integer_value))
+    Ok(rows.first().map(|row| {
+        let number = row.get(field::NUMBER);
+        match number.and_then(integer_value) {
+            Some(n) => n,
+            // `as` saturates; a number above `from` is at least `from`.
+            #[allow(clippy::cast_possible_truncation)]
+            None => match number {
+                Some(Bson::Double(d)) if d.is_finite() => (d.floor() as i64).max(from),
+                _ => from.saturating_add(1),
+            },
+        }
+    }))
 }
 
 /// The events above `from` (not folded yet): how many, and the lowest

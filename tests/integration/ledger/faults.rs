@@ -129,12 +129,12 @@ fn expected(site: Site, fault: Fault) -> Expected {
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
         // The survey and the sum are reads, retried once; a survey refused
-        // stops the pass. The survey is one seek for anything above the
-        // watermark (the faulted request); its counts include the sweep's
-        // seek and the backlog after the pass (aggregates that do not count
-        // events per counter).
-        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 4, 4),
-        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 4, 3),
+        // stops the pass. The survey is the pass's first look for waiting
+        // events (the faulted request, the one with `$sort`); the looks
+        // further back are left out of its counts (how many there are
+        // follows how long ago the events were numbered).
+        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
+        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Survey, CommandError) => ("failed (command)", 1, 0),
@@ -407,13 +407,16 @@ impl LedgerRig {
 
 /// Whether a request of the faulted kind is one of the site's: the
 /// commit drops the intent (`$unset`); the sum
-/// counts each counter's events (`e`), the backlog's survey after the pass
-/// does not.
+/// counts each counter's events (`e`); the survey's first look seeks the
+/// lowest number (`$sort`).
 fn owns(site: Site, exchange: &Exchange) -> bool {
     match site {
         Site::Commit => exchange.body_mentions("$unset"),
         Site::Sum => exchange.body_mentions("e"),
-        Site::Survey => !exchange.body_mentions("e") && !exchange.body_mentions("$changeStream"),
+        // The pass's first look for waiting events (the faulted request)
+        // and its retries: the looks further back (`any_in`, no `$sort`)
+        // follow how long ago the events were numbered, not the fault.
+        Site::Survey => exchange.body_mentions("$sort"),
         _ => true,
     }
 }
