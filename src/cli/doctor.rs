@@ -22,6 +22,7 @@ mod ledger;
 pub(crate) mod sharding;
 
 use crate::cli::out;
+use crate::error::counted;
 use std::process::ExitCode;
 
 use clap::Args;
@@ -131,8 +132,8 @@ pub(super) async fn run(args: DoctorArgs, config: &Config, clock: Clock) -> Exit
         out!("{}", database::described(&store));
         print_checks(&checks);
         out!(
-            "{} checks: {} ok, {warned} warn, {failed} fail",
-            checks.len(),
+            "{}: {} ok, {warned} warn, {failed} fail",
+            counted(checks.len() as u64, "check", "checks"),
             checks.len() - warned - failed
         );
     }

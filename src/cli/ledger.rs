@@ -27,6 +27,7 @@ use super::{
 use crate::config::Config;
 use crate::document::display_id;
 use crate::error::Error;
+use crate::error::counted;
 use crate::ledger::{EventFold, EventFoldSettings};
 use crate::ledger::{Ledger, Recording};
 use crate::redact::Secrets;
@@ -205,13 +206,13 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
                 );
             } else {
                 out!(
-                    "{}/{}: {} ({} folded, {} in {} unfolded events)",
+                    "{}/{}: {} ({} folded, {} in {})",
                     ledger.spec().name,
                     crate::document::shown(&args.key),
                     value.value,
                     value.folded,
                     value.unfolded,
-                    value.unfolded_events
+                    counted(value.unfolded_events, "unfolded event", "unfolded events")
                 );
             }
             ExitCode::from(EXIT_OK)
@@ -296,7 +297,8 @@ pub(super) fn print_backlogs(rows: &[Value]) {
                 .filter_map(|h| h["key"].as_str())
                 .collect();
             format!(
-                "; {held} sums held by counters that refused them ({})",
+                "; {} held by counters that refused them ({})",
+                counted(held as u64, "sum", "sums"),
                 keys.join(", ")
             )
         };

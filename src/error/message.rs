@@ -492,6 +492,13 @@ fn network_problem(err: &std::io::Error) -> String {
     }
 }
 
+/// `n` and its noun, singular for one: `1 duplicate`, `0 duplicates`,
+/// `2 duplicates` (`plural` for the rest).
+pub(crate) fn counted(n: impl Into<u128>, singular: &str, plural: &str) -> String {
+    let n = n.into();
+    format!("{n} {}", if n == 1 { singular } else { plural })
+}
+
 /// A duration as people read it: whole seconds (`1h 0m 5s` reads
 /// `1h 5s`), or milliseconds below a second — never `3600.364973994s`.
 pub(crate) fn human_duration(duration: Duration) -> String {
@@ -579,6 +586,13 @@ mod tests {
     use super::*;
     use mongodb::bson::{deserialize_from_document as from_document, doc};
     use mongodb::error::{CommandError, WriteError};
+
+    #[test]
+    fn one_of_a_thing_is_singular_and_the_rest_plural() {
+        assert_eq!(counted(1u64, "duplicate", "duplicates"), "1 duplicate");
+        assert_eq!(counted(0u64, "duplicate", "duplicates"), "0 duplicates");
+        assert_eq!(counted(2u64, "sum", "sums"), "2 sums");
+    }
 
     fn command(code: i32, name: &str, message: &str) -> MongoError {
         let err: CommandError =

@@ -53,7 +53,7 @@ pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check>
         let (verdict, message) = match ledger.missing_indexes().await {
             Ok(missing) if missing.is_empty() => (
                 Verdict::Ok,
-                "the fold's indexes are there (by lane, and by counter and lane)".to_owned(),
+                "the fold's indexes are there (by number, and by counter and number)".to_owned(),
             ),
             Ok(missing) => (
                 Verdict::Fail,

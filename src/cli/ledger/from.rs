@@ -187,8 +187,14 @@ fn progress_bar(size: Option<u64>) -> ProgressBar {
 
 /// Reads one line of the input as an event.
 fn parse_line(text: &str) -> Line {
-    let value: Value =
-        serde_json::from_str(text).map_err(|err| format!("not a JSON object: {err}"))?;
+    let value: Value = serde_json::from_str(text).map_err(|err| {
+        // The line's number is the caller's; within it, only the column.
+        let text = err.to_string();
+        let what = text
+            .strip_suffix(&format!(" at line {} column {}", err.line(), err.column()))
+            .unwrap_or(&text);
+        format!("not a JSON object: {what} at column {}", err.column())
+    })?;
     let Value::Object(fields) = value else {
         return Err("not a JSON object".into());
     };
@@ -451,5 +457,20 @@ impl Tally {
         } else {
             EXIT_OK
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_line;
+
+    /// A line that is not JSON is reported by its column alone: the line's
+    /// number is the input's, never serde's "line 1".
+    #[test]
+    fn a_line_that_is_not_json_names_its_column_not_line_one() {
+        let Err(error) = parse_line("not json") else {
+            panic!("not JSON was read as an event");
+        };
+        assert_eq!(error, "not a JSON object: expected ident at column 2");
     }
 }

@@ -4,6 +4,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::Read;
+use crate::error::counted;
 use crate::ledger::Recording;
 
 /// Why `record --from` stopped before the end of its input.
@@ -118,9 +119,9 @@ impl Tally {
         let lines = self.lines();
         let rate = lines as f64 / elapsed.as_secs_f64().max(0.001);
         format!(
-            "{lines} lines, {rate:.0}/s: {} recorded, {} duplicates, {} unknown, {} refused",
+            "{lines} lines, {rate:.0}/s: {} recorded, {}, {} unknown, {} refused",
             self.recorded,
-            self.duplicate,
+            counted(self.duplicate, "duplicate", "duplicates"),
             self.unknown,
             self.conflict + self.not_recorded + self.malformed
         )
@@ -129,14 +130,13 @@ impl Tally {
     /// The outcomes as one line; after a stop, with the lines not sent.
     pub(super) fn summary(&self) -> String {
         let mut summary = format!(
-            "{} recorded, {} duplicates, {} conflicts, {} unknown, {} not recorded, {} malformed \
-             lines",
+            "{} recorded, {}, {}, {} unknown, {} not recorded, {}",
             self.recorded,
-            self.duplicate,
-            self.conflict,
+            counted(self.duplicate, "duplicate", "duplicates"),
+            counted(self.conflict, "conflict", "conflicts"),
             self.unknown,
             self.not_recorded,
-            self.malformed
+            counted(self.malformed, "malformed line", "malformed lines")
         );
         if let Some(first) = self.first_not_sent {
             let rest = if self.rest_unread {
