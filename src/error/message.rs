@@ -164,7 +164,7 @@ impl fmt::Display for Readable<'_> {
                 write!(f, "the TLS settings cannot be used: {message}")
             }
             ErrorKind::InvalidResponse { message, .. } => {
-                write!(f, "the server's reply{at} could not be read: {message}")
+                f.write_str(&unreadable_reply(message, &at))
             }
             ErrorKind::IncompatibleServer { message, .. } => {
                 write!(f, "the server{at} does not support this: {message}")
@@ -477,6 +477,20 @@ fn authentication(
     f.write_str(": check the user name, password and authSource of the connection string")
 }
 
+/// A reply the driver could not read, from the server `at`. An opcode
+/// MongoDB never sends means whatever answered speaks another protocol
+/// (an HTTP port, another service): said so, without the opcode.
+fn unreadable_reply(message: &str, at: &str) -> String {
+    if message.starts_with("Invalid wire protocol opcode") {
+        format!(
+            "what answered{at} does not speak MongoDB's protocol: check that the connection \
+             string names a MongoDB server's host and port"
+        )
+    } else {
+        format!("the server's reply{at} could not be read: {message}")
+    }
+}
+
 /// What went wrong on the network, in a few words.
 fn network_problem(err: &std::io::Error) -> String {
     use std::io::ErrorKind as Io;
@@ -488,7 +502,16 @@ fn network_problem(err: &std::io::Error) -> String {
         Io::NotConnected => "not connected".to_owned(),
         Io::AddrNotAvailable => "the address is not available".to_owned(),
         Io::TimedOut => "no answer in time".to_owned(),
-        _ => format!("network error: {err}"),
+        _ => {
+            let text = err.to_string();
+            match text.strip_prefix("failed to lookup address information: ") {
+                Some(why) => format!(
+                    "the host name does not resolve ({}; check the host in the connection string)",
+                    why.to_lowercase()
+                ),
+                None => format!("network error: {text}"),
+            }
+        }
     }
 }
 
@@ -675,6 +698,23 @@ mod tests {
         assert_eq!(
             shown(&io(std::io::ErrorKind::ConnectionReset), None),
             "the connection was reset"
+        );
+        // What a new user met: a host name that does not resolve, and a
+        // port where something other than MongoDB answers.
+        let dns = std::io::Error::other(
+            "failed to lookup address information: Name or service not known",
+        );
+        let dns: MongoError = ErrorKind::Io(std::sync::Arc::new(dns)).into();
+        assert_eq!(
+            shown(&dns, Some(&reach)),
+            "the host name does not resolve (name or service not known; check the host in the \
+             connection string) at db:27017"
+        );
+        let text = unreadable_reply("Invalid wire protocol opcode: 171854925", " at db:27017");
+        assert_eq!(
+            text,
+            "what answered at db:27017 does not speak MongoDB's protocol: check that the \
+             connection string names a MongoDB server's host and port"
         );
     }
 
