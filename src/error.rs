@@ -33,9 +33,11 @@ pub(crate) use facts::{Facts, FailureKind, duplicate_on_id, server_code};
 
 pub(crate) use retry::{Next, RetryBudget};
 
-pub(crate) use message::{Reach, Readable, counted, human_duration, words};
+pub(crate) use message::{Reach, Readable, human_duration, words};
 #[cfg(feature = "daemon")]
-pub(crate) use message::{Trouble, cannot_read, other_set, server_code_and_name, trouble_reaching};
+pub(crate) use message::{
+    Trouble, cannot_read, counted, other_set, server_code_and_name, trouble_reaching,
+};
 
 /// The class of a failed attempt, which decides whether it is retried.
 ///

@@ -517,6 +517,7 @@ fn network_problem(err: &std::io::Error) -> String {
 
 /// `n` and its noun, singular for one: `1 duplicate`, `0 duplicates`,
 /// `2 duplicates` (`plural` for the rest).
+#[cfg(feature = "daemon")]
 pub(crate) fn counted(n: impl Into<u128>, singular: &str, plural: &str) -> String {
     let n = n.into();
     format!("{n} {}", if n == 1 { singular } else { plural })
@@ -611,6 +612,7 @@ mod tests {
     use mongodb::error::{CommandError, WriteError};
 
     #[test]
+    #[cfg(feature = "daemon")]
     fn one_of_a_thing_is_singular_and_the_rest_plural() {
         assert_eq!(counted(1u64, "duplicate", "duplicates"), "1 duplicate");
         assert_eq!(counted(0u64, "duplicate", "duplicates"), "0 duplicates");
