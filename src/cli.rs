@@ -217,9 +217,20 @@ impl TargetArgs {
     /// The collection the command works on, or the failure's message and
     /// exit code.
     fn resolve(&self, config: &Config) -> Result<CollectionConfig, (String, u8)> {
+        self.resolve_for(config, false)
+    }
+
+    /// [`TargetArgs::resolve`], for a command of the events ledger when
+    /// `ledger` (a collection the configuration does not list has none).
+    fn resolve_for(&self, config: &Config, ledger: bool) -> Result<CollectionConfig, (String, u8)> {
         match (&self.collection, config.collections.as_slice()) {
             (Some(name), _) => {
-                configured(config, std::slice::from_ref(name), self.any_collection)?;
+                configured(
+                    config,
+                    std::slice::from_ref(name),
+                    self.any_collection,
+                    ledger,
+                )?;
                 Ok(config.collection(name))
             }
             (None, [only]) => Ok(only.clone()),
@@ -253,7 +264,7 @@ impl TargetArgs {
     async fn open_ledger(&self, config: &Config) -> Result<(CollectionConfig, Store), ExitCode> {
         let secrets = config.secrets();
         let spec = self
-            .resolve(config)
+            .resolve_for(config, true)
             .map_err(|(message, code)| fail(self.json, &message, &secrets, code))?;
         if spec.events_collection.is_none() {
             let message = format!(
@@ -269,11 +280,26 @@ impl TargetArgs {
 }
 
 /// Checks that each of `names` is a configured collection, unless `any`
-/// (`--any-collection`) lets it be another: the message and exit code (78)
-/// of the first that is not.
-fn configured(config: &Config, names: &[String], any: bool) -> Result<(), (String, u8)> {
+/// (`--any-collection`) lets it be another — never for a command of the
+/// events ledger (`ledger`: only a configured entry has one): the message
+/// and exit code (78) of the first that is not.
+fn configured(
+    config: &Config,
+    names: &[String],
+    any: bool,
+    ledger: bool,
+) -> Result<(), (String, u8)> {
     let listed: Vec<&str> = config.collections.iter().map(|c| c.name.as_str()).collect();
     match names.iter().find(|name| !listed.contains(&name.as_str())) {
+        Some(name) if ledger => Err((
+            format!(
+                "{name} is not a configured collection (configured: {}); correct the name (an \
+                 events ledger is a [[collections]] entry's, with `ledger = true`: \
+                 --any-collection cannot give one)",
+                words(&listed)
+            ),
+            EXIT_CONFIG,
+        )),
         Some(name) if !any => Err((
             format!(
                 "{name} is not a configured collection (configured: {}); correct the name, or \
@@ -535,7 +561,7 @@ async fn survey_setup(
     ExitCode,
 > {
     let secrets = config.secrets();
-    configured(config, &which.collections, which.any_collection)
+    configured(config, &which.collections, which.any_collection, false)
         .map_err(|(message, code)| fail(json, &message, &secrets, code))?;
     let names: Vec<String> = if which.collections.is_empty() {
         config.collections.iter().map(|c| c.name.clone()).collect()

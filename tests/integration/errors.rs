@@ -376,6 +376,32 @@ async fn a_collection_must_be_configured_unless_any_collection_says_so() {
     let shown = readable(&output);
     assert_eq!(output.status.code(), Some(78), "{shown}");
     assert!(shown.contains("views has no events ledger"), "{shown}");
+    // A typo for `record` is not advised `--any-collection`, which cannot
+    // give a collection a ledger (a new user followed that advice into a
+    // second refusal); given anyway, the same verdict.
+    for args in [
+        &["record", "e1", "home", "--collection", "veiws"][..],
+        &[
+            "record",
+            "e1",
+            "home",
+            "--collection",
+            "veiws",
+            "--any-collection",
+        ],
+    ] {
+        let output = run(&config, args).await;
+        let shown = readable(&output);
+        assert_eq!(output.status.code(), Some(78), "{args:?}: {shown}");
+        assert!(
+            shown.contains("veiws is not a configured collection (configured: views and clicks)"),
+            "{args:?}: {shown}"
+        );
+        assert!(
+            !shown.contains("pass --any-collection"),
+            "{args:?}: advised what cannot work: {shown}"
+        );
+    }
     let client = ctx.client(false).await;
     let names = client
         .client
