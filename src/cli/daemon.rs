@@ -283,8 +283,20 @@ fn print_table(rows: &[(String, Survey)], now: SystemTime, config: &Config) {
         };
         out!("\n{name}: named lanes (never pruned), highest position{more}:");
         for (lane, position) in &s.named_lanes {
-            out!("  {lane}  {position}");
+            out!("  {lane}  {position}{}", whose(lane));
         }
+    }
+}
+
+/// Whose a named lane is, where tally made it: the fold of a ledger
+/// writes its counters through `fold:<events collection>`, one position
+/// per pass.
+fn whose(lane: &str) -> String {
+    match lane.strip_prefix("fold:") {
+        Some(events) => {
+            format!("  (the fold of the ledger {events}: its latest pass to write here)")
+        }
+        None => String::new(),
     }
 }
 
@@ -321,4 +333,18 @@ fn attention(rows: &[(String, Survey)], ledgers: &[Value], stuck_after: Duration
         }
     }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whose;
+
+    #[test]
+    fn the_fold_s_lane_is_named_as_the_fold_s() {
+        assert_eq!(
+            whose("fold:page_views_events"),
+            "  (the fold of the ledger page_views_events: its latest pass to write here)"
+        );
+        assert_eq!(whose("importer"), "");
+    }
 }
