@@ -215,14 +215,9 @@ impl TargetArgs {
     }
 
     /// The collection the command works on, or the failure's message and
-    /// exit code.
-    fn resolve(&self, config: &Config) -> Result<CollectionConfig, (String, u8)> {
-        self.resolve_for(config, false)
-    }
-
-    /// [`TargetArgs::resolve`], for a command of the events ledger when
-    /// `ledger` (a collection the configuration does not list has none).
-    fn resolve_for(&self, config: &Config, ledger: bool) -> Result<CollectionConfig, (String, u8)> {
+    /// exit code; `ledger` for a command of the events ledger (a
+    /// collection the configuration does not list has none).
+    fn resolve(&self, config: &Config, ledger: bool) -> Result<CollectionConfig, (String, u8)> {
         match (&self.collection, config.collections.as_slice()) {
             (Some(name), _) => {
                 configured(
@@ -253,7 +248,7 @@ impl TargetArgs {
     async fn open(&self, config: &Config) -> Result<(CollectionConfig, Store), ExitCode> {
         let secrets = config.secrets();
         let spec = self
-            .resolve(config)
+            .resolve(config, false)
             .map_err(|(message, code)| fail(self.json, &message, &secrets, code))?;
         let store = connect(config, self.json).await?;
         Ok((spec, store))
@@ -264,7 +259,7 @@ impl TargetArgs {
     async fn open_ledger(&self, config: &Config) -> Result<(CollectionConfig, Store), ExitCode> {
         let secrets = config.secrets();
         let spec = self
-            .resolve_for(config, true)
+            .resolve(config, true)
             .map_err(|(message, code)| fail(self.json, &message, &secrets, code))?;
         if spec.events_collection.is_none() {
             let message = format!(

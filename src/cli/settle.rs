@@ -129,7 +129,7 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
     if ticket.protocol() == Protocol::Lanes {
         let collection = args
             .target
-            .resolve(config)
+            .resolve(config, false)
             .map(|spec| args.target.collection_options(&spec.name))
             .unwrap_or_default();
         let message = format!(

@@ -190,7 +190,15 @@ impl LedgerFolder {
     /// fails or the daemon stops.
     async fn follow(&self, down_since: &mut Option<Instant>) -> Result<(), Error> {
         let name = self.collection.as_str();
-        let mut stream = self.open().await?;
+        // Opening reads the saved position, then opens the stream: two
+        // waits for a server in an outage, longer together than the stop's
+        // grace for work in flight. A stop meanwhile drops them (nothing
+        // is written but the forgetting of a lost position, which the next
+        // start does again), so a stop in an outage is not held by them.
+        let mut stream = tokio::select! {
+            () = self.shutdown.cancelled() => return Ok(()),
+            opened = self.open() => opened?,
+        };
         *down_since = None;
         self.metrics
             .events_stream_up
