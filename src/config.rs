@@ -108,11 +108,10 @@ pub(crate) struct ConfigErrors {
 
 impl fmt::Display for ConfigErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.issues.len();
         write!(
             f,
-            "invalid configuration ({n} problem{}):",
-            if n == 1 { "" } else { "s" }
+            "invalid configuration ({}):",
+            crate::error::counted(self.issues.len() as u64, "problem", "problems")
         )?;
         for issue in &self.issues {
             write!(f, "\n  {}: {}", issue.key, issue.message)?;

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ConfigErrors};
 use crate::daemon::clock::Clock;
 use crate::daemon::{DaemonError, Drained, Kept, Listening, Prepared, Reloading, StartCheck, run};
-use crate::error::words;
+use crate::error::{counted, words};
 
 /// How long a reload waits for the new server's answer to its credentials;
 /// a server that does not answer by then is waited for by the new run, as
@@ -166,10 +166,9 @@ async fn prepare(
             tracing::error!(key = %issue.key, problem = %issue.message, "bad configuration key");
         }
         let keys: Vec<&str> = errors.issues.iter().map(|i| i.key.as_str()).collect();
-        let n = keys.len();
         format!(
-            "the new configuration has {n} bad key{} ({}, each said above)",
-            if n == 1 { "" } else { "s" },
+            "the new configuration has {} ({}, each said above)",
+            counted(keys.len() as u64, "bad key", "bad keys"),
             words(&keys)
         )
     })?;

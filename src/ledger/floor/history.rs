@@ -385,13 +385,7 @@ async fn open(
     if let Some(from) = from {
         watch = watch.start_at_operation_time(from);
     }
-    let stream = watch.await.map_err(|err| {
-        let at = from.unwrap_or(Timestamp {
-            time: 0,
-            increment: 0,
-        });
-        failed(events, at, err)
-    })?;
+    let stream = watch.await.map_err(|err| failed(events, from, err))?;
     Ok(stream.with_type::<Document>())
 }
 
@@ -409,14 +403,7 @@ async fn next(
             Ok(None) if !stream.is_alive() => return Ok(None),
             Ok(None) => {}
             Err(err) => {
-                return Err(failed(
-                    events,
-                    Timestamp {
-                        time: 0,
-                        increment: 0,
-                    },
-                    err,
-                ));
+                return Err(failed(events, None, err));
             }
         }
     }
@@ -424,13 +411,9 @@ async fn next(
 }
 
 /// The error of a stream that failed: its history lost, or the server's.
-fn failed(events: &str, from: Timestamp, err: mongodb::error::Error) -> Error {
+fn failed(events: &str, from: Option<Timestamp>, err: mongodb::error::Error) -> Error {
     if server_code(&err).is_some_and(|code| HISTORY_LOST.contains(&code)) {
-        let since = if from.time > 0 {
-            format!(" (cluster time {})", from.time)
-        } else {
-            String::new()
-        };
+        let since = from.map_or_else(String::new, |from| format!(" (cluster time {})", from.time));
         return unverified(
             events,
             format!(
@@ -574,7 +557,7 @@ mod tests {
             time: 1_795_853_166,
             increment: 3,
         };
-        let lost = failed("views_events", from, error(286));
+        let lost = failed("views_events", Some(from), error(286));
         let Error::FoldFloorUnverified { events, why } = &lost else {
             panic!("{lost:?}");
         };
@@ -587,7 +570,7 @@ mod tests {
         );
         // Any other failure is the server's, classified as usual.
         assert!(matches!(
-            failed("views_events", from, error(11601)),
+            failed("views_events", Some(from), error(11601)),
             Error::Server(_)
         ));
     }
