@@ -146,7 +146,7 @@ mod anchor_time {
 
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-    use mongodb::bson::{DateTime, Document, Timestamp, doc, oid::ObjectId};
+    use mongodb::bson::{Document, Timestamp, doc};
     use tokio_util::sync::CancellationToken;
 
     use crate::common::proxy::{Action, Exchange, Proxy, Rule, upstream_of};
@@ -156,9 +156,7 @@ mod anchor_time {
     const HOLD: Duration = Duration::from_secs(3);
 
     async fn land(db: &mongodb::Database, id: &str, key: &str, n: i64, s: i64) {
-        let event = doc! {
-            "_id": id, "k": key, "n": n, "at": DateTime::now(), "L": ObjectId::new(), "s": s,
-        };
+        let event = crate::ledger::event_by_hand(id, key, n, s);
         db.collection::<Document>("views_events")
             .insert_one(event)
             .await

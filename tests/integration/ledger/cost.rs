@@ -10,7 +10,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::common::{TestContext, counter};
-use crate::ledger::{assert_outcome, documents, fold_all, fold_of, ledger_on, unfolded};
+use crate::ledger::{
+    assert_outcome, documents, event_by_hand, fold_all, fold_of, ledger_on, number_of, server_now,
+    unfolded,
+};
 
 /// One `Ledger` per event, as a handler per request or one `tallyd record`
 /// per event makes: after 50 such recorders and after 2,000 more, the fold
@@ -197,21 +200,9 @@ async fn a_pass_looks_for_waiting_events_where_they_are_not_across_the_backlog()
     let ledger = ledger_on(&store, "views").await;
     // A backlog numbered ten minutes ago (written by hand, as a recorder
     // stopped since would have left it), and one event recorded now.
-    let ten_minutes_ago =
-        Reconciler::new(&store).server_time().await.unwrap() - std::time::Duration::from_secs(600);
-    let old = i64::try_from(
-        ten_minutes_ago
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros(),
-    )
-    .unwrap();
-    let lane = mongodb::bson::oid::ObjectId::new();
+    let old = number_of(server_now(&store).await - std::time::Duration::from_secs(600));
     let backlog: Vec<mongodb::bson::Document> = (0..200i64)
-        .map(|i| {
-            doc! { "_id": format!("old{i}"), "k": "home", "n": 1i64,
-            "at": mongodb::bson::DateTime::now(), "L": lane, "s": old + i }
-        })
+        .map(|i| event_by_hand(&format!("old{i}"), "home", 1, old + i))
         .collect();
     let events = direct.collection("views_events");
     events.insert_many(backlog).await.unwrap();
@@ -286,21 +277,12 @@ async fn an_event_numbered_with_a_fraction_never_hides_the_events_above_it() {
     let fold = fold_of(&store, "views");
     assert_outcome(&ledger.record("first", "home", 1).await, "recorded");
     assert_eq!(fold_all(&fold).await.events_folded, 1);
-    let ahead =
-        Reconciler::new(&store).server_time().await.unwrap() + std::time::Duration::from_secs(10);
-    let micros = ahead
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as f64;
-    let by_hand = |id: &str, s: f64| {
-        doc! { "_id": id, "k": "home", "n": 1i64, "at": mongodb::bson::DateTime::now(),
-        "L": mongodb::bson::oid::ObjectId::new(), "s": s }
-    };
+    let ahead = number_of(server_now(&store).await + std::time::Duration::from_secs(10)) as f64;
     direct
         .collection("views_events")
         .insert_many([
-            by_hand("fraction", micros + 0.5),
-            by_hand("integral", micros + 1000.0),
+            event_by_hand("fraction", "home", 1, ahead + 0.5),
+            event_by_hand("integral", "home", 1, ahead + 1000.0),
         ])
         .await
         .unwrap();

@@ -31,9 +31,7 @@ async fn lower_the_floor(db: &mongodb::Database) {
 
 /// An event as a recorder writes it, numbered `s`, inserted directly.
 async fn land(db: &mongodb::Database, id: &str, key: &str, n: i64, s: i64) {
-    let event = doc! {
-        "_id": id, "k": key, "n": n, "at": DateTime::now(), "L": ObjectId::new(), "s": s,
-    };
+    let event = crate::ledger::event_by_hand(id, key, n, s);
     db.collection::<Document>("views_events")
         .insert_one(event)
         .await

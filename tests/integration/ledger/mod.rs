@@ -168,6 +168,30 @@ pub(crate) fn config(ctx: &TestContext, extra: &str) -> String {
 const HOUR: Duration = Duration::from_secs(3600);
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
+/// An event as a recorder writes it (a lane of its own), numbered `s`,
+/// for a test to insert by hand.
+pub(crate) fn event_by_hand(
+    id: &str,
+    key: &str,
+    n: i64,
+    s: impl Into<mongodb::bson::Bson>,
+) -> Document {
+    doc! {
+        "_id": id, "k": key, "n": n, "at": mongodb::bson::DateTime::now(),
+        "L": mongodb::bson::oid::ObjectId::new(), "s": s.into(),
+    }
+}
+
+/// `time` as an event's number: microseconds since the epoch.
+pub(crate) fn number_of(time: SystemTime) -> i64 {
+    i64::try_from(
+        time.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap()
+}
+
 /// The server's clock.
 async fn server_now(store: &Store) -> SystemTime {
     Reconciler::new(store)
