@@ -149,11 +149,22 @@ pub struct Ledger {
 /// the last fold pass applied to it.
 pub(crate) fn fold_lane(events: &str) -> Result<LaneName, Error> {
     let escaped = events.replace('%', "%25").replace('.', "%2E");
-    LaneName::new(format!("fold:{escaped}")).map_err(|bad| {
+    LaneName::new(format!("{FOLD_LANE}{escaped}")).map_err(|bad| {
         Error::InvalidArgument(format!(
             "events collection {events:?} cannot name its fold lane: {bad}; choose a shorter name"
         ))
     })
+}
+
+/// How a fold lane's name begins.
+const FOLD_LANE: &str = "fold:";
+
+/// The events collection whose fold lane is named `lane` ([`fold_lane`]
+/// read back), `None` for any other lane.
+#[cfg(feature = "daemon")]
+pub(crate) fn folded_by(lane: &str) -> Option<String> {
+    lane.strip_prefix(FOLD_LANE)
+        .map(|escaped| escaped.replace("%2E", ".").replace("%25", "%"))
 }
 
 #[cfg(test)]

@@ -292,7 +292,7 @@ fn print_table(rows: &[(String, Survey)], now: SystemTime, config: &Config) {
 /// writes its counters through `fold:<events collection>`, one position
 /// per pass.
 fn whose(lane: &str) -> String {
-    match lane.strip_prefix("fold:") {
+    match crate::ledger::folded_by(lane) {
         Some(events) => {
             format!("  (the fold of the ledger {events}: its latest pass to write here)")
         }
