@@ -139,6 +139,11 @@ pub struct EventFoldSettings {
     /// How often a fold deletes old folded events (the sweep). Default: 10
     /// minutes.
     pub sweep_every: Duration,
+    /// How many counters' new sums of a pass go to the server in one
+    /// `update` command (each its own statement: the lanes protocol's
+    /// update); 1 sends one command per counter. A counter with a held sum
+    /// is always sent alone. Default: 100.
+    pub apply_batch: usize,
 }
 
 impl Default for EventFoldSettings {
@@ -148,6 +153,7 @@ impl Default for EventFoldSettings {
             retry_horizon: WriterConfig::default().retry_horizon,
             lease: Duration::from_secs(30),
             sweep_every: Duration::from_secs(600),
+            apply_batch: 100,
         }
     }
 }

@@ -74,6 +74,7 @@
 //! position resumed (delivered again) before a newer one is sent. Named
 //! lanes are never pruned and have no resume horizon.
 
+mod batch;
 mod name;
 mod number;
 mod outcome;

@@ -33,6 +33,9 @@ const FURTHER: i64 = 4;
 /// minutes (50 ms × 4⁶).
 const MAX_WIDTH: i64 = RECENT * 4_096;
 
+/// How many such commands a pass sends at once.
+const BATCHES_AT_ONCE: usize = 2;
+
 /// What waits above the watermark, for a new pass.
 enum Waiting {
     /// No event.
@@ -348,15 +351,27 @@ impl EventFold {
             }
         }
         let now = clock();
+        let mut sent = self.send_batched(&work, intent, sendable_until).await?;
         let outcomes: Vec<Result<held::Done, Error>> = futures::stream::iter(work)
             .map(|work| {
                 let key = work.key.clone();
+                // The counter's new sum, sent already in a batch: its one send.
+                let mut batched = sent.remove(&CanonicalKey::of(&key));
                 held::apply(
                     work,
                     intent.pass,
                     intent.recovered,
                     now,
-                    move |p, n, resumed| self.send(key.clone(), p, n, resumed, sendable_until),
+                    move |p, n, resumed| {
+                        let batched = batched.take().filter(|_| p == intent.pass);
+                        let key = key.clone();
+                        async move {
+                            match batched {
+                                Some(applied) => applied,
+                                None => self.send(key, p, n, resumed, sendable_until).await,
+                            }
+                        }
+                    },
                 )
             })
             .buffer_unordered(APPLY_CONCURRENCY)
@@ -381,6 +396,76 @@ impl EventFold {
         Ok(applying)
     }
 
+    /// The new sums of the counters with nothing held (a pass's common
+    /// case), sent through the fold lane at the pass's position in
+    /// commands of many statements ([`Counters::add_many_through`]):
+    /// what each established, by counter, for `held::apply` to judge as if
+    /// it had sent it itself. Every other counter's sums go one by one.
+    ///
+    /// [`Counters::add_many_through`]: crate::Counters
+    async fn send_batched(
+        &self,
+        work: &[Work],
+        intent: &Intent,
+        sendable_until: &Mutex<Instant>,
+    ) -> Result<HashMap<CanonicalKey, Result<Applied, Error>>, Error> {
+        let sums: Vec<(Bson, i64)> = work
+            .iter()
+            .filter(|w| w.held.is_empty() && crate::document::check_key(&w.key).is_ok())
+            .filter_map(|w| {
+                let amount = w.new.as_ref().map_or(0, |share| share.amount);
+                let amount = i64::try_from(amount).ok().filter(|&n| n != 0)?;
+                Some((w.key.clone(), amount))
+            })
+            .collect();
+        let groups: Vec<Vec<(Bson, i64)>> = sums
+            .chunks(self.settings.apply_batch.max(1))
+            .map(<[_]>::to_vec)
+            .collect();
+        let mut sent = HashMap::with_capacity(sums.len());
+        let mut groups = futures::stream::iter(groups)
+            .map(|group| self.send_group(group, intent, sendable_until))
+            .buffer_unordered(BATCHES_AT_ONCE);
+        while let Some(group) = groups.next().await {
+            sent.extend(group?);
+        }
+        Ok(sent)
+    }
+
+    /// One group of new sums in one command (two, when its keys are large).
+    async fn send_group(
+        &self,
+        group: Vec<(Bson, i64)>,
+        intent: &Intent,
+        sendable_until: &Mutex<Instant>,
+    ) -> Result<Vec<(CanonicalKey, Result<Applied, Error>)>, Error> {
+        self.sendable(intent.pass, sendable_until)?;
+        let lane = LaneId::Named(self.fold_lane.clone()?);
+        let keys: Vec<CanonicalKey> = group.iter().map(|(key, _)| CanonicalKey::of(key)).collect();
+        let outcomes = self
+            .counters
+            .add_many_through(group, &lane, intent.pass, intent.recovered)
+            .await;
+        Ok(keys
+            .into_iter()
+            .zip(outcomes)
+            .map(|(key, outcome)| (key, self.judge(outcome)))
+            .collect())
+    }
+
+    /// Refuses to send once the pass's lease may have run out.
+    fn sendable(&self, pass: i64, sendable_until: &Mutex<Instant>) -> Result<(), Error> {
+        if Instant::now() >= *lock(sendable_until) {
+            return Err(Error::FoldPassLost {
+                events: self.events_name.clone(),
+                pass,
+                why: "its lease ran out before it could be renewed (the server did not answer)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// One sum to one counter through the fold lane at `position`.
     async fn send(
         &self,
@@ -390,19 +475,17 @@ impl EventFold {
         resumed: bool,
         sendable_until: &Mutex<Instant>,
     ) -> Result<Applied, Error> {
-        if Instant::now() >= *lock(sendable_until) {
-            return Err(Error::FoldPassLost {
-                events: self.events_name.clone(),
-                pass: position,
-                why: "its lease ran out before it could be renewed (the server did not answer)"
-                    .into(),
-            });
-        }
+        self.sendable(position, sendable_until)?;
         let lane = LaneId::Named(self.fold_lane.clone()?);
         let outcome = self
             .counters
             .add_through(key, lane, position, amount, resumed)
             .await;
+        self.judge(outcome)
+    }
+
+    /// What a counter's update through the fold lane established.
+    fn judge(&self, outcome: LaneIncrement) -> Result<Applied, Error> {
         let refused = |cause: &Error, maybe_applied| Applied::Refused {
             cause: self.store.scrub(&cause.to_string()),
             maybe_applied,

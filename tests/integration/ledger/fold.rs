@@ -66,14 +66,21 @@ async fn the_fold_puts_every_event_in_its_counter_once_and_never_writes_an_event
         "no event written"
     );
     // Writes: the intent, the two raises it remembers (its anchor, and the
-    // raise over it after the read), the commit, one per counter.
-    let on_events = client
+    // raise over it after the read), the commit, and one command carrying
+    // the seven counters' updates.
+    let writes: Vec<_> = client
         .events
         .sent()
-        .iter()
+        .into_iter()
         .filter(|s| ["insert", "update", "delete"].contains(&s.name.as_str()))
-        .count();
-    assert_eq!(on_events, 4 + 7, "{:?}", client.events.sent());
+        .collect();
+    assert_eq!(writes.len(), 4 + 1, "{writes:?}");
+    assert!(
+        writes
+            .iter()
+            .any(|s| s.statements == 7 && s.update_ops == ["$inc", "$set"]),
+        "{writes:?}"
+    );
     let views = client.collection("views");
     for (key, n) in &expected {
         assert_eq!(counter(&views, key.as_str()).await, *n, "counter {key}");
@@ -249,6 +256,8 @@ async fn another_fold_takes_a_stopped_pass_over_after_its_lease_and_applies_it_o
     record_spread(&ledger, 60, 6).await;
     let settings = EventFoldSettings {
         lease: Duration::from_secs(3),
+        // One command per counter, so the pass can stop between them.
+        apply_batch: 1,
         ..EventFoldSettings::default()
     };
     let first = EventFold::new(&through, CollectionConfig::new("views"), settings.clone());
@@ -301,6 +310,53 @@ async fn another_fold_takes_a_stopped_pass_over_after_its_lease_and_applies_it_o
         assert_eq!(counter(&views, key.as_str()).await, 10, "{key}: once");
     }
     assert_eq!(unfolded(&second).await, 0);
+}
+
+/// A pass over 250 counters sends their sums in commands of 100 (the
+/// default `apply_batch`), and stops when every command after the first is
+/// cut before it reaches the server: exactly the first command's 100
+/// counters hold their sums, every exact read is exact meanwhile, and the
+/// same fold's next pass resumes the pass — its first command collides on
+/// the counters that have their sums, each of which is read back, never
+/// added twice — and applies the rest once.
+#[tokio::test]
+async fn a_pass_cut_between_its_update_commands_is_resumed_once_per_counter() {
+    let ctx = TestContext::new("ledger_batch_cut").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx
+        .client_through_with(&proxy, false, "serverSelectionTimeoutMS=1000")
+        .await
+        .store()
+        .with_attempt_timeout(Duration::from_secs(2));
+    let ledger = ledger_on(&store, "views").await;
+    record_spread(&ledger, 500, 250).await;
+    let fold = fold_of(&through, "views");
+    {
+        let _cut = proxy.rule(
+            Rule::command("update")
+                .collection("views")
+                .after(1)
+                .then(Action::CloseBeforeForwarding),
+        );
+        assert!(fold_all_err(&fold).await, "the pass stops part-way");
+    }
+    let views = client.collection("views");
+    let mut updated = 0;
+    for c in 0..250 {
+        let key = format!("c{c}");
+        updated += i64::from(counter(&views, key.as_str()).await == 2);
+        assert_eq!(ledger.value(key).await.unwrap().value, 2, "exact meanwhile");
+    }
+    assert_eq!(updated, 100, "the first command's counters, and only those");
+    let run = fold_all(&fold).await;
+    assert!(run.recovered, "{run:?}");
+    for c in 0..250 {
+        let key = format!("c{c}");
+        assert_eq!(counter(&views, key.as_str()).await, 2, "{key}: once");
+    }
+    assert_eq!(unfolded(&fold).await, 0);
 }
 
 /// Finding 2: one counter the server refuses to update (here a string

@@ -12,7 +12,7 @@
 use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
-use tally::{EventFold, EventsRun, Ledger, Store};
+use tally::{CollectionConfig, EventFold, EventFoldSettings, EventsRun, Ledger, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::proxy::{Action, Exchange, Proxy, Release, Rule, RuleGuard, upstream_of};
@@ -112,9 +112,16 @@ impl Scene {
 
     /// A fold of `views` whose commands go through a proxy.
     async fn fold_through_proxy(&self) -> (Proxy, EventFold) {
+        self.fold_through_proxy_with(EventFoldSettings::default())
+            .await
+    }
+
+    /// The same with `settings`.
+    async fn fold_through_proxy_with(&self, settings: EventFoldSettings) -> (Proxy, EventFold) {
         let proxy = Proxy::start(&upstream_of(&self.ctx.uri).await).await;
         let through = self.ctx.client_through(&proxy, false).await.store();
-        (proxy, fold_of(&through, "views"))
+        let fold = EventFold::new(&through, CollectionConfig::new("views"), settings);
+        (proxy, fold)
     }
 
     async fn counter(&self, key: &str) -> i64 {
@@ -143,7 +150,12 @@ impl Scene {
     async fn a_pass_stopped_after_one_of_two_counters(&self) -> (Proxy, EventFold) {
         assert_outcome(&self.ledger.record("x1", "a", 1).await, "recorded");
         assert_outcome(&self.ledger.record("x2", "b", 1).await, "recorded");
-        let (proxy, fold) = self.fold_through_proxy().await;
+        // Each counter's update alone, so that the pass can stop between.
+        let one_by_one = EventFoldSettings {
+            apply_batch: 1,
+            ..EventFoldSettings::default()
+        };
+        let (proxy, fold) = self.fold_through_proxy_with(one_by_one).await;
         let crash = proxy.rule(
             Rule::command("update")
                 .collection("views")

@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::SystemTime;
 
-use mongodb::bson::doc;
+use mongodb::bson::{Bson, doc};
 use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::common::{TestContext, counter};
-use crate::ledger::{assert_outcome, fold_of, ledger_on};
+use crate::ledger::{assert_outcome, event_by_hand, fold_of, ledger_on, number_of};
 
 /// Exact reads while the fold runs pass after pass: every read is at least
 /// what was acknowledged before it started and at most what was attempted
@@ -129,4 +129,50 @@ async fn an_exact_read_and_the_fold_agree_on_an_amount_stored_as_a_double() {
         after,
         "the counter is what the exact read said"
     );
+}
+
+/// Every amount that is not an integer, whatever its type, is left out of
+/// its counter by the fold, which reports each (an exact read over it
+/// names it; once folded it is left out of the read too): the pass's sums find them by the `$sum` of the amounts
+/// (a double or a decimal turns it into one) and by the highest amount
+/// (every other type sorts above the numbers).
+#[tokio::test]
+async fn every_kind_of_amount_that_is_not_an_integer_is_left_out_and_reported() {
+    let ctx = TestContext::new("ledger_malformed_amounts").await;
+    let direct = ctx.client(false).await;
+    let store = direct.store();
+    let ledger = ledger_on(&store, "views").await;
+    assert_outcome(&ledger.record("e1", "a", 5).await, "recorded");
+    assert_outcome(&ledger.record("e2", "b", 7).await, "recorded");
+    let events = direct.collection("views_events");
+    let s = number_of(SystemTime::now());
+    let malformed = [
+        Bson::Double(2.5),
+        Bson::String("3".into()),
+        Bson::Boolean(true),
+        Bson::Document(doc! { "n": 1 }),
+        Bson::Array(vec![Bson::Int32(1)]),
+        Bson::Decimal128("4".parse().unwrap()),
+    ];
+    for (i, amount) in (0_i64..).zip(&malformed) {
+        let mut event = event_by_hand(&format!("by_hand_{i}"), "a", 0, s + i);
+        event.insert("n", amount.clone());
+        events.insert_one(event).await.unwrap();
+    }
+    assert!(
+        matches!(ledger.value("a").await, Err(tally::Error::Malformed { .. })),
+        "an exact read over an unfolded malformed event names it"
+    );
+    let run = fold_of(&store, "views")
+        .fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("a pass");
+    assert_eq!(
+        run.malformed_events,
+        malformed.len() as u64,
+        "each malformed amount reported once"
+    );
+    assert_eq!(counter(&direct.collection("views"), "a").await, 5);
+    assert_eq!(counter(&direct.collection("views"), "b").await, 7);
+    assert_eq!(ledger.value("a").await.unwrap().value, 5);
 }
