@@ -34,6 +34,7 @@
 //!
 //! Here: the helpers they share.
 
+mod batch;
 mod cli;
 mod confirmed;
 mod cost;

@@ -131,8 +131,10 @@ async fn an_exact_read_and_the_fold_agree_on_an_amount_stored_as_a_double() {
     );
 }
 
-/// Every amount that is not an integer, whatever its type, is left out of
-/// its counter by the fold, which reports each (an exact read over it
+/// Every amount that is not an integer — of any type but the three every
+/// accumulator skips (null, `MinKey`, a missing amount: counted as nothing,
+/// and named by an exact read before the fold, not by the fold) — is left
+/// out of its counter by the fold, which reports each (an exact read over it
 /// names it; once folded it is left out of the read too): the pass's sums find them by the `$sum` of the amounts
 /// (a double or a decimal turns it into one) and by the highest amount
 /// (every other type sorts above the numbers).
