@@ -364,10 +364,15 @@ async fn a_lost_reply_then_a_failed_read_is_unknown_never_not_recorded() {
 async fn record_many_past_the_drivers_batch_limit_refused_part_way_never_says_not_recorded_for_events_that_landed()
  {
     let ctx = TestContext::new("ledger_review2_split_batch").await;
-    let client = ctx.client(false).await;
     // Inserting 100,000 events takes the test server tens of seconds, more
     // under load: one attempt must be allowed to finish (a timed-out first
-    // attempt would meet the fail point with its retry instead).
+    // attempt would meet the fail point with its retry instead), and the
+    // driver's monitor must not give the server up meanwhile (its check
+    // times out after connectTimeoutMS, and clears the pool: the insert
+    // was cut at 7,001 events in one suite run).
+    let client = ctx
+        .client_with_uri_options("connectTimeoutMS=120000", false)
+        .await;
     let store = client
         .store()
         .with_attempt_timeout(Duration::from_secs(600));

@@ -19,7 +19,12 @@ use crate::ledger::{assert_outcome, documents, fold_all, fold_of, ledger_on, unf
 #[tokio::test]
 async fn a_state_of_tally_0_2_0_at_the_document_limit_is_converted_and_the_fold_goes_on() {
     let ctx = TestContext::new("ledger_legacy_state").await;
-    let client = ctx.client(false).await;
+    // A 16 MB document keeps the test server busy for seconds, longer under
+    // load: the driver's monitor must not give the server up meanwhile
+    // (its check times out after connectTimeoutMS, and clears the pool).
+    let client = ctx
+        .client_with_uri_options("connectTimeoutMS=120000", false)
+        .await;
     let store = client.store();
     let ledger = ledger_on(&store, "views").await;
     // Events 0.2.0 recorded an hour ago (numbered by its recorder's clock,
