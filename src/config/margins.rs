@@ -141,7 +141,8 @@ fn check_graces(config: &Config, issues: &mut Issues) {
                 format!(
                     "must be longer than writer.retry_horizon + mongodb.attempt_timeout ({} + {} \
                      = {}): a step 1 re-sent just inside the horizon may still execute for one \
-                     more attempt, and a token folded before it lands would count twice",
+                     more attempt, and a token folded before it lands would count twice; raise \
+                     {key} past it, or lower writer.retry_horizon",
                     format_duration(horizon),
                     format_duration(attempt),
                     format_duration(least)

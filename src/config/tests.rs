@@ -304,6 +304,14 @@ fn a_grace_must_outlast_the_retry_horizon_plus_one_attempt() {
             "{said}"
         );
         assert!(said.contains("30s"), "{said}");
+        // Either side of the margin is the remedy: the key's own grace, or
+        // the horizon the user may just have raised.
+        assert!(
+            said.contains(&format!(
+                "raise {key} past it, or lower writer.retry_horizon"
+            )),
+            "{said}"
+        );
     }
     let fixed = text
         .replace("grace = \"25s\"", "grace = \"31s\"")
