@@ -262,7 +262,7 @@ async fn serve(
         Ok(reached) => reached,
         Err(err) => {
             shutdown.cancel();
-            drain(tracker, config, store, "at start", reloading).await;
+            drain(tracker, config, store, CANNOT_START, reloading).await;
             return Err(err);
         }
     };
@@ -273,7 +273,7 @@ async fn serve(
         && let Err(refusal) = check(store, config).await
     {
         shutdown.cancel();
-        drain(tracker, config, store, "at start", reloading).await;
+        drain(tracker, config, store, CANNOT_START, reloading).await;
         return Err(DaemonError::Config(refusal));
     }
     let targets: Vec<FoldTarget> = config
@@ -478,6 +478,10 @@ async fn restore(
             .set(count(last.and_then(|l| l.refused)));
     }
 }
+
+/// The shutdown's reason when the daemon cannot start: the error that says
+/// why is logged once the work is drained, after the "stopped" line.
+const CANNOT_START: &str = "at start: it cannot start (the error below says why)";
 
 /// Waits for the tasks to finish their work, up to the shutdown timeout:
 /// for a stop, or for a reload (`reloading`), which the log tells apart.

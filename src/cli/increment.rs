@@ -63,7 +63,8 @@ pub(super) fn amount(text: &str) -> Result<i64, String> {
         Ok(0) => Err("the amount must not be zero: pass a whole number such as 1 or -1".into()),
         Ok(n) => Ok(n),
         Err(_) => Err(format!(
-            "an amount is a whole number from {} to {}, not zero",
+            "{} is not a whole number from {} to {}: pass one such as 1 or -1",
+            crate::document::shown(text),
             i64::MIN,
             i64::MAX
         )),
@@ -452,5 +453,19 @@ mod tests {
         assert_eq!(by_option(-5), " --by -5");
         assert_eq!(protocol_flag(Protocol::Lanes), " --lane");
         assert_eq!(protocol_flag(Protocol::TwoStep), " --two-step");
+    }
+
+    #[test]
+    fn an_amount_that_is_not_a_number_is_named_and_zero_is_said_apart() {
+        assert_eq!(amount("-5"), Ok(-5));
+        let word = amount("abc").unwrap_err();
+        assert!(word.starts_with("abc is not a whole number from"), "{word}");
+        assert!(!word.contains("zero"), "{word}");
+        assert!(
+            amount("99999999999999999999")
+                .unwrap_err()
+                .contains("9223372036854775807")
+        );
+        assert!(amount("0").unwrap_err().contains("must not be zero"));
     }
 }

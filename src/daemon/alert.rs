@@ -360,7 +360,7 @@ impl Alerts {
                 None,
                 Vec::new(),
                 Some(format!(
-                    "cleared after {}; last count {}",
+                    "cleared after {}; the last check that found any counted {}",
                     humantime::format_duration(Duration::from_secs(lasted.as_secs())),
                     last.count
                 )),

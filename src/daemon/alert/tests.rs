@@ -266,7 +266,10 @@ fn a_notification_serializes_to_exactly_the_documented_fields() {
     assert_eq!(body["count"], 0);
     assert_eq!(body["oldest_age_seconds"], serde_json::Value::Null);
     assert_eq!(body["sample_ids"], serde_json::json!([]));
-    assert_eq!(body["detail"], "cleared after 2m 5s; last count 7");
+    assert_eq!(
+        body["detail"],
+        "cleared after 2m 5s; the last check that found any counted 7"
+    );
 }
 
 /// The variable named by `auth_header_env`; only the config's env map
@@ -488,7 +491,7 @@ async fn the_webhook_receives_firing_then_resolved_once_each() {
     assert!(
         resolved["detail"]
             .as_str()
-            .is_some_and(|d| d.contains("last count 3")),
+            .is_some_and(|d| d.contains("the last check that found any counted 3")),
         "{resolved}"
     );
 
