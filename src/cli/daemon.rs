@@ -268,7 +268,8 @@ fn print_table(rows: &[(String, Survey)], now: SystemTime, config: &Config) {
         );
     }
     out!(
-        "(stuck: older than {}; documents: holding pending tokens; lane docs: holding \
+        "(stuck: older than {}; documents: holding pending tokens; pending: their entries, a \
+         token stored twice counted twice; lane docs: holding \
          writer lane entries; largest: the largest lane map)",
         human_duration(config.alerts.stuck_after)
     );

@@ -303,9 +303,13 @@ pub(super) fn print_backlogs(rows: &[Value]) {
             )
         };
         out!(
-            "ledger {}: {} unfolded events, oldest {oldest}{held}; {indexes}",
+            "ledger {}: {}, oldest {oldest}{held}; {indexes}",
             row["events_collection"].as_str().unwrap_or_default(),
-            row["unfolded_events"],
+            counted(
+                row["unfolded_events"].as_u64().unwrap_or_default(),
+                "unfolded event",
+                "unfolded events"
+            ),
         );
     }
 }
