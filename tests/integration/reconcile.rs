@@ -986,13 +986,22 @@ async fn documents_with_large_pending_arrays_fold_in_commands_under_the_size_lim
             .await
             .unwrap();
     }
-    let through_proxy = ctx.client_through(&proxy, false).await.store();
+    // Commands of up to 16 MiB keep the test server busy for many seconds
+    // on a loaded machine: each attempt may take minutes, and the driver's
+    // monitor must not give the server up meanwhile (3 of the 20 documents
+    // were left unfolded by timed-out attempts in one suite run).
+    let through_proxy = ctx
+        .client_through_with(&proxy, false, "connectTimeoutMS=300000")
+        .await
+        .store()
+        .with_attempt_timeout(Duration::from_secs(300));
     let run = reconcile(
         &through_proxy,
         &target(CollectionConfig::new("views")),
         Mode::Fold,
     )
     .await;
+    assert!(run.succeeded(), "{run:?}");
     assert_eq!(run.documents_folded, DOCS as u64);
     assert_eq!(run.tokens_folded, DOCS as u64 * ENTRIES as u64);
     let sizes: Vec<usize> = proxy
