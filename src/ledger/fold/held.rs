@@ -201,6 +201,19 @@ fn refusal(
 }
 
 /// The amount to send, or why no counter update can carry it.
+/// The one send [`apply`] makes of `work` when the counter has nothing
+/// held: its new sum (not zero, fitting a counter, the key usable) at the
+/// pass's position. `None` when `apply` would send anything else, or
+/// nothing.
+pub(super) fn lone_sum(work: &Work) -> Option<i64> {
+    if !work.held.is_empty() {
+        return None;
+    }
+    let unusable = crate::document::check_key(&work.key).err();
+    let share = work.new.as_ref().filter(|s| s.amount != 0)?;
+    sendable(share.amount, unusable.as_ref()).ok()
+}
+
 fn sendable(amount: i128, unusable: Option<&Error>) -> Result<i64, String> {
     if let Some(unusable) = unusable {
         return Err(unusable.to_string());
@@ -427,6 +440,46 @@ mod tests {
         assert!(done.held[0].maybe_applied);
         let done = run(&counter, done.held, Some(share(3, 1)), 2);
         assert_eq!(done.held.len(), 2, "the older may have applied: kept apart");
+    }
+
+    /// `lone_sum` is exactly the one send `apply` makes of a counter with
+    /// nothing held (what the fold sends in a batch for it), and nothing
+    /// where `apply` sends something else or nothing.
+    #[test]
+    fn a_lone_sum_is_the_one_send_apply_makes() {
+        let work = |held: Vec<Held>, new: Option<Share>| Work {
+            key: Bson::from("c"),
+            held,
+            new,
+        };
+        let sends = |w: Work| {
+            let sent = RefCell::new(Vec::new());
+            block_on(apply(w, 9, false, SystemTime::UNIX_EPOCH, |p, n, _| {
+                sent.borrow_mut().push((p, n));
+                async { Ok(Applied::Counted) }
+            }))
+            .unwrap();
+            sent.into_inner()
+        };
+        for w in [
+            work(Vec::new(), Some(share(5, 2))),
+            work(Vec::new(), Some(share(0, 2))),
+            work(Vec::new(), Some(share(i128::from(i64::MAX) + 1, 2))),
+            work(Vec::new(), None),
+            work(vec![held(3, 1)], Some(share(5, 2))),
+        ] {
+            let lone = lone_sum(&w);
+            let sent = sends(w);
+            match lone {
+                Some(n) => assert_eq!(sent, [(9, n)]),
+                None => assert_ne!(sent.len(), 1, "{sent:?}"),
+            }
+        }
+        let bad_key = Work {
+            key: Bson::Document(mongodb::bson::doc! { "$gt": "" }),
+            ..work(Vec::new(), Some(share(1, 1)))
+        };
+        assert_eq!(lone_sum(&bad_key), None);
     }
 
     #[test]

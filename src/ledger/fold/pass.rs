@@ -411,12 +411,7 @@ impl EventFold {
     ) -> Result<HashMap<CanonicalKey, Result<Applied, Error>>, Error> {
         let sums: Vec<(Bson, i64)> = work
             .iter()
-            .filter(|w| w.held.is_empty() && crate::document::check_key(&w.key).is_ok())
-            .filter_map(|w| {
-                let amount = w.new.as_ref().map_or(0, |share| share.amount);
-                let amount = i64::try_from(amount).ok().filter(|&n| n != 0)?;
-                Some((w.key.clone(), amount))
-            })
+            .filter_map(|w| Some((w.key.clone(), held::lone_sum(w)?)))
             .collect();
         let groups: Vec<Vec<(Bson, i64)>> = sums
             .chunks(self.settings.apply_batch.max(1))
@@ -432,7 +427,7 @@ impl EventFold {
         Ok(sent)
     }
 
-    /// One group of new sums in one command (two, when its keys are large).
+    /// One group of new sums in one command (more, when its keys are large).
     async fn send_group(
         &self,
         group: Vec<(Bson, i64)>,

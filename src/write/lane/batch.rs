@@ -22,23 +22,29 @@ use mongodb::bson::{Bson, Document, doc};
 
 use super::outcome::{check_amount, check_position};
 use super::{By, LaneId, LaneIncrement, LaneOp, Sent, statement, undecided};
+use crate::document::integer_value;
 use crate::error::{Effect, Error, ErrorClass, RetryBudget};
 use crate::write::counter::Counters;
 
-/// Statements per command: the test server gains nothing past about 100,
-/// and a command stays far below the 16 MB message limit.
-const STATEMENTS: usize = 100;
-
 /// A command's statements stop growing at this many bytes (keys can be
-/// large documents).
+/// large documents): the caller's batch goes in more than one command then.
 const BYTES: usize = 4 * 1024 * 1024;
+
+/// The statements of one command: each with its sum's index in the
+/// caller's order and its operation.
+#[derive(Default)]
+struct Chunk {
+    ops: Vec<(usize, LaneOp)>,
+    updates: Vec<Bson>,
+    bytes: usize,
+}
 
 impl Counters {
     /// Adds each `(key, amount)` of `sums` (amounts not zero) through the
     /// minted lane `lane` at `position`, as [`Counters::add_through`] does
-    /// one by one, in commands of up to 100 statements; the outcomes in the
-    /// order of `sums`. `resumed`: a batch being finished again, whose
-    /// earlier updates may have applied.
+    /// one by one, in one command (more when the keys pass 4 MB); the
+    /// outcomes in the order of `sums`. `resumed`: a batch being finished
+    /// again, whose earlier updates may have applied.
     pub(crate) async fn add_many_through(
         &self,
         sums: Vec<(Bson, i64)>,
@@ -48,8 +54,7 @@ impl Counters {
     ) -> Vec<LaneIncrement> {
         let by = if resumed { By::Resume } else { By::Increment };
         let mut outcomes: Vec<Option<LaneIncrement>> = Vec::with_capacity(sums.len());
-        let mut chunk: Vec<(usize, LaneOp, Document)> = Vec::new();
-        let mut bytes = 0;
+        let mut chunk = Chunk::default();
         for (at, (key, amount)) in sums.into_iter().enumerate() {
             let op = LaneOp {
                 key,
@@ -68,16 +73,16 @@ impl Counters {
             outcomes.push(None);
             let (filter, update) = statement(&self.spec, &op);
             let one = doc! { "q": filter, "u": update, "upsert": true };
-            bytes += one.to_vec().map_or(BYTES, |raw| raw.len());
-            chunk.push((at, op, one));
-            if chunk.len() >= STATEMENTS || bytes >= BYTES {
+            chunk.bytes += one.to_vec().map_or(BYTES, |raw| raw.len());
+            chunk.ops.push((at, op));
+            chunk.updates.push(Bson::Document(one));
+            if chunk.bytes >= BYTES {
                 for (at, outcome) in self.send_chunk(std::mem::take(&mut chunk), by).await {
                     outcomes[at] = Some(outcome);
                 }
-                bytes = 0;
             }
         }
-        if !chunk.is_empty() {
+        if !chunk.ops.is_empty() {
             for (at, outcome) in self.send_chunk(chunk, by).await {
                 outcomes[at] = Some(outcome);
             }
@@ -90,16 +95,13 @@ impl Counters {
 
     /// One command of `chunk`'s statements; each one's outcome with its
     /// index in the caller's order.
-    async fn send_chunk(
-        &self,
-        chunk: Vec<(usize, LaneOp, Document)>,
-        by: By,
-    ) -> Vec<(usize, LaneIncrement)> {
+    async fn send_chunk(&self, chunk: Chunk, by: By) -> Vec<(usize, LaneIncrement)> {
         const OPERATION: &str = "lane.add_many";
+        let Chunk { ops, updates, .. } = chunk;
         let namespace = self.collection.namespace();
         let mut command = doc! {
             "update": &namespace.coll,
-            "updates": chunk.iter().map(|(_, _, one)| Bson::Document(one.clone())).collect::<Vec<_>>(),
+            "updates": updates,
             "ordered": false,
         };
         if let Some(concern) = self.collection.write_concern()
@@ -113,7 +115,7 @@ impl Counters {
             .store
             .with_retry(&mut budget, || database.run_command(command.clone()))
             .await;
-        let mut outcomes = Vec::with_capacity(chunk.len());
+        let mut outcomes = Vec::with_capacity(ops.len());
         let reply = match reply {
             Ok(reply) => reply,
             // The server refused the command itself (not an outage): each
@@ -125,7 +127,7 @@ impl Counters {
                 } else {
                     by
                 };
-                for (at, op, _) in chunk {
+                for (at, op) in ops {
                     let sent = self.send(Duration::MAX, &op, again).await;
                     outcomes.push((at, op.outcome(sent)));
                 }
@@ -134,7 +136,7 @@ impl Counters {
             Err(failure) => {
                 let maybe_applied = budget.maybe_applied() || failure.effect != Effect::NotApplied;
                 let cause = Error::Server(failure);
-                for (at, op, _) in chunk {
+                for (at, op) in ops {
                     let sent = undecided(by, maybe_applied, cause.clone());
                     outcomes.push((at, op.outcome(sent)));
                 }
@@ -142,15 +144,16 @@ impl Counters {
             }
         };
         let failed = failed_statements(&reply);
-        let applied = chunk.len() - failed.len();
-        let accounted = reply_count(&reply, "n") == Some(applied as i64)
+        let applied = ops.len() - failed.len();
+        // `n`: the statements that matched or upserted a document.
+        let accounted = reply.get("n").and_then(integer_value) == Some(applied as i64)
             && reply.get("writeConcernError").is_none();
         let again = if budget.maybe_applied() || !accounted {
             By::Resume
         } else {
             by
         };
-        for (index, (at, op, _)) in chunk.into_iter().enumerate() {
+        for (index, (at, op)) in ops.into_iter().enumerate() {
             let sent = if accounted && !failed.contains(&index) {
                 Sent::Applied
             } else {
@@ -170,24 +173,11 @@ fn failed_statements(reply: &Document) -> HashSet<usize> {
     errors
         .iter()
         .filter_map(|error| match error {
-            Bson::Document(error) => error.get("index").and_then(|index| match index {
-                Bson::Int32(i) => usize::try_from(*i).ok(),
-                Bson::Int64(i) => usize::try_from(*i).ok(),
-                _ => None,
-            }),
+            Bson::Document(error) => error.get("index").and_then(integer_value),
             _ => None,
         })
+        .filter_map(|index| usize::try_from(index).ok())
         .collect()
-}
-
-/// A count of an `update` reply (`n`: the statements that matched or
-/// upserted a document).
-fn reply_count(reply: &Document, name: &str) -> Option<i64> {
-    match reply.get(name)? {
-        Bson::Int32(n) => Some(i64::from(*n)),
-        Bson::Int64(n) => Some(*n),
-        _ => None,
-    }
 }
 
 #[cfg(test)]
@@ -205,7 +195,6 @@ mod tests {
             "ok": 1.0,
         };
         assert_eq!(failed_statements(&reply), HashSet::from([1, 3]));
-        assert_eq!(reply_count(&reply, "n"), Some(2));
         assert!(failed_statements(&doc! { "n": 4, "ok": 1.0 }).is_empty());
     }
 }
