@@ -359,6 +359,46 @@ async fn a_pass_cut_between_its_update_commands_is_resumed_once_per_counter() {
     assert_eq!(unfolded(&fold).await, 0);
 }
 
+/// `apply_batch` is how many counters' updates go in one command, past
+/// the default 100 too: 250 counters with `apply_batch: 250` are one
+/// command of 250 statements, 250 with 120 three commands of 120, 120, 10.
+#[tokio::test]
+async fn apply_batch_sets_how_many_counters_one_command_carries() {
+    let ctx = TestContext::new("ledger_apply_batch").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    for (batch, want) in [(250, vec![250]), (120, vec![120, 120, 10])] {
+        let tag = format!("b{batch}");
+        let events: Vec<(String, String, i64)> = (0..250)
+            .map(|i| (format!("{tag}-{i}"), format!("c{i}"), 1))
+            .collect();
+        for recording in ledger.record_many(events).await {
+            assert_outcome(&recording, "recorded");
+        }
+        let settings = EventFoldSettings {
+            apply_batch: batch,
+            ..EventFoldSettings::default()
+        };
+        let fold = EventFold::new(&store, CollectionConfig::new("views"), settings);
+        client.events.clear();
+        fold_all(&fold).await;
+        let mut sizes: Vec<usize> = client
+            .events
+            .sent()
+            .into_iter()
+            .filter(|s| s.name == "update" && s.update_ops == ["$inc", "$set"])
+            .map(|s| s.statements)
+            .collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        assert_eq!(sizes, want, "apply_batch {batch}");
+    }
+    let views = client.collection("views");
+    for c in 0..250 {
+        assert_eq!(counter(&views, format!("c{c}").as_str()).await, 2);
+    }
+}
+
 /// Finding 2: one counter the server refuses to update (here a string
 /// counter) stopped its ledger for good: every later pass retried the same
 /// batch first and failed, and the other counters' events were never
