@@ -1315,6 +1315,11 @@ async fn after_a_fresh_start_an_error_resumes_from_the_saved_position() {
         )));
         daemon.wait_metric(HISTORY_LOST, 1.0, LONG).await;
     }
+    // A stream opened from scratch starts at its opening: the write must
+    // come after it (one made before is the rescan's, not an event).
+    daemon
+        .wait_metric("tally_monitor_up{collection=\"views\"}", 1.0, LONG)
+        .await;
     write_and_see(&daemon, &views, "second", 2).await;
     wait_until("a position saved by the new stream", LONG, || async {
         saved_position(&state).await
