@@ -54,6 +54,10 @@
 //! - `error`: error classes, the retry-once rule, the library's [`Error`],
 //!   and what a failure says to people (`message`).
 //! - `redact`: keeping passwords and tokens out of logs, errors and output.
+//! - `bucket`: time buckets ([`Buckets`], [`BucketWidth`]) — where the
+//!   minute, hour, day or month of a time zone that holds an instant
+//!   starts and ends, and `written` (the times people write: RFC 3339, or
+//!   a date).
 //! - `store`: the connected [`Store`] — `config` (how to reach the server:
 //!   [`StoreConfig`]), `reach` (where it connects, for its failures'
 //!   messages).
@@ -108,6 +112,7 @@
 //! ```text
 //! error     → (nothing)
 //! redact    → (nothing)
+//! bucket    → (nothing)
 //! store     → error redact
 //! document  → error store
 //! token     → document
@@ -123,6 +128,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod bucket;
 mod document;
 mod error;
 mod ledger;
@@ -144,6 +150,7 @@ mod logging;
 #[cfg(feature = "daemon")]
 pub use cli::tallyd_main;
 
+pub use bucket::{BucketError, BucketStarts, BucketWidth, Buckets};
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use ledger::{
     Backlog, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings, EventTicket,
