@@ -116,7 +116,7 @@
 //! store     → error redact
 //! document  → error store
 //! token     → document
-//! write     → error store document token redact
+//! write     → error store document token redact bucket
 //! ledger    → error store document write
 //! reconcile → error store document token write ledger
 //! config    → error redact store write ledger reconcile

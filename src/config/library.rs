@@ -413,6 +413,7 @@ pub(super) fn validate_collections(
             events_collection,
             grace,
             batch_size,
+            buckets: None,
         });
     }
     out

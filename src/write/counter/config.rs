@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
+use crate::bucket::Buckets;
 use crate::store::{serialize_duration, serialize_optional_duration};
 
 /// Default name of the field holding a counter's value.
@@ -83,6 +84,33 @@ pub struct CollectionConfig {
     /// batch_size`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batch_size: Option<u32>,
+    /// This collection's time buckets: a counter per key and per minute,
+    /// hour, day or month of a time zone, closed a while after it ends.
+    /// `None` (the default): a counter per key, for all time. Shown as the
+    /// `bucket`, `timezone` and `close_after` keys of its `[[collections]]`
+    /// entry.
+    #[serde(flatten, serialize_with = "serialize_buckets")]
+    pub buckets: Option<Buckets>,
+}
+
+/// A collection's buckets as its `[[collections]]` entry writes them
+/// (nothing without).
+fn serialize_buckets<S: Serializer>(buckets: &Option<Buckets>, s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Shown<'b> {
+        bucket: &'static str,
+        timezone: &'b str,
+        #[serde(serialize_with = "serialize_duration")]
+        close_after: Duration,
+    }
+    buckets
+        .as_ref()
+        .map(|buckets| Shown {
+            bucket: buckets.width().as_str(),
+            timezone: buckets.zone(),
+            close_after: buckets.close_after(),
+        })
+        .serialize(s)
 }
 
 impl CollectionConfig {
@@ -107,6 +135,7 @@ impl CollectionConfig {
             events_collection: None,
             grace: None,
             batch_size: None,
+            buckets: None,
         }
     }
 
@@ -169,6 +198,23 @@ impl CollectionConfig {
         self.events_collection
             .clone()
             .unwrap_or_else(|| format!("{}_events", self.name))
+    }
+
+    /// The same collection, its counters kept per time bucket.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tally::{BucketWidth, Buckets, CollectionConfig};
+    ///
+    /// let days = Buckets::new(BucketWidth::Day, "Europe/Berlin")?
+    ///     .with_close_after(Duration::from_secs(2 * 24 * 3600));
+    /// let spec = CollectionConfig::new("page_views").with_buckets(days.clone());
+    /// assert_eq!(spec.buckets, Some(days));
+    /// # Ok::<(), tally::BucketError>(())
+    /// ```
+    pub fn with_buckets(mut self, buckets: Buckets) -> Self {
+        self.buckets = Some(buckets);
+        self
     }
 
     /// The same collection with another name for the lanes field.
