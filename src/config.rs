@@ -316,7 +316,7 @@ impl Config {
 fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) -> Config {
     issues.unknown_keys("", &raw.unknown);
     let mongodb = library::validate_mongodb(issues.table("mongodb", raw.mongodb), issues);
-    let collections = library::validate_collections(raw.collections, issues);
+    let (collections, close_after_unset) = library::validate_collections(raw.collections, issues);
     let mut warnings = Vec::new();
     let writer =
         library::validate_writer(issues.table("writer", raw.writer), issues, &mut warnings);
@@ -329,7 +329,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
     let http = daemon::validate_http(issues.table("http", raw.http), issues);
     let daemon = daemon::validate_daemon(issues.table("daemon", raw.daemon), &collections, issues);
     let log = daemon::validate_log(issues.table("log", raw.log), env, issues);
-    let config = Config {
+    let mut config = Config {
         mongodb,
         collections,
         writer,
@@ -344,6 +344,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         log,
         warnings,
     };
+    margins::default_close_after(&mut config, &close_after_unset, issues);
     margins::check(&config, issues);
     ledger::check(&config, issues);
     config

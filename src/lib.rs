@@ -119,7 +119,7 @@
 //! write     → error store document token redact bucket
 //! ledger    → error store document write
 //! reconcile → error store document token write ledger
-//! config    → error redact store write ledger reconcile
+//! config    → error redact store write ledger reconcile bucket
 //! daemon    → config reconcile ledger write store token document error redact
 //! cli       → (anything)
 //! logging   → (anything)

@@ -15,6 +15,7 @@ use serde_json::Value;
 use super::ConfigIssue;
 use super::field::{Issues, describe};
 use super::raw::{RawCollection, RawMongo, RawReconcile, RawSequences, RawWriter};
+use crate::bucket::{BucketWidth, Buckets, DEFAULT_CLOSE_AFTER};
 use crate::ledger::DEFAULT_EVENT_RETENTION;
 use crate::reconcile::{DEFAULT_BATCH_SIZE, DEFAULT_GRACE};
 use crate::redact::{SecretString, Secrets, redact_uri};
@@ -289,12 +290,16 @@ fn check_database_name(name: &str, issues: &mut Issues) {
     }
 }
 
+/// The `[[collections]]` entries, and the positions of the bucketed ones
+/// that leave `close_after` to its default: the margin it must meet is
+/// known only once every section is read.
 pub(super) fn validate_collections(
     raw: Option<Value>,
     issues: &mut Issues,
-) -> Vec<CollectionConfig> {
+) -> (Vec<CollectionConfig>, Vec<usize>) {
+    let mut close_after_unset = Vec::new();
     let entries = match raw {
-        None => return Vec::new(),
+        None => return (Vec::new(), close_after_unset),
         Some(Value::Array(entries)) => entries,
         Some(other) => {
             let mut message = format!(
@@ -313,7 +318,7 @@ pub(super) fn validate_collections(
                 ));
             }
             issues.push("collections", message);
-            return Vec::new();
+            return (Vec::new(), close_after_unset);
         }
     };
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -404,6 +409,11 @@ pub(super) fn validate_collections(
                 MAX_BATCH_SIZE,
             )
             .map(|n| n as u32);
+        let (buckets, close_after_set) =
+            collection_buckets(&key, [raw.bucket, raw.timezone, raw.close_after], issues);
+        if buckets.is_some() && !close_after_set {
+            close_after_unset.push(i);
+        }
         out.push(CollectionConfig {
             name: name.unwrap_or_default(),
             counter_field,
@@ -413,10 +423,81 @@ pub(super) fn validate_collections(
             events_collection,
             grace,
             batch_size,
-            buckets: None,
+            buckets,
         });
     }
-    out
+    (out, close_after_unset)
+}
+
+/// A `[[collections]]` entry's (at `key`) `bucket`, `timezone` and
+/// `close_after`, as given: its buckets (`None` without `bucket`, or after
+/// a problem), and whether `close_after` was set.
+fn collection_buckets(
+    key: &str,
+    [bucket, timezone, close_after]: [Option<Value>; 3],
+    issues: &mut Issues,
+) -> (Option<Buckets>, bool) {
+    let bucket_key = format!("{key}.bucket");
+    let zone_key = format!("{key}.timezone");
+    let close_key = format!("{key}.close_after");
+    let bucketed = bucket.is_some();
+    let without_bucket = [
+        (
+            zone_key.clone(),
+            timezone.is_some(),
+            "a time zone says where buckets start",
+        ),
+        (
+            close_key.clone(),
+            close_after.is_some(),
+            "only buckets are closed",
+        ),
+    ];
+    let width = issues.string(&bucket_key, bucket).and_then(|name| {
+        let width = name.parse::<BucketWidth>().ok();
+        if width.is_none() {
+            issues.push(
+                &bucket_key,
+                format!("expected \"minute\", \"hour\", \"day\" or \"month\", found {name:?}"),
+            );
+        }
+        width
+    });
+    let zone = issues.string(&zone_key, timezone).filter(|name| {
+        let known = Buckets::new(BucketWidth::Day, name).is_ok();
+        if !known {
+            issues.push(
+                &zone_key,
+                format!(
+                    "unknown time zone {name:?}; use an IANA name such as \"UTC\" or \
+                     \"Europe/Berlin\""
+                ),
+            );
+        }
+        known
+    });
+    let close_after = issues.optional_duration(&close_key, close_after);
+    if !bucketed {
+        for (key, set, why) in without_bucket {
+            if set && !issues.has(&key) {
+                issues.push(
+                    key,
+                    format!(
+                        "set without bucket: {why}, and this collection counts for all time; \
+                         add bucket (minute, hour, day or month) or delete it"
+                    ),
+                );
+            }
+        }
+    }
+    let Some(Ok(buckets)) =
+        width.map(|width| Buckets::new(width, zone.as_deref().unwrap_or("UTC")))
+    else {
+        return (None, false);
+    };
+    let close_after_set = close_after.is_some();
+    let close_after = close_after.unwrap_or(DEFAULT_CLOSE_AFTER);
+    (Some(buckets.with_close_after(close_after)), close_after_set)
 }
 
 pub(super) fn check_collection_name(key: &str, name: &str, issues: &mut Issues) {

@@ -17,6 +17,16 @@
 //!   `lane_ttl`: a
 //!   lane's update re-sent just inside the horizon may still execute for one
 //!   attempt, and must find the lane's entry not pruned yet.
+//! - a bucketed collection's `close_after` must be at least the longer of
+//!   `retry_horizon` plus one attempt plus its grace (a step 1 re-sent
+//!   just inside the horizon lands within an attempt, and its token is
+//!   folded after the grace) and `lane_resume_horizon` plus one attempt (a
+//!   lane's update re-sent just inside its horizon): a bucket must not be
+//!   closed while a write accepted for it can still land. Lanes count in
+//!   every collection: `tallyd incr --lane` and the library's
+//!   `Counters::add` write any collection, whatever `[writer] protocol`
+//!   says. An unset `close_after` is its default (24h) or this margin,
+//!   whichever is longer.
 //!
 //! Writers' clocks may then lag the server's by up to `grace −
 //! retry_horizon − attempt_timeout` (11 minutes with the defaults) before a
@@ -31,6 +41,7 @@ use humantime::format_duration;
 
 use super::Config;
 use super::field::Issues;
+use crate::bucket::DEFAULT_CLOSE_AFTER;
 use crate::write::counter::least_retry_horizon;
 
 /// Checks every margin of `config`, reporting under the key to change.
@@ -41,6 +52,99 @@ pub(super) fn check(config: &Config, issues: &mut Issues) {
     check_stuck_after(config, issues);
     check_lane_lifetimes(config, issues);
     check_group_bounds(config, issues);
+    check_close_after(config, issues);
+}
+
+/// The least `close_after` of a bucketed collection, and how it is made.
+struct CloseAfterMargin {
+    least: Duration,
+    /// The sums it is the longer of, in words and numbers.
+    made_of: String,
+    /// Whether the lanes' part is the longer.
+    by_lanes: bool,
+}
+
+/// The least `close_after` of the collection at `index` (see the module's
+/// documentation); `None` when a key it is made of has a problem, which
+/// is reported under that key.
+fn close_after_margin(config: &Config, index: usize, issues: &Issues) -> Option<CloseAfterMargin> {
+    let spec = &config.collections[index];
+    let (grace_key, grace) = match spec.grace {
+        Some(grace) => (format!("collections[{index}].grace"), grace),
+        None => ("reconcile.grace".to_owned(), config.reconcile.grace),
+    };
+    let involved = [
+        "writer.retry_horizon",
+        "writer.lane_resume_horizon",
+        "mongodb.attempt_timeout",
+        &grace_key,
+    ];
+    if any_issue(issues, &involved) {
+        return None;
+    }
+    let (horizon, attempt) = (config.writer.retry_horizon, config.mongodb.attempt_timeout);
+    let lanes = config.writer.lane_resume_horizon;
+    let (steps, by_lanes) = (horizon + attempt + grace, lanes + attempt);
+    Some(CloseAfterMargin {
+        least: steps.max(by_lanes),
+        made_of: format!(
+            "writer.retry_horizon + mongodb.attempt_timeout + {grace_key} ({} + {} + {} = {}) \
+             and writer.lane_resume_horizon + mongodb.attempt_timeout ({} + {} = {})",
+            format_duration(horizon),
+            format_duration(attempt),
+            format_duration(grace),
+            format_duration(steps),
+            format_duration(lanes),
+            format_duration(attempt),
+            format_duration(by_lanes)
+        ),
+        by_lanes: by_lanes > steps,
+    })
+}
+
+/// Raises the unset `close_after` of the bucketed collections at
+/// `unset` from its default to the margin where the margin is longer.
+pub(super) fn default_close_after(config: &mut Config, unset: &[usize], issues: &Issues) {
+    for &index in unset {
+        let Some(margin) = close_after_margin(config, index, issues) else {
+            continue;
+        };
+        let least = margin.least.max(DEFAULT_CLOSE_AFTER);
+        let buckets = &mut config.collections[index].buckets;
+        *buckets = buckets.take().map(|b| b.with_close_after(least));
+    }
+}
+
+/// Every bucketed collection's `close_after` against its margin.
+fn check_close_after(config: &Config, issues: &mut Issues) {
+    for (index, spec) in config.collections.iter().enumerate() {
+        let Some(buckets) = &spec.buckets else {
+            continue;
+        };
+        let key = format!("collections[{index}].close_after");
+        let Some(margin) = close_after_margin(config, index, issues) else {
+            continue;
+        };
+        if buckets.close_after() >= margin.least || issues.has(&key) {
+            continue;
+        }
+        let sooner = if margin.by_lanes {
+            "; to close sooner, lower writer.lane_resume_horizon (and lane_ttl with it)"
+        } else {
+            ""
+        };
+        issues.push(
+            &key,
+            format!(
+                "must be at least {}, the longer of {}: a step 1 or a lane's update re-sent \
+                 within its horizon may land that long after it was accepted, and must find its \
+                 bucket open (lanes write any collection: `tallyd incr --lane`, the library's \
+                 Counters::add){sooner}",
+                format_duration(margin.least),
+                margin.made_of
+            ),
+        );
+    }
 }
 
 /// The writer's lane lifetimes against each other and one attempt, as the

@@ -65,6 +65,9 @@ pub(crate) struct RawCollection {
     pub(crate) events_collection: Option<Value>,
     pub(crate) grace: Option<Value>,
     pub(crate) batch_size: Option<Value>,
+    pub(crate) bucket: Option<Value>,
+    pub(crate) timezone: Option<Value>,
+    pub(crate) close_after: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::bucket::{BucketWidth, Buckets};
 
 fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs
@@ -641,4 +642,172 @@ fn lane_lifetimes_must_leave_their_margins_and_every_bad_lane_key_is_named() {
         .replace("\"fast\"", "\"two-step\"")
         .replace("lanes_field = \"pending\"", "lanes_field = \"lanes\"");
     Config::from_toml(&fixed, []).unwrap();
+}
+
+#[test]
+fn a_collections_buckets_are_read_with_their_defaults_and_shown_as_written() {
+    let text = format!(
+        "{MINIMAL}[[collections]]\nname = \"views\"\nbucket = \"day\"\ntimezone = \"europe/berlin\"\n\
+         [[collections]]\nname = \"calls\"\nbucket = \"minute\"\nclose_after = \"2d\"\n\
+         [[collections]]\nname = \"plain\"\n"
+    );
+    let config = Config::from_toml(&text, []).unwrap();
+    let views = Buckets::new(BucketWidth::Day, "Europe/Berlin").unwrap();
+    assert_eq!(config.collection("views").buckets, Some(views));
+    let calls = Buckets::utc(BucketWidth::Minute).with_close_after(Duration::from_secs(48 * 3600));
+    assert_eq!(config.collection("calls").buckets, Some(calls));
+    assert_eq!(config.collection("plain").buckets, None);
+    assert_eq!(
+        config.collection("views").buckets.unwrap().close_after(),
+        Duration::from_secs(24 * 3600),
+        "the default"
+    );
+    // check-config shows the effective setting as the file writes it, and
+    // nothing for a collection without buckets.
+    let shown = config.to_redacted_toml();
+    for expected in [
+        "name = \"views\"\ncounter_field = \"counter\"\npending_field = \"pending\"\n\
+         settled_field = \"settled\"\nlanes_field = \"lanes\"\nbucket = \"day\"\n\
+         timezone = \"Europe/Berlin\"\nclose_after = \"24h\"\n",
+        "bucket = \"minute\"\ntimezone = \"UTC\"\nclose_after = \"48h\"\n",
+        "name = \"plain\"\ncounter_field = \"counter\"\npending_field = \"pending\"\n\
+         settled_field = \"settled\"\nlanes_field = \"lanes\"\n\n",
+    ] {
+        assert!(shown.contains(expected), "{expected:?} not in\n{shown}");
+    }
+    assert_eq!(shown.matches("bucket =").count(), 2, "{shown}");
+    // What it shows reads back as the same setting.
+    let again = Config::from_toml(&shown, []).unwrap();
+    assert_eq!(again.collections, config.collections);
+}
+
+/// An unset close_after is its default, 24h, or the margin where that is
+/// longer: a configuration that leaves it alone is never refused for it.
+#[test]
+fn an_unset_close_after_is_raised_to_the_margin() {
+    let text = format!(
+        "{MINIMAL}[writer]\nlane_resume_horizon = \"30h\"\nlane_ttl = \"31h\"\n\
+         [[collections]]\nname = \"views\"\nbucket = \"hour\"\n"
+    );
+    let config = Config::from_toml(&text, []).unwrap();
+    let buckets = config.collection("views").buckets.unwrap();
+    assert_eq!(buckets.close_after(), Duration::from_secs(30 * 3600 + 60));
+    assert!(
+        config
+            .to_redacted_toml()
+            .contains("close_after = \"30h 1m\"")
+    );
+}
+
+#[test]
+fn a_bad_bucket_setting_is_refused_under_its_key() {
+    let text = format!(
+        "{MINIMAL}[[collections]]\nname = \"a\"\nbucket = \"week\"\n\
+         [[collections]]\nname = \"b\"\nbucket = \"day\"\ntimezone = \"Mars/Olympus\"\n\
+         [[collections]]\nname = \"c\"\ntimezone = \"Europe/Berlin\"\nclose_after = \"2d\"\n\
+         [[collections]]\nname = \"d\"\nbucket = 1\nclose_after = \"soon\"\n\
+         [[collections]]\nname = \"e\"\nbucket = \"Day\"\ntimezone = \"Nowhere\"\n\
+         [[collections]]\nname = \"f\"\ntimezone = \"Nowhere\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        [
+            "collections[0].bucket",
+            "collections[1].timezone",
+            "collections[2].timezone",
+            "collections[2].close_after",
+            "collections[3].bucket",
+            "collections[3].close_after",
+            "collections[4].bucket",
+            "collections[4].timezone",
+            "collections[5].timezone",
+        ],
+        "{err}"
+    );
+    for (key, says) in [
+        (
+            "collections[0].bucket",
+            "expected \"minute\", \"hour\", \"day\" or \"month\", found \"week\"",
+        ),
+        (
+            "collections[1].timezone",
+            "unknown time zone \"Mars/Olympus\"; use an IANA name such as \"UTC\"",
+        ),
+        (
+            "collections[2].timezone",
+            "set without bucket: a time zone says where buckets start",
+        ),
+        (
+            "collections[2].close_after",
+            "set without bucket: only buckets are closed",
+        ),
+        (
+            "collections[3].bucket",
+            "expected a string, found the number 1",
+        ),
+        ("collections[3].close_after", "not a duration"),
+        ("collections[4].bucket", "found \"Day\""),
+    ] {
+        let said = message(&err, key);
+        assert!(said.contains(says), "{key}: {said}");
+    }
+    assert!(
+        message(&err, "collections[2].close_after")
+            .ends_with("add bucket (minute, hour, day or month) or delete it")
+    );
+}
+
+#[test]
+fn a_close_after_below_the_margin_is_refused_naming_what_it_is_made_of() {
+    // Two-step: 20s + 10s + 31s = 61s; lanes: 1m + 10s = 70s.
+    let text = format!(
+        "{MINIMAL}attempt_timeout = \"10s\"\nserver_selection_timeout = \"5s\"\n\
+         [writer]\nretry_horizon = \"20s\"\nlane_resume_horizon = \"1m\"\nlane_ttl = \"2m\"\n\
+         [reconcile]\ngrace = \"31s\"\n\
+         [[collections]]\nname = \"a\"\nbucket = \"minute\"\nclose_after = \"69s\"\n\
+         [[collections]]\nname = \"b\"\nbucket = \"minute\"\ngrace = \"5m\"\nclose_after = \"5m 29s\"\n\
+         [alerts]\nstuck_after = \"1h\"\n"
+    );
+    let err = Config::from_toml(&text, []).unwrap_err();
+    assert_eq!(
+        keys(&err),
+        ["collections[0].close_after", "collections[1].close_after"],
+        "{err}"
+    );
+    let said = message(&err, "collections[0].close_after");
+    assert!(
+        said.starts_with("must be at least 1m 10s, the longer of"),
+        "{said}"
+    );
+    assert!(
+        said.contains(
+            "writer.retry_horizon + mongodb.attempt_timeout + reconcile.grace (20s + 10s + 31s = \
+             1m 1s) and writer.lane_resume_horizon + mongodb.attempt_timeout (1m + 10s = 1m 10s)"
+        ),
+        "{said}"
+    );
+    assert!(said.contains("lower writer.lane_resume_horizon"), "{said}");
+    // The collection's own grace, when it has one: 20s + 10s + 5m.
+    let said = message(&err, "collections[1].close_after");
+    assert!(said.starts_with("must be at least 5m 30s"), "{said}");
+    assert!(
+        said.contains("+ collections[1].grace (20s + 10s + 5m = 5m 30s)"),
+        "{said}"
+    );
+    assert!(!said.contains("lower writer.lane_resume_horizon"), "{said}");
+    // The margin itself is enough.
+    let fixed = text
+        .replace("\"69s\"", "\"70s\"")
+        .replace("\"5m 29s\"", "\"5m 30s\"");
+    Config::from_toml(&fixed, []).unwrap();
+    // With the defaults the lanes' part, 23h 1m, is the margin.
+    let short = format!(
+        "{MINIMAL}[[collections]]\nname = \"a\"\nbucket = \"day\"\nclose_after = \"23h\"\n"
+    );
+    let err = Config::from_toml(&short, []).unwrap_err();
+    assert!(
+        message(&err, "collections[0].close_after").starts_with("must be at least 23h 1m"),
+        "{err}"
+    );
 }
