@@ -349,6 +349,45 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The event's time is further ahead of this writer's clock than
+    /// [`MAX_TIME_AHEAD`](crate::MAX_TIME_AHEAD) allows: a clock or a
+    /// caller is wrong, and counting it would fill a bucket that has not
+    /// begun. Refused before anything was sent; not counted.
+    #[error(
+        "the time {at} is {ahead} ahead of this writer's clock, more than the {bound} allowed: \
+         nothing was sent, not counted; check the time given and this host's clock",
+        ahead = human_duration(*.ahead),
+        bound = human_duration(*.bound)
+    )]
+    TimeAhead {
+        /// The time given, RFC 3339 in the collection's zone.
+        at: String,
+        /// How far ahead of the writer's clock it is.
+        ahead: Duration,
+        /// The bound ([`MAX_TIME_AHEAD`](crate::MAX_TIME_AHEAD)).
+        bound: Duration,
+    },
+
+    /// The event's bucket ended more than the collection's `close_after`
+    /// ago: the bucket is closed, final, and takes no more counts. Refused
+    /// before anything was sent; not counted.
+    #[error(
+        "the bucket {bucket} of {collection} is closed: it ended {ended} ago, and its buckets \
+         close {close_after} after they end (close_after): nothing was sent, not counted",
+        ended = human_duration(*.ended_ago),
+        close_after = human_duration(*.close_after)
+    )]
+    BucketClosed {
+        /// The counter collection.
+        collection: String,
+        /// The bucket's start, RFC 3339 in the collection's zone.
+        bucket: String,
+        /// How long ago the bucket ended, by the writer's clock.
+        ended_ago: Duration,
+        /// The collection's `close_after`.
+        close_after: Duration,
+    },
+
     /// A document does not have the shape tally expects; it was not
     /// modified.
     #[error("document {id} in {collection} is malformed: {reason}")]

@@ -64,7 +64,8 @@
 //! - `document`: reading values out of documents tally does not own.
 //! - `token`: pending [`Token`]s and the two entry forms of a `pending`
 //!   array.
-//! - `write`: the protocols a writer calls — `counter` (the two-step
+//! - `write`: the protocols a writer calls — `at` (writes that carry a
+//!   time: a bucketed collection's `{k, t}` document), `counter` (the two-step
 //!   increment, with [`CollectionConfig`] and [`WriterConfig`]), `lane`
 //!   (writer lanes: one round trip, [`Counters::add`], group commit),
 //!   `group` (group commit's keyed queue), `sequence`, `insert_loop`,
@@ -163,6 +164,7 @@ pub use reconcile::{
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};
+pub use write::at::MAX_TIME_AHEAD;
 pub use write::bounded::{BoundedConfig, BoundedCounters, GiveBack, Take};
 pub use write::counter::{
     CollectionConfig, Completion, Counted, Counters, Increment, NotCounted, PendingToken, Protocol,

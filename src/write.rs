@@ -2,6 +2,8 @@
 //! into operations that stay exact when replies are lost, primaries step
 //! down and writers crash.
 //!
+//! - [`at`]: writes that carry a time — the `{k, t}` document of a
+//!   bucketed collection a write goes to, and the times refused;
 //! - [`counter`]: the two-step increment (the book: design/two-step.md) with `complete` and
 //!   `resume`, the [`Counters`](counter::Counters) handle both increment
 //!   protocols share, and the settings it shares with the fold (the
@@ -18,6 +20,7 @@
 //!   `tallyd complete`, with a check over the collection, key and amount
 //!   they settle.
 
+pub(crate) mod at;
 pub(crate) mod bounded;
 pub(crate) mod counter;
 pub(crate) mod group;

@@ -4,7 +4,7 @@ use jiff::Timestamp;
 use jiff::civil::{Date, Time};
 use jiff::tz::Offset;
 
-use super::BucketError;
+use super::{BucketError, Buckets};
 
 /// What a time's text said.
 pub(super) enum Written {
@@ -16,6 +16,42 @@ pub(super) enum Written {
 
 const WHAT_TO_WRITE: &str = "write RFC 3339 with an offset (2026-11-28T14:30:00Z, \
                              2026-11-28T15:30:00+01:00) or a date (2026-11-28)";
+
+impl Buckets {
+    /// `at` as RFC 3339 with the offset these buckets' zone has then, to
+    /// the second: how tally prints a bucket's start
+    /// (`2026-03-29T00:00:00+01:00`), which [`Buckets::parse_time`] reads
+    /// back. An instant outside the calendar's range shows as UTC.
+    ///
+    /// ```
+    /// use tally::{BucketWidth, Buckets};
+    ///
+    /// let days = Buckets::new(BucketWidth::Day, "Europe/Berlin")?;
+    /// let start = days.parse_time("2026-03-29")?;
+    /// assert_eq!(days.show_time(start), "2026-03-29T00:00:00+01:00");
+    /// assert_eq!(days.parse_time(&days.show_time(start))?, start);
+    /// # Ok::<(), tally::BucketError>(())
+    /// ```
+    pub fn show_time(&self, at: std::time::SystemTime) -> String {
+        let Ok(instant) = Timestamp::try_from(at) else {
+            return humantime::format_rfc3339_seconds(at).to_string();
+        };
+        let offset = self.zone.to_offset(instant);
+        let local = offset.to_datetime(instant);
+        let seconds = offset.seconds();
+        let sign = if seconds < 0 { '-' } else { '+' };
+        let seconds = seconds.unsigned_abs();
+        format!(
+            "{}T{:02}:{:02}:{:02}{sign}{:02}:{:02}",
+            local.date(),
+            local.hour(),
+            local.minute(),
+            local.second(),
+            seconds / 3600,
+            seconds / 60 % 60
+        )
+    }
+}
 
 /// Reads `text` (surrounding spaces allowed).
 pub(super) fn parse(text: &str) -> Result<Written, BucketError> {

@@ -27,7 +27,7 @@ use crate::write::ticket::{Settles, Ticket};
 
 /// `tallyd incr KEY [--by N] --lane`.
 pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
-    let outcome = target.counters.add_once(key, by).await;
+    let outcome = target.counters.add_once(key, by, None).await;
     report(target, key, &outcome)
 }
 

@@ -88,6 +88,9 @@ impl Ledger {
     /// The counter `key` read exactly: the counter plus its recorded events
     /// not folded into it yet. It answers however busy the fold is (after a
     /// few reads that met a moving fold, it reads once from a snapshot).
+    /// In a bucketed collection `key` is a bucket's `_id` `{k, t}`; a
+    /// plain key is refused ([`Error::InvalidArgument`]), as no document
+    /// holds it.
     ///
     /// ```no_run
     /// # async fn demo(orders: tally::Ledger) -> Result<(), tally::Error> {
@@ -98,6 +101,7 @@ impl Ledger {
     pub async fn value(&self, key: impl Into<Bson>) -> Result<ExactValue, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;
+        crate::write::at::check_read(&self.spec, &key)?;
         let lane = fold_lane(&self.spec.events_collection_name())?;
         for _ in 0..OPTIMISTIC_ROUNDS {
             let before = state::read(&self.store, &self.state).await?;

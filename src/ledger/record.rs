@@ -9,7 +9,7 @@ mod outcome;
 mod recorder;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
@@ -20,7 +20,13 @@ pub(crate) use recorder::{time_of, unix_micros};
 use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index, state};
 use crate::error::Error;
 use crate::store::Store;
+use crate::write::at::counter_id;
 use crate::write::counter::{CollectionConfig, WriterConfig};
+
+/// An event to record, with the lanes and numbers it was sent with
+/// before (none for a new one), or its outcome decided already (its time
+/// refused).
+type ToRecord = Result<(Event, Vec<(ObjectId, i64)>), Box<Recording>>;
 
 impl Ledger {
     /// A ledger for the counter collection `spec`; its events go to
@@ -145,15 +151,113 @@ impl Ledger {
         counter_key: impl Into<Bson>,
         amount: i64,
     ) -> Recording {
-        let event = Event {
-            key: event_key.into(),
-            counter: counter_key.into(),
-            amount,
-        };
-        self.record_all(vec![(event, Vec::new())])
+        self.record_timed(vec![(event_key.into(), counter_key.into(), amount, None)])
             .await
             .pop()
             .expect("one outcome")
+    }
+
+    /// Records the event `event_key`, which happened at `at`: `amount` on
+    /// the counter `counter_key` of the bucket holding `at`, in a
+    /// collection with [`CollectionConfig::buckets`]. The event stores the
+    /// bucketed `_id` `{k: counter_key, t: <bucket start>}` as its counter
+    /// ([`Event::counter`]), so the fold counts it in the bucket it
+    /// happened in, however late it arrives; [`Ledger::record`] is this at
+    /// now. The event key stays the idempotency key: recorded again with
+    /// another time (another bucket) it is still a
+    /// [`Recording::Duplicate`], whose event names the bucket it was
+    /// counted in. [`Recording::NotRecorded`], nothing sent: a time more
+    /// than [`MAX_TIME_AHEAD`](crate::MAX_TIME_AHEAD) ahead of this host's
+    /// clock ([`Error::TimeAhead`]), a time whose bucket ended more than
+    /// `close_after` ago ([`Error::BucketClosed`]), any time for a
+    /// collection without buckets ([`Error::InvalidArgument`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) -> Result<(), Box<dyn std::error::Error>> {
+    /// use tally::Recording;
+    ///
+    /// let buckets = orders.spec().buckets.clone().expect("a bucketed collection");
+    /// let at = buckets.parse_time("2026-11-27T23:59:00+01:00")?;
+    /// match orders.record_at("order-1042", "customer-7", 3, at).await {
+    ///     Recording::NotRecorded(not) => eprintln!("order-1042: {}", not.cause()),
+    ///     recording => println!("order-1042: {}", recording.name()),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn record_at(
+        &self,
+        event_key: impl Into<String>,
+        counter_key: impl Into<Bson>,
+        amount: i64,
+        at: SystemTime,
+    ) -> Recording {
+        self.record_timed(vec![(
+            event_key.into(),
+            counter_key.into(),
+            amount,
+            Some(at),
+        )])
+        .await
+        .pop()
+        .expect("one outcome")
+    }
+
+    /// [`Ledger::record_many`] of events that carry their time (`None`:
+    /// now), each recorded as [`Ledger::record_at`] records it: a refused
+    /// time refuses its event alone.
+    ///
+    /// ```no_run
+    /// # async fn demo(orders: tally::Ledger) {
+    /// use std::time::{Duration, SystemTime};
+    ///
+    /// let an_hour_ago = SystemTime::now() - Duration::from_secs(3600);
+    /// let lines = [("order-1042", "customer-7", 3, Some(an_hour_ago)), ("order-1043", "customer-7", 1, None)];
+    /// for recording in orders.record_many_at(lines).await {
+    ///     println!("{}: {}", recording.event().key(), recording.name());
+    /// }
+    /// # }
+    /// ```
+    pub async fn record_many_at<K, C>(
+        &self,
+        events: impl IntoIterator<Item = (K, C, i64, Option<SystemTime>)>,
+    ) -> Vec<Recording>
+    where
+        K: Into<String>,
+        C: Into<Bson>,
+    {
+        let events = events
+            .into_iter()
+            .map(|(key, counter, amount, at)| (key.into(), counter.into(), amount, at))
+            .collect();
+        self.record_timed(events).await
+    }
+
+    /// Records events, each `counter` made the `_id` of its bucket first
+    /// (an event whose time is refused is not recorded).
+    async fn record_timed(
+        &self,
+        events: Vec<(String, Bson, i64, Option<SystemTime>)>,
+    ) -> Vec<Recording> {
+        let now = SystemTime::now();
+        let events = events
+            .into_iter()
+            .map(|(key, counter, amount, at)| {
+                let timed = counter_id(&self.spec, counter.clone(), at, now);
+                let event = Event {
+                    key,
+                    counter,
+                    amount,
+                };
+                match timed {
+                    Ok(counter) => Ok((Event { counter, ..event }, Vec::new())),
+                    Err(cause) => Err(Box::new(Recording::NotRecorded(NotRecorded {
+                        event,
+                        cause,
+                    }))),
+                }
+            })
+            .collect();
+        self.record_all(events).await
     }
 
     /// Sends an unknown recording again, on this handle's current lane with
@@ -221,7 +325,7 @@ impl Ledger {
             });
         }
         Ok(self
-            .record_all(vec![(ticket.event, ticket.attempts)])
+            .record_all(vec![Ok((ticket.event, ticket.attempts))])
             .await
             .pop()
             .expect("one outcome"))
@@ -250,27 +354,26 @@ impl Ledger {
         K: Into<String>,
         C: Into<Bson>,
     {
-        let events = events
+        let untimed = events
             .into_iter()
-            .map(|(key, counter, amount)| {
-                let event = Event {
-                    key: key.into(),
-                    counter: counter.into(),
-                    amount,
-                };
-                (event, Vec::new())
-            })
-            .collect();
-        self.record_all(events).await
+            .map(|(key, counter, amount)| (key, counter, amount, None));
+        self.record_many_at(untimed).await
     }
 
-    /// Refuses what can never be recorded, queues the rest, and waits for
-    /// every outcome.
-    async fn record_all(&self, events: Vec<(Event, Vec<(ObjectId, i64)>)>) -> Vec<Recording> {
+    /// Refuses what can never be recorded (and keeps the refusals given),
+    /// queues the rest, and waits for every outcome.
+    async fn record_all(&self, events: Vec<ToRecord>) -> Vec<Recording> {
         let mut outcomes: Vec<Option<Recording>> = Vec::with_capacity(events.len());
         let mut sending = Vec::new();
         let mut queued = Vec::new();
-        for (i, (event, earlier)) in events.into_iter().enumerate() {
+        for (i, event) in events.into_iter().enumerate() {
+            let (event, earlier) = match event {
+                Ok(event) => event,
+                Err(refused) => {
+                    outcomes.push(Some(*refused));
+                    continue;
+                }
+            };
             match check_event(&event) {
                 Ok(()) => {
                     outcomes.push(None);

@@ -272,13 +272,63 @@ impl Counters {
     /// # Ok(()) }
     /// ```
     pub async fn increment(&self, key: impl Into<Bson>, amount: i64) -> Increment {
-        let key = key.into();
-        let checked = crate::document::check_key(&key).and_then(|()| {
-            Entry::new(Token::new(), amount)
-                .ok_or_else(|| Error::InvalidArgument("the amount must not be zero".into()))
-        });
-        let entry = match checked {
-            Ok(entry) => entry,
+        self.increment_timed(key.into(), amount, None).await
+    }
+
+    /// Adds `amount` (not zero) to the counter `key` of the bucket holding
+    /// `at`, in a collection with [`CollectionConfig::buckets`]: the
+    /// document `{_id: {k: key, t: <bucket start>}}` (which
+    /// [`Increment`]'s outcomes name as their key). [`Counters::increment`]
+    /// is this at now. Not counted, nothing sent
+    /// ([`Increment::NotCounted`]): a time more than
+    /// [`MAX_TIME_AHEAD`](crate::MAX_TIME_AHEAD) ahead of this host's clock
+    /// ([`Error::TimeAhead`]), a time whose bucket ended more than
+    /// `close_after` ago ([`Error::BucketClosed`]), and any time for a
+    /// collection without buckets ([`Error::InvalidArgument`]: the time
+    /// would be dropped, and counting by time needs the configuration's
+    /// `bucket`).
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tally::Store) -> Result<(), Box<dyn std::error::Error>> {
+    /// use tally::{BucketWidth, Buckets, CollectionConfig, Counters, Error, Increment, WriterConfig};
+    ///
+    /// let days = Buckets::new(BucketWidth::Day, "Europe/Berlin")?;
+    /// let spec = CollectionConfig::new("page_views").with_buckets(days.clone());
+    /// let views = Counters::new(&store, spec, WriterConfig::default());
+    /// // A late event: counted in the day it happened, while that day is open.
+    /// let at = days.parse_time("2026-11-27T23:59:00+01:00")?;
+    /// match views.increment_at("home", 1, at).await {
+    ///     Increment::NotCounted(not) if matches!(not.cause(), Error::BucketClosed { .. }) => {
+    ///         eprintln!("too late: {}", not.cause())
+    ///     }
+    ///     outcome => println!("{}", outcome.name()),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn increment_at(
+        &self,
+        key: impl Into<Bson>,
+        amount: i64,
+        at: SystemTime,
+    ) -> Increment {
+        self.increment_timed(key.into(), amount, Some(at)).await
+    }
+
+    /// The `_id` a write of `key` at `at` (`None`: now) goes to: the key,
+    /// or its bucket's `{k, t}` ([`super::at`]).
+    pub(super) fn counter_id(&self, key: Bson, at: Option<SystemTime>) -> Result<Bson, Error> {
+        super::at::counter_id(&self.spec, key, at, SystemTime::now())
+    }
+
+    async fn increment_timed(&self, key: Bson, amount: i64, at: Option<SystemTime>) -> Increment {
+        let checked = crate::document::check_key(&key)
+            .and_then(|()| {
+                Entry::new(Token::new(), amount)
+                    .ok_or_else(|| Error::InvalidArgument("the amount must not be zero".into()))
+            })
+            .and_then(|entry| Ok((self.counter_id(key.clone(), at)?, entry)));
+        let (key, entry) = match checked {
+            Ok(checked) => checked,
             Err(cause) => {
                 return Increment::NotCounted(NotCounted {
                     key,
@@ -322,7 +372,9 @@ impl Counters {
     }
 
     /// The counter's current value (`None` when the document or the field
-    /// does not exist). Pending entries are not included.
+    /// does not exist). Pending entries are not included. In a bucketed
+    /// collection `key` is a bucket's `_id` `{k, t}`; a plain key is
+    /// refused ([`Error::InvalidArgument`]), as no document holds it.
     ///
     /// ```no_run
     /// # async fn demo(views: tally::Counters) -> Result<(), tally::Error> {
@@ -338,6 +390,7 @@ impl Counters {
     pub async fn value(&self, key: impl Into<Bson>) -> Result<Option<Bson>, Error> {
         let key = key.into();
         crate::document::check_key(&key)?;
+        super::at::check_read(&self.spec, &key)?;
         let counter_field = &self.spec.counter_field;
         let found = self
             .read_one(

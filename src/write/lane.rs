@@ -191,10 +191,11 @@ impl Counters {
             crate::document::check_key(&op.key)?;
             check_amount(amount)?;
             check_position(&op.lane, position)?;
-            Ok(lanes)
+            Ok((lanes, self.counter_id(op.key.clone(), None)?))
         });
         match usable {
-            Ok(writer) => {
+            Ok((writer, key)) => {
+                let op = LaneOp { key, ..op };
                 let sent = self.send(writer.resume_horizon, &op, By::Increment).await;
                 op.outcome(sent)
             }
@@ -254,7 +255,12 @@ impl Counters {
     /// --lane`), whose ticket is its lane alone — a count, not a time, so
     /// its age, and its entry's, is the lane's (minted now).
     #[cfg(feature = "daemon")]
-    pub(crate) async fn add_once(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
+    pub(crate) async fn add_once(
+        &self,
+        key: impl Into<Bson>,
+        amount: i64,
+        at: Option<SystemTime>,
+    ) -> LaneIncrement {
         let fresh = crate::token::Token::created_at_time(SystemTime::now()).object_id();
         let op = LaneOp {
             key: key.into(),
@@ -269,10 +275,11 @@ impl Counters {
             .and_then(|writer| {
                 crate::document::check_key(&op.key)?;
                 check_amount(amount)?;
-                Ok(writer.resume_horizon)
+                Ok((writer.resume_horizon, self.counter_id(op.key.clone(), at)?))
             });
         match usable {
-            Ok(horizon) => {
+            Ok((horizon, key)) => {
+                let op = LaneOp { key, ..op };
                 let sent = self.send(horizon, &op, By::Increment).await;
                 op.outcome(sent)
             }

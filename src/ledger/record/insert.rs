@@ -31,10 +31,11 @@ use mongodb::options::ReadConcern;
 use mongodb::{Collection, Namespace};
 
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
-use crate::document::{integer_value, same_key};
+use crate::document::integer_value;
 use crate::error::{Effect, Error, Facts, Failure, FailureKind, Next, RetryBudget, code};
 use crate::ledger::{field, floor};
 use crate::store::Store;
+use crate::write::at::{same_key_any_bucket, split_id};
 
 /// One event of a batch, numbered on its lane.
 #[derive(Debug)]
@@ -109,8 +110,15 @@ impl Item {
 pub(super) fn judge_other(event: Event, stored: &Document) -> Recording {
     let stored_counter = stored.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
     let stored_amount = stored.get(field::AMOUNT).and_then(integer_value);
-    if same_key(&stored_counter, &event.counter) && stored_amount == Some(event.amount) {
-        Recording::Duplicate(event)
+    // The event key is the idempotency key, not its bucket: recorded again
+    // with another time it is the same event, counted in the bucket it
+    // was recorded for, which its duplicate names.
+    if same_key_any_bucket(&stored_counter, &event.counter) && stored_amount == Some(event.amount) {
+        let counter = match split_id(&stored_counter) {
+            Some(_) => stored_counter,
+            None => event.counter,
+        };
+        Recording::Duplicate(Event { counter, ..event })
     } else {
         Recording::Conflict(Conflict {
             event,
@@ -437,6 +445,41 @@ mod tests {
         );
         assert!(matches!(
             item("a", 3, ours, 1).judge(&stored(theirs, 1)),
+            Recording::Conflict(_)
+        ));
+    }
+
+    #[test]
+    fn an_event_recorded_again_in_another_bucket_is_a_duplicate_counted_in_the_first() {
+        use mongodb::bson::DateTime;
+        let bucket =
+            |key: &str, ms: i64| Bson::from(doc! { "k": key, "t": DateTime::from_millis(ms) });
+        let (first, later) = (bucket("a", 86_400_000), bucket("a", 2 * 86_400_000));
+        let stored =
+            doc! { "_id": "evt_1", "k": first.clone(), "n": 2i64, "L": ObjectId::new(), "s": 1i64 };
+        let again = Event {
+            counter: later,
+            ..item("a", 2, ObjectId::new(), 5).event
+        };
+        let Recording::Duplicate(event) = judge_other(again.clone(), &stored) else {
+            panic!("the same event in another bucket is a duplicate");
+        };
+        assert_eq!(
+            event.counter(),
+            &first,
+            "named by the bucket it was counted in"
+        );
+        let other_key = Event {
+            counter: bucket("b", 86_400_000),
+            ..again.clone()
+        };
+        assert!(matches!(
+            judge_other(other_key, &stored),
+            Recording::Conflict(_)
+        ));
+        let other_amount = Event { amount: 3, ..again };
+        assert!(matches!(
+            judge_other(other_amount, &stored),
             Recording::Conflict(_)
         ));
     }

@@ -270,13 +270,24 @@ impl Counters {
     /// # Ok(()) }
     /// ```
     pub async fn add(&self, key: impl Into<Bson>, amount: i64) -> LaneIncrement {
-        let key = key.into();
+        self.add_timed(key.into(), amount, None).await
+    }
+
+    /// [`Counters::add`] of the bucket holding `at` (`None`: now), in a
+    /// collection with buckets ([`Counters::add_at`]).
+    pub(in crate::write) async fn add_timed(
+        &self,
+        key: Bson,
+        amount: i64,
+        at: Option<SystemTime>,
+    ) -> LaneIncrement {
         let usable = self.lanes.as_ref().map_err(Clone::clone);
-        let writer = match usable
+        let checked = usable
             .and_then(|writer| crate::document::check_key(&key).map(|()| writer))
             .and_then(|writer| check_amount(amount).map(|()| writer))
-        {
-            Ok(writer) => writer,
+            .and_then(|writer| Ok((writer, self.counter_id(key.clone(), at)?)));
+        let (writer, key) = match checked {
+            Ok(checked) => checked,
             Err(cause) => {
                 return LaneIncrement::NotCounted(NotCounted {
                     key,
