@@ -20,8 +20,8 @@ use mongodb::bson::oid::ObjectId;
 use serde_json::{Value, json};
 
 use super::{
-    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, TargetArgs, exit_code_for, fail, lane,
-    shown_command,
+    EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, exit_code_for, fail,
+    lane, shown_command,
 };
 use crate::config::Config;
 use crate::error::Error;
@@ -85,12 +85,60 @@ pub(crate) struct IncrArgs {
         value_parser = amount
     )]
     pub(crate) by: i64,
+    /// When the event happened, for a collection with buckets: RFC 3339
+    /// (2026-11-28T14:30:00Z, 2026-11-28T15:30:00+01:00) or a date
+    /// (2026-11-28, its midnight in the collection's time zone); counted in
+    /// the bucket holding it. Default: now.
+    #[arg(long, value_name = "TIME")]
+    pub(crate) at: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) protocol: ProtocolArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
+}
+
+/// Whether a command writes an event (its time defaults to now) or
+/// settles one (its bucket must be given: it is the event's, not now's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Timed {
+    Write,
+    Settle,
+}
+
+/// `--at TIME` read in `spec`'s buckets: `None` for a collection without
+/// buckets, else the time (now when a write gives none). Refused as a
+/// usage error (64): a time that is neither form, a time for a collection
+/// without buckets, a settle of a bucketed counter without one.
+pub(super) fn time_given(
+    spec: &CollectionConfig,
+    at: Option<&str>,
+    timed: Timed,
+) -> Result<Option<SystemTime>, String> {
+    let Some(buckets) = &spec.buckets else {
+        return match at {
+            None => Ok(None),
+            Some(_) => Err(format!(
+                "--at: collection {} has no buckets, so its counters carry no time; give its \
+                 [[collections]] entry a bucket (minute, hour, day or month), or leave --at out",
+                spec.name
+            )),
+        };
+    };
+    match (at, timed) {
+        (Some(text), _) => buckets
+            .parse_time(text)
+            .map(Some)
+            .map_err(|err| format!("--at: {err}")),
+        (None, Timed::Write) => Ok(Some(SystemTime::now())),
+        (None, Timed::Settle) => Err(format!(
+            "--at: collection {} counts by {} buckets, and a counter is settled in its bucket: \
+             give --at as the increment's hint printed it (the bucket's start)",
+            spec.name,
+            buckets.width()
+        )),
+    }
 }
 
 /// Everything a command needs to talk to one collection.
@@ -103,12 +151,56 @@ pub(super) struct Target {
     /// `[writer]`: its protocol (the default of `incr` and `resume`) and
     /// horizons.
     pub(super) writer: WriterConfig,
-    /// `--collection NAME` (and `--any-collection` when it was given), as
-    /// a printed command repeats them.
+    /// `--collection NAME` (and `--any-collection` when it was given, and
+    /// `--at` with the bucket's start in a bucketed collection), as a
+    /// printed command repeats them.
     pub(super) collection_options: String,
+    /// The start of the bucket this command writes or settles, in a
+    /// collection with buckets ([`Target::in_bucket_of`]).
+    pub(super) bucket: Option<SystemTime>,
 }
 
 impl Target {
+    /// The same target writing or settling the bucket holding `at` (a
+    /// collection without buckets: `None`, its plain keys), which every
+    /// hint it prints repeats as `--at`.
+    pub(super) fn in_bucket_of(mut self, at: Option<SystemTime>) -> Result<Self, String> {
+        let (Some(buckets), Some(at)) = (&self.spec.buckets, at) else {
+            return Ok(self);
+        };
+        let start = buckets.start_of(at).map_err(|err| format!("--at: {err}"))?;
+        self.collection_options
+            .push_str(&format!(" --at {}", buckets.show_time(start)));
+        self.bucket = Some(start);
+        Ok(self)
+    }
+
+    /// The counter document's `_id`: `key`, or its bucket's `{k, t}`.
+    pub(super) fn id(&self, key: &str) -> Bson {
+        match self.bucket {
+            Some(start) => crate::write::at::bucket_id(key.into(), start),
+            None => Bson::from(key),
+        }
+    }
+
+    /// The bucket's start as printed (RFC 3339 in the collection's zone).
+    pub(super) fn bucket_shown(&self) -> Option<String> {
+        let (buckets, start) = (self.spec.buckets.as_ref()?, self.bucket?);
+        Some(buckets.show_time(start))
+    }
+
+    /// `collection/key` as messages name the counter, with its bucket in
+    /// words: `views/home in the day from 2026-11-28T00:00:00+01:00`.
+    pub(super) fn place(&self, key: &str) -> String {
+        let place = format!("{}/{}", self.spec.name, crate::document::shown(key));
+        match (&self.spec.buckets, self.bucket_shown()) {
+            (Some(buckets), Some(start)) => {
+                format!("{place} in the {} from {start}", buckets.width())
+            }
+            _ => place,
+        }
+    }
+
     /// The ticket of an increment of `amount` to `key`: the token `id`,
     /// settled as `settles` says, or the minted lane `id` at `position`.
     pub(super) fn ticket(
@@ -119,7 +211,7 @@ impl Target {
         amount: i64,
         settles: Settles,
     ) -> String {
-        let key = Bson::from(key);
+        let key = self.id(key);
         self.counters
             .issue_ticket(&key, id, position, amount, settles)
             .to_string()
@@ -168,20 +260,46 @@ pub(super) async fn open(target: &TargetArgs, config: &Config) -> Result<Target,
         json: target.json,
         secrets,
         writer: config.writer,
+        bucket: None,
     })
 }
 
+/// [`open`], for a command given `--at` (`at`): the target in that
+/// bucket, the time read; a time refused is a usage error (64), refused
+/// before anything connects.
+pub(super) async fn open_at(
+    target: &TargetArgs,
+    config: &Config,
+    at: Option<&str>,
+    timed: Timed,
+) -> Result<(Target, Option<SystemTime>), ExitCode> {
+    let usage = |message: &str| fail(target.json, message, &config.secrets(), EXIT_USAGE);
+    let spec = target
+        .resolve(config)
+        .map_err(|(message, code)| fail(target.json, &message, &config.secrets(), code))?;
+    let time = time_given(&spec, at, timed).map_err(|message| usage(&message))?;
+    let opened = open(target, config).await?;
+    match opened.in_bucket_of(time) {
+        Ok(opened) => Ok((opened, time)),
+        Err(message) => Err(usage(&message)),
+    }
+}
+
 pub(super) async fn incr(args: IncrArgs, config: &Config) -> ExitCode {
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
+    let (target, at) = match open_at(&args.target, config, args.at.as_deref(), Timed::Write).await {
+        Ok(opened) => opened,
         Err(code) => return code,
     };
     let code = match args.protocol.chosen(target.writer.protocol) {
         Protocol::TwoStep => {
-            let outcome = target.counters.increment(args.key.as_str(), args.by).await;
+            let key = args.key.as_str();
+            let outcome = match at {
+                Some(at) => target.counters.increment_at(key, args.by, at).await,
+                None => target.counters.increment(key, args.by).await,
+            };
             report_increment(&target, &args.key, &outcome, None)
         }
-        Protocol::Lanes => lane::incr(&target, &args.key, args.by).await,
+        Protocol::Lanes => lane::incr(&target, &args.key, args.by, at).await,
     };
     target.close().await;
     code
@@ -234,8 +352,7 @@ pub(super) fn report_increment(
     outcome: &Increment,
     given: Option<&Ticket>,
 ) -> ExitCode {
-    let collection = &target.spec.name;
-    let shown_key = crate::document::shown(key);
+    let place = target.place(key);
     let token = outcome.token();
     let amount = outcome.amount();
     // Only an unknown increment's ticket is resumable: a resume could count
@@ -258,8 +375,7 @@ pub(super) fn report_increment(
     let (text, code) = match outcome {
         Increment::Counted(counted) => (
             counted_text(
-                collection,
-                key,
+                &place,
                 amount,
                 "ticket",
                 &shown_ticket,
@@ -269,7 +385,7 @@ pub(super) fn report_increment(
         ),
         Increment::Pending(_) => (
             format!(
-                "pending: ticket {shown_ticket} ({amount:+}) is in {collection}/{shown_key} but not \
+                "pending: ticket {shown_ticket} ({amount:+}) is in {place} but not \
                  yet counted; run `{}` or let the daemon fold it. Cause: {cause}",
                 shown_command(&format!(
                     "complete {} {shown_ticket}{}{}",
@@ -286,7 +402,7 @@ pub(super) fn report_increment(
             (
                 format!(
                     "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
-                     {collection}/{shown_key}, and it is past the retry horizon of {}: it is counted at \
+                     {place}, and it is past the retry horizon of {}: it is counted at \
                      most once (a resume would be refused). Cause: {cause}",
                     humantime::format_duration(target.counters.retry_horizon()),
                 ),
@@ -296,7 +412,7 @@ pub(super) fn report_increment(
         Increment::Unknown(_) => (
             format!(
                 "unknown: ticket {shown_ticket} ({amount:+}) may or may not be in \
-                 {collection}/{shown_key}; run `{}` soon (within the retry horizon of {}), \
+                 {place}; run `{}` soon (within the retry horizon of {}), \
                  after that it is counted at most once. Cause: {cause}",
                 shown_command(&format!(
                     "resume {} {shown_ticket}{}{}{}",
@@ -331,11 +447,11 @@ pub(super) fn report_increment(
     print(target, &shown, fields, &text, code)
 }
 
-/// The line of a counted outcome: `counted: views/k +5 (ticket …)`, said
+/// The line of a counted outcome: `counted: views/k +5 (ticket …)` (the
+/// counter's [`Target::place`]), said
 /// to be counted earlier when a settle before this one had counted it.
 pub(super) fn counted_text(
-    collection: &str,
-    key: &str,
+    place: &str,
     amount: i64,
     what: &str,
     id: &str,
@@ -346,8 +462,7 @@ pub(super) fn counted_text(
     } else {
         ""
     };
-    let key = crate::document::shown(key);
-    format!("counted: {collection}/{key} {amount:+} ({what} {id}{earlier})")
+    format!("counted: {place} {amount:+} ({what} {id}{earlier})")
 }
 
 /// ` --lane` or ` --two-step` for a hint that must use `protocol`: always
@@ -411,6 +526,9 @@ pub(super) fn print(
         fields["ticket"] = json!(shown.ticket);
         fields["amount"] = json!(shown.amount);
         fields["protocol"] = json!(shown.protocol.as_str());
+        if let Some(bucket) = target.bucket_shown() {
+            fields["bucket"] = json!(bucket);
+        }
         out!("{fields}");
     } else if code == EXIT_OK {
         out!("{text}");

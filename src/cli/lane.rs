@@ -26,8 +26,13 @@ use crate::write::lane::{LaneId, LaneIncrement, LaneTicket};
 use crate::write::ticket::{Settles, Ticket};
 
 /// `tallyd incr KEY [--by N] --lane`.
-pub(super) async fn incr(target: &Target, key: &str, by: i64) -> ExitCode {
-    let outcome = target.counters.add_once(key, by, None).await;
+pub(super) async fn incr(
+    target: &Target,
+    key: &str,
+    by: i64,
+    at: Option<std::time::SystemTime>,
+) -> ExitCode {
+    let outcome = target.counters.add_once(key, by, at).await;
     report(target, key, &outcome)
 }
 
@@ -43,7 +48,7 @@ pub(super) async fn resume(
     let token = ticket.token();
     let refuse = |err| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
     // A two-step token resumed as a lane would be counted again.
-    match target.counters.lookup(key, token).await {
+    match target.counters.lookup(target.id(key), token).await {
         Ok(Found::Absent) => {}
         Ok(Found::Pending(_) | Found::Settled(_)) => {
             return refuse(&other_protocol(token, Protocol::TwoStep));
@@ -53,7 +58,12 @@ pub(super) async fn resume(
             return print_failure(target, &shown, "unknown", &err, text, EXIT_TEMPFAIL);
         }
     }
-    let ticket = match LaneTicket::new(key, LaneId::Minted(token.object_id()), position, by) {
+    let ticket = match LaneTicket::new(
+        target.id(key),
+        LaneId::Minted(token.object_id()),
+        position,
+        by,
+    ) {
         Ok(ticket) => ticket,
         Err(err) => return refuse(&err),
     };
@@ -65,8 +75,7 @@ pub(super) async fn resume(
 }
 
 fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
-    let collection = &target.spec.name;
-    let shown_key = crate::document::shown(key);
+    let place = target.place(key);
     let amount = outcome.amount();
     let lane = outcome.lane().map(LaneId::to_string);
     let ticket = match (outcome.lane(), outcome.position()) {
@@ -83,8 +92,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
     let (text, code) = match outcome {
         LaneIncrement::Counted(counted) => (
             counted_text(
-                collection,
-                key,
+                &place,
                 amount,
                 "lane ticket",
                 &shown_ticket,
@@ -95,7 +103,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         LaneIncrement::Unknown(_) => (
             format!(
                 "unknown: the update of lane ticket {shown_ticket} ({amount:+}) may or may not \
-                 have applied to {collection}/{shown_key}; run `{}` — harmless to repeat, as \
+                 have applied to {place}; run `{}` — harmless to repeat, as \
                  often as needed — within the lane resume horizon of {} from when the update \
                  was sent ({}); after that it is counted at most once. Cause: {cause}",
                 shown_command(&format!(
@@ -116,7 +124,7 @@ fn report(target: &Target, key: &str, outcome: &LaneIncrement) -> ExitCode {
         ),
         LaneIncrement::OutOfOrder(behind) => (
             format!(
-                "refused: lane {} holds position {} in {collection}/{shown_key}, above {}: \
+                "refused: lane {} holds position {} in {place}, above {}: \
                  nothing was written; position {} ({amount:+}) is counted only if it applied \
                  before position {} did",
                 lane.as_deref().unwrap_or_default(),

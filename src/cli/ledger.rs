@@ -18,6 +18,7 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
+use mongodb::bson::Bson;
 use serde_json::{Value, json};
 
 use super::increment::shell_word;
@@ -55,9 +56,15 @@ pub(crate) struct RecordArgs {
         value_parser = super::increment::amount
     )]
     pub(crate) by: i64,
+    /// When the event happened, for a collection with buckets: RFC 3339
+    /// (2026-11-28T14:30:00Z, 2026-11-28T15:30:00+01:00) or a date
+    /// (2026-11-28, its midnight in the collection's time zone); counted in
+    /// the bucket holding it. Default: now.
+    #[arg(long, value_name = "TIME", conflicts_with = "from")]
+    pub(crate) at: Option<String>,
     /// Record the events of FILE instead, one JSON object a line:
-    /// {"event": "…", "key": …, "by": N} ("by" defaults to 1); "-" reads
-    /// standard input.
+    /// {"event": "…", "key": …, "by": N, "at": "TIME"} ("by" defaults to
+    /// 1, "at" to now); "-" reads standard input.
     #[arg(long, value_name = "FILE")]
     pub(crate) from: Option<String>,
     #[command(flatten)]
@@ -85,6 +92,15 @@ async fn open(target: &TargetArgs, config: &Config) -> Result<(Store, Ledger), E
 }
 
 pub(super) async fn record(args: RecordArgs, config: &Config) -> ExitCode {
+    // A time refused is a usage error, before anything connects.
+    let at = match args.target.resolve(config).map(|spec| {
+        super::increment::time_given(&spec, args.at.as_deref(), super::increment::Timed::Write)
+    }) {
+        Ok(Ok(at)) => at,
+        Ok(Err(message)) => return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE),
+        // Said by `open`, as for any command.
+        Err(_) => None,
+    };
     let (store, ledger) = match open(&args.target, config).await {
         Ok(opened) => opened,
         Err(code) => return code,
@@ -106,8 +122,15 @@ pub(super) async fn record(args: RecordArgs, config: &Config) -> ExitCode {
             from::record_from(from, &target).await
         }
         (None, Some(event), Some(key)) => {
-            let recording = ledger.record(event.as_str(), key.as_str(), args.by).await;
-            print_one(&recording, &ledger, args.target.json, &config.secrets())
+            let recording = match at {
+                Some(at) => {
+                    ledger
+                        .record_at(event.as_str(), key.as_str(), args.by, at)
+                        .await
+                }
+                None => ledger.record(event.as_str(), key.as_str(), args.by).await,
+            };
+            print_one(&recording, &ledger, args.target.json, &config.secrets(), at)
         }
         _ => fail(
             args.target.json,
@@ -145,17 +168,49 @@ fn judged(recording: &Recording, secrets: &Secrets) -> (u8, String) {
     }
 }
 
-/// A recording as one JSON object.
-fn as_json(recording: &Recording, ledger: &Ledger, text: &str, code: u8) -> Value {
+/// The plain key and the start of the bucket of a recording's event, as
+/// printed (`None` without buckets): the bucket it was recorded in, else
+/// (refused) the bucket holding `at`.
+fn key_and_bucket(
+    recording: &Recording,
+    ledger: &Ledger,
+    at: Option<SystemTime>,
+) -> (Bson, Option<String>) {
+    let counter = recording.event().counter();
+    let Some(buckets) = &ledger.spec().buckets else {
+        return (counter.clone(), None);
+    };
+    match crate::write::at::split_id(counter) {
+        Some((key, start)) => (key.clone(), Some(buckets.show_time(start))),
+        None => {
+            let start = at.and_then(|at| buckets.start_of(at).ok());
+            (counter.clone(), start.map(|start| buckets.show_time(start)))
+        }
+    }
+}
+
+/// A recording as one JSON object; in a collection with buckets, `key` is
+/// the plain key and `bucket` its bucket's start.
+fn as_json(
+    recording: &Recording,
+    ledger: &Ledger,
+    text: &str,
+    code: u8,
+    at: Option<SystemTime>,
+) -> Value {
     let event = recording.event();
+    let (key, bucket) = key_and_bucket(recording, ledger, at);
     let mut out = json!({
         "outcome": recording.name(),
         "event": event.key(),
-        "key": event.counter().clone().into_relaxed_extjson(),
+        "key": key.into_relaxed_extjson(),
         "amount": event.amount(),
         "collection": ledger.spec().name,
         "events_collection": ledger.spec().events_collection_name(),
     });
+    if let Some(bucket) = bucket {
+        out["bucket"] = json!(bucket);
+    }
     if let Recording::Conflict(conflict) = recording {
         out["recorded_key"] = conflict.stored_counter().clone().into_relaxed_extjson();
         out["recorded_amount"] = json!(conflict.stored_amount());
@@ -166,18 +221,29 @@ fn as_json(recording: &Recording, ledger: &Ledger, text: &str, code: u8) -> Valu
     out
 }
 
-fn print_one(recording: &Recording, ledger: &Ledger, json: bool, secrets: &Secrets) -> ExitCode {
+fn print_one(
+    recording: &Recording,
+    ledger: &Ledger,
+    json: bool,
+    secrets: &Secrets,
+    at: Option<SystemTime>,
+) -> ExitCode {
     let (code, text) = judged(recording, secrets);
     let event = recording.event();
+    let (key, bucket) = key_and_bucket(recording, ledger, at);
+    let bucket = match (&ledger.spec().buckets, bucket) {
+        (Some(buckets), Some(start)) => format!(" in the {} from {start}", buckets.width()),
+        _ => String::new(),
+    };
     let what = format!(
-        "event {} on {}/{} by {}",
+        "event {} on {}/{}{bucket} by {}",
         crate::document::shown(event.key()),
         ledger.spec().name,
-        display_id(event.counter()),
+        display_id(&key),
         event.amount()
     );
     if json {
-        out!("{}", as_json(recording, ledger, &text, code));
+        out!("{}", as_json(recording, ledger, &text, code, at));
     } else if code == EXIT_OK {
         out!("{text}: {what}");
     } else {
@@ -187,6 +253,21 @@ fn print_one(recording: &Recording, ledger: &Ledger, json: bool, secrets: &Secre
 }
 
 pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
+    if let Ok(spec) = args.target.resolve(config)
+        && let Some(buckets) = &spec.buckets
+    {
+        // A usage error: the command is right, what it asks of a bucketed
+        // collection needs a range this release cannot read yet.
+        let message = format!(
+            "collection {} counts by {} buckets: {} has a counter per bucket and none for all \
+             time, so `get KEY` has nothing to read; range reads (get KEY --from T --to T) are \
+             not there yet",
+            spec.name,
+            buckets.width(),
+            crate::document::shown(&args.key)
+        );
+        return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
+    }
     let (store, ledger) = match open(&args.target, config).await {
         Ok(opened) => opened,
         Err(code) => return code,

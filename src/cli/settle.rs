@@ -15,11 +15,10 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use mongodb::bson::Bson;
 use serde_json::json;
 
 use super::increment::{
-    Shown, Target, by_option, open, print, print_failure, report_increment, shell_word,
+    Shown, Target, Timed, by_option, open_at, print, print_failure, report_increment, shell_word,
 };
 use super::{
     EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, fail, lane, shown_command,
@@ -46,6 +45,11 @@ pub(crate) struct CompleteArgs {
     /// (for a bare token, only when given).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) by: Option<i64>,
+    /// The bucket's start as the increment's hint printed it, in a
+    /// collection with buckets (required there): the counter is settled in
+    /// the bucket it was written to.
+    #[arg(long, value_name = "TIME")]
+    pub(crate) at: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
@@ -66,6 +70,11 @@ pub(crate) struct ResumeArgs {
     /// it (for a lane, the whole update's).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub(crate) by: i64,
+    /// The bucket's start as the increment's hint printed it, in a
+    /// collection with buckets (required there): the counter is settled in
+    /// the bucket it was written to.
+    #[arg(long, value_name = "TIME")]
+    pub(crate) at: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) protocol: ResumeProtocolArgs,
@@ -111,7 +120,7 @@ impl Target {
         key: &str,
         amount: i64,
     ) -> Result<(), Error> {
-        let key = Bson::from(key);
+        let key = self.id(key);
         let names = Names {
             collection: &self.spec.name,
             key: &key,
@@ -136,15 +145,19 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
             "ticket {ticket} is a lane's (it carries the lane's number), and `tallyd complete` \
              settles a two-step token: resume it with `{}`",
             shown_command(&format!(
-                "resume {} {ticket}{}{collection}",
+                "resume {} {ticket}{}{collection}{}",
                 shell_word(&args.key),
                 by_option(args.by.unwrap_or(1)),
+                args.at
+                    .as_deref()
+                    .map(|at| format!(" --at {}", shell_word(at)))
+                    .unwrap_or_default(),
             )),
         );
         return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
     }
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
+    let target = match open_at(&args.target, config, args.at.as_deref(), Timed::Settle).await {
+        Ok((target, _)) => target,
         Err(code) => return code,
     };
     let by = args.by.unwrap_or(1);
@@ -171,7 +184,7 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
     let code = if let Err(err) = target.verify(Settles::Complete, ticket, &args.key, by) {
         refuse(&err)
     } else {
-        match target.counters.lookup(args.key.as_str(), token).await {
+        match target.counters.lookup(target.id(&args.key), token).await {
             Ok(Found::Pending(pending)) => match mismatch(pending.amount()) {
                 Some(err) => refuse(&err),
                 None => {
@@ -189,11 +202,10 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
             },
             Ok(Found::Absent) => {
                 let text = format!(
-                    "token {token} is not pending in {}/{} (database {}): nothing to do \
+                    "token {token} is not pending in {} (database {}): nothing to do \
                      (already counted, or never added — or added in another database or \
                      collection)",
-                    target.spec.name,
-                    crate::document::shown(&args.key),
+                    target.place(&args.key),
                     config.mongodb.database,
                 );
                 let fields = json!({
@@ -233,8 +245,8 @@ pub(super) async fn resume(args: ResumeArgs, config: &Config) -> ExitCode {
              says its protocol"
         ));
     }
-    let target = match open(&args.target, config).await {
-        Ok(target) => target,
+    let target = match open_at(&args.target, config, args.at.as_deref(), Timed::Settle).await {
+        Ok((target, _)) => target,
         Err(code) => return code,
     };
     let code = match (
@@ -259,14 +271,14 @@ async fn resume_two_step(target: &Target, args: &ResumeArgs) -> ExitCode {
     let refuse =
         |err: &Error| print_failure(target, &shown, "refused", err, "refused", EXIT_FAILED);
     let token = args.ticket.token();
-    let unknown = match UnknownToken::new(args.key.as_str(), token, args.by) {
+    let unknown = match UnknownToken::new(target.id(&args.key), token, args.by) {
         Ok(unknown) => unknown,
         Err(err) => return refuse(&err),
     };
     // Resuming a lane's increment as a two-step token would add it again
     // (the check makes that a forged ticket; the document has the last
     // word).
-    let key = Bson::from(args.key.as_str());
+    let key = target.id(&args.key);
     let lane = LaneId::Minted(token.object_id());
     match target.counters.lane_position(&key, &lane).await {
         Ok(None) => {}

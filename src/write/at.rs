@@ -63,9 +63,12 @@ pub(crate) fn counter_id(
         };
     };
     let start = bucket_start(spec, buckets, at.unwrap_or(now), now)?;
-    Ok(Bson::Document(
-        doc! { KEY: key, START: bson::DateTime::from_system_time(start) },
-    ))
+    Ok(bucket_id(key, start))
+}
+
+/// The `_id` of `key`'s counter in the bucket that starts at `start`.
+pub(crate) fn bucket_id(key: Bson, start: SystemTime) -> Bson {
+    Bson::Document(doc! { KEY: key, START: bson::DateTime::from_system_time(start) })
 }
 
 /// The start of the bucket holding `at`, unless the writer's clock (`now`)

@@ -3,6 +3,7 @@
 //! against the server named by `TALLY_TEST_MONGODB_URI`.
 
 mod bounded;
+mod buckets;
 mod cli;
 mod common;
 mod daemon;

@@ -1,6 +1,7 @@
 //! `tallyd record --from FILE` (`-`: standard input): newline-delimited
-//! JSON events, `{"event": "…", "key": …, "by": N}` (`by` defaults to 1),
-//! recorded in batches — a backfill from logs or a queue.
+//! JSON events, `{"event": "…", "key": …, "by": N, "at": "…"}` (`by`
+//! defaults to 1; `at`, the event's time in a collection with buckets, to
+//! now), recorded in batches — a backfill from logs or a queue.
 //!
 //! A batch goes out at 1,000 lines, or 200 ms after its first line was
 //! read, whichever comes first: fed by a quiet queue, each event is
@@ -26,7 +27,7 @@
 
 use std::io::{BufRead, IsTerminal};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use mongodb::bson::Bson;
@@ -35,6 +36,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 
 use super::{as_json, judged};
+use crate::bucket::{BucketWidth, Buckets};
 use crate::cli::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
 use crate::cli::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, exit_code_for, fail, out};
 use crate::error::{Error, words};
@@ -53,8 +55,10 @@ const BATCH: usize = 1000;
 /// first.
 const WAIT: Duration = Duration::from_millis(200);
 
-/// One line of the input, read.
-type Line = Result<(String, Bson, i64), String>;
+/// One line of the input, read: the event, its counter key, its amount
+/// and its time as written (read in the collection's zone when its batch
+/// goes out).
+type Line = Result<(String, Bson, i64, Option<String>), String>;
 
 /// A line read: its number, how many bytes of the input were read through
 /// it, and what it holds.
@@ -200,10 +204,10 @@ fn parse_line(text: &str) -> Line {
     };
     if let Some(unknown) = fields
         .keys()
-        .find(|k| !["event", "key", "by"].contains(&k.as_str()))
+        .find(|k| !["event", "key", "by", "at"].contains(&k.as_str()))
     {
         return Err(format!(
-            "unknown field {unknown:?} (expected event, key and by)"
+            "unknown field {unknown:?} (expected event, key, by and at)"
         ));
     }
     let event = match fields.get("event") {
@@ -222,7 +226,31 @@ fn parse_line(text: &str) -> Line {
             .as_i64()
             .ok_or("\"by\" must be an integer (a 64-bit signed one)")?,
     };
-    Ok((event, key, by))
+    let at = match fields.get("at") {
+        None => None,
+        Some(Value::String(at)) => Some(at.clone()),
+        Some(_) => {
+            return Err(
+                "\"at\" must be a string: RFC 3339 (2026-11-28T14:30:00Z) or a date (2026-11-28)"
+                    .into(),
+            );
+        }
+    };
+    Ok((event, key, by, at))
+}
+
+/// The time of a line's `"at"`, in the collection's zone (a collection
+/// without buckets reads it in UTC, and the ledger refuses it: not
+/// recorded). A time that is neither form makes the line malformed.
+fn line_time(ledger: &Ledger, at: Option<&str>) -> Result<Option<SystemTime>, String> {
+    let Some(at) = at else { return Ok(None) };
+    let zone = match &ledger.spec().buckets {
+        Some(buckets) => buckets.clone(),
+        None => Buckets::utc(BucketWidth::Day),
+    };
+    zone.parse_time(at)
+        .map(Some)
+        .map_err(|err| format!("\"at\": {err}"))
 }
 
 /// Reads `file` (standard input when `None`) on a thread of its own, line
@@ -302,17 +330,23 @@ fn unreachable(recording: &Recording) -> Option<&Error> {
 /// given up at a second Ctrl-C. Returns why the command must stop, if it
 /// must.
 async fn record_batch(
-    batch: Vec<Read>,
+    mut batch: Vec<Read>,
     target: &Target<'_>,
     tally: &mut Tally,
     interrupts: &mut Signal,
     bar: Option<&ProgressBar>,
 ) -> Option<Stop> {
-    let events: Vec<(String, Bson, i64)> = batch
-        .iter()
-        .filter_map(|read| read.line.as_ref().ok().cloned())
-        .collect();
-    let recording = target.ledger.record_many(events);
+    let mut events = Vec::new();
+    for read in &mut batch {
+        let Ok((event, key, by, at)) = &read.line else {
+            continue;
+        };
+        match line_time(target.ledger, at.as_deref()) {
+            Ok(at) => events.push((event.clone(), key.clone(), *by, at)),
+            Err(why) => read.line = Err(why),
+        }
+    }
+    let recording = target.ledger.record_many_at(events);
     tokio::pin!(recording);
     let mut stop = None;
     let outcomes = tokio::select! {
@@ -421,7 +455,7 @@ fn malformed(number: u64, why: &str, target: &Target<'_>, tally: &mut Tally) {
 fn report_line(number: u64, recording: &Recording, target: &Target<'_>) {
     let (code, text) = judged(recording, target.secrets);
     if target.json {
-        let mut shown = as_json(recording, target.ledger, &text, code);
+        let mut shown = as_json(recording, target.ledger, &text, code, None);
         shown["line"] = json!(number);
         out!("{shown}");
     } else if code != EXIT_OK {

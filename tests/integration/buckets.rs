@@ -1,0 +1,501 @@
+//! Counters by time: a write that carries a time lands in the `{k, t}`
+//! document of its bucket — with every protocol (two-step, lanes, the
+//! ledger and its fold), on days of 23 and 25 hours and in months — a late
+//! event counts in the bucket it happened in, once, an event recorded
+//! again with another time stays a duplicate, and a time far ahead or in a
+//! closed bucket is refused with nothing sent; the same from the command
+//! line (`incr --at`, `record --at`, `"at"` in `record --from`).
+//!
+//! The oracle is what is stored, read directly, never what the code under
+//! test reports.
+
+use std::time::{Duration, SystemTime};
+
+use mongodb::bson::{Bson, DateTime, Document, doc};
+use tally::{
+    BucketWidth, Buckets, CollectionConfig, Counters, Error, Increment, LaneIncrement, Ledger,
+    WriterConfig,
+};
+
+use crate::cli::{hint, hint_command, json, tallyd, text, write_config};
+use crate::common::{FailPoint, TestContext, counter};
+use crate::ledger::{assert_outcome, fold_all, fold_of};
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Day buckets of Berlin, open for a year and a half after they end (so
+/// that the daylight-saving days of 2026 take writes).
+fn berlin_days() -> Buckets {
+    Buckets::new(BucketWidth::Day, "Europe/Berlin")
+        .unwrap()
+        .with_close_after(540 * DAY)
+}
+
+fn bucketed(name: &str, buckets: &Buckets) -> CollectionConfig {
+    CollectionConfig::new(name).with_buckets(buckets.clone())
+}
+
+/// The `_id` of `key`'s counter in the bucket starting at `start` (RFC
+/// 3339).
+fn id(key: &str, start: &str) -> Bson {
+    let start = Buckets::utc(BucketWidth::Day).parse_time(start).unwrap();
+    Bson::Document(doc! { "k": key, "t": DateTime::from_system_time(start) })
+}
+
+/// Every `_id` of `collection`, in order.
+async fn ids(ctx: &TestContext, collection: &str) -> Vec<Bson> {
+    let coll = ctx.client(false).await.collection(collection);
+    let mut cursor = coll.find(doc! {}).sort(doc! { "_id": 1 }).await.unwrap();
+    let mut ids = Vec::new();
+    while cursor.advance().await.unwrap() {
+        let found: Document = cursor.deserialize_current().unwrap();
+        ids.push(found.get("_id").cloned().unwrap());
+    }
+    ids
+}
+
+#[tokio::test]
+async fn increments_land_in_their_day_of_berlin_across_daylight_saving_changes() {
+    let ctx = TestContext::new("buckets_dst").await;
+    let client = ctx.client(false).await;
+    let days = berlin_days();
+    let views = Counters::new(
+        &client.store(),
+        bucketed("views", &days),
+        WriterConfig::default(),
+    );
+    let at = |text: &str| days.parse_time(text).unwrap();
+    // 25 October 2026 has 25 hours in Berlin: its first and last minutes
+    // are one bucket, the minute before it another.
+    for (time, amount) in [
+        ("2026-10-25T00:00:00+02:00", 1),
+        ("2026-10-25T02:30:00+01:00", 2),
+        ("2026-10-25T23:59:59+01:00", 4),
+        ("2026-10-24T23:59:59+02:00", 8),
+    ] {
+        let outcome = views.increment_at("home", amount, at(time)).await;
+        assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+    }
+    // 29 March 2026 has 23 hours; through a lane, with group commit.
+    for (time, amount) in [
+        ("2026-03-29T00:00:00+01:00", 16),
+        ("2026-03-29T23:59:59+02:00", 32),
+    ] {
+        let outcome = views.add_at("home", amount, at(time)).await;
+        assert!(matches!(outcome, LaneIncrement::Counted(_)), "{outcome:?}");
+    }
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, id("home", "2026-10-24T22:00:00Z")).await, 7);
+    assert_eq!(counter(&coll, id("home", "2026-10-23T22:00:00Z")).await, 8);
+    assert_eq!(counter(&coll, id("home", "2026-03-28T23:00:00Z")).await, 48);
+    assert_eq!(ids(&ctx, "views").await.len(), 3, "one document a bucket");
+}
+
+#[tokio::test]
+async fn records_land_in_their_month_and_a_late_event_counts_once_in_its_own() {
+    let ctx = TestContext::new("buckets_months").await;
+    let store = ctx.client(false).await.store();
+    let months = Buckets::utc(BucketWidth::Month).with_close_after(60 * DAY);
+    let orders = Ledger::new(&store, bucketed("orders", &months));
+    orders.create_indexes().await.unwrap();
+    let now = SystemTime::now();
+    let this_month = months.start_of(now).unwrap();
+    // The last second of last month: late, but its bucket is open.
+    let late = this_month - Duration::from_secs(1);
+    let last_month = months.start_of(late).unwrap();
+    assert_outcome(&orders.record_at("o-1", "acme", 5, late).await, "recorded");
+    assert_outcome(&orders.record("o-2", "acme", 3).await, "recorded");
+    // Recorded again, with another time: the same event, counted once, in
+    // the bucket it was first recorded in.
+    let again = orders.record_at("o-1", "acme", 5, now).await;
+    assert_outcome(&again, "duplicate");
+    assert_eq!(
+        again.event().counter(),
+        &Bson::Document(doc! { "k": "acme", "t": DateTime::from_system_time(last_month) })
+    );
+    let many = orders
+        .record_many_at([
+            ("o-1", "acme", 5, Some(this_month)),
+            ("o-3", "acme", 1, Some(late)),
+        ])
+        .await;
+    assert_outcome(&many[0], "duplicate");
+    assert_outcome(&many[1], "recorded");
+
+    fold_all(&fold_of(&store, "orders")).await;
+    let coll = store.collection("orders");
+    let bucket = |start: SystemTime| doc! { "k": "acme", "t": DateTime::from_system_time(start) };
+    assert_eq!(counter(&coll, bucket(last_month)).await, 6);
+    assert_eq!(counter(&coll, bucket(this_month)).await, 3);
+    assert_eq!(ids(&ctx, "orders").await.len(), 2);
+    // An exact read of one bucket, by its `_id`; a plain key is refused.
+    assert_eq!(orders.value(bucket(last_month)).await.unwrap().value, 6);
+    assert!(matches!(
+        orders.value("acme").await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_time_far_ahead_or_in_a_closed_bucket_is_refused_and_nothing_is_sent() {
+    let ctx = TestContext::new("buckets_refused").await;
+    let client = ctx.client(false).await;
+    let hours = Buckets::utc(BucketWidth::Hour).with_close_after(Duration::from_secs(3600));
+    let spec = bucketed("views", &hours);
+    let views = Counters::new(&client.store(), spec.clone(), WriterConfig::default());
+    let ledger = Ledger::new(&client.store(), spec);
+    let now = SystemTime::now();
+    let ahead = now + tally::MAX_TIME_AHEAD + Duration::from_secs(60);
+    // Three hours ago: its hour ended two hours or more ago.
+    let closed = now - Duration::from_secs(3 * 3600);
+    client.events.clear();
+    let refused = [
+        views.increment_at("home", 1, ahead).await,
+        views.increment_at("home", 1, closed).await,
+    ];
+    assert!(
+        matches!(&refused[0], Increment::NotCounted(not) if matches!(not.cause(), Error::TimeAhead { .. })),
+        "{:?}",
+        refused[0]
+    );
+    assert!(
+        matches!(&refused[1], Increment::NotCounted(not) if matches!(not.cause(), Error::BucketClosed { .. })),
+        "{:?}",
+        refused[1]
+    );
+    let lane = views.add_at("home", 1, closed).await;
+    assert!(
+        matches!(&lane, LaneIncrement::NotCounted(not) if matches!(not.cause(), Error::BucketClosed { .. })),
+        "{lane:?}"
+    );
+    for at in [ahead, closed] {
+        let recording = ledger.record_at("evt", "home", 1, at).await;
+        assert_outcome(&recording, "not_recorded");
+    }
+    let sent: Vec<String> = client.events.sent().into_iter().map(|s| s.name).collect();
+    assert!(sent.is_empty(), "nothing sent: {sent:?}");
+
+    // A time for a collection without buckets is refused too.
+    let plain = Counters::new(
+        &client.store(),
+        CollectionConfig::new("plain"),
+        WriterConfig::default(),
+    );
+    let outcome = plain.increment_at("home", 1, now).await;
+    assert!(
+        matches!(&outcome, Increment::NotCounted(not) if not.cause().to_string().contains("has no buckets")),
+        "{outcome:?}"
+    );
+    assert!(client.events.sent().is_empty());
+}
+
+/// `tallyd --config PATH ARGS…`.
+async fn tallyd_with(path: &str, args: &[&str]) -> std::process::Output {
+    let mut all = vec!["--config", path];
+    all.extend_from_slice(args);
+    tallyd(&all, &[]).await
+}
+
+/// A config with `views` counted in Berlin's days, its ledger on, and the
+/// collection `plain` without buckets.
+fn bucketed_config(ctx: &TestContext) -> String {
+    ctx.config_toml(
+        false,
+        "[[collections]]\nname = \"views\"\nledger = true\nbucket = \"day\"\ntimezone = \
+         \"Europe/Berlin\"\nclose_after = \"540d\"\n[[collections]]\nname = \"plain\"\n",
+    )
+}
+
+#[tokio::test]
+async fn incr_and_record_at_a_time_from_the_command_line() {
+    let ctx = TestContext::new("buckets_cli").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &bucketed_config(&ctx));
+    let setup = tallyd_with(&path, &["setup"]).await;
+    assert_eq!(setup.status.code(), Some(0), "{}", text(&setup));
+
+    // The day of 25 hours, by its date and by a time in its last hour.
+    let counted = tallyd_with(
+        &path,
+        &[
+            "incr",
+            "home",
+            "--at",
+            "2026-10-25",
+            "--json",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(counted.status.code(), Some(0), "{}", text(&counted));
+    let shown = json(&counted);
+    assert_eq!(shown["outcome"], "counted", "{shown}");
+    assert_eq!(shown["bucket"], "2026-10-25T00:00:00+02:00", "{shown}");
+    let lane = tallyd_with(
+        &path,
+        &[
+            "incr",
+            "home",
+            "--at",
+            "2026-10-25T23:30:00+01:00",
+            "--by",
+            "2",
+            "--lane",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(lane.status.code(), Some(0), "{}", text(&lane));
+    assert!(
+        text(&lane).contains("counted: views/home in the day from 2026-10-25T00:00:00+02:00 +2"),
+        "{}",
+        text(&lane)
+    );
+    let recorded = tallyd_with(
+        &path,
+        &[
+            "record",
+            "evt-1",
+            "home",
+            "--at",
+            "2026-10-25T12:00:00Z",
+            "--by",
+            "4",
+            "--json",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(recorded.status.code(), Some(0), "{}", text(&recorded));
+    let shown = json(&recorded);
+    assert_eq!(
+        (&shown["outcome"], &shown["key"], &shown["bucket"]),
+        (
+            &"recorded".into(),
+            &"home".into(),
+            &"2026-10-25T00:00:00+02:00".into()
+        ),
+        "{shown}"
+    );
+    // Recorded again on another day: a duplicate, counted in its first.
+    let again = tallyd_with(
+        &path,
+        &[
+            "record",
+            "evt-1",
+            "home",
+            "--at",
+            "2026-10-26",
+            "--by",
+            "4",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again));
+    assert!(
+        text(&again).contains("duplicate") && text(&again).contains("in the day from 2026-10-25"),
+        "{}",
+        text(&again)
+    );
+
+    // NDJSON lines with and without "at"; one far ahead, one malformed.
+    let ahead = humantime::format_rfc3339_seconds(SystemTime::now() + DAY).to_string();
+    let lines = format!(
+        "{{\"event\": \"evt-2\", \"key\": \"home\", \"at\": \"2026-10-24T23:00:00+02:00\"}}\n\
+         {{\"event\": \"evt-3\", \"key\": \"home\", \"by\": 8, \"at\": \"2026-10-25T01:00:00Z\"}}\n\
+         {{\"event\": \"evt-4\", \"key\": \"home\", \"at\": \"{ahead}\"}}\n\
+         {{\"event\": \"evt-5\", \"key\": \"home\", \"at\": \"yesterday\"}}\n"
+    );
+    let file = dir.path().join("events.ndjson");
+    std::fs::write(&file, lines).unwrap();
+    let from = tallyd_with(
+        &path,
+        &[
+            "record",
+            "--from",
+            file.to_str().unwrap(),
+            "--json",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(from.status.code(), Some(1), "{}", text(&from));
+    let outcomes: Vec<serde_json::Value> = String::from_utf8_lossy(&from.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let names: Vec<&str> = outcomes
+        .iter()
+        .map(|o| o["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["recorded", "recorded", "not_recorded", "malformed"],
+        "{outcomes:?}"
+    );
+    assert_eq!(outcomes[0]["bucket"], "2026-10-24T00:00:00+02:00");
+    assert_eq!(outcomes[1]["bucket"], "2026-10-25T00:00:00+02:00");
+    assert!(
+        outcomes[2]["error"]
+            .as_str()
+            .unwrap()
+            .contains("ahead of this writer's clock"),
+        "{}",
+        outcomes[2]
+    );
+
+    let store = ctx.client(false).await.store();
+    fold_all(&fold_of(&store, "views")).await;
+    let coll = store.collection("views");
+    assert_eq!(
+        counter(&coll, id("home", "2026-10-24T22:00:00Z")).await,
+        1 + 2 + 4 + 8
+    );
+    assert_eq!(counter(&coll, id("home", "2026-10-23T22:00:00Z")).await, 1);
+    assert_eq!(ids(&ctx, "views").await.len(), 2);
+}
+
+#[tokio::test]
+async fn a_time_refused_by_the_command_line_says_why_with_its_exit_code() {
+    let ctx = TestContext::new("buckets_cli_refused").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &bucketed_config(&ctx));
+    // A time that is neither form: usage, naming the forms.
+    for args in [
+        &["incr", "home", "--at", "yesterday", "--collection", "views"][..],
+        &[
+            "record",
+            "e",
+            "home",
+            "--at",
+            "28/11/2026",
+            "--collection",
+            "views",
+        ][..],
+    ] {
+        let refused = tallyd_with(&path, args).await;
+        assert_eq!(refused.status.code(), Some(64), "{}", text(&refused));
+        assert!(
+            text(&refused).contains("RFC 3339") && text(&refused).contains("2026-11-28"),
+            "{}",
+            text(&refused)
+        );
+    }
+    // A time for a collection without buckets: usage.
+    let plain = tallyd_with(
+        &path,
+        &[
+            "incr",
+            "home",
+            "--at",
+            "2026-11-28",
+            "--collection",
+            "plain",
+        ],
+    )
+    .await;
+    assert_eq!(plain.status.code(), Some(64), "{}", text(&plain));
+    assert!(text(&plain).contains("has no buckets"), "{}", text(&plain));
+    // Far ahead, and closed: the event's verdict, exit 1, not counted.
+    let ahead = humantime::format_rfc3339_seconds(SystemTime::now() + DAY).to_string();
+    let future = tallyd_with(
+        &path,
+        &[
+            "incr",
+            "home",
+            "--at",
+            &ahead,
+            "--json",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(future.status.code(), Some(1), "{}", text(&future));
+    assert_eq!(json(&future)["outcome"], "not_counted");
+    let closed = tallyd_with(
+        &path,
+        &[
+            "record",
+            "e",
+            "home",
+            "--at",
+            "2020-01-01",
+            "--collection",
+            "views",
+        ],
+    )
+    .await;
+    assert_eq!(closed.status.code(), Some(1), "{}", text(&closed));
+    assert!(
+        text(&closed).contains("not recorded") && text(&closed).contains("is closed"),
+        "{}",
+        text(&closed)
+    );
+    assert!(ids(&ctx, "views").await.is_empty(), "nothing written");
+    // `get KEY` of a bucketed collection has no document to read: usage.
+    let get = tallyd_with(&path, &["get", "home", "--collection", "views"]).await;
+    assert_eq!(get.status.code(), Some(64), "{}", text(&get));
+    assert!(text(&get).contains("range reads"), "{}", text(&get));
+}
+
+/// A bucketed `incr` whose step 2 is refused is pending; its hint repeats
+/// `--at` with the bucket's start, and following it counts the token in
+/// that bucket. Without `--at`, `complete` of a bucketed counter is a
+/// usage error.
+#[tokio::test]
+async fn a_pending_bucketed_increment_is_completed_in_its_bucket_by_its_hint() {
+    let ctx = TestContext::new("buckets_cli_pending").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &bucketed_config(&ctx));
+    let pending = {
+        let _fail = FailPoint::set(
+            &ctx,
+            Bson::Document(doc! { "skip": 1, "times": 1 }),
+            doc! { "failCommands": ["update"], "errorCode": 2 },
+        )
+        .await;
+        let args = [
+            "incr",
+            "k",
+            "--by",
+            "2",
+            "--at",
+            "2026-10-25T23:30:00+01:00",
+        ];
+        tallyd_with(&path, &[&args[..], &["--collection", "views"]].concat()).await
+    };
+    assert_eq!(pending.status.code(), Some(75), "{}", text(&pending));
+    let hint = hint(&pending);
+    assert!(
+        hint.contains(" --at 2026-10-25T00:00:00+02:00"),
+        "{}",
+        text(&pending)
+    );
+    let words = hint_command(&hint);
+    let without_at: Vec<&str> = words
+        .iter()
+        .copied()
+        .filter(|w| *w != "--at" && !w.starts_with("2026-10-25"))
+        .collect();
+    let refused = tallyd_with(&path, &without_at).await;
+    assert_eq!(refused.status.code(), Some(64), "{}", text(&refused));
+    assert!(text(&refused).contains("give --at"), "{}", text(&refused));
+
+    let completed = tallyd_with(&path, &words).await;
+    assert_eq!(completed.status.code(), Some(0), "{}", text(&completed));
+    assert!(
+        text(&completed).contains("counted: views/k in the day from 2026-10-25T00:00:00+02:00 +2"),
+        "{}",
+        text(&completed)
+    );
+    let coll = ctx.client(false).await.collection("views");
+    assert_eq!(counter(&coll, id("k", "2026-10-24T22:00:00Z")).await, 2);
+    assert_eq!(ids(&ctx, "views").await.len(), 1);
+}
