@@ -1,7 +1,9 @@
 //! The fault matrix (the book: design/testing.md): every fault the network or a server can
 //! produce, injected by the black-pipe proxy at every write tally makes —
 //! increment step 1 and step 2, sequence `next`, bounded `take`, the fold,
-//! and the lane increment on a new and on an existing counter — with
+//! the lane increment on a new and on an existing counter, and step 1 and
+//! the lane increment of a bucketed collection (`increment_at`, `add_at`:
+//! the same rows, on an hour's `{k, t}` document) — with
 //! retryable writes off (the hard case) and on. A request delayed in the
 //! network (held by the proxy, forwarded after the caller's later attempt
 //! completed) is injected at the increments' writes.
@@ -23,8 +25,9 @@ use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
 use tally::{
-    BoundedConfig, BoundedCounters, CollectionConfig, Completion, Counters, FoldTarget, Increment,
-    LaneIncrement, Mode, SequenceConfig, Sequences, Store, Take, Token, WriterConfig,
+    BoundedConfig, BoundedCounters, BucketWidth, Buckets, CollectionConfig, Completion, Counters,
+    FoldTarget, Increment, LaneIncrement, Mode, SequenceConfig, Sequences, Store, Take, Token,
+    WriterConfig,
 };
 
 use crate::common::proxy::{Action, Exchange, Proxy, Release, Rule, upstream_of};
@@ -107,9 +110,15 @@ enum Site {
     /// `Counters::add` on an existing counter holding another lane's entry,
     /// through a lane that wrote it once already (a later number).
     LaneExisting,
+    /// `Counters::increment_at` in an hour-bucketed collection, its step 1:
+    /// the same protocol on the `{k, t}` document of the hour.
+    BucketedStep1,
+    /// `Counters::add_at` in an hour-bucketed collection, on a bucket not
+    /// written yet.
+    BucketedLane,
 }
 
-const SITES: [Site; 7] = [
+const SITES: [Site; 9] = [
     Site::Step1,
     Site::Step2,
     Site::SequenceNext,
@@ -117,6 +126,8 @@ const SITES: [Site; 7] = [
     Site::Fold,
     Site::LaneNew,
     Site::LaneExisting,
+    Site::BucketedStep1,
+    Site::BucketedLane,
 ];
 
 impl Site {
@@ -143,7 +154,12 @@ impl Site {
         let mut faults = FAULTS.to_vec();
         if matches!(
             self,
-            Self::Step1 | Self::Step2 | Self::LaneNew | Self::LaneExisting
+            Self::Step1
+                | Self::Step2
+                | Self::LaneNew
+                | Self::LaneExisting
+                | Self::BucketedStep1
+                | Self::BucketedLane
         ) {
             faults.push(Fault::Delayed);
         }
@@ -155,7 +171,7 @@ impl Site {
     fn owns(self, exchange: &Exchange) -> bool {
         exchange.command.as_deref() == Some(self.command())
             && match self {
-                Self::Step1 => exchange.body_mentions("$addToSet"),
+                Self::Step1 | Self::BucketedStep1 => exchange.body_mentions("$addToSet"),
                 Self::Step2 => exchange.body_mentions("$filter"),
                 _ => true,
             }
@@ -191,6 +207,12 @@ impl Expected {
 fn expected(site: Site, fault: Fault) -> Expected {
     use Fault::*;
     use Site::*;
+    // A bucketed write is the same protocol on another `_id`: the same row.
+    let site = match site {
+        BucketedStep1 => Step1,
+        BucketedLane => LaneNew,
+        other => other,
+    };
     let (outcome, sent, reached) = match (site, fault) {
         // Step 1 is idempotent: every transient fault is retried once and
         // the increment is counted; a refused command is not counted.
@@ -247,6 +269,7 @@ fn expected(site: Site, fault: Fault) -> Expected {
         // its number, so it applies nothing.
         (LaneNew | LaneExisting, Delayed) => ("counted", 2, 2),
         (SequenceNext | BoundedTake | Fold, Delayed) => unreachable!("not injected there"),
+        (BucketedStep1 | BucketedLane, _) => unreachable!("read as their protocol's row"),
     };
     Expected {
         outcome,
@@ -313,11 +336,13 @@ impl Rig {
         );
         let want = expected(site, fault);
         let (outcome, state, from_log) = match site {
-            Site::Step1 | Site::Step2 => self.increment(&name, &direct).await,
+            Site::Step1 | Site::Step2 | Site::BucketedStep1 => {
+                self.increment(site, &name, &direct).await
+            }
             Site::SequenceNext => self.sequence_next(&name, &direct).await,
             Site::BoundedTake => self.bounded_take(&name, &direct).await,
             Site::Fold => self.fold(&name, &direct, rule).await,
-            Site::LaneNew | Site::LaneExisting => {
+            Site::LaneNew | Site::LaneExisting | Site::BucketedLane => {
                 let counted = want.outcome.starts_with("counted");
                 match self.lane_add(site, &name, &direct, counted).await {
                     Ok(cell) => cell,
@@ -345,18 +370,20 @@ impl Rig {
         }
     }
 
-    /// The increment's cells. State: `counter` and `pending` of key `k`.
+    /// The increment's cells. State: `counter` and `pending` of key `k`
+    /// (in a bucketed cell, of `k`'s document of the hour written).
     async fn increment(
         &self,
+        site: Site,
         name: &str,
         direct: &mongodb::Collection<Document>,
     ) -> (String, Option<Document>, Option<Document>) {
-        let counters = Counters::new(
-            &self.store,
-            CollectionConfig::new(name),
-            WriterConfig::default(),
-        );
-        let result = counters.increment("k", 1).await;
+        let (spec, at, id) = cell_counter(site, name);
+        let counters = Counters::new(&self.store, spec, WriterConfig::default());
+        let result = match at {
+            Some(at) => counters.increment_at("k", 1, at).await,
+            None => counters.increment("k", 1).await,
+        };
         let token = result.token().expect("a token was made");
         let outcome = match result {
             Increment::Counted(c) if c.settled_earlier() => "counted (already settled)".into(),
@@ -375,7 +402,7 @@ impl Rig {
         };
         let log = self.settled_log(name).await;
         let from_log = replay_increment(&log, token.object_id());
-        let state = project(direct, "k", &["counter", "pending", "settled"]).await;
+        let state = project(direct, id, &["counter", "pending", "settled"]).await;
         (outcome, state, from_log)
     }
 
@@ -392,12 +419,9 @@ impl Rig {
         direct: &mongodb::Collection<Document>,
         counted: bool,
     ) -> Result<(String, Option<Document>, Option<Document>), String> {
-        let counters = Counters::try_new(
-            &self.store,
-            CollectionConfig::new(name),
-            WriterConfig::default(),
-        )
-        .expect("the default lane settings");
+        let (spec, at, id) = cell_counter(site, name);
+        let counters = Counters::try_new(&self.store, spec, WriterConfig::default())
+            .expect("the default lane settings");
         let lanes = ["counter", "lanes"];
         let mut first = 0;
         if site == Site::LaneExisting {
@@ -412,8 +436,11 @@ impl Rig {
             self.settled_log(name).await;
             self.proxy.clear_log();
         }
-        let before = project(direct, "k", &lanes).await;
-        let result = counters.add("k", 1).await;
+        let before = project(direct, id.clone(), &lanes).await;
+        let result = match at {
+            Some(at) => counters.add_at("k", 1, at).await,
+            None => counters.add("k", 1).await,
+        };
         let lane = result.lane().expect("a lane was taken").key();
         let position = result.position().expect("a lane was taken");
         let outcome = match &result {
@@ -425,10 +452,12 @@ impl Rig {
         };
         let log = self.settled_log(name).await;
         let from_log = replay_lanes(&log, before.clone());
-        let state = project(direct, "k", &lanes).await;
+        let state = project(direct, id, &lanes).await;
         let promised = match (site, counted) {
-            (Site::LaneNew, false) => None,
-            (Site::LaneNew, true) => Some(doc! { "counter": 1i32, "lanes": { &lane: position } }),
+            (Site::LaneNew | Site::BucketedLane, false) => None,
+            (Site::LaneNew | Site::BucketedLane, true) => {
+                Some(doc! { "counter": 1i32, "lanes": { &lane: position } })
+            }
             (_, false) => before,
             (_, true) => Some(doc! {
                 "counter": 7i64,
@@ -712,14 +741,33 @@ pub(crate) fn replay_lanes(log: &[Exchange], before: Option<Document>) -> Option
     state
 }
 
+/// A cell's counter: its collection (hour buckets of UTC for a bucketed
+/// site), the time its write carries, and the `_id` of `k`'s document
+/// (`{k, t}` of the hour for a bucketed site).
+fn cell_counter(site: Site, name: &str) -> (CollectionConfig, Option<SystemTime>, Bson) {
+    if !matches!(site, Site::BucketedStep1 | Site::BucketedLane) {
+        return (CollectionConfig::new(name), None, Bson::from("k"));
+    }
+    let hours = Buckets::utc(BucketWidth::Hour);
+    // A minute ago: its hour is open whenever the cell runs.
+    let at = SystemTime::now() - Duration::from_secs(60);
+    let start = hours.start_of(at).expect("an hour");
+    let id = doc! { "k": "k", "t": mongodb::bson::DateTime::from_system_time(start) };
+    (
+        CollectionConfig::new(name).with_buckets(hours),
+        Some(at),
+        Bson::Document(id),
+    )
+}
+
 /// The fields `fields` of document `id`, or `None` when it does not exist.
 pub(crate) async fn project(
     coll: &mongodb::Collection<Document>,
-    id: &str,
+    id: impl Into<Bson>,
     fields: &[&str],
 ) -> Option<Document> {
     let found = coll
-        .find_one(doc! { "_id": id })
+        .find_one(doc! { "_id": id.into() })
         .await
         .expect("read the document directly")?;
     Some(
