@@ -20,7 +20,7 @@ pub(crate) use recorder::{time_of, unix_micros};
 use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index, state};
 use crate::error::Error;
 use crate::store::Store;
-use crate::write::at::counter_id;
+use crate::write::at::{bucket_id, counter_id};
 use crate::write::counter::{CollectionConfig, WriterConfig};
 
 /// An event to record, with the lanes and numbers it was sent with
@@ -166,7 +166,9 @@ impl Ledger {
     /// now. The event key stays the idempotency key: recorded again with
     /// another time (another bucket) it is still a
     /// [`Recording::Duplicate`], whose event names the bucket it was
-    /// counted in. [`Recording::NotRecorded`], nothing sent: a time more
+    /// counted in — even when that time is refused. [`Recording::NotRecorded`],
+    /// nothing written (the events collection read once, to tell a
+    /// repeat): a time more
     /// than [`MAX_TIME_AHEAD`](crate::MAX_TIME_AHEAD) ahead of this host's
     /// clock ([`Error::TimeAhead`]), a time whose bucket ended more than
     /// `close_after` ago ([`Error::BucketClosed`]), any time for a
@@ -232,32 +234,64 @@ impl Ledger {
         self.record_timed(events).await
     }
 
-    /// Records events, each `counter` made the `_id` of its bucket first
-    /// (an event whose time is refused is not recorded).
+    /// Records events, each `counter` made the `_id` of its bucket first.
+    /// An event whose time is refused (far ahead, or in a closed bucket) is
+    /// not recorded — unless it was recorded before: its key is the
+    /// idempotency key whatever its time, so a repeat is judged against
+    /// what is stored (a duplicate, or a conflict), as an insert's
+    /// collision would be. That costs one read of the events collection,
+    /// and only for such events; nothing is written.
     async fn record_timed(
         &self,
         events: Vec<(String, Bson, i64, Option<SystemTime>)>,
     ) -> Vec<Recording> {
         let now = SystemTime::now();
-        let events = events
-            .into_iter()
-            .map(|(key, counter, amount, at)| {
-                let timed = counter_id(&self.spec, counter.clone(), at, now);
-                let event = Event {
-                    key,
-                    counter,
-                    amount,
-                };
-                match timed {
-                    Ok(counter) => Ok((Event { counter, ..event }, Vec::new())),
-                    Err(cause) => Err(Box::new(Recording::NotRecorded(NotRecorded {
-                        event,
-                        cause,
-                    }))),
+        let mut refused_times = Vec::new();
+        let mut prepared: Vec<ToRecord> = Vec::with_capacity(events.len());
+        for (i, (key, counter, amount, at)) in events.into_iter().enumerate() {
+            let timed = counter_id(&self.spec, counter.clone(), at, now);
+            let event = Event {
+                key,
+                counter,
+                amount,
+            };
+            match timed {
+                Ok(counter) => prepared.push(Ok((Event { counter, ..event }, Vec::new()))),
+                Err(cause) => {
+                    let bucket = self.spec.buckets.as_ref().zip(at);
+                    if let Some(start) = bucket.and_then(|(b, at)| b.start_of(at).ok())
+                        && matches!(cause, Error::TimeAhead { .. } | Error::BucketClosed { .. })
+                    {
+                        let counter = bucket_id(event.counter.clone(), start);
+                        refused_times.push((
+                            i,
+                            Event {
+                                counter,
+                                ..event.clone()
+                            },
+                        ));
+                    }
+                    let refused = Recording::NotRecorded(NotRecorded { event, cause });
+                    prepared.push(Err(Box::new(refused)));
                 }
-            })
-            .collect();
-        self.record_all(events).await
+            }
+        }
+        for (i, event) in refused_times {
+            let stored = self
+                .store
+                .find_one(
+                    &self.events,
+                    doc! { "_id": &event.key },
+                    doc! { field::COUNTER: 1, field::AMOUNT: 1 },
+                    "ledger.read_event",
+                )
+                .await;
+            // Unread (the server failed): not recorded, as refused.
+            if let Ok(Some(stored)) = stored {
+                prepared[i] = Err(Box::new(insert::judge_other(event, &stored)));
+            }
+        }
+        self.record_all(prepared).await
     }
 
     /// Sends an unknown recording again, on this handle's current lane with

@@ -11,8 +11,10 @@
 //! a recorded event carry the bucketed `_id`, so settling or folding them
 //! later counts in the bucket the event happened in.
 //!
-//! Refused by the writer's clock, before anything is sent (the event's
-//! verdict — not counted, not recorded — never an error of the call):
+//! Refused by the writer's clock, before anything is written (the event's
+//! verdict — not counted, not recorded — never an error of the call; the
+//! ledger first reads whether the event was recorded before, which makes
+//! a repeat a duplicate whatever its time):
 //! a time more than [`MAX_TIME_AHEAD`] ahead ([`Error::TimeAhead`]), and
 //! a time whose bucket ended more than `close_after` ago
 //! ([`Error::BucketClosed`]). A time given for a collection without
