@@ -2,7 +2,8 @@
 //! proxy injects — reply lost, connection cut, reply past the attempt
 //! timeout, not-primary, a command error, a request held up in the network
 //! and forwarded after the operation returned — at `Ledger::record` (its
-//! lane's registration and its insert), at `Ledger::record_many`, and at
+//! lane's registration and its insert), at `Ledger::record_many`, at
+//! `Ledger::record_at` of a bucketed collection, and at
 //! each read and write of a fold pass (the survey, the intent, the sum, a
 //! counter's update through the fold lane, the commit), with `retryWrites`
 //! in the URI off and on: tally owns its retries (the driver's are off on
@@ -25,7 +26,9 @@ use std::fmt::Write as _;
 use std::time::SystemTime;
 
 use mongodb::bson::{Bson, doc};
-use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording};
+use tally::{
+    BucketWidth, Buckets, CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording,
+};
 use tokio_util::sync::CancellationToken;
 
 use super::*;
@@ -67,10 +70,14 @@ enum Site {
     Apply,
     /// The commit (the `update` of the fold state that drops the intent).
     Commit,
+    /// `Ledger::record_at` in an hour-bucketed collection (one `insert`):
+    /// the event counts on `a`'s `{k, t}` document of the hour.
+    BucketedRecord,
 }
 
-const SITES: [Site; 8] = [
+const SITES: [Site; 9] = [
     Site::Record,
+    Site::BucketedRecord,
     Site::RecordMany,
     Site::Survey,
     Site::Intent,
@@ -85,7 +92,7 @@ impl Site {
     /// and which of its requests.
     fn target(self) -> (&'static str, &'static str, u64) {
         match self {
-            Self::Record | Self::RecordMany => ("insert", "_events", 1),
+            Self::Record | Self::RecordMany | Self::BucketedRecord => ("insert", "_events", 1),
             Self::Survey => ("aggregate", "_events", 1),
             Self::Intent => ("insert", "_events_fold", 1),
             Self::Floor => ("collMod", "_events", 1),
@@ -119,10 +126,12 @@ fn expected(site: Site, fault: Fault) -> Expected {
     use Site::*;
     let (outcome, sent, reached) = match (site, fault) {
         // A lost reply: the retry's duplicate key names our own lane and
-        // number.
-        (Record, ReplyDropped | DelayedPastTimeout | Delayed) => ("recorded", 2, 2),
-        (Record, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
-        (Record, CommandError) => ("not_recorded", 1, 0),
+        // number. A bucketed event is the same insert, another counter.
+        (Record | BucketedRecord, ReplyDropped | DelayedPastTimeout | Delayed) => {
+            ("recorded", 2, 2)
+        }
+        (Record | BucketedRecord, ClosedBeforeForwarding | NotPrimary) => ("recorded", 2, 1),
+        (Record | BucketedRecord, CommandError) => ("not_recorded", 1, 0),
         (RecordMany, ReplyDropped | DelayedPastTimeout | Delayed) => {
             ("recorded recorded recorded", 2, 2)
         }
@@ -224,8 +233,35 @@ impl LedgerRig {
             .rule(site.rule(&name).then(fault.action(false)));
         let mut diff = Vec::new();
         match site {
+            Site::BucketedRecord => {
+                // Taken once: the hour may turn while the cell runs.
+                let hour = hour_start();
+                let (outcome, recorded) = self.record(site, &name, hour).await;
+                drop(rule);
+                let log = settled_log(&self.rig.proxy, &faulted).await;
+                let landed = landed_events(&log);
+                if let Some(key) = recorded.iter().find(|key| !landed.contains(*key)) {
+                    diff.push(format!(
+                        "{key} recorded, its insert never reached the server"
+                    ));
+                }
+                self.final_fold(&name).await?;
+                // What landed counts once, on the hour's document alone.
+                let counters = self.rig.direct.collection(&name);
+                let want = i64::from(landed.contains("e1"));
+                let (bucketed, plain) = (
+                    counter(&counters, hour_of_a(hour)).await,
+                    counter(&counters, "a").await,
+                );
+                if (bucketed, plain) != (want, 0) {
+                    diff.push(format!(
+                        "counters: {bucketed} in a's hour, {plain} under a; expected {want}, 0"
+                    ));
+                }
+                self.check_counts(site, fault, &log, &outcome, &mut diff);
+            }
             Site::Record | Site::RecordMany => {
-                let (outcome, recorded) = self.record(site, &name).await;
+                let (outcome, recorded) = self.record(site, &name, hour_start()).await;
                 drop(rule);
                 let log = settled_log(&self.rig.proxy, &faulted).await;
                 let inserts = settled_log(&self.rig.proxy, &format!("{name}_events")).await;
@@ -303,13 +339,23 @@ impl LedgerRig {
     }
 
     /// The recording cells: the outcome (names, space-separated) and the
-    /// keys it says are recorded.
-    async fn record(&self, site: Site, name: &str) -> (String, BTreeSet<String>) {
-        let ledger = Ledger::new(&self.rig.store, CollectionConfig::new(name));
-        let recordings: Vec<Recording> = if site != Site::RecordMany {
-            vec![ledger.record("e1", "a", 1).await]
-        } else {
-            ledger.record_many(EVENTS).await
+    /// keys it says are recorded; the bucketed cell records at `hour`.
+    async fn record(&self, site: Site, name: &str, hour: SystemTime) -> (String, BTreeSet<String>) {
+        let recordings: Vec<Recording> = match site {
+            Site::RecordMany => {
+                let ledger = Ledger::new(&self.rig.store, CollectionConfig::new(name));
+                ledger.record_many(EVENTS).await
+            }
+            Site::BucketedRecord => {
+                let hours =
+                    CollectionConfig::new(name).with_buckets(Buckets::utc(BucketWidth::Hour));
+                let ledger = Ledger::new(&self.rig.store, hours);
+                vec![ledger.record_at("e1", "a", 1, hour).await]
+            }
+            _ => {
+                let ledger = Ledger::new(&self.rig.store, CollectionConfig::new(name));
+                vec![ledger.record("e1", "a", 1).await]
+            }
         };
         let names: Vec<&str> = recordings.iter().map(Recording::name).collect();
         let recorded = recordings
@@ -421,6 +467,19 @@ fn owns(site: Site, exchange: &Exchange) -> bool {
         Site::Survey => exchange.body_mentions("$sort"),
         _ => true,
     }
+}
+
+/// The start of the hour the bucketed cell records in: the current one
+/// (open whenever the cell runs, as its default close_after is a day).
+fn hour_start() -> SystemTime {
+    Buckets::utc(BucketWidth::Hour)
+        .start_of(SystemTime::now())
+        .expect("an hour")
+}
+
+/// The `_id` of `a`'s counter of the hour starting at `hour`.
+fn hour_of_a(hour: SystemTime) -> Bson {
+    Bson::Document(doc! { "k": "a", "t": mongodb::bson::DateTime::from_system_time(hour) })
 }
 
 /// The event keys of every `insert` that reached the server.
