@@ -1,9 +1,10 @@
 //! Counters by time: a write that carries a time lands in the `{k, t}`
 //! document of its bucket — with every protocol (two-step, lanes, the
-//! ledger and its fold), on days of 23 and 25 hours and in months — a late
+//! ledger and its fold, the fold of leftover tokens), on days of 23 and 25
+//! hours and in months — a late
 //! event counts in the bucket it happened in, once, an event recorded
 //! again with another time stays a duplicate, and a time far ahead or in a
-//! closed bucket is refused with nothing sent; the same from the command
+//! closed bucket is refused with nothing written; the same from the command
 //! line (`incr --at`, `record --at`, `"at"` in `record --from`).
 //!
 //! The oracle is what is stored, read directly, never what the code under
@@ -13,12 +14,12 @@ use std::time::{Duration, SystemTime};
 
 use mongodb::bson::{Bson, DateTime, Document, doc};
 use tally::{
-    BucketWidth, Buckets, CollectionConfig, Counters, Error, Increment, LaneIncrement, Ledger,
-    WriterConfig,
+    BucketWidth, Buckets, CollectionConfig, Counters, Error, FoldTarget, Increment, LaneIncrement,
+    Ledger, Mode, Token, WriterConfig,
 };
 
 use crate::cli::{hint, hint_command, json, tallyd, text, write_config};
-use crate::common::{FailPoint, TestContext, counter};
+use crate::common::{FailPoint, TestContext, counter, pending_len, run_reconcile};
 use crate::ledger::{assert_outcome, fold_all, fold_of};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -515,5 +516,32 @@ async fn a_pending_bucketed_increment_is_completed_in_its_bucket_by_its_hint() {
     );
     let coll = ctx.client(false).await.collection("views");
     assert_eq!(counter(&coll, id("k", "2026-10-24T22:00:00Z")).await, 2);
+    assert_eq!(ids(&ctx, "views").await.len(), 1);
+}
+
+/// The fold of leftover pending tokens works on a bucketed counter as on
+/// any: a stale token in a bucket's document is counted there, once.
+#[tokio::test]
+async fn a_leftover_token_in_a_buckets_document_is_folded_into_that_bucket() {
+    let ctx = TestContext::new("buckets_fold_token").await;
+    let client = ctx.client(false).await;
+    let bucket = id("home", "2026-10-24T22:00:00Z");
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    client
+        .collection("views")
+        .insert_one(doc! { "_id": bucket.clone(), "counter": 5i64, "pending": [{ "t": stale.object_id(), "n": 3i64 }] })
+        .await
+        .unwrap();
+    let target = FoldTarget {
+        spec: bucketed("views", &berlin_days()),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    for _ in 0..2 {
+        run_reconcile(&client.store(), &target, Mode::Fold).await;
+    }
+    let coll = client.collection("views");
+    assert_eq!(counter(&coll, bucket.clone()).await, 8);
+    assert_eq!(pending_len(&coll, bucket).await, 0);
     assert_eq!(ids(&ctx, "views").await.len(), 1);
 }
