@@ -47,6 +47,8 @@
 //!   event numbered at or below it;
 //! - [`index`]: the indexes the events collection needs;
 //! - [`read`]: exact reads ([`ExactValue`]);
+//! - [`range`]: a bucketed key's buckets in a range, read exactly
+//!   ([`RangeValue`]);
 //! - [`fold`]: the fold of recorded events into their counters
 //!   ([`EventFold`]) — `pass` (one pass: intent, floor, sums, apply,
 //!   commit), `held` (sums a counter refused), `query` (the range's sums on
@@ -59,6 +61,7 @@
 pub(crate) mod floor;
 mod fold;
 pub(crate) mod index;
+mod range;
 mod read;
 mod record;
 pub(crate) mod state;
@@ -72,6 +75,7 @@ use mongodb::bson::Document;
 pub use fold::{
     Backlog, EventFold, EventFoldSettings, EventsRun, HeldSum, RETENTION_MARGIN, retention_floor,
 };
+pub use range::{BucketValue, MAX_RANGE_BUCKETS, RangeValue};
 pub use read::ExactValue;
 pub use record::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub(crate) use record::{time_of, unix_micros};

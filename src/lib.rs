@@ -154,9 +154,9 @@ pub use cli::tallyd_main;
 pub use bucket::{BucketError, BucketStarts, BucketWidth, Buckets};
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use ledger::{
-    Backlog, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings, EventTicket,
-    EventsRun, ExactValue, HeldSum, Ledger, MAX_EVENT_KEY_BYTES, NotRecorded, RETENTION_MARGIN,
-    Recording, retention_floor,
+    Backlog, BucketValue, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings,
+    EventTicket, EventsRun, ExactValue, HeldSum, Ledger, MAX_EVENT_KEY_BYTES, MAX_RANGE_BUCKETS,
+    NotRecorded, RETENTION_MARGIN, RangeValue, Recording, retention_floor,
 };
 pub use reconcile::{
     CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, NAMED_LANES_LISTED,

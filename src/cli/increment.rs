@@ -275,7 +275,7 @@ pub(super) async fn open_at(
 ) -> Result<(Target, Option<SystemTime>), ExitCode> {
     let usage = |message: &str| fail(target.json, message, &config.secrets(), EXIT_USAGE);
     let spec = target
-        .resolve(config)
+        .resolve(config, false)
         .map_err(|(message, code)| fail(target.json, &message, &config.secrets(), code))?;
     let time = time_given(&spec, at, timed).map_err(|message| usage(&message))?;
     let opened = open(target, config).await?;

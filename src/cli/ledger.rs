@@ -25,6 +25,7 @@ use super::increment::shell_word;
 use super::{
     EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, exit_code_for, fail, shown_command,
 };
+use crate::bucket::BucketWidth;
 use crate::config::Config;
 use crate::document::display_id;
 use crate::error::Error;
@@ -33,6 +34,7 @@ use crate::ledger::{EventFold, EventFoldSettings};
 use crate::ledger::{Ledger, Recording};
 use crate::redact::Secrets;
 use crate::store::Store;
+use crate::write::counter::CollectionConfig;
 
 mod from;
 
@@ -78,6 +80,17 @@ pub(crate) struct GetArgs {
     /// The counter's `_id` (a string, not empty).
     #[arg(value_parser = super::counter_key)]
     pub(crate) key: String,
+    /// In a collection with buckets: read KEY's buckets that start at or
+    /// after TIME (RFC 3339, or a date for its midnight in the
+    /// collection's time zone). With --to.
+    #[arg(long, value_name = "TIME", requires = "to")]
+    pub(crate) from: Option<String>,
+    /// … and before TIME. With --from.
+    #[arg(long, value_name = "TIME", requires = "from")]
+    pub(crate) to: Option<String>,
+    /// Sum the buckets by this coarser width: minute, hour, day or month.
+    #[arg(long, value_name = "WIDTH", requires = "from")]
+    pub(crate) by: Option<BucketWidth>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub(crate) target: TargetArgs,
@@ -93,7 +106,7 @@ async fn open(target: &TargetArgs, config: &Config) -> Result<(Store, Ledger), E
 
 pub(super) async fn record(args: RecordArgs, config: &Config) -> ExitCode {
     // A time refused is a usage error, before anything connects.
-    let at = match args.target.resolve(config).map(|spec| {
+    let at = match args.target.resolve(config, true).map(|spec| {
         super::increment::time_given(&spec, args.at.as_deref(), super::increment::Timed::Write)
     }) {
         Ok(Ok(at)) => at,
@@ -253,20 +266,18 @@ fn print_one(
 }
 
 pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
-    if let Ok(spec) = args.target.resolve(config)
-        && let Some(buckets) = &spec.buckets
+    let range = match args
+        .target
+        .resolve(config, true)
+        .map(|spec| range_asked(&args, &spec))
     {
-        // A usage error: the command is right, what it asks of a bucketed
-        // collection needs a range this release cannot read yet.
-        let message = format!(
-            "collection {} counts by {} buckets: {} has a counter per bucket and none for all \
-             time, so `get KEY` has nothing to read; range reads (get KEY --from T --to T) are \
-             not there yet",
-            spec.name,
-            buckets.width(),
-            crate::document::shown(&args.key)
-        );
-        return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE);
+        Ok(Ok(range)) => range,
+        Ok(Err(message)) => return fail(args.target.json, &message, &config.secrets(), EXIT_USAGE),
+        // Said by `open`, as for any command.
+        Err(_) => None,
+    };
+    if let Some((from, to, by)) = range {
+        return get_range(&args, config, (from, to, by)).await;
     }
     let (store, ledger) = match open(&args.target, config).await {
         Ok(opened) => opened,
@@ -295,6 +306,113 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
                     value.unfolded,
                     counted(value.unfolded_events, "unfolded event", "unfolded events")
                 );
+            }
+            ExitCode::from(EXIT_OK)
+        }
+        Err(err) => fail(
+            args.target.json,
+            &store.explain(&err),
+            &config.secrets(),
+            exit_code_for(&err),
+        ),
+    };
+    store.shutdown().await;
+    code
+}
+
+/// The range `get` reads: `None` for one counter. A usage error for a range
+/// asked of a collection without buckets, a bucketed collection read
+/// without one, or a time or width the collection cannot take.
+fn range_asked(
+    args: &GetArgs,
+    spec: &CollectionConfig,
+) -> Result<Option<(SystemTime, SystemTime, Option<BucketWidth>)>, String> {
+    let Some(buckets) = &spec.buckets else {
+        return match args.from {
+            None => Ok(None),
+            Some(_) => Err(format!(
+                "--from: collection {} has no buckets, so {} has one counter for all time; leave                  --from, --to and --by out",
+                spec.name,
+                crate::document::shown(&args.key)
+            )),
+        };
+    };
+    let (Some(from), Some(to)) = (&args.from, &args.to) else {
+        return Err(format!(
+            "collection {} counts by {} buckets: {} has a counter per bucket and none for all              time; read its buckets with --from TIME --to TIME (and --by a coarser width to sum              them)",
+            spec.name,
+            buckets.width(),
+            crate::document::shown(&args.key)
+        ));
+    };
+    let from = buckets
+        .parse_time(from)
+        .map_err(|err| format!("--from: {err}"))?;
+    let to = buckets
+        .parse_time(to)
+        .map_err(|err| format!("--to: {err}"))?;
+    if from >= to {
+        return Err(format!(
+            "--from {} is not before --to {}: the range holds no bucket",
+            buckets.show_time(from),
+            buckets.show_time(to)
+        ));
+    }
+    if let Some(by) = args.by {
+        buckets.by(by).map_err(|err| format!("--by: {err}"))?;
+    }
+    Ok(Some((from, to, args.by)))
+}
+
+/// `get KEY --from T --to T [--by W]`: the key's buckets, each exact.
+async fn get_range(
+    args: &GetArgs,
+    config: &Config,
+    (from, to, by): (SystemTime, SystemTime, Option<BucketWidth>),
+) -> ExitCode {
+    let (store, ledger) = match open(&args.target, config).await {
+        Ok(opened) => opened,
+        Err(code) => return code,
+    };
+    let code = match ledger.values_between(args.key.as_str(), from, to, by).await {
+        Ok(read) => {
+            let buckets = ledger
+                .spec()
+                .buckets
+                .clone()
+                .expect("a range read is bucketed");
+            let shown = |at| buckets.show_time(at);
+            if args.target.json {
+                let rows: Vec<Value> = read
+                    .buckets
+                    .iter()
+                    .map(|b| json!({ "start": shown(b.start), "value": b.value, "closed": b.closed }))
+                    .collect();
+                out!(
+                    "{}",
+                    json!({
+                        "key": args.key,
+                        "from": shown(from),
+                        "to": shown(to),
+                        "by": read.by.as_str(),
+                        "total": read.total,
+                        "buckets": rows,
+                    })
+                );
+            } else {
+                out!(
+                    "{}/{} from {} to {}: {} ({} buckets)",
+                    ledger.spec().name,
+                    crate::document::shown(&args.key),
+                    shown(from),
+                    shown(to),
+                    read.total,
+                    read.by
+                );
+                for bucket in &read.buckets {
+                    let closed = if bucket.closed { "  closed" } else { "" };
+                    out!("  {}  {}{closed}", shown(bucket.start), bucket.value);
+                }
             }
             ExitCode::from(EXIT_OK)
         }

@@ -30,7 +30,9 @@ use mongodb::options::ReadConcern;
 
 use super::state::{self, FoldState};
 use super::{Ledger, field, floor, fold_lane};
-use crate::document::{bson_type_name, display_id, integer_value, same_key};
+use std::collections::HashMap;
+
+use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 
 /// How many optimistic double reads [`Ledger::value`] tries before it
@@ -43,12 +45,21 @@ const UNFOLDED_BATCH: u32 = 10_000;
 
 /// The fields of an event an exact read needs.
 fn event_projection() -> Document {
-    doc! { field::AMOUNT: 1, field::NUMBER: 1 }
+    doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 }
 }
 
-/// The filter of `counter`'s events above `watermark`.
-fn unfolded_filter(counter: &Bson, watermark: i64) -> Document {
-    doc! { field::COUNTER: counter.clone(), field::NUMBER: { "$gt": watermark } }
+/// The filter of the events of the counters `keys` above `watermark`.
+fn unfolded_filter(keys: &[Bson], watermark: i64) -> Document {
+    doc! { field::COUNTER: one_or_any(keys), field::NUMBER: { "$gt": watermark } }
+}
+
+/// A filter's value for a field that is one of `keys`: the key itself for
+/// one (an equality, as every read of one counter is), `$in` for more.
+fn one_or_any(keys: &[Bson]) -> Bson {
+    match keys {
+        [key] => key.clone(),
+        _ => Bson::Document(doc! { "$in": keys.to_vec() }),
+    }
 }
 
 /// A counter read exactly: what its document holds and what its recorded
@@ -102,26 +113,69 @@ impl Ledger {
         let key = key.into();
         crate::document::check_key(&key)?;
         crate::write::at::check_read(&self.spec, &key)?;
+        let mut values = self.exact(vec![key]).await?;
+        Ok(values.pop().expect("one key read, one value"))
+    }
+
+    /// The counters `keys` (distinct) read exactly, from one consistent
+    /// reading of them all, in the order of `keys`.
+    pub(super) async fn exact(&self, keys: Vec<Bson>) -> Result<Vec<ExactValue>, Error> {
         let lane = fold_lane(&self.spec.events_collection_name())?;
         for _ in 0..OPTIMISTIC_ROUNDS {
             let before = state::read(&self.store, &self.state).await?;
             if before.legacy.is_some() {
                 return Err(state::not_converted(&self.state));
             }
-            let found = self.find_counter(&key).await?;
-            let counter = self.counter_state(&key, lane.as_str(), found)?;
-            let events = self.unfolded_events(&key, before.watermark).await?;
+            let found = self.find_counters(&keys).await?;
+            let events = self.unfolded_events(&keys, before.watermark).await?;
             let after = state::read(&self.store, &self.state).await?;
             if before.seen() == after.seen() {
-                return self.judge(key, &counter, &events, &after).await;
+                return self
+                    .judge_all(keys, lane.as_str(), found, events, &after)
+                    .await;
             }
         }
-        let (state, counter, events) = self.snapshot(&key).await?;
+        let (state, found, events) = self.snapshot(&keys).await?;
         if state.legacy.is_some() {
             return Err(state::not_converted(&self.state));
         }
-        let counter = self.counter_state(&key, lane.as_str(), counter)?;
-        self.judge(key, &counter, &events, &state).await
+        self.judge_all(keys, lane.as_str(), found, events, &state)
+            .await
+    }
+
+    /// Each key's exact value from one consistent reading of the counters
+    /// `found`, their events above the watermark and the state.
+    async fn judge_all(
+        &self,
+        keys: Vec<Bson>,
+        lane: &str,
+        found: Vec<Document>,
+        events: Vec<Document>,
+        state: &FoldState,
+    ) -> Result<Vec<ExactValue>, Error> {
+        let mut counters: HashMap<CanonicalKey, Document> = found
+            .into_iter()
+            .map(|counter| {
+                let id = counter.get("_id").cloned().unwrap_or(Bson::Null);
+                (CanonicalKey::of(&id), counter)
+            })
+            .collect();
+        let mut by_counter: HashMap<CanonicalKey, Vec<Document>> = HashMap::new();
+        for event in events {
+            let counter = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
+            by_counter
+                .entry(CanonicalKey::of(&counter))
+                .or_default()
+                .push(event);
+        }
+        let mut values = Vec::with_capacity(keys.len());
+        for key in keys {
+            let canonical = CanonicalKey::of(&key);
+            let counter = self.counter_state(&key, lane, counters.remove(&canonical))?;
+            let events = by_counter.remove(&canonical).unwrap_or_default();
+            values.push(self.judge(key, &counter, &events, state).await?);
+        }
+        Ok(values)
     }
 
     /// The exact value from one consistent reading of the counter, its
@@ -175,13 +229,13 @@ impl Ledger {
         })
     }
 
-    /// The state, the counter document and its events above the
+    /// The state, the counter documents and their events above the
     /// watermark, read inside one read-only transaction at read concern
     /// `snapshot` (retried once on a transient failure).
     async fn snapshot(
         &self,
-        key: &Bson,
-    ) -> Result<(FoldState, Option<Document>, Vec<Document>), Error> {
+        keys: &[Bson],
+    ) -> Result<(FoldState, Vec<Document>, Vec<Document>), Error> {
         let mut budget = RetryBudget::read_once("ledger.read_snapshot");
         let read = || async {
             let mut session = self.store.client().start_session().await?;
@@ -194,17 +248,18 @@ impl Ledger {
                 .find_one(state::filter())
                 .session(&mut session)
                 .await?;
-            let counter = self
+            let mut cursor = self
                 .counters
-                .find_one(doc! { "_id": key })
+                .find(doc! { "_id": one_or_any(keys) })
                 .projection(self.counter_projection())
                 .session(&mut session)
                 .await?;
+            let counters: Vec<Document> = cursor.stream(&mut session).try_collect().await?;
             let events = match state::from_document(&self.state, state.clone()) {
                 Ok(parsed) => {
                     let mut cursor = self
                         .events
-                        .find(unfolded_filter(key, parsed.watermark))
+                        .find(unfolded_filter(keys, parsed.watermark))
                         .projection(event_projection())
                         .batch_size(UNFOLDED_BATCH)
                         .session(&mut session)
@@ -214,26 +269,35 @@ impl Ledger {
                 Err(_) => Vec::new(),
             };
             session.abort_transaction().await?;
-            Ok::<_, mongodb::error::Error>((state, counter, events))
+            Ok::<_, mongodb::error::Error>((state, counters, events))
         };
-        let (state, counter, events) = self
+        let (state, counters, events) = self
             .store
             .with_retry(&mut budget, read)
             .await
             .map_err(Error::Server)?;
-        Ok((state::from_document(&self.state, state)?, counter, events))
+        Ok((state::from_document(&self.state, state)?, counters, events))
     }
 
-    /// The counter document, with what an exact read needs of it.
-    async fn find_counter(&self, key: &Bson) -> Result<Option<Document>, Error> {
-        self.store
-            .find_one(
-                &self.counters,
-                doc! { "_id": key },
-                self.counter_projection(),
-                "ledger.read_counter",
-            )
+    /// The counter documents of `keys`, with what an exact read needs of
+    /// them (and their `_id`).
+    async fn find_counters(&self, keys: &[Bson]) -> Result<Vec<Document>, Error> {
+        const OPERATION: &str = "ledger.read_counter";
+        let filter = doc! { "_id": one_or_any(keys) };
+        let mut budget = RetryBudget::read_once(OPERATION);
+        let cursor = self
+            .store
+            .with_retry(&mut budget, || {
+                self.counters
+                    .find(filter.clone())
+                    .projection(self.counter_projection())
+            })
             .await
+            .map_err(Error::Server)?;
+        cursor
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once(OPERATION, err)))
     }
 
     fn counter_projection(&self) -> Document {
@@ -330,9 +394,9 @@ impl Ledger {
         Ok(())
     }
 
-    /// The counter's events above the watermark: one index range.
-    async fn unfolded_events(&self, key: &Bson, watermark: i64) -> Result<Vec<Document>, Error> {
-        let filter = unfolded_filter(key, watermark);
+    /// The counters' events above the watermark: one index range each.
+    async fn unfolded_events(&self, keys: &[Bson], watermark: i64) -> Result<Vec<Document>, Error> {
+        let filter = unfolded_filter(keys, watermark);
         let mut budget = RetryBudget::read_once("ledger.read_unfolded");
         let cursor = self
             .store

@@ -136,15 +136,16 @@ impl Counters {
 /// Refuses a read of the plain `key` in a bucketed collection, where no
 /// document has it as its `_id`: the read would say "never counted" of a
 /// key counted in every bucket. A bucket's own `_id` (`{k, t}`) reads that
-/// bucket. Range reads, a key's buckets from one time to another, come
-/// with a later release.
+/// bucket; [`Ledger::values_between`](crate::Ledger::values_between) reads
+/// a key's buckets from one time to another.
 pub(crate) fn check_read(spec: &CollectionConfig, key: &Bson) -> Result<(), Error> {
     if spec.buckets.is_none() || split_id(key).is_some() {
         return Ok(());
     }
     Err(Error::InvalidArgument(format!(
         "collection {} counts by time: {} has a counter per bucket, and none under its plain \
-         key; read one bucket by its _id {{k, t}} (range reads are not there yet)",
+         key; read one bucket by its _id {{k, t}}, or the key's buckets in a range \
+         (Ledger::values_between, tallyd get KEY --from TIME --to TIME)",
         spec.name,
         crate::document::display_id(key)
     )))

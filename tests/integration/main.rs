@@ -24,6 +24,7 @@ mod overflow;
 mod packaging;
 mod proxy;
 mod pruning;
+mod ranges;
 mod reconcile;
 mod sequence;
 mod settle;
