@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [ledger-recorders] [buckets] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -22,6 +22,7 @@
 #[allow(dead_code)]
 mod server;
 
+mod buckets;
 mod daemon;
 mod fold;
 mod increment;
@@ -78,6 +79,7 @@ fn main() {
     for section in sections {
         match section.as_str() {
             "increment" => runtime.block_on(increment::run(&settings)),
+            "buckets" => runtime.block_on(buckets::run(&settings)),
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
@@ -87,7 +89,7 @@ fn main() {
             "ledger-recorders" => runtime.block_on(recorders::run(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders, buckets"
                 );
                 std::process::exit(2);
             }
