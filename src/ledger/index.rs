@@ -101,16 +101,50 @@ pub(crate) async fn missing(store: &Store, collection: &str) -> Result<Vec<Strin
         .collect())
 }
 
+/// The indexes of a ledger with buckets for its range reads, beside
+/// [`needed`]: the events by key, bucket and number (the events' counter
+/// is a document `{k, t}`), and the counters by key and bucket (their
+/// `_id` is). A range read asks by the dotted fields, which these serve on
+/// every server (the test server answers a document `_id` or counter with
+/// a collection scan). Not required: reads work without them, slower.
+pub(crate) fn for_ranges() -> (Needed, Needed) {
+    let events = Needed {
+        name: "tally_events_bucket_number",
+        keys: doc! {
+            format!("{}.{}", field::COUNTER, crate::write::at::KEY): 1,
+            format!("{}.{}", field::COUNTER, crate::write::at::START): 1,
+            field::NUMBER: 1,
+        },
+    };
+    let counters = Needed {
+        name: "tally_counters_bucket",
+        keys: doc! {
+            format!("_id.{}", crate::write::at::KEY): 1,
+            format!("_id.{}", crate::write::at::START): 1,
+        },
+    };
+    (events, counters)
+}
+
 /// Creates the needed indexes of `collection` that are missing.
 /// Idempotent.
 pub(crate) async fn create(
     store: &Store,
     collection: &str,
 ) -> Result<Vec<(Needed, Created)>, Error> {
+    create_these(store, collection, needed()).await
+}
+
+/// Creates those of `needs` that `collection` lacks. Idempotent.
+pub(crate) async fn create_these(
+    store: &Store,
+    collection: &str,
+    needs: Vec<Needed>,
+) -> Result<Vec<(Needed, Created)>, Error> {
     let listed = listed(store, collection).await?;
     let coll = store.collection(collection);
     let mut done = Vec::new();
-    for need in needed() {
+    for need in needs {
         let found = listed
             .iter()
             .any(|d| d.get_document("key").ok() == Some(&need.keys));

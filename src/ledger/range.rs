@@ -8,6 +8,7 @@ use std::time::SystemTime;
 use mongodb::bson::Bson;
 
 use super::Ledger;
+use super::read::{Span, Which};
 use crate::bucket::{BucketWidth, Buckets};
 use crate::document::display_id;
 use crate::error::Error;
@@ -120,7 +121,18 @@ impl Ledger {
         let values = if starts.is_empty() {
             Vec::new()
         } else {
-            self.exact(ids).await?
+            let span = Span {
+                key: &key,
+                from: starts[0],
+                to: buckets
+                    .end_of(starts[starts.len() - 1])
+                    .map_err(|err| self.refused(&err))?,
+            };
+            let counters = Which {
+                keys: ids,
+                span: Some(span),
+            };
+            self.exact(counters).await?
         };
         let now = SystemTime::now();
         let mut read: Vec<BucketValue> = Vec::new();

@@ -48,9 +48,53 @@ fn event_projection() -> Document {
     doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 }
 }
 
-/// The filter of the events of the counters `keys` above `watermark`.
-fn unfolded_filter(keys: &[Bson], watermark: i64) -> Document {
-    doc! { field::COUNTER: one_or_any(keys), field::NUMBER: { "$gt": watermark } }
+/// Which counters an exact read reads: `keys` (distinct), and, for a range
+/// read of a bucketed key, the range they are the buckets of.
+pub(super) struct Which<'a> {
+    pub(super) keys: Vec<Bson>,
+    pub(super) span: Option<Span<'a>>,
+}
+
+/// A key's buckets that start in `[from, to)`: read by the dotted fields of
+/// their `_id` (and of the events' counter), which the range indexes serve
+/// on every server (the test server scans for a document `_id`).
+#[derive(Clone, Copy)]
+pub(super) struct Span<'a> {
+    pub(super) key: &'a Bson,
+    pub(super) from: std::time::SystemTime,
+    pub(super) to: std::time::SystemTime,
+}
+
+impl Span<'_> {
+    /// `{<path>.k: key, <path>.t: {$gte: from, $lt: to}}`.
+    fn filter(&self, path: &str) -> Document {
+        use crate::write::at::{KEY, START};
+        let date = mongodb::bson::DateTime::from_system_time;
+        doc! {
+            format!("{path}.{KEY}"): self.key.clone(),
+            format!("{path}.{START}"): { "$gte": date(self.from), "$lt": date(self.to) },
+        }
+    }
+}
+
+impl Which<'_> {
+    /// The filter of their documents.
+    fn documents(&self) -> Document {
+        match &self.span {
+            Some(span) => span.filter("_id"),
+            None => doc! { "_id": one_or_any(&self.keys) },
+        }
+    }
+
+    /// The filter of their events above `watermark`.
+    fn unfolded(&self, watermark: i64) -> Document {
+        let mut filter = match &self.span {
+            Some(span) => span.filter(field::COUNTER),
+            None => doc! { field::COUNTER: one_or_any(&self.keys) },
+        };
+        filter.insert(field::NUMBER, doc! { "$gt": watermark });
+        filter
+    }
 }
 
 /// A filter's value for a field that is one of `keys`: the key itself for
@@ -113,33 +157,37 @@ impl Ledger {
         let key = key.into();
         crate::document::check_key(&key)?;
         crate::write::at::check_read(&self.spec, &key)?;
-        let mut values = self.exact(vec![key]).await?;
+        let counters = Which {
+            keys: vec![key],
+            span: None,
+        };
+        let mut values = self.exact(counters).await?;
         Ok(values.pop().expect("one key read, one value"))
     }
 
-    /// The counters `keys` (distinct) read exactly, from one consistent
-    /// reading of them all, in the order of `keys`.
-    pub(super) async fn exact(&self, keys: Vec<Bson>) -> Result<Vec<ExactValue>, Error> {
+    /// The counters `counters` read exactly, from one consistent reading of
+    /// them all, in the order of their keys.
+    pub(super) async fn exact(&self, counters: Which<'_>) -> Result<Vec<ExactValue>, Error> {
         let lane = fold_lane(&self.spec.events_collection_name())?;
         for _ in 0..OPTIMISTIC_ROUNDS {
             let before = state::read(&self.store, &self.state).await?;
             if before.legacy.is_some() {
                 return Err(state::not_converted(&self.state));
             }
-            let found = self.find_counters(&keys).await?;
-            let events = self.unfolded_events(&keys, before.watermark).await?;
+            let found = self.find_counters(&counters).await?;
+            let events = self.unfolded_events(&counters, before.watermark).await?;
             let after = state::read(&self.store, &self.state).await?;
             if before.seen() == after.seen() {
                 return self
-                    .judge_all(keys, lane.as_str(), found, events, &after)
+                    .judge_all(counters.keys, lane.as_str(), found, events, &after)
                     .await;
             }
         }
-        let (state, found, events) = self.snapshot(&keys).await?;
+        let (state, found, events) = self.snapshot(&counters).await?;
         if state.legacy.is_some() {
             return Err(state::not_converted(&self.state));
         }
-        self.judge_all(keys, lane.as_str(), found, events, &state)
+        self.judge_all(counters.keys, lane.as_str(), found, events, &state)
             .await
     }
 
@@ -234,7 +282,7 @@ impl Ledger {
     /// `snapshot` (retried once on a transient failure).
     async fn snapshot(
         &self,
-        keys: &[Bson],
+        counters: &Which<'_>,
     ) -> Result<(FoldState, Vec<Document>, Vec<Document>), Error> {
         let mut budget = RetryBudget::read_once("ledger.read_snapshot");
         let read = || async {
@@ -250,16 +298,16 @@ impl Ledger {
                 .await?;
             let mut cursor = self
                 .counters
-                .find(doc! { "_id": one_or_any(keys) })
+                .find(counters.documents())
                 .projection(self.counter_projection())
                 .session(&mut session)
                 .await?;
-            let counters: Vec<Document> = cursor.stream(&mut session).try_collect().await?;
+            let found: Vec<Document> = cursor.stream(&mut session).try_collect().await?;
             let events = match state::from_document(&self.state, state.clone()) {
                 Ok(parsed) => {
                     let mut cursor = self
                         .events
-                        .find(unfolded_filter(keys, parsed.watermark))
+                        .find(counters.unfolded(parsed.watermark))
                         .projection(event_projection())
                         .batch_size(UNFOLDED_BATCH)
                         .session(&mut session)
@@ -269,7 +317,7 @@ impl Ledger {
                 Err(_) => Vec::new(),
             };
             session.abort_transaction().await?;
-            Ok::<_, mongodb::error::Error>((state, counters, events))
+            Ok::<_, mongodb::error::Error>((state, found, events))
         };
         let (state, counters, events) = self
             .store
@@ -281,9 +329,9 @@ impl Ledger {
 
     /// The counter documents of `keys`, with what an exact read needs of
     /// them (and their `_id`).
-    async fn find_counters(&self, keys: &[Bson]) -> Result<Vec<Document>, Error> {
+    async fn find_counters(&self, counters: &Which<'_>) -> Result<Vec<Document>, Error> {
         const OPERATION: &str = "ledger.read_counter";
-        let filter = doc! { "_id": one_or_any(keys) };
+        let filter = counters.documents();
         let mut budget = RetryBudget::read_once(OPERATION);
         let cursor = self
             .store
@@ -395,8 +443,12 @@ impl Ledger {
     }
 
     /// The counters' events above the watermark: one index range each.
-    async fn unfolded_events(&self, keys: &[Bson], watermark: i64) -> Result<Vec<Document>, Error> {
-        let filter = unfolded_filter(keys, watermark);
+    async fn unfolded_events(
+        &self,
+        counters: &Which<'_>,
+        watermark: i64,
+    ) -> Result<Vec<Document>, Error> {
+        let filter = counters.unfolded(watermark);
         let mut budget = RetryBudget::read_once("ledger.read_unfolded");
         let cursor = self
             .store

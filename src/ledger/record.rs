@@ -102,11 +102,25 @@ impl Ledger {
     /// ```
     pub async fn create_indexes(&self) -> Result<Vec<String>, Error> {
         let events = self.spec.events_collection_name();
-        let done = index::create(&self.store, &events).await?;
-        Ok(done
+        let mut done: Vec<String> = index::create(&self.store, &events)
+            .await?
             .into_iter()
             .map(|(need, created)| index::describe(&events, &need, created))
-            .collect())
+            .collect();
+        if self.spec.buckets.is_some() {
+            let (on_events, on_counters) = index::for_ranges();
+            for (collection, need) in [
+                (events.as_str(), on_events),
+                (self.spec.name.as_str(), on_counters),
+            ] {
+                for (need, created) in
+                    index::create_these(&self.store, collection, vec![need]).await?
+                {
+                    done.push(index::describe(collection, &need, created));
+                }
+            }
+        }
+        Ok(done)
     }
 
     /// The indexes the events collection lacks, by name (empty when the

@@ -26,7 +26,13 @@ async fn a_range_read_is_exact_bucket_by_bucket_while_the_fold_runs() {
     let store = ctx.client(false).await.store();
     let days = berlin_days();
     let views = Ledger::new(&store, bucketed("views", &days));
-    views.create_indexes().await.unwrap();
+    // With buckets, the ranges' indexes too: the events by key, bucket and
+    // number, the counters by key and bucket.
+    let made = views.create_indexes().await.unwrap().join("\n");
+    assert!(
+        made.contains("tally_events_bucket_number") && made.contains("tally_counters_bucket"),
+        "{made}"
+    );
     let at = |text: &str| days.parse_time(text).unwrap();
     let events = [
         ("e1", "2026-10-24T00:00:00+02:00", 1),
