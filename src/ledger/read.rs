@@ -216,6 +216,7 @@ impl Ledger {
                 .or_default()
                 .push(event);
         }
+        self.check_floor_kept(state).await?;
         let mut values = Vec::with_capacity(keys.len());
         for key in keys {
             let canonical = CanonicalKey::of(&key);
@@ -235,7 +236,7 @@ impl Ledger {
         events: &[Document],
         state: &FoldState,
     ) -> Result<ExactValue, Error> {
-        self.check_state_kept(&key, counter, state).await?;
+        self.check_counter_kept(&key, counter, state)?;
         let position = counter.fold_position.unwrap_or(i64::MIN);
         let in_counter = |s: i64| {
             state
@@ -406,12 +407,10 @@ impl Ledger {
         })
     }
 
-    /// Refuses a read whose fold state was lost ([`Error::FoldStateLost`]):
-    /// the counter holds a fold pass past any the state knows (passes were
-    /// numbered again, or the document is gone), or, with no state
-    /// document, the events collection has a floor (only a fold raises it,
-    /// after making the document).
-    async fn check_state_kept(
+    /// Refuses a read whose fold state was lost ([`Error::FoldStateLost`]),
+    /// as the counter `key` shows it: it holds a fold pass past any the
+    /// state knows (passes were numbered again, or the document is gone).
+    fn check_counter_kept(
         &self,
         key: &Bson,
         counter: &CounterState,
@@ -425,6 +424,14 @@ impl Ledger {
             );
             return Err(state::lost(&self.state, evidence));
         }
+        Ok(())
+    }
+
+    /// Refuses a read whose fold state was lost, as the events collection
+    /// shows it: with no state document, it has a floor (only a fold raises
+    /// it, after making the document). Once per read, whatever the number
+    /// of counters it reads.
+    async fn check_floor_kept(&self, state: &FoldState) -> Result<(), Error> {
         // A floor with no state document: lost — unless a ledger's first
         // pass made the document since this read (then nothing was applied
         // before the read, and the value it found stands).
