@@ -45,7 +45,10 @@ use jiff::civil::{DateTime, Time};
 use jiff::tz::{AmbiguousOffset, Offset, TimeZone};
 use jiff::{SignedDuration, Span, Timestamp};
 
+mod closing;
 mod written;
+
+pub(crate) use closing::{DEFAULT_CLOSING_MARGIN, closing_margin};
 
 /// How long after its end a bucket is closed when a collection does not
 /// say: a day, for late events and retries.
@@ -183,6 +186,8 @@ pub struct Buckets {
     /// The zone's name as the database spells it.
     zone_name: String,
     close_after: Duration,
+    /// How long after `close_after` the bucket is closed (see `closing`).
+    closing_margin: Duration,
 }
 
 impl fmt::Debug for Buckets {
@@ -191,14 +196,22 @@ impl fmt::Debug for Buckets {
             .field("width", &self.width)
             .field("zone", &self.zone_name)
             .field("close_after", &self.close_after)
+            .field("closing_margin", &self.closing_margin)
             .finish()
     }
 }
 
 impl PartialEq for Buckets {
     fn eq(&self, other: &Self) -> bool {
-        (self.width, &self.zone_name, self.close_after)
-            == (other.width, &other.zone_name, other.close_after)
+        let fields = |b: &Self| {
+            (
+                b.width,
+                b.zone_name.clone(),
+                b.close_after,
+                b.closing_margin,
+            )
+        };
+        fields(self) == fields(other)
     }
 }
 
@@ -228,6 +241,7 @@ impl Buckets {
             zone: found,
             zone_name,
             close_after: DEFAULT_CLOSE_AFTER,
+            closing_margin: DEFAULT_CLOSING_MARGIN,
         })
     }
 
@@ -244,6 +258,7 @@ impl Buckets {
             zone: TimeZone::UTC,
             zone_name: "UTC".to_owned(),
             close_after: DEFAULT_CLOSE_AFTER,
+            closing_margin: DEFAULT_CLOSING_MARGIN,
         }
     }
 

@@ -345,6 +345,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         warnings,
     };
     margins::default_close_after(&mut config, &close_after_unset, issues);
+    margins::set_closing_margins(&mut config);
     margins::check(&config, issues);
     ledger::check(&config, issues);
     config

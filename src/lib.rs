@@ -159,8 +159,9 @@ pub use ledger::{
     NotRecorded, RETENTION_MARGIN, RangeValue, Recording, retention_floor,
 };
 pub use reconcile::{
-    CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode, NAMED_LANES_LISTED,
-    Progress, Reconciler, RefusedDocument, Survey,
+    BucketClosing, CLOSED_FIELD, CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument,
+    Mode, NAMED_LANES_LISTED, Progress, Reconciler, RefusedDocument, Survey, UNCLOSED_SAMPLE,
+    UnclosedBucket,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};

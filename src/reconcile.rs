@@ -58,6 +58,7 @@
 //! lane_resume_horizon − attempt_timeout`.
 
 mod batch;
+mod close;
 mod fold;
 mod ledgers;
 pub(crate) mod model;
@@ -80,9 +81,10 @@ use model::{Cutoffs, Lines};
 use report::ReportRow;
 use statement::Read;
 
+pub use close::{CLOSED_FIELD, UNCLOSED_SAMPLE};
 pub use report::{
-    CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED, Progress,
-    RefusedDocument, Survey,
+    BucketClosing, CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED,
+    Progress, RefusedDocument, Survey, UnclosedBucket,
 };
 
 /// Default fold grace (the daemon's `[reconcile] grace`).
@@ -361,6 +363,15 @@ impl Reconciler {
                 "reconcile failed"
             );
             run.error = Some(err);
+        }
+        // Buckets close once the fold above has taken what they held; a run
+        // that failed or stopped leaves them to the next.
+        if run.error.is_none() && ledger_error.is_none() && !run.interrupted {
+            let closed = self.close_buckets(target, mode, now, stop, &mut run).await;
+            if let Err(err) = closed {
+                tracing::error!(collection = %target.spec.name, cause = %err, "closing buckets failed");
+                run.error = Some(err);
+            }
         }
         if let Some(err) = ledger_error {
             run.error.get_or_insert(err);

@@ -41,7 +41,7 @@ use humantime::format_duration;
 
 use super::Config;
 use super::field::Issues;
-use crate::bucket::DEFAULT_CLOSE_AFTER;
+use crate::bucket::{DEFAULT_CLOSE_AFTER, closing_margin};
 use crate::write::counter::least_retry_horizon;
 
 /// Checks every margin of `config`, reporting under the key to change.
@@ -112,6 +112,19 @@ pub(super) fn default_close_after(config: &mut Config, unset: &[usize], issues: 
         let least = margin.least.max(DEFAULT_CLOSE_AFTER);
         let buckets = &mut config.collections[index].buckets;
         *buckets = buckets.take().map(|b| b.with_close_after(least));
+    }
+}
+
+/// Sets every bucketed collection's closing margin from the writers'
+/// horizons, the attempt bound and its grace (`crate::bucket`'s closing:
+/// when no write a bucket accepted can still land).
+pub(super) fn set_closing_margins(config: &mut Config) {
+    let (writer, attempt) = (&config.writer, config.mongodb.attempt_timeout);
+    let (horizon, lanes) = (writer.retry_horizon, writer.lane_resume_horizon);
+    for spec in &mut config.collections {
+        let grace = spec.grace.unwrap_or(config.reconcile.grace);
+        let margin = closing_margin(horizon, lanes, attempt, grace);
+        spec.buckets = spec.buckets.take().map(|b| b.with_closing_margin(margin));
     }
 }
 

@@ -165,6 +165,16 @@ impl Ledger {
         Ok(values.pop().expect("one key read, one value"))
     }
 
+    /// The counters `ids` read exactly, from one consistent reading (closing
+    /// a bucket asks whether anything is left to fold into it).
+    pub(crate) async fn values_of(&self, ids: Vec<Bson>) -> Result<Vec<ExactValue>, Error> {
+        self.exact(Which {
+            keys: ids,
+            span: None,
+        })
+        .await
+    }
+
     /// The counters `counters` read exactly, from one consistent reading of
     /// them all, in the order of their keys.
     pub(super) async fn exact(&self, counters: Which<'_>) -> Result<Vec<ExactValue>, Error> {

@@ -74,6 +74,43 @@ pub struct RefusedDocument {
     pub reason: String,
 }
 
+/// A bucket past its closing time that a run could not close, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnclosedBucket {
+    /// The `_id`, as relaxed extended JSON (`{"k":"home","t":{"$date":…}}`).
+    pub id: String,
+    /// Why, in words: a pending token the fold has not taken, recorded
+    /// events not folded yet, a malformed document, the server's refusal.
+    pub reason: String,
+}
+
+/// What a run did about a bucketed collection's buckets (see
+/// [`Buckets::closes_at`](crate::Buckets::closes_at)).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct BucketClosing {
+    /// Buckets that start before this instant were due to close: they
+    /// ended `close_after` plus the closing margin ago. `None` when none
+    /// can be (a clock near the epoch).
+    #[serde(serialize_with = "serialize_optional_time")]
+    pub due_before: Option<SystemTime>,
+    /// Buckets closed (in a dry run: that would be).
+    pub closed: u64,
+    /// Due buckets left open, each for a reason of its own (reported by
+    /// `status`, `/metrics` and the `buckets_unclosed` alert).
+    pub unclosed: u64,
+    /// The first few of them.
+    pub unclosed_sample: Vec<UnclosedBucket>,
+    /// Due buckets written between their read and their closing: the next
+    /// run reads them again.
+    pub raced: u64,
+    /// Buckets open after the run, the due ones it could not close among
+    /// them (0 when the run stopped before counting).
+    pub open: u64,
+    /// The start of the oldest open bucket.
+    #[serde(serialize_with = "serialize_optional_time")]
+    pub oldest_open: Option<SystemTime>,
+}
+
 /// What one collection holds in its pending arrays and lane maps, from one
 /// report pass.
 ///
@@ -227,6 +264,8 @@ pub struct CollectionRun {
     pub refused_sample: Vec<RefusedDocument>,
     /// Age of the oldest stale token, in seconds, at the cutoff's clock.
     pub oldest_stale_age_seconds: Option<u64>,
+    /// The buckets closed and left open, for a bucketed collection.
+    pub buckets: Option<BucketClosing>,
     /// How long the run took.
     #[serde(rename = "duration_seconds", serialize_with = "serialize_seconds")]
     pub duration: Duration,
@@ -253,6 +292,7 @@ impl CollectionRun {
             refused: 0,
             refused_sample: Vec::new(),
             oldest_stale_age_seconds: None,
+            buckets: None,
             duration: Duration::ZERO,
             interrupted: false,
             error: None,
@@ -395,6 +435,17 @@ fn min_token(a: Option<Token>, b: Option<Token>) -> Option<Token> {
 
 fn serialize_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&humantime::format_rfc3339_seconds(*t).to_string())
+}
+
+#[allow(clippy::ref_option)]
+fn serialize_optional_time<S: serde::Serializer>(
+    t: &Option<SystemTime>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => serialize_time(t, s),
+        None => s.serialize_none(),
+    }
 }
 
 fn serialize_seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

@@ -5,6 +5,7 @@
 mod bounded;
 mod buckets;
 mod cli;
+mod closing;
 mod common;
 mod daemon;
 mod daemon_life;

@@ -1,0 +1,238 @@
+//! Closing buckets: a run closes every bucket past its closing time — once
+//! its fold took what it held — removing its settle markers, its minted
+//! lanes' entries and an empty pending array, keeping its counter and its
+//! named lanes, and marking it `closed`; a bucket that still holds work, or
+//! cannot be judged, stays open and is reported; a bucket not due stays
+//! open; a second run changes nothing.
+//!
+//! The writers keep their buckets open for a year and a half (so that the
+//! days of October 2026 take writes); the fold closes the same buckets
+//! seconds after they end. The oracle is the documents, read directly.
+
+use std::time::{Duration, SystemTime};
+
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+use tally::{
+    Buckets, CollectionConfig, Counters, EventFold, EventFoldSettings, FoldTarget, Increment,
+    LaneIncrement, Ledger, Mode, Reconciler, Token, WriterConfig,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::buckets::{berlin_days, bucketed};
+use crate::common::TestContext;
+use crate::ledger::assert_outcome;
+
+/// The writers' days of Berlin, and the fold's: the same buckets, closed
+/// two seconds after they end.
+fn closing_days() -> Buckets {
+    berlin_days()
+        .with_close_after(Duration::from_secs(1))
+        .with_closing_margin(Duration::from_secs(1))
+}
+
+fn target(spec: CollectionConfig) -> FoldTarget {
+    FoldTarget {
+        spec,
+        grace: Duration::from_secs(1),
+        batch_size: 2,
+    }
+}
+
+/// `key`'s day of Berlin holding `date` (`YYYY-MM-DD`), as an `_id`.
+fn day(key: &str, date: &str) -> Bson {
+    let start = berlin_days().parse_time(date).unwrap();
+    Bson::Document(doc! { "k": key, "t": DateTime::from_system_time(start) })
+}
+
+async fn document(coll: &mongodb::Collection<Document>, id: &Bson) -> Document {
+    coll.find_one(doc! { "_id": id.clone() })
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("no document {id}"))
+}
+
+/// A document's counter, of either integer type.
+fn counter_of(found: &Document) -> i64 {
+    match found.get("counter") {
+        Some(Bson::Int32(n)) => i64::from(*n),
+        Some(Bson::Int64(n)) => *n,
+        other => panic!("counter {other:?} in {found}"),
+    }
+}
+
+/// One run at the server's time plus `ahead`.
+async fn run(
+    store: &tally::Store,
+    target: &FoldTarget,
+    mode: Mode,
+    ahead: Duration,
+) -> tally::CollectionRun {
+    let reconciler = Reconciler::new(store);
+    let now = reconciler.server_time().await.unwrap() + ahead;
+    let run = reconciler
+        .reconcile(target, mode, now, &CancellationToken::new(), &mut |_| {})
+        .await;
+    assert!(run.error.is_none(), "{:?}", run.error);
+    run
+}
+
+#[tokio::test]
+async fn due_buckets_close_compact_and_final_and_the_others_stay_open_and_reported() {
+    let ctx = TestContext::new("closing_counters").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let views = Counters::new(
+        &store,
+        bucketed("views", &berlin_days()),
+        WriterConfig::default(),
+    );
+    let at = |text: &str| berlin_days().parse_time(text).unwrap();
+    // Two-step increments and lanes, with group commit.
+    for amount in [1, 2, 4] {
+        let outcome = views
+            .increment_at("home", amount, at("2026-10-25T12:00:00+01:00"))
+            .await;
+        assert!(matches!(outcome, Increment::Counted(_)), "{outcome:?}");
+    }
+    for amount in [8, 16] {
+        let outcome = views
+            .add_at("home", amount, at("2026-10-26T12:00:00+01:00"))
+            .await;
+        assert!(matches!(outcome, LaneIncrement::Counted(_)), "{outcome:?}");
+    }
+    let coll = client.collection("views");
+    let hour_ago = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    let ahead = Token::created_at_time(SystemTime::now() + Duration::from_secs(3600));
+    let marker = Token::created_at_time(SystemTime::now() - Duration::from_secs(60));
+    let crafted = [
+        // A leftover token the run folds first, and a settle marker.
+        doc! { "_id": day("home", "2026-10-27"), "counter": 10i64,
+        "pending": [{ "t": hour_ago.object_id(), "n": 5i64 }],
+        "settled": [{ "t": marker.object_id(), "n": 1i64 }] },
+        // A token younger than the grace: it stays, and so does the bucket.
+        doc! { "_id": day("home", "2026-10-28"), "counter": 1i64,
+        "pending": [{ "t": ahead.object_id(), "n": 2i64 }] },
+        // Malformed: never modified.
+        doc! { "_id": day("home", "2026-10-29"), "counter": 3i64, "pending": "x" },
+        // A named lane, kept, beside a minted one, removed.
+        doc! { "_id": day("home", "2026-10-30"), "counter": 7i64,
+        "lanes": { "kafka-0": 7i64, ObjectId::new().to_hex(): 1i64 } },
+        // Empty fields go.
+        doc! { "_id": day("home", "2026-10-31"), "counter": 0i64, "pending": [], "settled": [] },
+    ];
+    coll.insert_many(crafted).await.unwrap();
+    let today = views.increment("home", 32).await;
+    assert!(matches!(today, Increment::Counted(_)), "{today:?}");
+
+    let target = target(bucketed("views", &closing_days()));
+    let first = run(&store, &target, Mode::Fold, Duration::from_secs(5)).await;
+    let closing = first.buckets.clone().expect("a bucketed collection");
+    assert_eq!(closing.closed, 5, "{closing:?}");
+    assert_eq!(closing.unclosed, 2, "{closing:?}");
+    assert_eq!(closing.open, 3, "the two unclosed and today's: {closing:?}");
+    assert_eq!(closing.oldest_open, Some(at("2026-10-28")));
+    let reasons: Vec<&str> = closing
+        .unclosed_sample
+        .iter()
+        .map(|u| u.reason.as_str())
+        .collect();
+    assert!(reasons[0].contains("1 pending entry"), "{reasons:?}");
+    assert!(reasons[1].starts_with("malformed"), "{reasons:?}");
+
+    let expect = [
+        ("2026-10-25", 7, None),
+        ("2026-10-26", 24, None),
+        ("2026-10-27", 15, None),
+        ("2026-10-30", 7, Some(doc! { "kafka-0": 7i64 })),
+        ("2026-10-31", 0, None),
+    ];
+    let mut closed_at = Vec::new();
+    for (date, value, lanes) in expect.clone() {
+        let found = document(&coll, &day("home", date)).await;
+        let keys: Vec<&str> = found.keys().map(String::as_str).collect();
+        let mut want = vec!["_id", "counter", "closed"];
+        if lanes.is_some() {
+            want.push("lanes");
+        }
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(sorted, want, "{date}: {found}");
+        assert_eq!(counter_of(&found), value, "{date}");
+        assert_eq!(found.get_document("lanes").ok(), lanes.as_ref(), "{date}");
+        closed_at.push(found.get_datetime("closed").unwrap().to_owned());
+    }
+    let young = document(&coll, &day("home", "2026-10-28")).await;
+    assert!(young.get("closed").is_none() && young.get_array("pending").unwrap().len() == 1);
+    let malformed = document(&coll, &day("home", "2026-10-29")).await;
+    assert_eq!(
+        malformed,
+        doc! { "_id": day("home", "2026-10-29"), "counter": 3i64, "pending": "x" }
+    );
+
+    // Again: nothing changes, the closed buckets keep their date.
+    let second = run(&store, &target, Mode::Fold, Duration::from_secs(6)).await;
+    let again = second.buckets.expect("a bucketed collection");
+    assert_eq!(
+        (again.closed, again.unclosed, again.open),
+        (0, 2, 3),
+        "{again:?}"
+    );
+    for ((date, _, _), was) in expect.iter().zip(&closed_at) {
+        let found = document(&coll, &day("home", date)).await;
+        assert_eq!(found.get_datetime("closed").unwrap(), was, "{date}");
+    }
+}
+
+#[tokio::test]
+async fn a_ledgers_bucket_closes_once_its_events_are_folded_and_keeps_the_fold_lane() {
+    let ctx = TestContext::new("closing_ledger").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let spec = bucketed("orders", &berlin_days()).with_events_collection("orders_events");
+    let ledger = Ledger::new(&store, spec.clone());
+    ledger.create_indexes().await.unwrap();
+    let at = berlin_days()
+        .parse_time("2026-10-25T12:00:00+01:00")
+        .unwrap();
+    for (event, amount) in [("e1", 1), ("e2", 2)] {
+        let recorded = ledger.record_at(event, "home", amount, at).await;
+        assert_outcome(&recorded, "recorded");
+    }
+    let fold = EventFold::new(&store, spec, EventFoldSettings::default());
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .unwrap();
+    let recorded = ledger.record_at("e3", "home", 4, at).await;
+    assert_outcome(&recorded, "recorded");
+
+    let target = target(
+        bucketed("orders", &closing_days()).with_events_collection("orders_events"),
+    );
+    // A dry run folds nothing: the event not folded keeps the bucket open.
+    let preview = run(&store, &target, Mode::DryRun, Duration::from_secs(5)).await;
+    let closing = preview.buckets.expect("a bucketed collection");
+    assert_eq!((closing.closed, closing.unclosed), (0, 1), "{closing:?}");
+    assert_eq!(
+        closing.unclosed_sample[0].reason,
+        "its ledger holds 1 recorded event not folded yet"
+    );
+
+    let first = run(&store, &target, Mode::Fold, Duration::from_secs(5)).await;
+    assert_eq!(first.events_folded, 1);
+    let closing = first.buckets.expect("a bucketed collection");
+    assert_eq!(
+        (closing.closed, closing.unclosed, closing.open),
+        (1, 0, 0),
+        "{closing:?}"
+    );
+    let id = day("home", "2026-10-25");
+    let found = document(&client.collection("orders"), &id).await;
+    assert_eq!(counter_of(&found), 7, "{found}");
+    assert!(found.get_datetime("closed").is_ok(), "{found}");
+    let lanes = found.get_document("lanes").expect("the fold's lane stays");
+    assert_eq!(lanes.len(), 1, "{found}");
+
+    // The exact read still counts every event once.
+    assert_eq!(ledger.value(id).await.unwrap().value, 7);
+}
