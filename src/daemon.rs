@@ -437,11 +437,12 @@ async fn restore(
     for target in targets {
         let name = target.spec.name.as_str();
         let ledger = target.spec.events_collection.is_some();
+        let bucketed = target.spec.buckets.is_some();
         for result in ["ok", "failed", "unavailable", "interrupted"] {
             metrics.reconcile_runs.with_label_values(&[name, result]);
         }
         for kind in alert::AlertKind::ALL {
-            if ledger || !kind.is_ledger() {
+            if (ledger || !kind.is_ledger()) && (bucketed || !kind.is_bucket()) {
                 metrics
                     .alerts_firing
                     .with_label_values(&[kind.as_str(), name]);
@@ -449,6 +450,10 @@ async fn restore(
         }
         if ledger {
             metrics.events_held.with_label_values(&[name]);
+        }
+        if bucketed {
+            metrics.buckets_unclosed.with_label_values(&[name]);
+            metrics.buckets_closed.with_label_values(&[name]);
         }
         let last = match state.last_run(name).await {
             Ok(last) => last,

@@ -160,8 +160,8 @@ pub use ledger::{
 };
 pub use reconcile::{
     BucketClosing, CLOSED_FIELD, CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument,
-    Mode, NAMED_LANES_LISTED, Progress, Reconciler, RefusedDocument, Survey, UNCLOSED_SAMPLE,
-    UnclosedBucket,
+    Mode, NAMED_LANES_LISTED, OpenBuckets, Progress, Reconciler, RefusedDocument, Survey,
+    UNCLOSED_SAMPLE, UnclosedBucket,
 };
 pub use store::{ConnectError, Store, StoreConfig};
 pub use token::{BadToken, Token};

@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::daemon::{self, Command, DaemonError};
 use crate::error::{human_duration, words};
 use crate::logging::Logging;
-use crate::reconcile::Survey;
+use crate::reconcile::{OpenBuckets, Survey};
 
 /// `tallyd status`.
 #[derive(Debug, Args)]
@@ -149,10 +149,19 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
         .checked_sub(config.alerts.stuck_after)
         .unwrap_or(std::time::UNIX_EPOCH);
     let mut rows = Vec::new();
+    let mut open = Vec::new();
     for name in &names {
         let target = config.fold_target(name);
-        match reconciler.survey(&target, stuck_before).await {
-            Ok(survey) => rows.push((name.clone(), survey)),
+        let read = async {
+            let survey = reconciler.survey(&target, stuck_before).await?;
+            let buckets = reconciler.open_buckets(&target, now).await?;
+            Ok::<_, crate::error::Error>((survey, buckets))
+        };
+        match read.await {
+            Ok((survey, buckets)) => {
+                rows.push((name.clone(), survey));
+                open.extend(buckets.map(|b| (name.clone(), b)));
+            }
             Err(err) => {
                 let message = format!("{name}: {}", store.explain(&err));
                 store.shutdown().await;
@@ -196,6 +205,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
                     "named_lane_entries": s.named_lane_entries,
                     "named_lanes": s.named_lanes,
                     "named_lanes_truncated": s.named_lanes_truncated,
+                    "buckets": open_json(config, name, &open),
                 })
             })
             .collect();
@@ -219,6 +229,7 @@ pub(super) async fn status(args: StatusArgs, config: &Config) -> ExitCode {
     } else {
         out!("{}", database::described(&store));
         print_table(&rows, now, config);
+        print_open(config, &open);
         for name in names.iter().filter(|n| missing(n) == Some(true)) {
             out!("{name}: no such collection in this database yet");
         }
@@ -286,6 +297,49 @@ fn print_table(rows: &[(String, Survey)], now: SystemTime, config: &Config) {
         for (lane, position) in &s.named_lanes {
             out!("  {lane}  {position}{}", whose(lane));
         }
+    }
+}
+
+/// A bucketed collection's open buckets, for `status --json`; `null`
+/// without buckets.
+fn open_json(config: &Config, name: &str, open: &[(String, OpenBuckets)]) -> Value {
+    let Some(buckets) = &config.collection(name).buckets else {
+        return Value::Null;
+    };
+    open.iter()
+        .find(|(n, _)| n == name)
+        .map_or(Value::Null, |(_, o)| {
+            json!({
+                "open": o.open,
+                "oldest_open": o.oldest_open.map(|t| buckets.show_time(t)),
+                "past_closing_time": o.past_closing_time,
+            })
+        })
+}
+
+/// One line per bucketed collection: its open buckets, the oldest, and
+/// those past their closing time.
+fn print_open(config: &Config, open: &[(String, OpenBuckets)]) {
+    for (name, o) in open {
+        let Some(buckets) = &config.collection(name).buckets else {
+            continue;
+        };
+        let oldest = o
+            .oldest_open
+            .map(|t| format!(", the oldest from {}", buckets.show_time(t)))
+            .unwrap_or_default();
+        let past = match o.past_closing_time {
+            0 => String::new(),
+            n => format!(
+                "; {n} past their closing time (each reconcile run closes those it can and names \
+                 the others)"
+            ),
+        };
+        out!(
+            "{name}: {} {} buckets open{oldest}{past}",
+            o.open,
+            buckets.width()
+        );
     }
 }
 

@@ -182,6 +182,7 @@ fn print_table(
                         run.concurrent_changes
                     ));
                 }
+                notes.extend(bucket_note(target, run, dry_run));
                 if notes.is_empty() {
                     "ok".into()
                 } else {
@@ -219,6 +220,21 @@ fn print_table(
                 out!("  _id {}: {}", doc.id, doc.reason);
             }
         }
+        if let Some(buckets) = run.buckets.as_ref().filter(|b| b.unclosed > 0) {
+            out!(
+                "\n{}: {} bucket(s) past their closing time left open{}:",
+                target.spec.name,
+                buckets.unclosed,
+                if buckets.unclosed as usize > buckets.unclosed_sample.len() {
+                    " (first few)"
+                } else {
+                    ""
+                }
+            );
+            for bucket in &buckets.unclosed_sample {
+                out!("  _id {}: {}", bucket.id, secrets.scrub(&bucket.reason));
+            }
+        }
         if run.refused > 0 {
             out!(
                 "\n{}: {} document(s) refused by the server, left unchanged{}:",
@@ -240,6 +256,33 @@ fn print_table(
             }
         }
     }
+}
+
+/// What a run did about a bucketed collection's buckets, in the result
+/// column: how many it closed and how many stay open, the oldest's start.
+fn bucket_note(target: &FoldTarget, run: &CollectionRun, dry_run: bool) -> Option<String> {
+    let (Some(buckets), Some(closing)) = (&target.spec.buckets, &run.buckets) else {
+        return None;
+    };
+    let mut said = Vec::new();
+    if closing.closed > 0 {
+        let verb = if dry_run { "to close" } else { "closed" };
+        said.push(format!("{} buckets {verb}", closing.closed));
+    }
+    if closing.unclosed > 0 {
+        said.push(format!(
+            "{} past their closing time left open",
+            closing.unclosed
+        ));
+    }
+    if let Some(oldest) = closing.oldest_open {
+        said.push(format!(
+            "{} open, the oldest from {}",
+            closing.open,
+            buckets.show_time(oldest)
+        ));
+    }
+    (!said.is_empty()).then(|| said.join(", "))
 }
 
 /// The progress of a run on a terminal: a spinner, its message the

@@ -99,6 +99,14 @@ pub(crate) struct Inner {
     /// `tally_events_held{collection}`: sums counters refused, held in the
     /// ledger's fold state until they accept them.
     pub(crate) events_held: IntGaugeVec,
+    /// `tally_buckets_open{collection}`: buckets not closed yet, after the
+    /// last complete reconcile run.
+    pub(crate) buckets_open: IntGaugeVec,
+    /// `tally_buckets_unclosed{collection}`: buckets past their closing
+    /// time that the last complete run could not close.
+    pub(crate) buckets_unclosed: IntGaugeVec,
+    /// `tally_buckets_closed_total{collection}`: buckets closed.
+    pub(crate) buckets_closed: IntCounterVec,
     /// `tally_events_fold_state_bytes{collection}`: the size of the
     /// ledger's fold state document, as the last pass read it (a watermark
     /// and the held sums: it does not grow with time or recorders).
@@ -331,6 +339,24 @@ impl Metrics {
                 &registry,
                 "tally_events_held",
                 "Sums of recorded events that counters refused, held until they accept them",
+                collection,
+            ),
+            buckets_open: gauge_vec(
+                &registry,
+                "tally_buckets_open",
+                "Buckets not closed yet, after the last complete reconcile run",
+                collection,
+            ),
+            buckets_unclosed: gauge_vec(
+                &registry,
+                "tally_buckets_unclosed",
+                "Buckets past their closing time that the last complete reconcile run could not close",
+                collection,
+            ),
+            buckets_closed: counter_vec(
+                &registry,
+                "tally_buckets_closed_total",
+                "Buckets closed",
                 collection,
             ),
             events_stream_up: gauge_vec(

@@ -80,6 +80,51 @@ fn report_refused(alerts: &Alerts, metrics: &Metrics, run: &CollectionRun) {
     alerts.set(AlertKind::FoldRefused, name, refused);
 }
 
+/// `tally_buckets_*` and `buckets_unclosed` from a run of a bucketed
+/// collection: the alert fires while the last complete run left due
+/// buckets open, and resolves when a complete run closed them all. A run
+/// that failed or stopped measured nothing, unless it found some itself.
+fn report_buckets(alerts: &Alerts, metrics: &Metrics, run: &CollectionRun) {
+    let Some(closing) = &run.buckets else {
+        return;
+    };
+    let name = run.collection.as_str();
+    metrics
+        .buckets_closed
+        .with_label_values(&[name])
+        .inc_by(closing.closed);
+    if closing.unclosed == 0 && !run.succeeded() {
+        return;
+    }
+    let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    if run.succeeded() {
+        metrics
+            .buckets_open
+            .with_label_values(&[name])
+            .set(gauge(closing.open));
+    }
+    metrics
+        .buckets_unclosed
+        .with_label_values(&[name])
+        .set(gauge(closing.unclosed));
+    let unclosed = (closing.unclosed > 0).then(|| Observation {
+        count: closing.unclosed,
+        oldest_age: None,
+        sample_ids: closing
+            .unclosed_sample
+            .iter()
+            .map(|b| b.id.clone())
+            .collect(),
+        detail: Some(
+            "these buckets are past their closing time and still hold work, or cannot be read: \
+             `tallyd reconcile --collection` names each and why; once the fold takes its work \
+             (or the document is fixed), the next run closes it"
+                .into(),
+        ),
+    });
+    alerts.set(AlertKind::BucketsUnclosed, name, unclosed);
+}
+
 impl Runner {
     pub(super) async fn run(mut self, mut inbox: mpsc::Receiver<Request>) {
         let mut failures: BTreeMap<String, u32> = BTreeMap::new();
@@ -257,6 +302,7 @@ impl Runner {
             "reconcile run"
         );
         report_refused(&self.alerts, &self.metrics, run);
+        report_buckets(&self.alerts, &self.metrics, run);
         match &run.error {
             None if run.interrupted => {}
             None => {

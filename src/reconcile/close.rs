@@ -71,7 +71,67 @@ struct Closable {
     statement: Statement,
 }
 
+/// A bucketed collection's buckets not closed yet, as `tallyd status`
+/// shows them: how many, the oldest one's start, and how many of them are
+/// past their closing time (the next run closes them, or names why not).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenBuckets {
+    /// Buckets not closed.
+    pub open: u64,
+    /// The start of the oldest one.
+    pub oldest_open: Option<SystemTime>,
+    /// Those that ended `close_after` plus the closing margin ago.
+    pub past_closing_time: u64,
+}
+
 impl Reconciler {
+    /// The open buckets of `target` at server time `now`, read through the
+    /// index `{closed: 1, _id.t: 1}` (their number, not the collection's);
+    /// `None` for a collection without buckets.
+    ///
+    /// ```no_run
+    /// # async fn demo(fold: tally::Reconciler, target: tally::FoldTarget) -> Result<(), tally::Error> {
+    /// let now = fold.server_time().await?;
+    /// if let Some(open) = fold.open_buckets(&target, now).await? {
+    ///     println!("{} open, {} past their closing time", open.open, open.past_closing_time);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn open_buckets(
+        &self,
+        target: &FoldTarget,
+        now: SystemTime,
+    ) -> Result<Option<OpenBuckets>, Error> {
+        let Some(buckets) = &target.spec.buckets else {
+            return Ok(None);
+        };
+        let mut closing = BucketClosing::default();
+        self.count_open(&target.spec, &mut closing).await?;
+        let due = buckets
+            .due_before(now)
+            .map_err(|err| Error::InvalidArgument(format!("closing buckets: {err}")))?;
+        let past_closing_time = match due {
+            None => 0,
+            Some(due) => {
+                let collection = self.store.collection(&target.spec.name);
+                let filter = doc! {
+                    CLOSED_FIELD: Bson::Null,
+                    format!("_id.{START}"): { "$gte": FIRST_DATE, "$lt": DateTime::from_system_time(due) },
+                };
+                let mut budget = RetryBudget::read_once("close.count_due");
+                self.store
+                    .with_retry(&mut budget, || collection.count_documents(filter.clone()))
+                    .await
+                    .map_err(Error::Server)?
+            }
+        };
+        Ok(Some(OpenBuckets {
+            open: closing.open,
+            oldest_open: closing.oldest_open,
+            past_closing_time,
+        }))
+    }
+
     /// Closes the due buckets of `target` (nothing without buckets) and
     /// counts those left open: `run.buckets`.
     pub(super) async fn close_buckets(

@@ -206,9 +206,8 @@ async fn a_ledgers_bucket_closes_once_its_events_are_folded_and_keeps_the_fold_l
     let recorded = ledger.record_at("e3", "home", 4, at).await;
     assert_outcome(&recorded, "recorded");
 
-    let target = target(
-        bucketed("orders", &closing_days()).with_events_collection("orders_events"),
-    );
+    let target =
+        target(bucketed("orders", &closing_days()).with_events_collection("orders_events"));
     // A dry run folds nothing: the event not folded keeps the bucket open.
     let preview = run(&store, &target, Mode::DryRun, Duration::from_secs(5)).await;
     let closing = preview.buckets.expect("a bucketed collection");

@@ -48,12 +48,16 @@ pub(crate) enum AlertKind {
     /// opened for longer than `[alerts] monitor_down_after`: events are
     /// folded at each `[monitor] scan_interval` instead of at once.
     EventsStreamDown,
+    /// Buckets past their closing time that the last complete reconcile run
+    /// could not close (a pending token the fold has not taken, recorded
+    /// events not folded, a malformed document): they are not final.
+    BucketsUnclosed,
 }
 
 impl AlertKind {
     /// Every kind: for the series the daemon exports from its start, and
     /// for the tests that check each of them.
-    pub(crate) const ALL: [AlertKind; 11] = {
+    pub(crate) const ALL: [AlertKind; 12] = {
         use AlertKind::*;
         [
             StuckTokens,
@@ -67,6 +71,7 @@ impl AlertKind {
             EventsStuck,
             EventsHeld,
             EventsStreamDown,
+            BucketsUnclosed,
         ]
     };
 
@@ -77,6 +82,12 @@ impl AlertKind {
             self,
             AlertKind::EventsStuck | AlertKind::EventsHeld | AlertKind::EventsStreamDown
         )
+    }
+
+    /// Whether the kind watches a collection's buckets (only bucketed
+    /// collections can raise it).
+    pub(crate) fn is_bucket(&self) -> bool {
+        matches!(self, AlertKind::BucketsUnclosed)
     }
 
     /// The kind's name in logs, metrics labels and webhook bodies.
@@ -93,6 +104,7 @@ impl AlertKind {
             AlertKind::EventsStuck => "events_stuck",
             AlertKind::EventsHeld => "events_held",
             AlertKind::EventsStreamDown => "events_stream_down",
+            AlertKind::BucketsUnclosed => "buckets_unclosed",
         }
     }
 }
