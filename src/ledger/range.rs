@@ -63,8 +63,8 @@ pub struct BucketValue {
     pub value: i64,
     /// How many of its recorded events are not in its counter yet.
     pub unfolded_events: u64,
-    /// It takes no more writes: it ended `close_after` ago or more (a
-    /// coarser bucket: every bucket in it did).
+    /// It is final: a reconcile run closed it, or it is past its closing
+    /// time with nothing in it (a coarser bucket: every bucket in it is).
     pub closed: bool,
 }
 
@@ -137,10 +137,11 @@ impl Ledger {
         let now = SystemTime::now();
         let mut read: Vec<BucketValue> = Vec::new();
         for (start, value) in starts.into_iter().zip(values) {
-            let closed = buckets.end_of(start).is_ok_and(|end| {
-                end.checked_add(buckets.close_after())
-                    .is_some_and(|closes| closes <= now)
-            });
+            // Final: closed by a run, or past its closing time with
+            // nothing in it (no write can land, nothing is left to close).
+            let empty = value.value == 0 && value.folded == 0 && value.unfolded_events == 0;
+            let closed = value.closed
+                || (empty && buckets.closes_at(start).is_ok_and(|closes| closes <= now));
             let start = match &coarser {
                 Some(coarser) => coarser.start_of(start).map_err(|err| self.refused(&err))?,
                 None => start,

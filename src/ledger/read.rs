@@ -34,6 +34,7 @@ use std::collections::HashMap;
 
 use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
+use crate::reconcile::CLOSED_FIELD;
 
 /// How many optimistic double reads [`Ledger::value`] tries before it
 /// reads from one snapshot.
@@ -129,6 +130,10 @@ pub struct ExactValue {
     pub unfolded: i64,
     /// How many recorded events are not in the counter yet.
     pub unfolded_events: u64,
+    /// A reconcile run closed the counter's bucket: it is final (see
+    /// [`Buckets::closes_at`](crate::Buckets::closes_at)). Always `false`
+    /// for a collection without buckets.
+    pub closed: bool,
 }
 
 /// The counter document as far as the ledger cares: its value and its
@@ -137,6 +142,7 @@ pub struct ExactValue {
 struct CounterState {
     value: i64,
     fold_position: Option<i64>,
+    closed: bool,
 }
 
 impl Ledger {
@@ -284,6 +290,7 @@ impl Ledger {
             folded: counter.value,
             unfolded: i64::try_from(unfolded).map_err(|_| too_big())?,
             unfolded_events,
+            closed: counter.closed,
             key,
         })
     }
@@ -360,7 +367,7 @@ impl Ledger {
     }
 
     fn counter_projection(&self) -> Document {
-        doc! { &self.spec.counter_field: 1, &self.spec.lanes_field: 1 }
+        doc! { &self.spec.counter_field: 1, &self.spec.lanes_field: 1, CLOSED_FIELD: 1 }
     }
 
     /// The counter's value and its fold lane's position (zero and none
@@ -377,6 +384,7 @@ impl Ledger {
             return Ok(CounterState {
                 value: 0,
                 fold_position: None,
+                closed: false,
             });
         };
         let malformed = |reason: String| Error::Malformed {
@@ -414,6 +422,8 @@ impl Ledger {
         Ok(CounterState {
             value,
             fold_position,
+            closed: spec.buckets.is_some()
+                && matches!(found.get(CLOSED_FIELD), Some(Bson::DateTime(_))),
         })
     }
 

@@ -232,6 +232,22 @@ async fn a_ledgers_bucket_closes_once_its_events_are_folded_and_keeps_the_fold_l
     let lanes = found.get_document("lanes").expect("the fold's lane stays");
     assert_eq!(lanes.len(), 1, "{found}");
 
-    // The exact read still counts every event once.
-    assert_eq!(ledger.value(id).await.unwrap().value, 7);
+    // The exact read still counts every event once, and says it is final.
+    let read = ledger.value(id).await.unwrap();
+    assert_eq!((read.value, read.closed), (7, true));
+    // A range read: the closed day, an empty day past its closing time
+    // (final too), and today, open.
+    let closing = Ledger::new(&store, target.spec.clone());
+    let (from, to) = (berlin_days().start_of(at).unwrap(), SystemTime::now());
+    let range = closing
+        .values_between("home", from, to, None)
+        .await
+        .unwrap();
+    let first_two: Vec<(i64, bool)> = range.buckets[..2]
+        .iter()
+        .map(|b| (b.value, b.closed))
+        .collect();
+    assert_eq!(first_two, [(7, true), (0, true)]);
+    let today = range.buckets.last().unwrap();
+    assert_eq!((today.value, today.closed), (0, false), "{range:?}");
 }

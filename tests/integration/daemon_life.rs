@@ -22,6 +22,8 @@ const ALERTS: &str = "[alerts]\nstuck_after = \"10s\"\n";
 /// A second collection, with an events ledger: the rules on ledgers read
 /// series only such a collection has.
 const LEDGER: &str = "[[collections]]\nname = \"hits\"\nledger = true\n";
+/// A collection counted by the minute: its buckets' series.
+const BUCKETED: &str = "[[collections]]\nname = \"calls\"\nbucket = \"minute\"\n";
 
 fn render(ctx: &TestContext, conf: &Conf) -> String {
     format!(
@@ -235,7 +237,7 @@ async fn every_series_an_alert_rule_reads_is_there_once_ready_a_restart_included
     let first = Conf {
         cron: "0 30 3 * * *",
         catch_up: true,
-        extra: LEDGER.to_owned(),
+        extra: format!("{LEDGER}{BUCKETED}"),
         ..Conf::default()
     };
     let mut daemon = Tallyd::start(&render(&ctx, &first), &[("RUST_LOG", "info")]);
@@ -273,7 +275,7 @@ async fn every_series_an_alert_rule_reads_is_there_once_ready_a_restart_included
 
     // Again, with nothing to run: no catch-up, the next run tonight.
     let idle = Conf {
-        extra: LEDGER.to_owned(),
+        extra: format!("{LEDGER}{BUCKETED}"),
         ..Conf::idle()
     };
     let daemon = Tallyd::start(&render(&ctx, &idle), &[("RUST_LOG", "info")]);
