@@ -70,7 +70,7 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
-    /// `ledger_indexes`, `unfolded_events`, `privileges` or
+    /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `privileges` or
     /// `change_stream_history`; on a sharded cluster also `shards`,
     /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
@@ -258,6 +258,7 @@ async fn database_check(store: &Store, config: &Config) -> (bool, Check) {
 pub(super) async fn index_checks(store: &Store, config: &Config) -> Vec<Check> {
     let mut checks = access::indexes(store, config).await;
     checks.extend(access::ledger_indexes(store, config).await);
+    checks.extend(access::bucket_indexes(store, config).await);
     checks
 }
 

@@ -7,6 +7,8 @@
 //!   field (the fold's and the monitor's scans read only the documents
 //!   holding tokens; README "Indexes"), unless an index starting with the
 //!   field exists;
+//! - every collection with buckets: the index closing reads the open
+//!   buckets through (`{closed: 1, _id.t: 1}`);
 //! - every collection with a ledger: its events collection's indexes (the
 //!   fold's by lane, the exact reads' by counter and lane).
 
@@ -66,6 +68,21 @@ fn stops_the_rest(code: u8) -> bool {
     code == EXIT_UNAVAILABLE || code == EXIT_CONFIG
 }
 
+/// What `setup` says of the indexes of `collection` it found or made.
+fn indexes_done(
+    collection: &str,
+    created: Vec<(index::Needed, Created)>,
+) -> impl Iterator<Item = IndexDone> + '_ {
+    created.into_iter().map(move |(need, created)| IndexDone {
+        line: index::describe(collection, &need, created),
+        collection: collection.to_owned(),
+        name: need.name.to_owned(),
+        keys: need.keys,
+        sparse: false,
+        created: created == Created::New,
+    })
+}
+
 pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
     let secrets = config.secrets();
     let store = match super::connect(config, args.json).await {
@@ -101,17 +118,17 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
                 }
             }
         }
+        if spec.buckets.is_some() && !stopped {
+            let needs = vec![index::open_buckets()];
+            match index::create_these(&store, &spec.name, needs).await {
+                Ok(created) => done.extend(indexes_done(&spec.name, created)),
+                Err(err) => stopped = failure(&spec.name, &err),
+            }
+        }
         if spec.events_collection.is_some() && !stopped {
             let events = spec.events_collection_name();
             match index::create(&store, &events).await {
-                Ok(created) => done.extend(created.into_iter().map(|(need, created)| IndexDone {
-                    line: index::describe(&events, &need, created),
-                    collection: events.clone(),
-                    name: need.name.to_owned(),
-                    keys: need.keys,
-                    sparse: false,
-                    created: created == Created::New,
-                })),
+                Ok(created) => done.extend(indexes_done(&events, created)),
                 Err(err) => stopped = failure(&events, &err),
             }
         }

@@ -126,6 +126,19 @@ pub(crate) fn for_ranges() -> (Needed, Needed) {
     (events, counters)
 }
 
+/// The index closing and `status` read a bucketed collection's open
+/// buckets through: `closed: null` is the open buckets' range of it, so
+/// a run reads what is open, not the history (`reconcile::close`).
+pub(crate) fn open_buckets() -> Needed {
+    Needed {
+        name: "tally_buckets_open",
+        keys: doc! {
+            crate::reconcile::CLOSED_FIELD: 1,
+            format!("_id.{}", crate::write::at::START): 1,
+        },
+    }
+}
+
 /// Creates the needed indexes of `collection` that are missing.
 /// Idempotent.
 pub(crate) async fn create(

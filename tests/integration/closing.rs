@@ -19,7 +19,9 @@ use tally::{
 use tokio_util::sync::CancellationToken;
 
 use crate::buckets::{berlin_days, bucketed};
+use crate::cli::{tallyd, write_config};
 use crate::common::TestContext;
+use crate::doctor::{doctor, verdict};
 use crate::ledger::assert_outcome;
 
 /// The writers' days of Berlin, and the fold's: the same buckets, closed
@@ -250,4 +252,59 @@ async fn a_ledgers_bucket_closes_once_its_events_are_folded_and_keeps_the_fold_l
     assert_eq!(first_two, [(7, true), (0, true)]);
     let today = range.buckets.last().unwrap();
     assert_eq!((today.value, today.closed), (0, false), "{range:?}");
+}
+
+/// `tallyd setup` makes the index closing reads the open buckets through,
+/// for a bucketed collection only; `doctor` flags it until then, and a
+/// closing run's reads of open buckets use it.
+#[tokio::test]
+async fn setup_makes_the_open_buckets_index_and_doctor_flags_it_until_then() {
+    let ctx = TestContext::new("closing_index").await;
+    let client = ctx.client(false).await;
+    let calls = client.collection("calls");
+    calls
+        .insert_one(doc! { "_id": day("home", "2026-10-25"), "counter": 1i64 })
+        .await
+        .unwrap();
+    let text = format!(
+        "[mongodb]\nuri = \"{}\"\ndatabase = \"{}\"\nserver_selection_timeout = \"5s\"\n\
+         [[collections]]\nname = \"calls\"\nbucket = \"day\"\n\
+         [[collections]]\nname = \"views\"\n",
+        ctx.child_uri(false),
+        ctx.db_name
+    );
+    let (_, checks, _) = doctor(&text, &[]).await;
+    let (found, message) = verdict(&checks, "bucket_indexes:calls");
+    assert_eq!(found, "warn", "{message}");
+    assert!(message.contains("run `tallyd setup`"), "{message}");
+    assert!(!checks.contains_key("bucket_indexes:views"), "{checks:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &text);
+    let setup = tallyd(&["--config", path.as_str(), "setup"], &[]).await;
+    assert!(setup.status.success(), "{setup:?}");
+    let said = String::from_utf8_lossy(&setup.stdout);
+    assert!(said.contains("calls: index tally_buckets_open"), "{said}");
+    assert!(!said.contains("views: index tally_buckets_open"), "{said}");
+    let (_, checks, _) = doctor(&text, &[]).await;
+    let (found, message) = verdict(&checks, "bucket_indexes:calls");
+    assert_eq!(found, "ok", "{message}");
+
+    // The open buckets are found through it, not by a scan.
+    let open = doc! { "closed": Bson::Null, "_id.t": { "$lt": DateTime::now() } };
+    let plan = calls
+        .client()
+        .database(&ctx.db_name)
+        .run_command(
+            doc! { "explain": { "find": "calls", "filter": open }, "verbosity": "queryPlanner" },
+        )
+        .await
+        .unwrap();
+    let winning = plan
+        .get_document("queryPlanner")
+        .unwrap()
+        .get_document("winningPlan")
+        .unwrap()
+        .to_string();
+    assert!(winning.contains("tally_buckets_open"), "{winning}");
 }

@@ -75,6 +75,48 @@ pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check>
     checks
 }
 
+/// One check per bucketed collection: the index closing and `status`
+/// read its open buckets through. Without it they still work, reading
+/// every bucket ever written.
+pub(super) async fn bucket_indexes(store: &Store, config: &Config) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for spec in config.collections.iter().filter(|s| s.buckets.is_some()) {
+        let need = crate::ledger::index::open_buckets();
+        let (verdict, message) = match list_indexes(store, &spec.name).await {
+            Ok(indexes) if indexes.iter().any(|i| i.keys == need.keys) => (
+                Verdict::Ok,
+                format!(
+                    "{} {}: closing and status read the open buckets only",
+                    need.name, need.keys
+                ),
+            ),
+            Ok(_) => (
+                Verdict::Warn,
+                format!(
+                    "no index {}: each closing run and each `status` reads every bucket ever \
+                     written to find the open ones; run `tallyd setup`",
+                    need.keys
+                ),
+            ),
+            Err(err) if server_code(&err) == Some(code::NAMESPACE_NOT_FOUND) => (
+                Verdict::Warn,
+                "the collection does not exist yet; `tallyd setup` creates it with its \
+                 indexes"
+                    .to_owned(),
+            ),
+            Err(err) => (
+                Verdict::Warn,
+                format!("unknown: cannot list the indexes: {}", store.describe(&err)),
+            ),
+        };
+        checks.push(Check {
+            collection: Some(spec.name.clone()),
+            ..Check::new("bucket_indexes", verdict, message)
+        });
+    }
+    checks
+}
+
 async fn list_indexes(store: &Store, name: &str) -> Result<Vec<IndexModel>, mongodb::error::Error> {
     let collection = store.collection(name);
     let cursor = store.attempt(collection.list_indexes()).await?;
