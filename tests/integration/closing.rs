@@ -20,7 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::buckets::{berlin_days, bucketed};
 use crate::cli::{tallyd, write_config};
-use crate::common::TestContext;
+use crate::common::tallyd::Tallyd;
+use crate::common::{TestContext, wait_until};
+use crate::daemon::LONG;
 use crate::doctor::{doctor, verdict};
 use crate::ledger::assert_outcome;
 
@@ -307,4 +309,106 @@ async fn setup_makes_the_open_buckets_index_and_doctor_flags_it_until_then() {
         .unwrap()
         .to_string();
     assert!(winning.contains("tally_buckets_open"), "{winning}");
+}
+
+/// The daemon's scheduled runs close due buckets, export what they did and
+/// raise `buckets_unclosed` for a bucket they cannot close, until it can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_closes_due_buckets_and_alerts_on_one_it_cannot_close() {
+    let ctx = TestContext::new("closing_daemon").await;
+    let client = ctx.client(false).await;
+    let calls = client.collection("calls");
+    let minutes = Buckets::utc(tally::BucketWidth::Minute);
+    let start = minutes
+        .start_of(SystemTime::now() - Duration::from_secs(600))
+        .unwrap();
+    let id = |key: &str| Bson::Document(doc! { "k": key, "t": DateTime::from_system_time(start) });
+    let marker = Token::created_at_time(SystemTime::now() - Duration::from_secs(900));
+    calls
+        .insert_many([
+            doc! { "_id": id("a"), "counter": 3i64,
+            "settled": [{ "t": marker.object_id(), "n": 1i64 }],
+            "lanes": { ObjectId::new().to_hex(): 1i64 } },
+            doc! { "_id": id("b"), "counter": 1i64, "pending": "x" },
+        ])
+        .await
+        .unwrap();
+    // The closing margin: max(6s, 5s) + 3s + 10s = 19s; close_after at
+    // least max(6s + 3s + 10s, 5s + 3s).
+    let text = format!(
+        r#"
+[mongodb]
+uri = "{}"
+database = "{}"
+server_selection_timeout = "2s"
+attempt_timeout = "3s"
+[[collections]]
+name = "calls"
+bucket = "minute"
+close_after = "19s"
+[writer]
+retry_horizon = "6s"
+lane_resume_horizon = "5s"
+lane_ttl = "12s"
+[reconcile]
+grace = "10s"
+[schedule]
+cron = "* * * * * *"
+catch_up = true
+[monitor]
+enabled = false
+"#,
+        ctx.child_uri(false),
+        ctx.db_name
+    );
+    let daemon = Tallyd::start(&text, &[("RUST_LOG", "info")]);
+    daemon.wait_ready("active", LONG).await;
+    daemon
+        .wait_metric(
+            "tally_buckets_closed_total{collection=\"calls\"}",
+            1.0,
+            LONG,
+        )
+        .await;
+    let firing = "tally_alerts_firing{collection=\"calls\",kind=\"buckets_unclosed\"}";
+    daemon.wait_metric(firing, 1.0, LONG).await;
+    assert_eq!(
+        daemon
+            .metric("tally_buckets_unclosed{collection=\"calls\"}")
+            .await,
+        Some(1.0)
+    );
+    let closed = document(&calls, &id("a")).await;
+    assert_eq!(
+        closed.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["_id", "counter", "closed"],
+        "{closed}"
+    );
+
+    // Fixed, the next run closes it and the alert resolves.
+    calls
+        .update_one(doc! { "_id": id("b") }, doc! { "$set": { "pending": [] } })
+        .await
+        .unwrap();
+    daemon
+        .wait_metric(
+            "tally_buckets_closed_total{collection=\"calls\"}",
+            2.0,
+            LONG,
+        )
+        .await;
+    wait_until("the alert resolved", LONG, || async {
+        daemon.metric(firing).await == Some(0.0)
+            && daemon
+                .metric("tally_buckets_unclosed{collection=\"calls\"}")
+                .await
+                == Some(0.0)
+    })
+    .await;
+    assert_eq!(
+        daemon
+            .metric("tally_buckets_open{collection=\"calls\"}")
+            .await,
+        Some(0.0)
+    );
 }
