@@ -7,8 +7,12 @@
 //!   field (the fold's and the monitor's scans read only the documents
 //!   holding tokens; README "Indexes"), unless an index starting with the
 //!   field exists;
+//! - every collection with buckets: its counters by key and bucket
+//!   (`{_id.k: 1, _id.t: 1}`), through which every write and read of a
+//!   bucketed counter finds it on every server;
 //! - every collection with a ledger: its events collection's indexes (the
-//!   fold's by lane, the exact reads' by counter and lane).
+//!   fold's by lane, the exact reads' by counter and lane; with buckets,
+//!   by key, bucket and number too).
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -101,18 +105,20 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
                 }
             }
         }
-        if spec.events_collection.is_some() && !stopped {
-            let events = spec.events_collection_name();
-            match index::create(&store, &events).await {
+        for (collection, needs) in named_indexes(spec) {
+            if stopped {
+                break;
+            }
+            match index::create_these(&store, &collection, needs).await {
                 Ok(created) => done.extend(created.into_iter().map(|(need, created)| IndexDone {
-                    line: index::describe(&events, &need, created),
-                    collection: events.clone(),
+                    line: index::describe(&collection, &need, created),
+                    collection: collection.clone(),
                     name: need.name.to_owned(),
                     keys: need.keys,
                     sparse: false,
                     created: created == Created::New,
                 })),
-                Err(err) => stopped = failure(&events, &err),
+                Err(err) => stopped = failure(&collection, &err),
             }
         }
     }
@@ -147,6 +153,25 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         }
     }
     ExitCode::from(code)
+}
+
+/// The named indexes `spec` needs beyond the sparse ones, by collection: a
+/// bucketed collection's by key and bucket (every write of a bucketed
+/// counter asks through it, ledger or not), a ledger's events' (and a
+/// bucketed ledger's events by key, bucket and number).
+fn named_indexes(spec: &CollectionConfig) -> Vec<(String, Vec<index::Needed>)> {
+    let mut named = Vec::new();
+    if spec.buckets.is_some() {
+        named.push((spec.name.clone(), vec![index::bucket_counters()]));
+    }
+    if spec.events_collection.is_some() {
+        let mut needs = index::needed();
+        if spec.buckets.is_some() {
+            needs.push(index::bucket_events());
+        }
+        named.push((spec.events_collection_name(), needs));
+    }
+    named
 }
 
 /// Creates a sparse index on `field` unless an index starting with it
