@@ -15,6 +15,12 @@
 //! operand is a value, never read as a query operator, whatever the key
 //! holds. A plain key's filter is `{<path>: key}`, byte for byte what it
 //! always was.
+//!
+//! On the test server the index finds the key's buckets by its prefix
+//! (`_id.k`), and the rest of the filter picks the bucket among them: a
+//! filter that names the whole `_id` too never takes its compound lookup.
+//! A write costs in proportion to the key's buckets, not the collection's
+//! documents.
 
 use std::collections::HashSet;
 
