@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use mongodb::Client;
+use mongodb::bson::doc;
+use mongodb::options::IndexOptions;
+use mongodb::{Client, IndexModel};
 use tally::{
     BucketWidth, Buckets, CollectionConfig, Counters, Increment, Ledger, Recording, Store,
     WriterConfig,
@@ -52,6 +54,19 @@ pub async fn run(settings: &Settings) {
         bucketed("by_day"),
         WriterConfig::default(),
     ));
+    // The index `tallyd setup` makes for a bucketed collection.
+    let by_key_and_bucket = IndexModel::builder()
+        .keys(doc! { "_id.k": 1, "_id.t": 1 })
+        .options(
+            IndexOptions::builder()
+                .name("tally_counters_bucket".to_owned())
+                .build(),
+        )
+        .build();
+    db.collection::<mongodb::bson::Document>("by_day")
+        .create_index(by_key_and_bucket)
+        .await
+        .expect("the bucket index");
     let [without, with] = interleave(settings, |side| {
         let counters = if side == 0 {
             plain.clone()

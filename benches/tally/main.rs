@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [ledger-recorders] [buckets] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [ledger-recorders] [buckets] [closing] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -23,6 +23,7 @@
 mod server;
 
 mod buckets;
+mod closing;
 mod daemon;
 mod fold;
 mod increment;
@@ -80,6 +81,7 @@ fn main() {
         match section.as_str() {
             "increment" => runtime.block_on(increment::run(&settings)),
             "buckets" => runtime.block_on(buckets::run(&settings)),
+            "closing" => runtime.block_on(closing::run(&settings)),
             "sequence" => runtime.block_on(sequence::run(&settings)),
             "fold" => runtime.block_on(fold::run(&settings)),
             "daemon" => runtime.block_on(daemon::run(&settings)),
@@ -89,7 +91,7 @@ fn main() {
             "ledger-recorders" => runtime.block_on(recorders::run(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders, buckets"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders, buckets, closing"
                 );
                 std::process::exit(2);
             }

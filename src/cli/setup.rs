@@ -7,10 +7,13 @@
 //!   field (the fold's and the monitor's scans read only the documents
 //!   holding tokens; README "Indexes"), unless an index starting with the
 //!   field exists;
-//! - every collection with buckets: the index closing reads the open
-//!   buckets through (`{closed: 1, _id.t: 1}`);
+//! - every collection with buckets: its counters by key and bucket
+//!   (`{_id.k: 1, _id.t: 1}`), through which every write and read of a
+//!   bucketed counter finds it on every server, and its open buckets
+//!   (`{closed: 1, _id.t: 1}`), which closing and `status` read;
 //! - every collection with a ledger: its events collection's indexes (the
-//!   fold's by lane, the exact reads' by counter and lane).
+//!   fold's by lane, the exact reads' by counter and lane; with buckets,
+//!   by key, bucket and number too).
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -118,18 +121,13 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
                 }
             }
         }
-        if spec.buckets.is_some() && !stopped {
-            let needs = vec![index::open_buckets()];
-            match index::create_these(&store, &spec.name, needs).await {
-                Ok(created) => done.extend(indexes_done(&spec.name, created)),
-                Err(err) => stopped = failure(&spec.name, &err),
+        for (collection, needs) in named_indexes(spec) {
+            if stopped {
+                break;
             }
-        }
-        if spec.events_collection.is_some() && !stopped {
-            let events = spec.events_collection_name();
-            match index::create(&store, &events).await {
-                Ok(created) => done.extend(indexes_done(&events, created)),
-                Err(err) => stopped = failure(&events, &err),
+            match index::create_these(&store, &collection, needs).await {
+                Ok(created) => done.extend(indexes_done(&collection, created)),
+                Err(err) => stopped = failure(&collection, &err),
             }
         }
     }
@@ -164,6 +162,28 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         }
     }
     ExitCode::from(code)
+}
+
+/// The named indexes `spec` needs beyond the sparse ones, by collection: a
+/// bucketed collection's by key and bucket (every write of a bucketed
+/// counter asks through it, ledger or not), a ledger's events' (and a
+/// bucketed ledger's events by key, bucket and number).
+fn named_indexes(spec: &CollectionConfig) -> Vec<(String, Vec<index::Needed>)> {
+    let mut named = Vec::new();
+    if spec.buckets.is_some() {
+        named.push((
+            spec.name.clone(),
+            vec![index::bucket_counters(), index::open_buckets()],
+        ));
+    }
+    if spec.events_collection.is_some() {
+        let mut needs = index::needed();
+        if spec.buckets.is_some() {
+            needs.push(index::bucket_events());
+        }
+        named.push((spec.events_collection_name(), needs));
+    }
+    named
 }
 
 /// Creates a sparse index on `field` unless an index starting with it

@@ -101,29 +101,37 @@ pub(crate) async fn missing(store: &Store, collection: &str) -> Result<Vec<Strin
         .collect())
 }
 
-/// The indexes of a ledger with buckets for its range reads, beside
-/// [`needed`]: the events by key, bucket and number (the events' counter
-/// is a document `{k, t}`), and the counters by key and bucket (their
-/// `_id` is). A range read asks by the dotted fields, which these serve on
-/// every server (the test server answers a document `_id` or counter with
-/// a collection scan). Not required: reads work without them, slower.
-pub(crate) fn for_ranges() -> (Needed, Needed) {
-    let events = Needed {
+/// The index of a bucketed ledger's events, beside [`needed`]: by key,
+/// bucket and number (the events' counter is a document `{k, t}`). A
+/// counter's events are asked for by the dotted fields of their counter
+/// ([`by_id`](crate::write::at::by_id)), which this serves on every server
+/// (the test server answers an equality with a document by a collection
+/// scan). Not required: reads work without it, scanning.
+pub(crate) fn bucket_events() -> Needed {
+    Needed {
         name: "tally_events_bucket_number",
         keys: doc! {
             format!("{}.{}", field::COUNTER, crate::write::at::KEY): 1,
             format!("{}.{}", field::COUNTER, crate::write::at::START): 1,
             field::NUMBER: 1,
         },
-    };
-    let counters = Needed {
+    }
+}
+
+/// The index of a bucketed counters collection, ledger or not: by key and
+/// bucket (the `_id` is a document `{k, t}`). Every write and read of a
+/// bucketed counter asks by the dotted fields of its `_id` as well, which
+/// this serves on every server. Not required: writes and reads work
+/// without it, scanning on the test server (MongoDB serves them from the
+/// `_id` index).
+pub(crate) fn bucket_counters() -> Needed {
+    Needed {
         name: "tally_counters_bucket",
         keys: doc! {
             format!("_id.{}", crate::write::at::KEY): 1,
             format!("_id.{}", crate::write::at::START): 1,
         },
-    };
-    (events, counters)
+    }
 }
 
 /// The index closing and `status` read a bucketed collection's open

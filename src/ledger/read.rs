@@ -35,6 +35,7 @@ use std::collections::HashMap;
 use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 use crate::reconcile::CLOSED_FIELD;
+use crate::write::at::{by_any, by_id};
 
 /// How many optimistic double reads [`Ledger::value`] tries before it
 /// reads from one snapshot.
@@ -83,7 +84,7 @@ impl Which<'_> {
     fn documents(&self) -> Document {
         match &self.span {
             Some(span) => span.filter("_id"),
-            None => doc! { "_id": one_or_any(&self.keys) },
+            None => one_or_any("_id", &self.keys),
         }
     }
 
@@ -91,19 +92,20 @@ impl Which<'_> {
     fn unfolded(&self, watermark: i64) -> Document {
         let mut filter = match &self.span {
             Some(span) => span.filter(field::COUNTER),
-            None => doc! { field::COUNTER: one_or_any(&self.keys) },
+            None => one_or_any(field::COUNTER, &self.keys),
         };
         filter.insert(field::NUMBER, doc! { "$gt": watermark });
         filter
     }
 }
 
-/// A filter's value for a field that is one of `keys`: the key itself for
-/// one (an equality, as every read of one counter is), `$in` for more.
-fn one_or_any(keys: &[Bson]) -> Bson {
+/// The filter of the documents whose `path` is one of `keys`: the key
+/// itself for one (an equality, as every read of one counter is), `$in`
+/// for more; a bucketed `_id` by its dotted fields too ([`by_id`]).
+fn one_or_any(path: &str, keys: &[Bson]) -> Document {
     match keys {
-        [key] => key.clone(),
-        _ => Bson::Document(doc! { "$in": keys.to_vec() }),
+        [key] => by_id(path, key),
+        _ => by_any(path, keys),
     }
 }
 

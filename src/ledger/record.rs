@@ -108,10 +108,9 @@ impl Ledger {
             .map(|(need, created)| index::describe(&events, &need, created))
             .collect();
         if self.spec.buckets.is_some() {
-            let (on_events, on_counters) = index::for_ranges();
             for (collection, need) in [
-                (events.as_str(), on_events),
-                (self.spec.name.as_str(), on_counters),
+                (events.as_str(), index::bucket_events()),
+                (self.spec.name.as_str(), index::bucket_counters()),
             ] {
                 for (need, created) in
                     index::create_these(&self.store, collection, vec![need]).await?

@@ -49,7 +49,7 @@ use crate::bucket::Buckets;
 use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::ledger::Ledger;
-use crate::write::at::{START, split_id};
+use crate::write::at::{START, by_id, split_id};
 use crate::write::counter::CollectionConfig;
 
 /// The field a closed bucket's document holds: the server time (a Date)
@@ -416,7 +416,8 @@ fn judge(
         }
         _ => {}
     }
-    let mut filter = doc! { "_id": id.clone(), CLOSED_FIELD: Bson::Null };
+    let mut filter = by_id("_id", &id);
+    filter.insert(CLOSED_FIELD, Bson::Null);
     for (name, value) in [
         (&spec.pending_field, pending),
         (&spec.settled_field, settled),

@@ -192,7 +192,7 @@ impl Reconciler {
     ) -> Result<Vec<Document>, Error> {
         let spec = &target.spec;
         let collection = self.store.collection(&spec.name);
-        let filter = doc! { "_id": { "$in": ids } };
+        let filter = crate::write::at::by_any("_id", &ids);
         let mut budget = RetryBudget::retry_once("reconcile.read");
         let cursor = self
             .store

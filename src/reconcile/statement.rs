@@ -260,7 +260,7 @@ pub(crate) struct Parts {
 impl Parts {
     fn new(id: &Bson) -> Self {
         Self {
-            q: doc! { "_id": id.clone() },
+            q: crate::write::at::by_id("_id", id),
             checks: Vec::new(),
             set: Document::new(),
         }

@@ -30,6 +30,10 @@ use super::lane::LaneIncrement;
 use crate::bucket::Buckets;
 use crate::error::Error;
 
+mod filter;
+
+pub(crate) use filter::{by_any, by_id};
+
 /// How far ahead of the writer's clock an event's time may be: five
 /// minutes, room for clocks that disagree a little. Further ahead, a clock
 /// or a caller is wrong, and the count is refused ([`Error::TimeAhead`]).

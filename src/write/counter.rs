@@ -395,7 +395,7 @@ impl Counters {
         let found = self
             .read_one(
                 "counter.value",
-                doc! { "_id": key },
+                super::at::by_id("_id", &key),
                 doc! { counter_field: 1 },
             )
             .await?;

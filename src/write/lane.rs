@@ -341,7 +341,7 @@ impl Counters {
             .store
             .find_one(
                 &self.collection,
-                doc! { "_id": key },
+                super::at::by_id("_id", key),
                 projection,
                 "lane.read",
             )
@@ -571,11 +571,9 @@ fn statement(spec: &CollectionConfig, op: &LaneOp) -> (Document, Document) {
         let exact = doc! { "$gt": low, "$lt": high, "$bitsAllClear": 0 };
         inexact_double.insert("$not", exact);
     }
-    let filter = doc! {
-        "_id": &op.key,
-        &path: { "$not": { "$gte": op.position } },
-        &spec.counter_field: { "$not": inexact_double },
-    };
+    let mut filter = super::at::by_id("_id", &op.key);
+    filter.insert(&path, doc! { "$not": { "$gte": op.position } });
+    filter.insert(&spec.counter_field, doc! { "$not": inexact_double });
     let update = doc! {
         "$inc": { &spec.counter_field: inc_operand(op.amount) },
         "$set": { &path: op.position },

@@ -19,6 +19,7 @@ use tally::{
 };
 
 use crate::cli::{hint, hint_command, json, tallyd, text, write_config};
+use crate::common::proxy::{Proxy, upstream_of};
 use crate::common::{FailPoint, TestContext, counter, pending_len, run_reconcile};
 use crate::ledger::{assert_outcome, fold_all, fold_of};
 
@@ -548,4 +549,140 @@ async fn a_leftover_token_in_a_buckets_document_is_folded_into_that_bucket() {
     assert_eq!(counter(&coll, bucket.clone()).await, 8);
     assert_eq!(pending_len(&coll, bucket).await, 0);
     assert_eq!(ids(&ctx, "views").await.len(), 1);
+}
+
+/// Every command that finds a bucketed counter by its `_id` — the
+/// two-step increment's steps, a lane's update, a read, the ledger's fold
+/// and exact read, the fold of a leftover token — asks by the dotted fields
+/// of the `_id` as well (`_id.k`, `_id.t`: what the index by key and
+/// bucket serves, where the test server scans for a document `_id`), and a
+/// counter's events by those of their counter (`k.k`, `k.t`). A plain
+/// collection's filters are `{_id: key, …}` as they always were.
+#[tokio::test]
+async fn a_bucketed_counter_is_asked_for_by_its_dotted_fields_and_a_plain_one_as_ever() {
+    let ctx = TestContext::new("buckets_dotted").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let store = through.store();
+    let days = berlin_days();
+    let views = Counters::new(&store, bucketed("views", &days), WriterConfig::default());
+    let plain = Counters::new(
+        &store,
+        CollectionConfig::new("plain"),
+        WriterConfig::default(),
+    );
+    let orders = Ledger::new(&store, bucketed("orders", &days));
+    orders.create_indexes().await.unwrap();
+    let at = days.parse_time("2026-10-25T12:00:00+01:00").unwrap();
+    let bucket = id("home", "2026-10-24T22:00:00Z");
+    assert!(matches!(
+        views.increment_at("home", 1, at).await,
+        Increment::Counted(_)
+    ));
+    assert!(matches!(
+        views.add_at("home", 2, at).await,
+        LaneIncrement::Counted(_)
+    ));
+    assert_eq!(
+        views.value(bucket.clone()).await.unwrap(),
+        Some(Bson::Int64(3))
+    );
+    assert!(matches!(
+        plain.increment("home", 1).await,
+        Increment::Counted(_)
+    ));
+    assert!(matches!(
+        plain.add("home", 2).await,
+        LaneIncrement::Counted(_)
+    ));
+    assert_eq!(plain.value("home").await.unwrap(), Some(Bson::Int64(3)));
+    assert_outcome(&orders.record_at("o-1", "acme", 5, at).await, "recorded");
+    let acme = id("acme", "2026-10-24T22:00:00Z");
+    assert_eq!(
+        orders.value(acme.clone()).await.unwrap().value,
+        5,
+        "unfolded"
+    );
+    fold_all(&fold_of(&store, "orders")).await;
+    assert_eq!(orders.value(acme.clone()).await.unwrap().value, 5, "folded");
+    // A leftover token in a bucket's document, folded.
+    let stale = Token::created_at_time(SystemTime::now() - Duration::from_secs(3600));
+    let other = id("other", "2026-10-24T22:00:00Z");
+    ctx.client(false)
+        .await
+        .collection("views")
+        .insert_one(doc! { "_id": other.clone(), "counter": 0i64, "pending": [{ "t": stale.object_id(), "n": 4i64 }] })
+        .await
+        .unwrap();
+    let target = FoldTarget {
+        spec: bucketed("views", &days),
+        grace: Duration::from_secs(60),
+        batch_size: 100,
+    };
+    run_reconcile(&store, &target, Mode::Fold).await;
+    let direct = ctx.client(false).await.collection("views");
+    assert_eq!(counter(&direct, other).await, 4);
+
+    // Each filter of a counter by `_id` (`path` "_id") or of events by
+    // their counter (`path` "k"): dotted for a bucket, plain otherwise.
+    let mut seen: Vec<(String, &str)> = Vec::new();
+    for exchange in proxy.log() {
+        let (Some(command), Some(collection)) = (&exchange.command, &exchange.collection) else {
+            continue;
+        };
+        let filters: Vec<Document> = match command.as_str() {
+            "update" => exchange
+                .body
+                .get_array("updates")
+                .unwrap()
+                .iter()
+                .map(|u| u.as_document().unwrap().get_document("q").unwrap().clone())
+                .collect(),
+            "find" => vec![exchange.body.get_document("filter").unwrap().clone()],
+            _ => continue,
+        };
+        let path = match collection.as_str() {
+            "views" | "plain" | "orders" => "_id",
+            "orders_events" => "k",
+            _ => continue,
+        };
+        for filter in filters.into_iter().filter(|f| f.contains_key(path)) {
+            let dotted = [format!("{path}.k"), format!("{path}.t")];
+            if collection == "plain" {
+                assert_eq!(
+                    filter.keys().next().map(String::as_str),
+                    Some("_id"),
+                    "{filter}"
+                );
+                assert!(!filter.keys().any(|k| k.starts_with("_id.")), "{filter}");
+            } else {
+                assert!(
+                    dotted.iter().all(|d| filter.contains_key(d)),
+                    "{command} on {collection}: {filter}"
+                );
+            }
+            seen.push((
+                collection.clone(),
+                if command == "update" {
+                    "update"
+                } else {
+                    "find"
+                },
+            ));
+        }
+    }
+    for (collection, command) in [
+        ("views", "update"),
+        ("views", "find"),
+        ("plain", "update"),
+        ("plain", "find"),
+        ("orders", "update"),
+        ("orders", "find"),
+        ("orders_events", "find"),
+    ] {
+        assert!(
+            seen.iter().any(|(c, m)| c == collection && *m == command),
+            "no {command} on {collection} by its counter: {seen:?}"
+        );
+    }
 }

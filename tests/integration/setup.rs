@@ -4,11 +4,13 @@
 
 use std::time::{Duration, Instant};
 
+use futures::TryStreamExt;
 use serde_json::Value;
 
 use crate::cli::{json, tallyd, write_config};
 use crate::common::TestContext;
 use crate::common::tallyd::free_address;
+use crate::doctor::{doctor, verdict};
 use crate::errors::readable;
 
 /// Three collections, one with a ledger.
@@ -107,4 +109,61 @@ async fn setup_json_gives_each_index_as_fields() {
         .collect();
     assert_eq!(actions.len(), 8, "{again}");
     assert!(actions.iter().all(|a| *a == "present"), "{again}");
+}
+
+/// A bucketed collection, ledger or not, gets its index by key and bucket
+/// (`{_id.k: 1, _id.t: 1}`, through which every write and read of a
+/// bucketed counter finds it), and a bucketed ledger's events theirs by
+/// key, bucket and number; `doctor` warns while the counters' one is
+/// missing and not once it is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_indexes_every_bucketed_collection_by_key_and_bucket() {
+    let ctx = TestContext::new("setup_buckets").await;
+    let bucket = "bucket = \"day\"\ntimezone = \"Europe/Berlin\"\n";
+    let config = ctx.config_toml(
+        false,
+        &format!(
+            "[[collections]]\nname = \"days\"\n{bucket}[[collections]]\nname = \"views\"\n\
+             ledger = true\n{bucket}"
+        ),
+    );
+    let client = ctx.client(false).await;
+    client
+        .collection("days")
+        .insert_one(mongodb::bson::doc! { "_id": "created" })
+        .await
+        .unwrap();
+    let (_, checks, _) = doctor(&config, &[]).await;
+    let (found, message) = verdict(&checks, "indexes:days");
+    let flagged = found == "warn" && message.contains("no index tally_counters_bucket");
+    assert!(flagged, "{found}: {message}");
+
+    let output = setup(&config, &["--json"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", readable(&output));
+    let by_key_and_bucket = mongodb::bson::doc! { "_id.k": 1, "_id.t": 1 };
+    let by_number = mongodb::bson::doc! { "k.k": 1, "k.t": 1, "s": 1 };
+    for (collection, keys) in [
+        ("days", &by_key_and_bucket),
+        ("views", &by_key_and_bucket),
+        ("views_events", &by_number),
+    ] {
+        let listed: Vec<mongodb::IndexModel> = client
+            .collection(collection)
+            .list_indexes()
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        assert!(
+            listed.iter().any(|i| &i.keys == keys),
+            "{collection}: no {keys} in {listed:?}"
+        );
+    }
+    let (_, checks, _) = doctor(&config, &[]).await;
+    let (found, message) = verdict(&checks, "indexes:days");
+    assert!(
+        !message.contains("tally_counters_bucket"),
+        "{found}: {message}"
+    );
 }

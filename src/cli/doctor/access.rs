@@ -130,9 +130,31 @@ fn advised_fields(spec: &CollectionConfig) -> Vec<&str> {
     vec![spec.pending_field.as_str(), spec.settled_field.as_str()]
 }
 
+/// The sparse indexes ([`judge_sparse`]), and for a bucketed collection
+/// its index by key and bucket: without it every write and read of a
+/// bucketed counter scans the collection on a server that does not serve
+/// a document `_id` from the `_id` index (the test server does not).
+fn judge_indexes(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, String) {
+    let (verdict, message) = judge_sparse(spec, indexes);
+    let bucket = crate::ledger::index::bucket_counters();
+    if spec.buckets.is_none() || indexes.iter().any(|index| index.keys == bucket.keys) {
+        return (verdict, message);
+    }
+    let missing = format!(
+        "no index {} {}: each write and read of a bucketed counter asks by these fields, and \
+         without it a server that does not serve a document _id from the _id index reads \
+         the whole collection for each; `tallyd setup` creates it",
+        bucket.name, bucket.keys
+    );
+    match verdict {
+        Verdict::Ok => (Verdict::Warn, missing),
+        _ => (Verdict::Warn, format!("{message}; {missing}")),
+    }
+}
+
 /// Each advised field needs an index that starts with it and holds only
 /// the documents that have it (sparse, or partial).
-fn judge_indexes(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, String) {
+fn judge_sparse(spec: &CollectionConfig, indexes: &[IndexModel]) -> (Verdict, String) {
     let mut missing = Vec::new();
     let mut dense = Vec::new();
     let mut found = Vec::new();
@@ -508,6 +530,33 @@ mod tests {
         assert_eq!(
             judge_indexes(&spec, &[id, second, sparse("settled")]).0,
             Verdict::Warn
+        );
+    }
+
+    #[test]
+    fn a_bucketed_collection_wants_its_index_by_key_and_bucket() {
+        let days = crate::bucket::Buckets::utc(crate::bucket::BucketWidth::Day);
+        let spec = CollectionConfig::new("views").with_buckets(days);
+        let sparse_ones = [sparse("pending"), sparse("settled")];
+        let (verdict, message) = judge_indexes(&spec, &sparse_ones);
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(
+            message.starts_with("no index tally_counters_bucket"),
+            "{message}"
+        );
+        let (verdict, message) = judge_indexes(&spec, &sparse_ones[..1]);
+        assert_eq!(verdict, Verdict::Warn, "{message}");
+        assert!(
+            message.contains("no index on settled") && message.contains("tally_counters_bucket"),
+            "{message}"
+        );
+        let bucket = index(doc! { "_id.k": 1, "_id.t": 1 }, None);
+        let all = [sparse("pending"), sparse("settled"), bucket];
+        assert_eq!(judge_indexes(&spec, &all).0, Verdict::Ok);
+        // Without buckets the index is not asked for.
+        assert_eq!(
+            judge_indexes(&CollectionConfig::new("views"), &sparse_ones).0,
+            Verdict::Ok
         );
     }
 }

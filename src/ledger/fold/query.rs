@@ -256,7 +256,7 @@ pub(super) async fn sum_range(
         let integral = |name| matches!(row.get(name), Some(Bson::Int32(_) | Bson::Int64(_)));
         if !(integral("n") && integral("hi")) {
             let mut filter = range(from, Some(to));
-            filter.insert(field::COUNTER, key);
+            filter.extend(crate::write::at::by_id(field::COUNTER, &key));
             sum_exactly(store, events, filter, shares).await?;
             continue;
         }

@@ -11,6 +11,7 @@ use super::step::By;
 use super::{Added, Counters};
 use crate::error::Error;
 use crate::token::{Entry, Token};
+use crate::write::at::by_id;
 
 /// How often `resume` reads the document again after its step 1 found it
 /// changed (a duplicate key: a marker appeared, or a race created it).
@@ -233,7 +234,7 @@ impl Counters {
         let (pending_field, settled_field) = (&self.spec.pending_field, &self.spec.settled_field);
         let projection = doc! { pending_field: 1, settled_field: 1 };
         let Some(found) = self
-            .read_one("counter.lookup", doc! { "_id": &key }, projection)
+            .read_one("counter.lookup", by_id("_id", &key), projection)
             .await?
         else {
             return Ok(Found::Absent);

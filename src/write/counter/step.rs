@@ -12,6 +12,7 @@ use mongodb::bson::{Bson, Document, doc};
 use super::CollectionConfig;
 use crate::document::EXACT_DOUBLE;
 use crate::token::{Entry, TOKEN_FIELD};
+use crate::write::at::by_id;
 
 /// Who sends a step: the increment itself, or a settle (`complete`,
 /// `resume`), which leaves a marker of the token it counted and never
@@ -38,7 +39,8 @@ pub(super) fn add(
     entry: &Entry,
     by: By,
 ) -> (Document, Document) {
-    let mut filter = doc! { "_id": key, &spec.counter_field: int64_room(entry.amount()) };
+    let mut filter = by_id("_id", key);
+    filter.insert(&spec.counter_field, int64_room(entry.amount()));
     if by == By::Settle {
         filter.insert(marker_path(spec), doc! { "$ne": entry.token().object_id() });
     }
@@ -61,7 +63,8 @@ pub(super) fn count(
     by: By,
 ) -> (Document, Vec<Document>) {
     let token = entry.token().object_id();
-    let mut filter = doc! { "_id": key, &spec.pending_field: entry.array_condition() };
+    let mut filter = by_id("_id", key);
+    filter.insert(&spec.pending_field, entry.array_condition());
     let mut set = doc! {
         &spec.counter_field: counter_plus(&spec.counter_field, entry.amount()),
         &spec.pending_field: {
