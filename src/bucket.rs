@@ -48,6 +48,7 @@ use jiff::{SignedDuration, Span, Timestamp};
 mod closing;
 mod written;
 
+pub use closing::CLOSED_FIELD;
 pub(crate) use closing::{DEFAULT_CLOSING_MARGIN, closing_margin};
 
 /// How long after its end a bucket is closed when a collection does not

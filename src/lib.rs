@@ -118,8 +118,8 @@
 //! document  → error store
 //! token     → document
 //! write     → error store document token redact bucket
-//! ledger    → error store document write
-//! reconcile → error store document token write ledger
+//! ledger    → error store document write bucket
+//! reconcile → error store document token write ledger bucket
 //! config    → error redact store write ledger reconcile bucket
 //! daemon    → config reconcile ledger write store token document error redact
 //! cli       → (anything)
@@ -151,7 +151,7 @@ mod logging;
 #[cfg(feature = "daemon")]
 pub use cli::tallyd_main;
 
-pub use bucket::{BucketError, BucketStarts, BucketWidth, Buckets};
+pub use bucket::{BucketError, BucketStarts, BucketWidth, Buckets, CLOSED_FIELD};
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use ledger::{
     Backlog, BucketValue, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings,
@@ -159,8 +159,8 @@ pub use ledger::{
     NotRecorded, RETENTION_MARGIN, RangeValue, Recording, retention_floor,
 };
 pub use reconcile::{
-    BucketClosing, CLOSED_FIELD, CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument,
-    Mode, NAMED_LANES_LISTED, OpenBuckets, Progress, Reconciler, RefusedDocument, Survey,
+    BucketClosing, CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode,
+    NAMED_LANES_LISTED, OpenBuckets, Progress, Reconciler, RefusedDocument, Survey,
     UNCLOSED_SAMPLE, UnclosedBucket,
 };
 pub use store::{ConnectError, Store, StoreConfig};

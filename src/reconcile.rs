@@ -81,7 +81,7 @@ use model::{Cutoffs, Lines};
 use report::ReportRow;
 use statement::Read;
 
-pub use close::{CLOSED_FIELD, OpenBuckets, UNCLOSED_SAMPLE};
+pub use close::{OpenBuckets, UNCLOSED_SAMPLE};
 pub use report::{
     BucketClosing, CollectionRun, MALFORMED_SAMPLE, MalformedDocument, NAMED_LANES_LISTED,
     Progress, RefusedDocument, Survey, UnclosedBucket,

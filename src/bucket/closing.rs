@@ -16,21 +16,17 @@
 use std::time::{Duration, SystemTime};
 
 use super::{BucketError, Buckets};
-use crate::store::DEFAULT_ATTEMPT_TIMEOUT;
-use crate::write::counter::{DEFAULT_LANE_RESUME_HORIZON, DEFAULT_RETRY_HORIZON};
 
-/// The fold's default grace (the daemon's `[reconcile] grace`), which the
-/// default closing margin is made of.
-const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
+/// The field a closed bucket's document holds: the server time (a Date)
+/// of the reconcile run that closed it. A bucketed counter document must
+/// not use it for anything else.
+pub const CLOSED_FIELD: &str = "closed";
 
 /// The closing margin with every default: the lanes' resume horizon (23h)
-/// plus an attempt (60s) plus the grace (15m).
-pub(crate) const DEFAULT_CLOSING_MARGIN: Duration = closing_margin(
-    DEFAULT_RETRY_HORIZON,
-    DEFAULT_LANE_RESUME_HORIZON,
-    DEFAULT_ATTEMPT_TIMEOUT,
-    DEFAULT_GRACE,
-);
+/// plus an attempt (60s) plus the fold's grace (15m). Its parts live with
+/// the writer, the store and the fold (this module names none of them);
+/// `config`'s tests check it is made of them.
+pub(crate) const DEFAULT_CLOSING_MARGIN: Duration = Duration::from_secs(23 * 3600 + 60 + 15 * 60);
 
 /// `max(retry_horizon, lane_resume_horizon) + attempt_timeout + grace`.
 pub(crate) const fn closing_margin(
@@ -144,11 +140,7 @@ mod tests {
     }
 
     #[test]
-    fn the_default_margin_is_the_default_horizons_attempt_and_grace() {
-        assert_eq!(
-            DEFAULT_CLOSING_MARGIN,
-            Duration::from_secs(23 * 3600 + 60 + 15 * 60)
-        );
+    fn the_margin_is_the_longer_horizon_an_attempt_and_the_grace() {
         let steps_longer = closing_margin(
             Duration::from_secs(600),
             Duration::from_secs(60),

@@ -811,3 +811,19 @@ fn a_close_after_below_the_margin_is_refused_naming_what_it_is_made_of() {
         "{err}"
     );
 }
+
+/// The default closing margin, spelled out in `bucket` (a leaf module), is
+/// made of the defaults it names.
+#[test]
+fn the_default_closing_margin_is_made_of_the_defaults() {
+    use crate::bucket::{DEFAULT_CLOSING_MARGIN, closing_margin};
+    use crate::write::counter::{DEFAULT_LANE_RESUME_HORIZON, DEFAULT_RETRY_HORIZON};
+    let margin = closing_margin(
+        DEFAULT_RETRY_HORIZON,
+        DEFAULT_LANE_RESUME_HORIZON,
+        crate::store::DEFAULT_ATTEMPT_TIMEOUT,
+        crate::reconcile::DEFAULT_GRACE,
+    );
+    assert_eq!(DEFAULT_CLOSING_MARGIN, margin);
+    assert_eq!(Buckets::utc(BucketWidth::Minute).closing_margin(), margin);
+}

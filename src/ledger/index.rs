@@ -141,7 +141,7 @@ pub(crate) fn open_buckets() -> Needed {
     Needed {
         name: "tally_buckets_open",
         keys: doc! {
-            crate::reconcile::CLOSED_FIELD: 1,
+            crate::bucket::CLOSED_FIELD: 1,
             format!("_id.{}", crate::write::at::START): 1,
         },
     }

@@ -32,9 +32,9 @@ use super::state::{self, FoldState};
 use super::{Ledger, field, floor, fold_lane};
 use std::collections::HashMap;
 
+use crate::bucket::CLOSED_FIELD;
 use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
-use crate::reconcile::CLOSED_FIELD;
 use crate::write::at::{by_any, by_id};
 
 /// How many optimistic double reads [`Ledger::value`] tries before it

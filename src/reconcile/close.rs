@@ -45,17 +45,12 @@ use super::model::{self, plan_lanes};
 use super::report::{BucketClosing, CollectionRun, UnclosedBucket};
 use super::statement::Statement;
 use super::{FoldTarget, Mode, Reconciler};
-use crate::bucket::Buckets;
+use crate::bucket::{Buckets, CLOSED_FIELD};
 use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::ledger::Ledger;
 use crate::write::at::{START, by_id, split_id};
 use crate::write::counter::CollectionConfig;
-
-/// The field a closed bucket's document holds: the server time (a Date)
-/// of the run that closed it. A counter document must not use it for
-/// anything else.
-pub const CLOSED_FIELD: &str = "closed";
 
 /// Unclosed buckets a run lists by `_id` (all are counted).
 pub const UNCLOSED_SAMPLE: usize = 10;
