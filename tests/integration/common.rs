@@ -450,7 +450,11 @@ impl Drop for FailPoint {
 
 /// One reconcile run of `target` at the server's current time.
 pub async fn run_reconcile(store: &Store, target: &FoldTarget, mode: Mode) -> CollectionRun {
-    let reconciler = Reconciler::new(store);
+    run_with(&Reconciler::new(store), target, mode).await
+}
+
+/// One run of `reconciler` at the server's time.
+pub async fn run_with(reconciler: &Reconciler, target: &FoldTarget, mode: Mode) -> CollectionRun {
     let now = reconciler.server_time().await.expect("server time");
     reconciler
         .reconcile(target, mode, now, &CancellationToken::new(), &mut |_| {})

@@ -257,7 +257,7 @@ async fn create_counters(direct: &TestClient) {
         .insert_many(LANE_KEYS.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
         .await
         .expect("create the lane counters");
-    tally::Ledger::new(&direct.store(), CollectionConfig::new(ledger::COLLECTION))
+    tally::Ledger::new(&direct.store(), ledger::spec())
         .create_indexes()
         .await
         .expect("the ledger's indexes");

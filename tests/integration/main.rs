@@ -35,6 +35,7 @@ mod shown_book;
 mod shown_commands;
 mod shown_configs;
 mod soak;
+mod soak_buckets;
 mod soak_group;
 mod soak_lanes;
 mod stop;

@@ -109,6 +109,23 @@ impl Rig {
         share: f64,
         seed: u64,
     ) -> Self {
+        let rig = Self::without_counters(name, keys, faults, share, seed).await;
+        rig.direct
+            .insert_many(rig.keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
+            .await
+            .expect("create the counters");
+        rig
+    }
+
+    /// [`Rig::start`] with no counter created: each write creates its
+    /// document (a bucketed collection's, whose buckets come with time).
+    pub(crate) async fn without_counters(
+        name: &str,
+        keys: usize,
+        faults: &[Action],
+        share: f64,
+        seed: u64,
+    ) -> Self {
         let server = (!external()).then(|| TestServer::start(&ServerOptions::default()));
         let ctx = match &server {
             Some(server) => TestContext::on(name, server.uri()).await,
@@ -116,10 +133,6 @@ impl Rig {
         };
         let direct = ctx.client(false).await.collection("views");
         let keys: Vec<String> = (0..keys).map(|k| format!("k{k}")).collect();
-        direct
-            .insert_many(keys.iter().map(|k| doc! { "_id": k, "counter": 0i64 }))
-            .await
-            .expect("create the counters");
         let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
         let rules = faults
             .iter()
@@ -299,11 +312,7 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
             ));
         }
     }
-    let faulted = log.iter().filter(|e| e.action.is_some()).count();
-    let updates = log
-        .iter()
-        .filter(|e| e.command.as_deref() == Some("update"))
-        .count();
+    let (faulted, updates) = faulted_updates(&log);
     eprintln!(
         "soak seed {seed}: {} increments, {updates} updates, {faulted} faulted; writers told {told:?}; {:.0?}",
         WRITERS * increments,
@@ -315,8 +324,31 @@ async fn sixteen_writers_through_random_faults_and_a_killed_daemon_count_exactly
         wrong.len(),
         wrong.join("\n")
     );
+    assert_faulted_in_time((faulted, updates), 0.05, started, budget, seed);
+}
+
+/// How many exchanges of `log` were faulted, and how many were `update`s.
+pub(crate) fn faulted_updates(log: &[Exchange]) -> (usize, usize) {
+    let faulted = log.iter().filter(|e| e.action.is_some()).count();
+    let updates = log
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("update"))
+        .count();
+    (faulted, updates)
+}
+
+/// Asserts that more than `least` of the `update`s were faulted
+/// (`faulted` of `updates`), and that the soak begun at `started` took
+/// less than `budget`.
+pub(crate) fn assert_faulted_in_time(
+    (faulted, updates): (usize, usize),
+    least: f64,
+    started: Instant,
+    budget: Duration,
+    seed: u64,
+) {
     assert!(
-        faulted as f64 > 0.05 * updates as f64,
+        faulted as f64 > least * updates as f64,
         "seed {seed}: only {faulted} of {updates} updates were faulted"
     );
     assert!(
@@ -346,7 +378,18 @@ pub(crate) async fn settle(
     key: &str,
     rng: &mut fastrand::Rng,
 ) -> (String, Token, Claim) {
-    let mut outcome = counters.increment(key, 1).await;
+    let outcome = counters.increment(key, 1).await;
+    let (token, claim) = resolve(counters, outcome, rng).await;
+    (key.to_owned(), token, claim)
+}
+
+/// Settles one increment's outcome as [`settle`] does; its token and what
+/// the writer was told.
+pub(crate) async fn resolve(
+    counters: &Counters,
+    mut outcome: Increment,
+    rng: &mut fastrand::Rng,
+) -> (Token, Claim) {
     let token = outcome.token().expect("a token");
     let mut lookups = 0;
     let claim = loop {
@@ -375,7 +418,7 @@ pub(crate) async fn settle(
             }
         }
     };
-    (key.to_owned(), token, claim)
+    (token, claim)
 }
 
 /// For each key, the tokens whose step 1 (an `$addToSet` of the token)
@@ -389,18 +432,8 @@ pub(crate) fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, Ha
             continue;
         };
         for statement in statements.iter().filter_map(Bson::as_document) {
-            let added = statement
-                .get_document("u")
-                .ok()
-                .and_then(|u| u.get_document("$addToSet").ok())
-                .and_then(|a| a.get("pending"));
-            let token = match added {
-                Some(Bson::ObjectId(t)) => *t,
-                Some(Bson::Document(entry)) => match entry.get("t") {
-                    Some(Bson::ObjectId(t)) => *t,
-                    _ => panic!("seed {seed}: an entry without a token: {entry}"),
-                },
-                _ => continue,
+            let Some(token) = step_1_token(statement, seed) else {
+                continue;
             };
             let key = statement
                 .get_document("q")
@@ -424,23 +457,57 @@ pub(crate) fn applied_step_1s(log: &[Exchange], seed: u64) -> HashMap<String, Ha
     truth
 }
 
+/// The token a step 1 statement (an `$addToSet` of the token, or of its
+/// entry `{t, n}`) adds; `None` for any other statement.
+pub(crate) fn step_1_token(statement: &Document, seed: u64) -> Option<ObjectId> {
+    let added = statement
+        .get_document("u")
+        .ok()
+        .and_then(|u| u.get_document("$addToSet").ok())
+        .and_then(|a| a.get("pending"));
+    match added {
+        Some(Bson::ObjectId(t)) => Some(*t),
+        Some(Bson::Document(entry)) => match entry.get("t") {
+            Some(Bson::ObjectId(t)) => Some(*t),
+            _ => panic!("seed {seed}: an entry without a token: {entry}"),
+        },
+        _ => None,
+    }
+}
+
 /// Every counter's value.
 pub(crate) async fn counters(direct: &Collection<Document>) -> HashMap<String, i64> {
-    direct
-        .find(doc! {})
+    every_document(direct, doc! {})
         .await
-        .expect("find")
-        .try_collect::<Vec<Document>>()
-        .await
-        .expect("read counters")
         .into_iter()
         .map(|d| {
-            let counter = match d.get("counter") {
-                Some(Bson::Int64(n)) => *n,
-                Some(Bson::Int32(n)) => i64::from(*n),
-                other => panic!("a counter that is not an integer: {other:?}"),
-            };
-            (d.get_str("_id").unwrap_or_default().to_owned(), counter)
+            (
+                d.get_str("_id").unwrap_or_default().to_owned(),
+                counter_of(&d),
+            )
         })
         .collect()
+}
+
+/// Every document of `collection` that `filter` matches.
+pub(crate) async fn every_document(
+    collection: &Collection<Document>,
+    filter: Document,
+) -> Vec<Document> {
+    collection
+        .find(filter)
+        .await
+        .expect("find")
+        .try_collect()
+        .await
+        .expect("read documents")
+}
+
+/// A counter document's counter, of either integer type.
+pub(crate) fn counter_of(document: &Document) -> i64 {
+    match document.get("counter") {
+        Some(Bson::Int64(n)) => *n,
+        Some(Bson::Int32(n)) => i64::from(*n),
+        other => panic!("a counter that is not an integer: {other:?} in {document}"),
+    }
 }

@@ -21,7 +21,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use mongodb::bson::Bson;
+use mongodb::bson::{Bson, Document};
 use tally::{CollectionConfig, Counters, LaneIncrement, WriterConfig};
 use tokio::io::AsyncReadExt;
 
@@ -471,30 +471,8 @@ pub(crate) fn applied_lane_updates(
             continue;
         };
         for statement in statements.iter().filter_map(Bson::as_document) {
-            let Ok(update) = statement.get_document("u") else {
+            let Some((lane, position, amount)) = lane_update(statement, seed) else {
                 continue;
-            };
-            let Ok(set) = update.get_document("$set") else {
-                continue;
-            };
-            let lane_entries: Vec<_> = set
-                .iter()
-                .filter_map(|(path, s)| Some((path.strip_prefix("lanes.")?, s)))
-                .collect();
-            let [(lane, position)] = lane_entries[..] else {
-                continue;
-            };
-            let position = position
-                .as_i64()
-                .unwrap_or_else(|| panic!("seed {seed}: a lane position not an int64: {set}"));
-            let amount = match update
-                .get_document("$inc")
-                .ok()
-                .and_then(|i| i.get("counter"))
-            {
-                Some(Bson::Int32(n)) => i64::from(*n),
-                Some(Bson::Int64(n)) => *n,
-                other => panic!("seed {seed}: a lane update adding {other:?}: {update}"),
             };
             let key = statement
                 .get_document("q")
@@ -505,7 +483,7 @@ pub(crate) fn applied_lane_updates(
             let previous = truth
                 .entry(key)
                 .or_default()
-                .insert((lane.to_owned(), position), amount);
+                .insert((lane.clone(), position), amount);
             assert!(
                 previous.is_none_or(|p| p == amount),
                 "seed {seed}: lane {lane} s = {position} sent with two amounts"
@@ -513,6 +491,33 @@ pub(crate) fn applied_lane_updates(
         }
     }
     truth
+}
+
+/// The lane, position and amount of a lane update statement (`$inc` of
+/// the counter with one `$set` of `lanes.L`); `None` for any other.
+pub(crate) fn lane_update(statement: &Document, seed: u64) -> Option<(String, i64, i64)> {
+    let update = statement.get_document("u").ok()?;
+    let set = update.get_document("$set").ok()?;
+    let lane_entries: Vec<_> = set
+        .iter()
+        .filter_map(|(path, s)| Some((path.strip_prefix("lanes.")?, s)))
+        .collect();
+    let [(lane, position)] = lane_entries[..] else {
+        return None;
+    };
+    let position = position
+        .as_i64()
+        .unwrap_or_else(|| panic!("seed {seed}: a lane position not an int64: {set}"));
+    let amount = match update
+        .get_document("$inc")
+        .ok()
+        .and_then(|i| i.get("counter"))
+    {
+        Some(Bson::Int32(n)) => i64::from(*n),
+        Some(Bson::Int64(n)) => *n,
+        other => panic!("seed {seed}: a lane update adding {other:?}: {update}"),
+    };
+    Some((lane.to_owned(), position, amount))
 }
 
 /// The lane entries the daemon logged as pruned (its `reconcile run` lines'
