@@ -54,13 +54,14 @@ pub async fn run(settings: &Settings) {
         for chunk in documents.chunks(1000) {
             coll.insert_many(chunk.to_vec()).await.expect("seed");
         }
-        coll.create_index(
-            mongodb::IndexModel::builder()
-                .keys(doc! { "closed": 1, "_id.t": 1 })
-                .build(),
-        )
-        .await
-        .expect("the open buckets' index");
+        // The indexes `tallyd setup` makes on a bucketed collection.
+        for keys in [
+            doc! { "_id.k": 1, "_id.t": 1 },
+            doc! { "closed": 1, "_id.t": 1 },
+        ] {
+            let index = mongodb::IndexModel::builder().keys(keys).build();
+            coll.create_index(index).await.expect("setup's indexes");
+        }
         let minutes = Buckets::utc(BucketWidth::Minute);
         let target = |buckets: Buckets| FoldTarget {
             spec: CollectionConfig::new("calls").with_buckets(buckets),

@@ -49,7 +49,7 @@ use crate::bucket::{Buckets, CLOSED_FIELD};
 use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::ledger::Ledger;
-use crate::write::at::{START, by_id, split_id};
+use crate::write::at::{START, by_any, by_id, split_id};
 use crate::write::counter::CollectionConfig;
 
 /// Unclosed buckets a run lists by `_id` (all are counted).
@@ -286,8 +286,9 @@ impl Reconciler {
             .map(|(i, c)| (i, &c.statement))
             .collect();
         let outcome = batch::send(&self.store, &spec.name, &statements).await?;
-        closing.closed += outcome.modified;
+        let mut refused = vec![false; ready.len()];
         for refusal in &outcome.refused {
+            refused[refusal.document] = true;
             let id = &ready[refusal.document].id;
             tracing::warn!(collection = %spec.name, id = %display_id(id), code = refusal.code, reason = %refusal.message, "the server refused to close a bucket");
             closing.unclosed_id(
@@ -298,10 +299,36 @@ impl Reconciler {
                 ),
             );
         }
-        // The others matched nothing: written since they were read; the
-        // next run reads them again.
-        closing.raced += ready.len() as u64 - outcome.modified - outcome.refused.len() as u64;
+        let sent = (ready.len() - outcome.refused.len()) as u64;
+        if outcome.modified == sent {
+            closing.closed += sent;
+            return Ok(());
+        }
+        // Some matched nothing: written since they were read (the next run
+        // reads them again) — or closed by a first attempt whose reply was
+        // lost, the retry then matching nothing. Which, the documents say.
+        let ids: Vec<Bson> = ready
+            .iter()
+            .zip(&refused)
+            .filter(|(_, refused)| !**refused)
+            .map(|(c, _)| c.id.clone())
+            .collect();
+        let now_closed = self.count_closed(spec, &ids).await?;
+        closing.closed += now_closed;
+        closing.raced += sent.saturating_sub(now_closed);
         Ok(())
+    }
+
+    /// How many of the documents `ids` are closed now.
+    async fn count_closed(&self, spec: &CollectionConfig, ids: &[Bson]) -> Result<u64, Error> {
+        let collection = self.store.collection(&spec.name);
+        let mut filter = by_any("_id", ids);
+        filter.insert(CLOSED_FIELD, doc! { "$type": "date" });
+        let mut budget = RetryBudget::read_once("close.read_closed");
+        self.store
+            .with_retry(&mut budget, || collection.count_documents(filter.clone()))
+            .await
+            .map_err(Error::Server)
     }
 
     /// How many buckets are open and the oldest one's start, through the

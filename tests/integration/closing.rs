@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::buckets::{berlin_days, bucketed};
 use crate::cli::{tallyd, write_config};
+use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
 use crate::common::tallyd::Tallyd;
 use crate::common::{TestContext, wait_until};
 use crate::daemon::LONG;
@@ -411,4 +412,54 @@ enabled = false
             .await,
         Some(0.0)
     );
+}
+
+/// A close command whose reply is lost is sent again, matches nothing (the
+/// first closed them), and the run still says it closed them — not that
+/// writers raced it.
+#[tokio::test]
+async fn a_lost_reply_to_closing_still_counts_the_buckets_closed() {
+    let ctx = TestContext::new("closing_lost_reply").await;
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await;
+    let calls = ctx.client(false).await.collection("calls");
+    // A minted lane's entry younger than lane_ttl: the fold keeps it,
+    // closing removes it.
+    let lane = ObjectId::new().to_hex();
+    calls
+        .insert_many(["2026-10-25", "2026-10-26", "2026-10-27"].map(|date| {
+            doc! { "_id": day("home", date), "counter": 1i64, "lanes": { &lane: 1i64 } }
+        }))
+        .await
+        .unwrap();
+    let _lost = proxy.rule(
+        Rule::command("update")
+            .collection("calls")
+            .nth(1)
+            .then(Action::DropReply),
+    );
+    let target = target(bucketed("calls", &closing_days()));
+    let run = run(
+        &through.store(),
+        &target,
+        Mode::Fold,
+        Duration::from_secs(5),
+    )
+    .await;
+    let closing = run.buckets.expect("a bucketed collection");
+    assert_eq!((closing.closed, closing.raced), (3, 0), "{closing:?}");
+    for date in ["2026-10-25", "2026-10-26", "2026-10-27"] {
+        let found = document(&calls, &day("home", date)).await;
+        assert!(
+            found.get_datetime("closed").is_ok() && found.get("lanes").is_none(),
+            "{found}"
+        );
+    }
+    let updates = proxy
+        .log()
+        .iter()
+        .filter(|e| e.command.as_deref() == Some("update"))
+        .filter(|e| e.collection.as_deref() == Some("calls"))
+        .count();
+    assert_eq!(updates, 3, "the first close command twice, the second once");
 }
