@@ -69,6 +69,14 @@ struct Closable {
 /// A bucketed collection's buckets not closed yet, as `tallyd status`
 /// shows them: how many, the oldest one's start, and how many of them are
 /// past their closing time (the next run closes them, or names why not).
+///
+/// ```no_run
+/// # fn demo(open: tally::OpenBuckets) {
+/// if open.past_closing_time > 0 {
+///     eprintln!("{} buckets wait for a reconcile run to close them", open.past_closing_time);
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OpenBuckets {
     /// Buckets not closed.

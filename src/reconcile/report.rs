@@ -75,6 +75,14 @@ pub struct RefusedDocument {
 }
 
 /// A bucket past its closing time that a run could not close, and why.
+///
+/// ```no_run
+/// # fn demo(run: tally::CollectionRun) {
+/// for bucket in run.buckets.iter().flat_map(|b| &b.unclosed_sample) {
+///     eprintln!("not closed: {} ({})", bucket.id, bucket.reason);
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct UnclosedBucket {
     /// The `_id`, as relaxed extended JSON (`{"k":"home","t":{"$date":…}}`).
@@ -86,6 +94,17 @@ pub struct UnclosedBucket {
 
 /// What a run did about a bucketed collection's buckets (see
 /// [`Buckets::closes_at`](crate::Buckets::closes_at)).
+///
+/// ```no_run
+/// # fn demo(run: tally::CollectionRun) {
+/// if let Some(closing) = &run.buckets {
+///     println!(
+///         "{} closed, {} past their closing time left open, {} open",
+///         closing.closed, closing.unclosed, closing.open
+///     );
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct BucketClosing {
     /// Buckets that start before this instant were due to close: they
