@@ -32,11 +32,14 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{EXIT_FAILED, EXIT_USAGE, connect, fail, fail_with, out};
+use crate::bucket::{BucketWidth, Buckets};
 use crate::config::Config;
 use crate::error::words;
+use crate::ledger::index;
 use crate::ledger::{EventFold, EventFoldSettings};
 use crate::ledger::{Ledger, Recording};
 use crate::store::Store;
+use crate::write::at::{bucket_id, by_id};
 use crate::write::counter::{CollectionConfig, Counters, Increment};
 use crate::write::lane::LaneIncrement;
 
@@ -75,6 +78,11 @@ pub(crate) struct BenchArgs {
     /// tally_bench_ and a fresh id.
     #[arg(long, value_name = "NAME")]
     collection: Option<String>,
+    /// Count by time: the scratch collection gets buckets of WIDTH
+    /// (minute, hour, day or month, in UTC), and every side writes now's
+    /// bucket — the bare `$inc` too, by the bucket's `{k, t}` `_id`.
+    #[arg(long, value_name = "WIDTH")]
+    bucket: Option<BucketWidth>,
     /// Leave the scratch collection for inspection instead of dropping it.
     #[arg(long)]
     keep: bool,
@@ -118,6 +126,8 @@ struct Handles {
     /// Makes event keys unique to this run.
     run: String,
     keys: u32,
+    /// The scratch collection's buckets, with `--bucket`.
+    buckets: Option<Buckets>,
 }
 
 /// `tallyd bench`.
@@ -129,7 +139,11 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         .collection
         .clone()
         .unwrap_or_else(|| format!("tally_bench_{}", ObjectId::new().to_hex()));
-    let spec = CollectionConfig::new(&name);
+    let buckets = args.bucket.map(Buckets::utc);
+    let spec = match &buckets {
+        Some(buckets) => CollectionConfig::new(&name).with_buckets(buckets.clone()),
+        None => CollectionConfig::new(&name),
+    };
     let store = match connect(config, args.json).await {
         Ok(store) => store,
         Err(code) => return code,
@@ -186,7 +200,19 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         store: store.clone(),
         run: ObjectId::new().to_hex(),
         keys: args.keys,
+        buckets,
     });
+    // A bucketed collection runs with the indexes `tallyd setup` makes for
+    // it (its counters by key and bucket, its open buckets).
+    if handles.buckets.is_some() {
+        let needs = vec![index::bucket_counters(), index::open_buckets()];
+        if let Err(err) = index::create_these(&store, &name, needs).await {
+            let code = fail_with(args.json, &err, &store, &secrets);
+            drop(handles);
+            store.shutdown().await;
+            return code;
+        }
+    }
     // The ledger's side runs as deployed: with the indexes `tallyd setup`
     // creates (the fold refuses to run without them).
     if protocols.contains(&Protocol::Ledger)
@@ -374,9 +400,17 @@ pub(crate) enum Told {
 async fn one(handles: &Handles, protocol: Protocol, key: String, event: String) -> Told {
     match protocol {
         Protocol::Plain => {
+            let filter = match &handles.buckets {
+                Some(buckets) => {
+                    let now = buckets.start_of(std::time::SystemTime::now());
+                    let start = now.unwrap_or(std::time::UNIX_EPOCH);
+                    by_id("_id", &bucket_id(Bson::String(key), start))
+                }
+                None => doc! { "_id": &key },
+            };
             let sent = handles
                 .plain
-                .update_one(doc! { "_id": &key }, doc! { "$inc": { "counter": 1 } })
+                .update_one(filter, doc! { "$inc": { "counter": 1 } })
                 .upsert(true)
                 .await;
             if sent.is_ok() {
@@ -450,14 +484,19 @@ async fn settle_one(handles: &Handles, settle: Settle) -> Option<bool> {
 async fn check(handles: &Handles, mut sides: Vec<Side>) -> Result<Vec<Side>, String> {
     for side in &mut sides {
         let prefix = format!("^{}:", regex_escape(side.protocol.name()));
+        let key = if handles.buckets.is_some() {
+            "_id.k"
+        } else {
+            "_id"
+        };
         let found = match side.protocol {
             // The ledger's counters, after its fold: what the daemon
             // would do, timed apart from the side.
             Protocol::Ledger => {
                 side.fold = Some(fold_everything(handles).await?);
-                sum(&handles.plain, "_id", &prefix, "counter").await?
+                sum(&handles.plain, key, &prefix, "counter").await?
             }
-            _ => sum(&handles.plain, "_id", &prefix, "counter").await?,
+            _ => sum(&handles.plain, key, &prefix, "counter").await?,
         };
         side.found = Some(found);
     }

@@ -120,3 +120,55 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
     );
     assert_eq!(scratch.count_documents(doc! {}).await.unwrap(), before);
 }
+
+/// `--bucket minute`: every side writes now's minute of a bucketed scratch
+/// collection — the bare `$inc` by the bucket's `{k, t}` `_id` — and each
+/// side's buckets hold exactly what its callers were told counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_counts_into_buckets_with_every_side() {
+    let ctx = TestContext::new("cli_bench_buckets").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let args = [
+        "--config",
+        &path,
+        "bench",
+        "--seconds",
+        "2",
+        "--writers",
+        "4",
+        "--keys",
+        "3",
+        "--bucket",
+        "minute",
+        "--keep",
+        "--json",
+    ];
+    let output = tallyd(&args, &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    let out = json(&output);
+    for side in out["sides"].as_array().expect("sides") {
+        assert!(side["outcomes"]["counted"].as_u64().unwrap() > 0, "{side}");
+        assert_eq!(side["check"]["ok"], true, "{side}");
+    }
+    let collection = out["collection"].as_str().unwrap();
+    let client = ctx.client(false).await;
+    let kept = client.collection(collection);
+    let plain = kept
+        .find_one(doc! { "_id.k": { "$regex": "^plain:" } })
+        .await
+        .unwrap()
+        .expect("a bucket of the bare $inc");
+    let id = plain.get_document("_id").expect("a {k, t} _id");
+    assert!(id.get_datetime("t").is_ok(), "{plain}");
+    assert_eq!(
+        kept.count_documents(doc! { "_id": { "$type": "string" } })
+            .await
+            .unwrap(),
+        0,
+        "no plain key"
+    );
+    // A width that is none is a usage error.
+    let bad = tallyd(&["--config", &path, "bench", "--bucket", "week"], &[]).await;
+    assert_eq!(bad.status.code(), Some(64), "{}", text(&bad));
+}
