@@ -13,21 +13,7 @@ use crate::common::TestContext;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_measures_and_checks_every_side_and_drops_its_collection() {
     let ctx = TestContext::new("cli_bench").await;
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-    let args = [
-        "--config",
-        &path,
-        "bench",
-        "--seconds",
-        "2",
-        "--writers",
-        "8",
-        "--keys",
-        "2",
-        "--json",
-    ];
-    let output = tallyd(&args, &[]).await;
+    let output = bench(&ctx, &["--writers", "8", "--keys", "2"]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     let out = json(&output);
     assert_eq!(out["ok"], true, "{out}");
@@ -127,24 +113,19 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_counts_into_buckets_with_every_side() {
     let ctx = TestContext::new("cli_bench_buckets").await;
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
-    let args = [
-        "--config",
-        &path,
-        "bench",
-        "--seconds",
-        "2",
-        "--writers",
-        "4",
-        "--keys",
-        "3",
-        "--bucket",
-        "minute",
-        "--keep",
-        "--json",
-    ];
-    let output = tallyd(&args, &[]).await;
+    let output = bench(
+        &ctx,
+        &[
+            "--writers",
+            "4",
+            "--keys",
+            "3",
+            "--bucket",
+            "minute",
+            "--keep",
+        ],
+    )
+    .await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     let out = json(&output);
     for side in out["sides"].as_array().expect("sides") {
@@ -169,6 +150,22 @@ async fn bench_counts_into_buckets_with_every_side() {
         "no plain key"
     );
     // A width that is none is a usage error.
-    let bad = tallyd(&["--config", &path, "bench", "--bucket", "week"], &[]).await;
+    let bad = bench(&ctx, &["--bucket", "week"]).await;
     assert_eq!(bad.status.code(), Some(64), "{}", text(&bad));
+}
+
+/// `tallyd bench --seconds 2 --json` and `extra` against `ctx`'s database.
+async fn bench(ctx: &TestContext, extra: &[&str]) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &ctx.config_toml(false, ""));
+    let mut args = vec![
+        "--config",
+        path.as_str(),
+        "bench",
+        "--seconds",
+        "2",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    tallyd(&args, &[]).await
 }
