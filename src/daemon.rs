@@ -451,8 +451,9 @@ async fn restore(
         if ledger {
             metrics.events_held.with_label_values(&[name]);
         }
+        // The alert rule reads it for every collection: 0 without buckets.
+        metrics.buckets_unclosed.with_label_values(&[name]);
         if bucketed {
-            metrics.buckets_unclosed.with_label_values(&[name]);
             metrics.buckets_closed.with_label_values(&[name]);
         }
         let last = match state.last_run(name).await {

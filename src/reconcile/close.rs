@@ -49,6 +49,7 @@ use crate::bucket::{Buckets, CLOSED_FIELD};
 use crate::document::display_id;
 use crate::error::{Error, Failure, RetryBudget};
 use crate::ledger::Ledger;
+use crate::token::Token;
 use crate::write::at::{START, by_any, by_id, split_id};
 use crate::write::counter::CollectionConfig;
 
@@ -205,7 +206,6 @@ impl Reconciler {
             })
             .await
             .map_err(Error::Server)?;
-        let closed_at = DateTime::from_system_time(now);
         let mut batch: Vec<Closable> = Vec::new();
         loop {
             let next = cursor
@@ -214,7 +214,7 @@ impl Reconciler {
                 .map_err(|err| Error::Server(Failure::once("close.find", err)))?;
             let finished = next.is_none();
             if let Some(document) = next {
-                match judge(spec, buckets, &document, closed_at) {
+                match judge(spec, buckets, &document, now) {
                     Ok(closable) => batch.push(closable),
                     Err(reason) => closing.unclosed_one(&document, reason),
                 }
@@ -406,8 +406,9 @@ fn judge(
     spec: &CollectionConfig,
     buckets: &Buckets,
     document: &Document,
-    closed_at: DateTime,
+    now: SystemTime,
 ) -> Result<Closable, String> {
+    let closed_at = DateTime::from_system_time(now);
     let id = document.get("_id").cloned().unwrap_or(Bson::Null);
     let Some((_, start)) = split_id(&id) else {
         return Err("its _id is not a bucket's {k, t}".to_owned());
@@ -426,11 +427,38 @@ fn judge(
     );
     // The model judges the document as the fold does: a malformed one is
     // never modified.
+    // Everything closing removes must be older than the closing margin:
+    // no write it answers for can still be re-sent. Under the collection's
+    // own configuration every entry of a due bucket is (its writers refused
+    // it from `close_after` on); a younger one was accepted under another
+    // configuration (the width made finer, `close_after` lowered) or by a
+    // clock far behind, and the bucket waits until it is old enough.
     let counter = document.get(&spec.counter_field);
-    model::plan(counter, pending, settled, ObjectId::from_bytes([0; 12]))
+    let old_enough = now
+        .checked_sub(buckets.closing_margin())
+        .map_or(ObjectId::from_bytes([0; 12]), Token::cutoff);
+    let plan = model::plan(counter, pending, settled, old_enough)
         .map_err(|malformed| format!("malformed: {malformed}"))?;
-    let every_lane = ObjectId::from_bytes([0xff; 12]);
-    let lane_plan = plan_lanes(lanes, every_lane).map_err(|m| format!("malformed: {m}"))?;
+    let lane_plan = plan_lanes(lanes, old_enough).map_err(|m| format!("malformed: {m}"))?;
+    let young_lanes = lane_plan.entries as usize - lane_plan.expired.len() - lane_plan.named.len();
+    if young_lanes > 0 || !plan.kept_markers.is_empty() {
+        return Err(format!(
+            "it holds {} written less than the closing margin ({}) ago, after the bucket stopped \
+             taking writes — accepted under another configuration (a finer bucket width, a \
+             lower close_after) or by a writer's clock far behind; it closes once {} older",
+            if young_lanes > 0 {
+                "a lane's entry"
+            } else {
+                "a settle marker"
+            },
+            humantime::format_duration(buckets.closing_margin()),
+            if young_lanes > 0 {
+                "every entry is"
+            } else {
+                "every marker is"
+            },
+        ));
+    }
     match pending {
         Some(Bson::Array(entries)) if !entries.is_empty() => {
             return Err(format!(

@@ -26,7 +26,7 @@ use std::time::{Duration, SystemTime};
 use mongodb::bson::{self, Bson, doc};
 
 use super::counter::{CollectionConfig, Counters};
-use super::lane::LaneIncrement;
+use super::lane::{LaneIncrement, LaneName};
 use crate::bucket::Buckets;
 use crate::error::Error;
 
@@ -135,6 +135,57 @@ impl Counters {
     pub async fn add_at(&self, key: impl Into<Bson>, amount: i64, at: SystemTime) -> LaneIncrement {
         self.add_timed(key.into(), amount, Some(at)).await
     }
+
+    /// [`Counters::add_from`] in the bucket holding `at` — the message's
+    /// own time (a Kafka record's timestamp), so that a message delivered
+    /// again goes to the same bucket's document, whose lane entry knows its
+    /// position: counted once. Refused as [`Counters::add_at`] refuses.
+    /// In a bucketed collection a named lane must write with a time:
+    /// `add_from` without one is refused there, since the same message
+    /// delivered again after now's bucket changed would find no position in
+    /// the next bucket's document and count twice.
+    ///
+    /// ```no_run
+    /// # async fn demo(views: tally::Counters, offset: i64, timestamp: std::time::SystemTime) {
+    /// use tally::{LaneIncrement, LaneName};
+    ///
+    /// let lane = LaneName::new("orders-3").expect("a lane name");
+    /// match views.add_from_at("home", 1, &lane, offset, timestamp).await {
+    ///     LaneIncrement::Counted(_) | LaneIncrement::OutOfOrder(_) => { /* commit the offset */ }
+    ///     LaneIncrement::Unknown(ticket) => eprintln!("send again, or resume {ticket}"),
+    ///     LaneIncrement::NotCounted(not) => eprintln!("not counted: {}", not.cause()),
+    /// }
+    /// # }
+    /// ```
+    pub async fn add_from_at(
+        &self,
+        key: impl Into<Bson>,
+        amount: i64,
+        lane: &LaneName,
+        position: i64,
+        at: SystemTime,
+    ) -> LaneIncrement {
+        self.add_from_timed(key.into(), amount, lane, position, Some(at))
+            .await
+    }
+}
+
+/// Refuses a named lane's write without a time in a bucketed collection:
+/// its positions are kept per bucket document, so the same message
+/// delivered again after now's bucket changed would count twice.
+pub(crate) fn check_named_lane_time(
+    spec: &CollectionConfig,
+    at: Option<SystemTime>,
+) -> Result<(), Error> {
+    if spec.buckets.is_none() || at.is_some() {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "collection {} counts by time, and a named lane's positions are kept in each bucket's \
+         document: written at now, a message delivered again after the bucket changed would \
+         count twice; nothing was sent; give the message's own time (Counters::add_from_at)",
+        spec.name
+    )))
 }
 
 /// Refuses a read of the plain `key` in a bucketed collection, where no

@@ -181,8 +181,22 @@ impl Counters {
         lane: &LaneName,
         position: i64,
     ) -> LaneIncrement {
+        self.add_from_timed(key.into(), amount, lane, position, None)
+            .await
+    }
+
+    /// [`Counters::add_from`] at `at` (`None`: now, refused in a bucketed
+    /// collection: see [`Counters::add_from_at`]).
+    pub(super) async fn add_from_timed(
+        &self,
+        key: Bson,
+        amount: i64,
+        lane: &LaneName,
+        position: i64,
+        at: Option<std::time::SystemTime>,
+    ) -> LaneIncrement {
         let op = LaneOp {
-            key: key.into(),
+            key,
             lane: LaneId::Named(lane.clone()),
             position,
             amount,
@@ -191,7 +205,8 @@ impl Counters {
             crate::document::check_key(&op.key)?;
             check_amount(amount)?;
             check_position(&op.lane, position)?;
-            Ok((lanes, self.counter_id(op.key.clone(), None)?))
+            super::at::check_named_lane_time(&self.spec, at)?;
+            Ok((lanes, self.counter_id(op.key.clone(), at)?))
         });
         match usable {
             Ok((writer, key)) => {

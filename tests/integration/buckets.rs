@@ -686,3 +686,55 @@ async fn a_bucketed_counter_is_asked_for_by_its_dotted_fields_and_a_plain_one_as
         );
     }
 }
+
+/// A named lane (a Kafka partition) knows a message delivered again by its
+/// position, kept in the counter document it wrote (found by review): in a
+/// bucketed collection it writes with the message's own time, so the same
+/// message delivered again — after the clock's bucket changed too — goes
+/// to the same document and counts once. Without a time it is refused,
+/// nothing sent: at now, the redelivery would find the next bucket's
+/// document, where the lane holds no position, and count twice.
+#[tokio::test]
+async fn a_named_lane_writes_with_the_messages_time_and_a_redelivery_counts_once() {
+    let ctx = TestContext::new("buckets_named_lane").await;
+    let client = ctx.client(false).await;
+    let minutes = Buckets::utc(BucketWidth::Minute);
+    let views = Counters::new(
+        &client.store(),
+        bucketed("views", &minutes),
+        WriterConfig::default(),
+    );
+    let lane = tally::LaneName::new("orders-3").unwrap();
+    let refused = views.add_from("home", 1, &lane, 41).await;
+    match &refused {
+        LaneIncrement::NotCounted(not) => {
+            assert!(
+                matches!(not.cause(), Error::InvalidArgument(_)),
+                "{refused:?}"
+            );
+            assert!(
+                not.cause().to_string().contains("add_from_at"),
+                "{refused:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(ids(&ctx, "views").await.is_empty(), "nothing sent");
+    // The message's time: a minute ago. Delivered twice, counted once.
+    let stamped = SystemTime::now() - Duration::from_secs(60);
+    let first = views.add_from_at("home", 1, &lane, 41, stamped).await;
+    assert!(matches!(first, LaneIncrement::Counted(_)), "{first:?}");
+    let again = views.add_from_at("home", 1, &lane, 41, stamped).await;
+    match &again {
+        LaneIncrement::Counted(counted) => assert!(counted.settled_earlier(), "{again:?}"),
+        other => panic!("{other:?}"),
+    }
+    let coll = client.collection("views");
+    let bucket = bucket_id_of("home", minutes.start_of(stamped).unwrap());
+    assert_eq!(counter(&coll, bucket).await, 1);
+    assert_eq!(ids(&ctx, "views").await.len(), 1);
+}
+
+fn bucket_id_of(key: &str, start: SystemTime) -> Bson {
+    Bson::Document(doc! { "k": key, "t": DateTime::from_system_time(start) })
+}

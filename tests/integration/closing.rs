@@ -325,11 +325,13 @@ async fn the_daemon_closes_due_buckets_and_alerts_on_one_it_cannot_close() {
         .unwrap();
     let id = |key: &str| Bson::Document(doc! { "k": key, "t": DateTime::from_system_time(start) });
     let marker = Token::created_at_time(SystemTime::now() - Duration::from_secs(900));
+    // A lane minted ten minutes ago: older than the closing margin.
+    let old_lane = Token::created_at_time(SystemTime::now() - Duration::from_secs(600)).object_id();
     calls
         .insert_many([
             doc! { "_id": id("a"), "counter": 3i64,
             "settled": [{ "t": marker.object_id(), "n": 1i64 }],
-            "lanes": { ObjectId::new().to_hex(): 1i64 } },
+            "lanes": { old_lane.to_hex(): 1i64 } },
             doc! { "_id": id("b"), "counter": 1i64, "pending": "x" },
         ])
         .await
@@ -462,4 +464,69 @@ async fn a_lost_reply_to_closing_still_counts_the_buckets_closed() {
         .filter(|e| e.collection.as_deref() == Some("calls"))
         .count();
     assert_eq!(updates, 3, "the first close command twice, the second once");
+}
+
+/// A collection counted by month reconfigured to days (found by review):
+/// a month's document starts on a day, so it is due as its first day, a
+/// month early. It holds the minted lane entry of an update made minutes
+/// ago, whose resend a writer may still send: closing waits until the
+/// entry is older than the closing margin, says why, and the resend counts
+/// once. Before, closing removed the entry and the resend counted again.
+#[tokio::test]
+async fn a_bucket_holding_an_entry_younger_than_the_margin_waits_after_the_width_changed() {
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+    let ctx = TestContext::new("closing_width_changed").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let months = Buckets::utc(tally::BucketWidth::Month).with_close_after(60 * DAY);
+    let views = Counters::try_new(
+        &store,
+        CollectionConfig::new("views").with_buckets(months.clone()),
+        WriterConfig::default(),
+    )
+    .unwrap();
+    // An event of ten days before this month: last month's bucket, open.
+    let at = months.start_of(SystemTime::now()).unwrap() - 10 * DAY;
+    let counted = match views.add_at("home", 1, at).await {
+        LaneIncrement::Counted(counted) => counted,
+        other => panic!("{other:?}"),
+    };
+    // The writer never heard back, as far as it knows: its ticket.
+    let ticket = tally::LaneTicket::new(
+        counted.key().clone(),
+        counted.lane().clone(),
+        counted.position(),
+        1,
+    )
+    .unwrap();
+    // The fold, reconfigured to days, every other setting its default.
+    let days = FoldTarget {
+        spec: CollectionConfig::new("views").with_buckets(Buckets::utc(tally::BucketWidth::Day)),
+        grace: Duration::from_secs(15 * 60),
+        batch_size: 100,
+    };
+    let first = run(&store, &days, Mode::Fold, Duration::ZERO).await;
+    let closing = first.buckets.expect("a bucketed collection");
+    assert_eq!((closing.closed, closing.unclosed), (0, 1), "{closing:?}");
+    assert!(
+        closing.unclosed_sample[0]
+            .reason
+            .contains("a lane's entry written less than the closing margin"),
+        "{closing:?}"
+    );
+    let resumed = views.resume_lane(ticket).await.unwrap();
+    assert!(matches!(resumed, LaneIncrement::Counted(_)), "{resumed:?}");
+    let coll = client.collection("views");
+    let bucket = months.start_of(at).unwrap();
+    let id = Bson::Document(doc! { "k": "home", "t": DateTime::from_system_time(bucket) });
+    assert_eq!(counter_of(&document(&coll, &id).await), 1);
+    // Once the entry is older than the margin, it closes.
+    let later = run(
+        &store,
+        &days,
+        Mode::Fold,
+        Buckets::utc(tally::BucketWidth::Day).closing_margin() + Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(later.buckets.map(|b| b.closed), Some(1));
 }
