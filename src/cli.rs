@@ -128,8 +128,8 @@ pub(crate) enum Command {
     /// configuration.
     Run,
     /// Show the server and database, then per collection the pending and
-    /// stuck tokens and the malformed documents. With --check, exit 1 when
-    /// something needs attention.
+    /// stuck tokens and the malformed documents (and a bucketed one's open
+    /// buckets). With --check, exit 1 when something needs attention.
     Status(StatusArgs),
     /// Check the configuration and print the effective settings, secrets
     /// masked. Exits 78 naming every bad key: what every command would
@@ -153,16 +153,17 @@ pub(crate) enum Command {
     /// (whose shape says the protocol: a number is a lane's).
     Resume(ResumeArgs),
     /// Fold leftover pending tokens older than the grace into their
-    /// counters, safely on live documents (or, with --dry-run, report what
-    /// that would do). When a collection failed, exits by the failure's
-    /// class (1, 69 or 77); stopped by Ctrl-C, 130 after its summary.
+    /// counters, safely on live documents, and close the buckets past their
+    /// closing time (or, with --dry-run, report what that would do). When a
+    /// collection failed, exits by the failure's class (1, 69 or 77);
+    /// stopped by Ctrl-C, 130 after its summary.
     Reconcile(ReconcileArgs),
     /// Record an event once under its key (an idempotency key): a repeat
     /// is a duplicate, counted once. Exit 0 recorded or duplicate, 75
     /// unknown (run it again), 1 conflict or not recorded.
     Record(RecordArgs),
     /// Read a counter exactly: the counter plus its recorded events not
-    /// folded into it yet.
+    /// folded into it yet; with --from and --to, a key's buckets in a range.
     Get(GetArgs),
     /// Create the indexes the configuration needs (idempotent; says what
     /// it did): the ledgers' and the advised sparse ones.

@@ -335,8 +335,9 @@ fn print_open(config: &Config, open: &[(String, OpenBuckets)]) {
                  the others)"
             ),
         };
+        let plural = if o.open == 1 { "" } else { "s" };
         out!(
-            "{name}: {} {} buckets open{oldest}{past}",
+            "{name}: {} {} bucket{plural} open{oldest}{past}",
             o.open,
             buckets.width()
         );

@@ -331,7 +331,7 @@ fn range_asked(
         return match args.from {
             None => Ok(None),
             Some(_) => Err(format!(
-                "--from: collection {} has no buckets, so {} has one counter for all time; leave                  --from, --to and --by out",
+                "--from: collection {} has no buckets, so {} has one counter for all time; leave --from, --to and --by out",
                 spec.name,
                 crate::document::shown(&args.key)
             )),
@@ -339,7 +339,7 @@ fn range_asked(
     };
     let (Some(from), Some(to)) = (&args.from, &args.to) else {
         return Err(format!(
-            "collection {} counts by {} buckets: {} has a counter per bucket and none for all              time; read its buckets with --from TIME --to TIME (and --by a coarser width to sum              them)",
+            "collection {} counts by {} buckets: {} has a counter per bucket and none for all time; read its buckets with --from TIME --to TIME (and --by a coarser width to sum them)",
             spec.name,
             buckets.width(),
             crate::document::shown(&args.key)
@@ -413,8 +413,20 @@ async fn get_range(
                     let closed = if bucket.closed { "  closed" } else { "" };
                     out!("  {}  {}{closed}", shown(bucket.start), bucket.value);
                 }
+                if read.buckets.is_empty() {
+                    out!(
+                        "  (no {} bucket starts in this range: a bucket is read whole, by its \
+                         start; move --from back to the start of the one you want)",
+                        read.by
+                    );
+                }
             }
             ExitCode::from(EXIT_OK)
+        }
+        // The caller's range or key (too many buckets, a key that cannot
+        // be one): a usage error, nothing was read.
+        Err(crate::error::Error::InvalidArgument(why)) => {
+            fail(args.target.json, &why, &config.secrets(), EXIT_USAGE)
         }
         Err(err) => fail(
             args.target.json,

@@ -232,7 +232,7 @@ fn print_table(
                 }
             );
             for bucket in &buckets.unclosed_sample {
-                out!("  _id {}: {}", bucket.id, secrets.scrub(&bucket.reason));
+                out!("  {}: {}", bucket.bucket, secrets.scrub(&bucket.reason));
             }
         }
         if run.refused > 0 {
@@ -265,9 +265,16 @@ fn bucket_note(target: &FoldTarget, run: &CollectionRun, dry_run: bool) -> Optio
         return None;
     };
     let mut said = Vec::new();
+    let buckets_of = |n: u64| {
+        if n == 1 {
+            "1 bucket".to_owned()
+        } else {
+            format!("{n} buckets")
+        }
+    };
     if closing.closed > 0 {
         let verb = if dry_run { "to close" } else { "closed" };
-        said.push(format!("{} buckets {verb}", closing.closed));
+        said.push(format!("{} {verb}", buckets_of(closing.closed)));
     }
     if closing.unclosed > 0 {
         said.push(format!(

@@ -115,12 +115,11 @@ fn report_buckets(alerts: &Alerts, metrics: &Metrics, run: &CollectionRun) {
             .iter()
             .map(|b| b.id.clone())
             .collect(),
-        detail: Some(
-            "these buckets are past their closing time and still hold work, or cannot be read: \
-             `tallyd reconcile --collection` names each and why; once the fold takes its work \
-             (or the document is fixed), the next run closes it"
-                .into(),
-        ),
+        detail: Some(format!(
+            "these buckets are past their closing time and still hold work, or cannot be \
+                 read: `tallyd reconcile --collection {name}` names each and why; once the fold \
+                 takes its work (or the document is fixed), the next run closes it"
+        )),
     });
     alerts.set(AlertKind::BucketsUnclosed, name, unclosed);
 }
@@ -298,6 +297,9 @@ impl Runner {
             lanes_pruned = run.lanes_pruned,
             malformed = run.survey.malformed,
             refused = run.refused,
+            buckets_closed = run.buckets.as_ref().map(|b| b.closed),
+            buckets_unclosed = run.buckets.as_ref().map(|b| b.unclosed),
+            buckets_open = run.buckets.as_ref().map(|b| b.open),
             took = %crate::error::human_duration(run.duration),
             "reconcile run"
         );

@@ -216,7 +216,7 @@ impl Reconciler {
             if let Some(document) = next {
                 match judge(spec, buckets, &document, now) {
                     Ok(closable) => batch.push(closable),
-                    Err(reason) => closing.unclosed_one(&document, reason),
+                    Err(reason) => closing.unclosed_one(buckets, &document, reason),
                 }
             }
             if batch.len() >= target.batch_size.max(1) as usize || (finished && !batch.is_empty()) {
@@ -247,6 +247,9 @@ impl Reconciler {
         batch: Vec<Closable>,
         closing: &mut BucketClosing,
     ) -> Result<Vec<Closable>, Error> {
+        let Some(buckets) = spec.buckets.as_ref() else {
+            return Ok(batch);
+        };
         if spec.events_collection.is_none() || batch.is_empty() {
             return Ok(batch);
         }
@@ -266,16 +269,16 @@ impl Reconciler {
                             ready.push(closable);
                         }
                         Err(err @ Error::Malformed { .. }) => {
-                            closing.unclosed_id(&closable.id, err.to_string());
+                            closing.unclosed_id(buckets, &closable.id, err.to_string());
                         }
                         Err(err) => return Err(err),
                     }
                 }
-                return Ok(keep_folded(ready, values, closing));
+                return Ok(keep_folded(buckets, ready, values, closing));
             }
             Err(err) => return Err(err),
         };
-        Ok(keep_folded(batch, values, closing))
+        Ok(keep_folded(buckets, batch, values, closing))
     }
 
     /// Sends the statements closing `ready`.
@@ -285,6 +288,9 @@ impl Reconciler {
         ready: Vec<Closable>,
         closing: &mut BucketClosing,
     ) -> Result<(), Error> {
+        let Some(buckets) = spec.buckets.as_ref() else {
+            return Ok(());
+        };
         if ready.is_empty() {
             return Ok(());
         }
@@ -300,6 +306,7 @@ impl Reconciler {
             let id = &ready[refusal.document].id;
             tracing::warn!(collection = %spec.name, id = %display_id(id), code = refusal.code, reason = %refusal.message, "the server refused to close a bucket");
             closing.unclosed_id(
+                buckets,
                 id,
                 format!(
                     "the server refused to close it ({}: {})",
@@ -379,6 +386,7 @@ impl Reconciler {
 /// Keeps those of `batch` whose exact value (`values`, in order) has
 /// nothing unfolded; reports the others.
 fn keep_folded(
+    buckets: &Buckets,
     batch: Vec<Closable>,
     values: Vec<crate::ledger::ExactValue>,
     closing: &mut BucketClosing,
@@ -395,7 +403,7 @@ fn keep_folded(
                 1 => "1 recorded event not folded yet".to_owned(),
                 n => format!("{n} recorded events not folded yet"),
             };
-            closing.unclosed_id(&closable.id, format!("its ledger holds {what}"));
+            closing.unclosed_id(buckets, &closable.id, format!("its ledger holds {what}"));
             None
         })
         .collect()
@@ -518,18 +526,37 @@ fn as_read(value: Option<&Bson>) -> Bson {
 }
 
 impl BucketClosing {
-    fn unclosed_one(&mut self, document: &Document, reason: String) {
+    fn unclosed_one(&mut self, buckets: &Buckets, document: &Document, reason: String) {
         let id = document.get("_id").cloned().unwrap_or(Bson::Null);
-        self.unclosed_id(&id, reason);
+        self.unclosed_id(buckets, &id, reason);
     }
 
-    fn unclosed_id(&mut self, id: &Bson, reason: String) {
+    fn unclosed_id(&mut self, buckets: &Buckets, id: &Bson, reason: String) {
         self.unclosed += 1;
         if self.unclosed_sample.len() < UNCLOSED_SAMPLE {
             self.unclosed_sample.push(UnclosedBucket {
                 id: display_id(id),
+                bucket: describe(buckets, id),
                 reason,
             });
         }
+    }
+}
+
+/// A bucket's `_id` as people read it: `home in the day from
+/// 2026-12-02T00:00:00+01:00` (the `_id` as extended JSON when it is not a
+/// bucket's).
+fn describe(buckets: &Buckets, id: &Bson) -> String {
+    match split_id(id) {
+        Some((key, start)) => format!(
+            "{} in the {} from {}",
+            match key {
+                Bson::String(key) => crate::document::shown(key),
+                other => display_id(other),
+            },
+            buckets.width(),
+            buckets.show_time(start)
+        ),
+        None => display_id(id),
     }
 }

@@ -79,7 +79,7 @@ pub struct RefusedDocument {
 /// ```no_run
 /// # fn demo(run: tally::CollectionRun) {
 /// for bucket in run.buckets.iter().flat_map(|b| &b.unclosed_sample) {
-///     eprintln!("not closed: {} ({})", bucket.id, bucket.reason);
+///     eprintln!("not closed: {} ({})", bucket.bucket, bucket.reason);
 /// }
 /// # }
 /// ```
@@ -87,6 +87,9 @@ pub struct RefusedDocument {
 pub struct UnclosedBucket {
     /// The `_id`, as relaxed extended JSON (`{"k":"home","t":{"$date":…}}`).
     pub id: String,
+    /// The bucket as people read it: `home in the day from
+    /// 2026-12-02T00:00:00+01:00`.
+    pub bucket: String,
     /// Why, in words: a pending token the fold has not taken, recorded
     /// events not folded yet, a malformed document, the server's refusal.
     pub reason: String,
