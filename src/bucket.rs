@@ -49,7 +49,9 @@ mod closing;
 mod written;
 
 pub use closing::CLOSED_FIELD;
-pub(crate) use closing::{DEFAULT_CLOSING_MARGIN, closing_margin};
+pub(crate) use closing::DEFAULT_CLOSING_MARGIN;
+#[cfg(feature = "daemon")]
+pub(crate) use closing::closing_margin;
 
 /// How long after its end a bucket is closed when a collection does not
 /// say: a day, for late events and retries.

@@ -26,7 +26,12 @@ pub const CLOSED_FIELD: &str = "closed";
 /// plus an attempt (60s) plus the fold's grace (15m). Its parts live with
 /// the writer, the store and the fold (this module names none of them);
 /// `config`'s tests check it is made of them.
-pub(crate) const DEFAULT_CLOSING_MARGIN: Duration = Duration::from_secs(23 * 3600 + 60 + 15 * 60);
+pub(crate) const DEFAULT_CLOSING_MARGIN: Duration = closing_margin(
+    Duration::from_secs(3 * 60),
+    Duration::from_secs(23 * 3600),
+    Duration::from_secs(60),
+    Duration::from_secs(15 * 60),
+);
 
 /// `max(retry_horizon, lane_resume_horizon) + attempt_timeout + grace`.
 pub(crate) const fn closing_margin(

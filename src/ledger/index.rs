@@ -137,6 +137,7 @@ pub(crate) fn bucket_counters() -> Needed {
 /// The index closing and `status` read a bucketed collection's open
 /// buckets through: `closed: null` is the open buckets' range of it, so
 /// a run reads what is open, not the history (`reconcile::close`).
+#[cfg(feature = "daemon")]
 pub(crate) fn open_buckets() -> Needed {
     Needed {
         name: "tally_buckets_open",
