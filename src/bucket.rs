@@ -53,7 +53,7 @@ pub(crate) use closing::DEFAULT_CLOSING_MARGIN;
 #[cfg(feature = "daemon")]
 pub(crate) use closing::closing_margin;
 
-/// How long after its end a bucket is closed when a collection does not
+/// How long after its end a bucket takes writes when a collection does not
 /// say: a day, for late events and retries.
 pub(crate) const DEFAULT_CLOSE_AFTER: Duration = Duration::from_secs(24 * 3600);
 
@@ -166,7 +166,7 @@ pub enum BucketError {
 }
 
 /// A counter collection's time buckets: their width, the IANA time zone
-/// whose clock they follow, and how long after its end a bucket is closed
+/// whose clock they follow, and how long after its end a bucket takes writes
 /// (in the daemon's configuration: a `[[collections]]` entry's `bucket`,
 /// `timezone` and `close_after`).
 ///
@@ -222,7 +222,7 @@ impl Eq for Buckets {}
 
 impl Buckets {
     /// Buckets of `width` in the IANA time zone named `zone` (any case:
-    /// `europe/berlin` is `Europe/Berlin`), closed a day after they end.
+    /// `europe/berlin` is `Europe/Berlin`), taking writes a day after their end.
     ///
     /// ```
     /// use tally::{BucketError, BucketWidth, Buckets};
@@ -248,7 +248,7 @@ impl Buckets {
         })
     }
 
-    /// Buckets of `width` in UTC, closed a day after they end.
+    /// Buckets of `width` in UTC, taking writes for a day after they end.
     ///
     /// ```
     /// use tally::{BucketWidth, Buckets};
@@ -265,7 +265,7 @@ impl Buckets {
         }
     }
 
-    /// The same buckets, closed `close_after` after they end.
+    /// The same buckets, taking writes for `close_after` after they end.
     ///
     /// ```
     /// use std::time::Duration;
@@ -304,7 +304,8 @@ impl Buckets {
     }
 
     /// How long after its end a bucket stays open to late events and
-    /// retries; then it is closed, final. Default: 24h.
+    /// retries; then it takes no more writes, and a reconcile run closes it a
+    /// margin later ([`Buckets::closes_at`]). Default: 24h.
     ///
     /// ```
     /// use std::time::Duration;

@@ -369,11 +369,13 @@ pub enum Error {
     },
 
     /// The event's bucket ended more than the collection's `close_after`
-    /// ago: the bucket is closed, final, and takes no more counts. Refused
+    /// ago: the bucket takes no more writes (a reconcile run closes it, a
+    /// margin later: [`Buckets::closes_at`](crate::Buckets::closes_at)). Refused
     /// before anything was sent; not counted.
     #[error(
-        "the bucket {bucket} of {collection} is closed: it ended {ended} ago, and its buckets \
-         close {close_after} after they end (close_after): nothing was sent, not counted",
+        "the bucket {bucket} of {collection} takes no more writes: it ended {ended} ago, and its \
+         buckets take writes for {close_after} after they end (close_after): nothing was sent, \
+         not counted",
         ended = human_duration(*.ended_ago),
         close_after = human_duration(*.close_after)
     )]

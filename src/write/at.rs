@@ -275,8 +275,9 @@ mod tests {
         let refused = counter_id(&spec, "k".into(), Some(yesterday), later).unwrap_err();
         assert_eq!(
             refused.to_string(),
-            "the bucket 2026-11-27T00:00:00+01:00 of views is closed: it ended 1h ago, and its \
-             buckets close 1h after they end (close_after): nothing was sent, not counted"
+            "the bucket 2026-11-27T00:00:00+01:00 of views takes no more writes: it ended 1h ago, \
+             and its buckets take writes for 1h after they end (close_after): nothing was sent, \
+             not counted"
         );
     }
 

@@ -454,7 +454,7 @@ async fn a_time_refused_by_the_command_line_says_why_with_its_exit_code() {
     .await;
     assert_eq!(closed.status.code(), Some(1), "{}", text(&closed));
     assert!(
-        text(&closed).contains("not recorded") && text(&closed).contains("is closed"),
+        text(&closed).contains("not recorded") && text(&closed).contains("takes no more writes"),
         "{}",
         text(&closed)
     );
