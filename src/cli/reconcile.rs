@@ -206,45 +206,33 @@ fn print_table(
     }
     for (target, run) in runs {
         if run.survey.malformed > 0 {
-            out!(
-                "\n{}: {} malformed document(s) left unchanged{}:",
-                target.spec.name,
+            sample_heading(
+                &target.spec.name,
                 run.survey.malformed,
-                if run.survey.malformed as usize > run.survey.malformed_sample.len() {
-                    " (first few)"
-                } else {
-                    ""
-                }
+                run.survey.malformed_sample.len(),
+                "malformed document(s) left unchanged",
             );
             for doc in &run.survey.malformed_sample {
                 out!("  _id {}: {}", doc.id, doc.reason);
             }
         }
         if let Some(buckets) = run.buckets.as_ref().filter(|b| b.unclosed > 0) {
-            out!(
-                "\n{}: {} bucket(s) past their closing time left open{}:",
-                target.spec.name,
+            sample_heading(
+                &target.spec.name,
                 buckets.unclosed,
-                if buckets.unclosed as usize > buckets.unclosed_sample.len() {
-                    " (first few)"
-                } else {
-                    ""
-                }
+                buckets.unclosed_sample.len(),
+                "bucket(s) past their closing time left open",
             );
             for bucket in &buckets.unclosed_sample {
                 out!("  {}: {}", bucket.bucket, secrets.scrub(&bucket.reason));
             }
         }
         if run.refused > 0 {
-            out!(
-                "\n{}: {} document(s) refused by the server, left unchanged{}:",
-                target.spec.name,
+            sample_heading(
+                &target.spec.name,
                 run.refused,
-                if run.refused as usize > run.refused_sample.len() {
-                    " (first few)"
-                } else {
-                    ""
-                }
+                run.refused_sample.len(),
+                "document(s) refused by the server, left unchanged",
             );
             for doc in &run.refused_sample {
                 out!(
@@ -256,6 +244,17 @@ fn print_table(
             }
         }
     }
+}
+
+/// The heading of a list below the table: `NAME: N what:`, and `(first
+/// few)` when the sample `listed` holds fewer than `count`.
+fn sample_heading(name: &str, count: u64, listed: usize, what: &str) {
+    let few = if count as usize > listed {
+        " (first few)"
+    } else {
+        ""
+    };
+    out!("\n{name}: {count} {what}{few}:");
 }
 
 /// What a run did about a bucketed collection's buckets, in the result

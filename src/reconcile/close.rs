@@ -61,6 +61,25 @@ pub const UNCLOSED_SAMPLE: usize = 10;
 /// found).
 const FIRST_DATE: DateTime = DateTime::from_millis(-62_135_596_800_000);
 
+/// The open buckets (`closed` unset), those that start before `below`
+/// when given: one range of the index `{closed: 1, _id.t: 1}`.
+fn open_filter(below: Option<SystemTime>) -> Document {
+    let mut start = doc! { "$gte": FIRST_DATE };
+    if let Some(below) = below {
+        start.insert("$lt", DateTime::from_system_time(below));
+    }
+    doc! { CLOSED_FIELD: Bson::Null, format!("_id.{START}"): start }
+}
+
+/// The line below which buckets are due to close at `now`
+/// ([`Buckets::due_before`]), as the run's error when the calendar cannot
+/// reach it.
+fn due_line(buckets: &Buckets, now: SystemTime) -> Result<Option<SystemTime>, Error> {
+    buckets
+        .due_before(now)
+        .map_err(|err| Error::InvalidArgument(format!("closing buckets: {err}")))
+}
+
 /// One bucket that can be closed: its statement, as read.
 struct Closable {
     id: Bson,
@@ -111,17 +130,11 @@ impl Reconciler {
         };
         let mut closing = BucketClosing::default();
         self.count_open(&target.spec, &mut closing).await?;
-        let due = buckets
-            .due_before(now)
-            .map_err(|err| Error::InvalidArgument(format!("closing buckets: {err}")))?;
-        let past_closing_time = match due {
+        let past_closing_time = match due_line(buckets, now)? {
             None => 0,
             Some(due) => {
                 let collection = self.store.collection(&target.spec.name);
-                let filter = doc! {
-                    CLOSED_FIELD: Bson::Null,
-                    format!("_id.{START}"): { "$gte": FIRST_DATE, "$lt": DateTime::from_system_time(due) },
-                };
+                let filter = open_filter(Some(due));
                 let mut budget = RetryBudget::read_once("close.count_due");
                 self.store
                     .with_retry(&mut budget, || collection.count_documents(filter.clone()))
@@ -149,9 +162,7 @@ impl Reconciler {
         let Some(buckets) = &target.spec.buckets else {
             return Ok(());
         };
-        let due = buckets
-            .due_before(now)
-            .map_err(|err| Error::InvalidArgument(format!("closing buckets: {err}")))?;
+        let due = due_line(buckets, now)?;
         let mut closing = BucketClosing {
             due_before: due,
             ..BucketClosing::default()
@@ -185,10 +196,7 @@ impl Reconciler {
         };
         let spec = &target.spec;
         let collection = self.store.collection(&spec.name);
-        let filter = doc! {
-            CLOSED_FIELD: Bson::Null,
-            format!("_id.{START}"): { "$lt": DateTime::from_system_time(due) },
-        };
+        let filter = open_filter(Some(due));
         let projection = doc! {
             &spec.counter_field: 1,
             &spec.pending_field: 1,
@@ -355,8 +363,7 @@ impl Reconciler {
         closing: &mut BucketClosing,
     ) -> Result<(), Error> {
         let collection = self.store.collection(&spec.name);
-        let path = format!("_id.{START}");
-        let filter = doc! { CLOSED_FIELD: Bson::Null, &path: { "$gte": FIRST_DATE } };
+        let filter = open_filter(None);
         let mut budget = RetryBudget::read_once("close.count_open");
         closing.open = self
             .store
@@ -369,7 +376,7 @@ impl Reconciler {
             .with_retry(&mut budget, || {
                 collection
                     .find_one(filter.clone())
-                    .sort(doc! { CLOSED_FIELD: 1, &path: 1 })
+                    .sort(doc! { CLOSED_FIELD: 1, format!("_id.{START}"): 1 })
                     .projection(doc! { "_id": 1 })
             })
             .await
