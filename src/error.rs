@@ -481,31 +481,72 @@ pub enum Error {
     )]
     RecorderStopped,
 
-    /// The events collection's floor refused an event every time it was
-    /// numbered again (the fold kept folding past the numbers this recorder
-    /// gave it): nothing was written. Record it again.
+    /// A ledger's fold cannot go on from its position in the events
+    /// collection's log: the oplog no longer reaches back to it (the fold
+    /// stood still longer than the oplog's window). The fold of that ledger
+    /// stops — guessing could count events twice or drop them — and so do
+    /// its exact reads; `tallyd fold-from` ([`crate::EventFold::fold_from`])
+    /// folds again from a time the operator chooses, naming the events
+    /// whose count is then uncertain.
     #[error(
-        "the floor of {events} refused the event {refusals} times (the fold folded past every \
-         number this recorder gave it): nothing was written; record it again"
+        "the oplog no longer reaches back to where the fold of {events} stands{since}: the fold \
+         of this ledger stops rather than guess; fold again from a time you choose with \
+         `tallyd fold-from` (the book: \"when the fold stops\")",
+        since = shown_since(.since)
     )]
-    FloorRefused {
+    HistoryLost {
         /// The events collection.
         events: String,
-        /// How many times it was refused.
-        refusals: u32,
+        /// The time of the position the fold stands at, when known.
+        since: Option<std::time::SystemTime>,
     },
 
-    /// A ledger's fold could not tell whether the events collection's floor
-    /// stayed up, or could not find the events that landed while it was
-    /// down (a `collMod` of an earlier pass arrived late and lowered it):
-    /// the fold stops rather than leave an event out. `why` says what is
-    /// missing and what to do.
-    #[error("the fold of {events} stopped: {why}")]
-    FoldFloorUnverified {
+    /// A ledger's fold is stopped: it cannot go on from its position (`why`
+    /// says why, and what to do). Nothing is folded and no exact read of the
+    /// ledger answers until `tallyd fold-from`.
+    #[error("the fold of {events} is stopped: {why}")]
+    FoldStopped {
         /// The events collection.
         events: String,
-        /// What could not be verified, and what to do.
+        /// Why, and what to do.
         why: String,
+    },
+
+    /// `fold-from` was asked of a fold that is not stopped: it goes on from
+    /// its position, and folding again from a chosen time could count
+    /// events twice. Nothing was changed.
+    #[error(
+        "the fold of {events} is not stopped: it goes on from its position in the log, and \
+         folding again from a chosen time could count events twice; nothing was changed"
+    )]
+    FoldNotStopped {
+        /// The events collection.
+        events: String,
+    },
+
+    /// A fold state written by an earlier version of tally cannot be
+    /// converted yet (`why` says why and what to run first). Nothing was
+    /// changed.
+    #[error(
+        "the fold state {collection} was written by an earlier version of tally and cannot be \
+         converted yet: {why}; nothing was changed (see the changelog's upgrade notes)"
+    )]
+    UpgradeBlocked {
+        /// The fold state's collection.
+        collection: String,
+        /// Why, and what to run first.
+        why: String,
+    },
+
+    /// The deployment is a standalone server: `what` needs a replica set or
+    /// a sharded cluster (change streams, cluster times).
+    #[error(
+        "{what} needs a replica set or a sharded cluster, and this server is a standalone (it \
+         gives no cluster time): run MongoDB as a replica set (a single member is enough)"
+    )]
+    ReplicaSetRequired {
+        /// What needs it.
+        what: String,
     },
 
     /// The optimistic insert loop lost every race it was allowed to run.
@@ -514,6 +555,16 @@ pub enum Error {
         /// How many inserts were tried.
         attempts: u32,
     },
+}
+
+/// ` (its position: <time>)`, or nothing.
+fn shown_since(since: &Option<std::time::SystemTime>) -> String {
+    since.map_or_else(String::new, |since| {
+        format!(
+            " (its position: {})",
+            humantime::format_rfc3339_seconds(since)
+        )
+    })
 }
 
 impl Error {

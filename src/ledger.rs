@@ -21,14 +21,15 @@
 //! which equal content alone could not tell.
 //!
 //! **The events collection is an append-only log**: after its insert an
-//! event is never updated. Event numbers are the server's time (see
-//! `record::recorder`); the daemon folds by number ranges ([`fold`]): it
-//! keeps one watermark `W` — every event numbered at or below it is folded
-//! — raises the events collection's floor ([`floor`]) to a pass's end
-//! before reading its range, and writes each counter once per pass through
-//! its fold lane ([`fold_lane`]). Events are deleted once folded and older
-//! than `event_retention`: the dedupe window. A repeat inside the window is
-//! a duplicate, always; after it, the key is new again and the repeat is
+//! event is never updated. The fold follows the collection's own log — its
+//! change stream ([`log`]), which MongoDB documents to return every
+//! majority-committed insert once, in commit order — from one position, a
+//! resume token ([`state`]): every insert at or before it is folded, every
+//! insert after it is not, and nothing can land behind it. It writes each
+//! counter once per pass through its fold lane ([`fold_lane`]). Events are
+//! deleted once the fold is past them and they are older than
+//! `event_retention`: the dedupe window. A repeat inside the window is a
+//! duplicate, always; after it, the key is new again and the repeat is
 //! recorded and counted again.
 //!
 //! [`Ledger::value`] reads a counter exactly: the counter plus its events
@@ -41,26 +42,30 @@
 //! - [`record`]: the handle's methods and recording events — `recorder` (the lane, its numbers and
 //!   the one insert in flight), `insert` (what became of each event of an
 //!   insert), `outcome` (what the caller learns: [`Recording`]);
-//! - [`state`]: the fold's state document (`<events>_fold`: `W`, the pass
-//!   in progress, the held sums) — the only file that reads or writes it;
-//! - [`floor`]: the events collection's floor, the validator refusing every
-//!   event numbered at or below it;
-//! - [`index`]: the indexes the events collection needs;
+//! - [`log`]: the events collection's change stream — positions in it
+//!   (resume tokens and their cluster times), the inserts it shows;
+//! - [`state`]: the fold's state document (`<events>_fold`: the position,
+//!   the pass in progress, a catch-up, the held sums) and the one type that
+//!   writes it;
+//! - [`index`]: the index the events collection needs, and what earlier
+//!   versions left on it;
 //! - [`read`]: exact reads ([`ExactValue`]);
 //! - [`range`]: a bucketed key's buckets in a range, read exactly
 //!   ([`RangeValue`]);
 //! - [`fold`]: the fold of recorded events into their counters
-//!   ([`EventFold`]) — `pass` (one pass: intent, floor, sums, apply,
-//!   commit), `held` (sums a counter refused), `query` (the range's sums on
-//!   the server), `convert` (a 0.2.0 state into a watermark), `sweep`
-//!   (deleting events past the dedupe window). A [`Reconciler`] runs it
-//!   beside the token fold (`reconcile::ledgers`).
+//!   ([`EventFold`]) — `pass` (one pass: read, intent, sums, apply,
+//!   commit), `tail` (the log kept open between passes), `sums`, `apply`
+//!   (through the fold lane), `held` (sums a counter refused), `catch_up`
+//!   (the collection itself folded up to a boundary: a first fold, an
+//!   upgrade, `tallyd fold-from`), `sweep` (deleting events past the
+//!   dedupe window). A [`Reconciler`] runs it beside the token fold
+//!   (`reconcile::ledgers`).
 //!
 //! [`Reconciler`]: crate::Reconciler
 
-pub(crate) mod floor;
 mod fold;
 pub(crate) mod index;
+pub(crate) mod log;
 mod range;
 mod read;
 mod record;
@@ -73,7 +78,8 @@ use mongodb::Collection;
 use mongodb::bson::Document;
 
 pub use fold::{
-    Backlog, EventFold, EventFoldSettings, EventsRun, HeldSum, RETENTION_MARGIN, retention_floor,
+    Backlog, EventFold, EventFoldSettings, EventsRun, FoldFrom, HeldSum, RETENTION_MARGIN,
+    UncertainEvent, retention_floor,
 };
 pub use range::{BucketValue, MAX_RANGE_BUCKETS, RangeValue};
 pub use read::ExactValue;
@@ -142,7 +148,6 @@ pub struct Ledger {
     spec: Arc<CollectionConfig>,
     events: Collection<Document>,
     counters: Collection<Document>,
-    state: Collection<Document>,
     recorder: Arc<Recorder>,
     retry_horizon: Duration,
 }

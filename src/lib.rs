@@ -70,14 +70,17 @@
 //!   (writer lanes: one round trip, [`Counters::add`], group commit),
 //!   `group` (group commit's keyed queue), `sequence`, `insert_loop`,
 //!   `bounded`.
+//! - `quirks`: what the test server does differently from MongoDB, and
+//!   what tally does about it — the one place that knows.
 //! - `ledger`: the events ledger, all of it — idempotency keys, the
 //!   [`Ledger`] handle, the event document's fields; `record` (recording:
-//!   its `recorder`, `insert` and `outcome`), `state` (the fold's state
-//!   document: the watermark `W`, the pass in progress, the held sums — the
-//!   only file that reads or writes it), `floor` (the events collection's
-//!   floor), `index`, `read` (exact reads: [`ExactValue`]), `fold` (the
-//!   fold of recorded events: [`EventFold`] — its `pass`, `held` sums,
-//!   `query`, `convert` from 0.2.0 and `sweep`).
+//!   its `recorder`, `insert` and `outcome`), `log` (the events
+//!   collection's change stream: positions, inserts), `state` (the fold's
+//!   state document — its position in the log, the pass in progress, a
+//!   catch-up, the held sums — and the one type that writes it), `index`,
+//!   `read` (exact reads: [`ExactValue`]), `fold` (the fold of recorded
+//!   events: [`EventFold`] — its `pass`, `tail`, `sums`, `apply`, `held`
+//!   sums, `catch_up` and `sweep`).
 //! - `reconcile`: the fold of leftover pending tokens as an embeddable
 //!   [`Reconciler`] — `model` (its specification), `statement` (a
 //!   document's fold as conditioned update statements), `fold` (a run's
@@ -114,11 +117,12 @@
 //! error     → (nothing)
 //! redact    → (nothing)
 //! bucket    → (nothing)
+//! quirks    → (nothing)
 //! store     → error redact
 //! document  → error store
 //! token     → document
 //! write     → error store document token redact bucket
-//! ledger    → error store document write bucket
+//! ledger    → error store document write bucket quirks
 //! reconcile → error store document token write ledger bucket
 //! config    → error redact store write ledger reconcile bucket
 //! daemon    → config reconcile ledger write store token document error redact
@@ -133,6 +137,7 @@ mod bucket;
 mod document;
 mod error;
 mod ledger;
+mod quirks;
 mod reconcile;
 mod redact;
 mod store;
@@ -155,8 +160,9 @@ pub use bucket::{BucketError, BucketStarts, BucketWidth, Buckets, CLOSED_FIELD};
 pub use error::{Effect, Error, ErrorClass, Failure};
 pub use ledger::{
     Backlog, BucketValue, Conflict, DEFAULT_EVENT_RETENTION, Event, EventFold, EventFoldSettings,
-    EventTicket, EventsRun, ExactValue, HeldSum, Ledger, MAX_EVENT_KEY_BYTES, MAX_RANGE_BUCKETS,
-    NotRecorded, RETENTION_MARGIN, RangeValue, Recording, retention_floor,
+    EventTicket, EventsRun, ExactValue, FoldFrom, HeldSum, Ledger, MAX_EVENT_KEY_BYTES,
+    MAX_RANGE_BUCKETS, NotRecorded, RETENTION_MARGIN, RangeValue, Recording, UncertainEvent,
+    retention_floor,
 };
 pub use reconcile::{
     BucketClosing, CollectionRun, FoldTarget, MALFORMED_SAMPLE, MalformedDocument, Mode,

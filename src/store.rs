@@ -49,6 +49,7 @@ use crate::error::{Error, Failure, Next, Reach, Readable, RetryBudget};
 
 mod config;
 mod reach;
+mod session;
 use crate::redact::Secrets;
 use reach::Heartbeats;
 

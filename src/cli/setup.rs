@@ -11,9 +11,10 @@
 //!   (`{_id.k: 1, _id.t: 1}`), through which every write and read of a
 //!   bucketed counter finds it on every server, and its open buckets
 //!   (`{closed: 1, _id.t: 1}`), which closing and `status` read;
-//! - every collection with a ledger: its events collection's indexes (the
-//!   fold's by lane, the exact reads' by counter and lane; with buckets,
-//!   by key, bucket and number too).
+//! - every collection with a ledger: its events collection's index by
+//!   number (the sweep's, a catch-up's); and what earlier versions left
+//!   there is removed: their indexes nothing reads any more, and the
+//!   previous version's validator (its "floor").
 
 use crate::cli::out;
 use std::process::ExitCode;
@@ -93,6 +94,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
         Err(code) => return code,
     };
     let mut done: Vec<IndexDone> = Vec::new();
+    let mut removed: Vec<String> = Vec::new();
     let mut failed: Vec<(String, String)> = Vec::new();
     // The exit code of the first failure: its class says what to do.
     let mut code = EXIT_OK;
@@ -130,6 +132,13 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
                 Err(err) => stopped = failure(&collection, &err),
             }
         }
+        if spec.events_collection.is_some() && !stopped {
+            let events = spec.events_collection_name();
+            match earlier_leftovers(&store, &events).await {
+                Ok(lines) => removed.extend(lines),
+                Err(err) => stopped = failure(&events, &err),
+            }
+        }
     }
     store.shutdown().await;
     if args.json {
@@ -143,12 +152,14 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
             json!({
                 "outcome": if code == EXIT_OK { "done" } else { "error" },
                 "indexes": indexes,
+                "removed": removed,
                 "failed": failed,
                 "not_tried": not_tried,
             })
         );
     } else {
         done.iter().for_each(|index| out!("{}", index.line));
+        removed.iter().for_each(|line| out!("{line}"));
         for (collection, error) in &failed {
             eprintln!("error: {collection}: {error}");
         }
@@ -166,8 +177,7 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
 
 /// The named indexes `spec` needs beyond the sparse ones, by collection: a
 /// bucketed collection's by key and bucket (every write of a bucketed
-/// counter asks through it, ledger or not), a ledger's events' (and a
-/// bucketed ledger's events by key, bucket and number).
+/// counter asks through it, ledger or not), a ledger's events' by number.
 fn named_indexes(spec: &CollectionConfig) -> Vec<(String, Vec<index::Needed>)> {
     let mut named = Vec::new();
     if spec.buckets.is_some() {
@@ -177,13 +187,18 @@ fn named_indexes(spec: &CollectionConfig) -> Vec<(String, Vec<index::Needed>)> {
         ));
     }
     if spec.events_collection.is_some() {
-        let mut needs = index::needed();
-        if spec.buckets.is_some() {
-            needs.push(index::bucket_events());
-        }
-        named.push((spec.events_collection_name(), needs));
+        named.push((spec.events_collection_name(), index::needed()));
     }
     named
+}
+
+/// What earlier versions left on the events collection `events` and
+/// nothing needs any more, removed: their indexes, the previous version's
+/// validator. One line each.
+async fn earlier_leftovers(store: &Store, events: &str) -> Result<Vec<String>, Error> {
+    let mut lines = index::drop_obsolete(store, events).await?;
+    lines.extend(index::remove_floor(store, events).await?);
+    Ok(lines)
 }
 
 /// Creates a sparse index on `field` unless an index starting with it

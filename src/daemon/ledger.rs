@@ -320,7 +320,9 @@ impl LedgerFolder {
                     | Error::InvalidArgument(_)
                     | Error::Malformed { .. }
                     | Error::FoldStateLost { .. }
-                    | Error::FoldFloorUnverified { .. }
+                    | Error::HistoryLost { .. }
+                    | Error::FoldStopped { .. }
+                    | Error::UpgradeBlocked { .. }
             )
         );
         let observation = (stuck || refusing).then(|| Observation {

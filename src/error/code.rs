@@ -38,9 +38,11 @@ pub(crate) const CURSOR_NOT_FOUND: i32 = 43;
 /// stepped up cannot serve a majority read yet.
 pub(crate) const READ_CONCERN_MAJORITY_NOT_AVAILABLE_YET: i32 = 134;
 /// `ChangeStreamHistoryLost`: a resume token fell off the oplog (the
-/// daemon's change-stream monitor).
-#[cfg(feature = "daemon")]
+/// ledger's log, the daemon's change-stream monitor).
 pub(crate) const CHANGE_STREAM_HISTORY_LOST: i32 = 286;
+/// `CappedPositionLost`: an open change stream's place in the oplog was
+/// overwritten before it read it.
+pub(crate) const CAPPED_POSITION_LOST: i32 = 136;
 /// `ChangeStreamFatalError`: the stream cannot go on from where it is
 /// (the daemon's monitor starts a new one).
 #[cfg(feature = "daemon")]

@@ -1,93 +1,79 @@
-//! The fold of recorded events into their counters: run by the
-//! daemon continuously and on its schedule, embeddable as an
-//! [`EventFold`].
+//! The fold of recorded events into their counters: run by the daemon
+//! continuously and on its schedule, embeddable as an [`EventFold`].
 //!
 //! The events collection is an append-only log: the fold never writes an
-//! event. Event numbers are the server's time (the recorder reads the
-//! server's clock when it mints a lane, see `ledger::record::recorder`).
-//! The fold keeps one **watermark** `W` in its state document
-//! (`<events>_fold`, see `ledger::state`): every event numbered at
-//! or below it is folded, every event above it is not.
+//! event. It follows the collection's own log — its change stream
+//! (`ledger::log`): every insert once, in the order inserts committed,
+//! only what a majority has written. The fold keeps one **position** in it
+//! (`ledger::state`): every insert at or before it is in its counter (or in
+//! a held sum), every insert after it is not. An insert that commits later
+//! comes after every position already read, so nothing can land behind the
+//! fold, and recording never waits for it.
 //!
-//! **What the fold stands on: the floor.** Before a pass reads the events
-//! of `(W, W']`, it raises the events collection's floor — a validator
-//! refusing every event numbered at or below `W'` (`ledger::floor`)
-//! — at write concern `majority`. From then on no event of the range can
-//! land, and every one that landed is visible: the range read once is the
-//! range for good, which is what lets a pass be applied twice. A recorder
-//! whose insert meets the floor wrote nothing and numbers it again above.
+//! **A pass** (`pass`):
 //!
-//! **A pass** ([`EventFold::fold`]):
-//!
-//! 1. **Intent.** When events wait in `(W, W']` (`W'` is the server's
-//!    clock when the pass began: it folds everything numbered before) or
-//!    sums are held, one conditioned
-//!    write records the pass `P = pass + 1`, its range, its owner and a
+//! 1. **Read.** The inserts after the position, as the log gives them (up
+//!    to [`PASS_EVENTS`]); the last one read is the pass's end.
+//! 2. **Intent.** One conditioned write records the pass `P = pass + 1`:
+//!    its window (the position, and its last insert), its owner and a
 //!    deadline (renewed while it works), conditioned on the state's
 //!    version: two folds never record the same pass.
-//! 2. **Floor** raised to `W'` (and again over itself after the sums: a
-//!    floor taken away and put back while they were read shows there).
-//! 3. **Sums** on the server: the range's events `$group`ed by counter.
-//! 4. **Apply.** Each counter's sum goes through the ledger's fold lane —
-//!    the named lane `fold:<events collection>` of the lanes protocol
-//!    (see `write::lane`), never pruned — at position `P`: a counter that
-//!    has the pass already ignores it, so applying a pass again is a
-//!    no-op. A counter the server refuses is held (see `held`), never
-//!    stopping the others.
+//! 3. **Sums** of the window's events per counter, here (`sums`).
+//! 4. **Apply.** Each counter's sum through the ledger's fold lane at
+//!    position `P` (`apply`): a counter that has the pass already ignores
+//!    it, so applying a pass again is a no-op. A counter the server refuses
+//!    holds its sum (`held`), never stopping the others.
 //! 5. **Commit.** One conditioned write (on the intent still being ours)
-//!    moves `W` to `W'`, stores the held sums and drops the intent.
+//!    moves the position to the window's end, stores the held sums and
+//!    drops the intent.
 //!
-//! Writes per pass: the intent, the floor and the commit, plus one update
-//! per counter — never one per event, and nothing per recorder. A pass
-//! reads what arrived since the last one; an idle pass is one read of the
-//! state and one index seek.
+//! **Recovery.** A pass left unfinished is resumed by the next pass of the
+//! same fold, or taken over by another once its deadline plus one attempt
+//! has passed: it reads its window again from the log — the same inserts,
+//! in the same order, up to the same last one — and applies it at the same
+//! position.
 //!
-//! **Recovery.** A pass left unfinished (a crash, a failure) is resumed by
-//! the next pass of the same fold, or taken over by another fold once its
-//! deadline plus one attempt has passed; either re-applies it exactly: the
-//! same range gives the same sums, at the same position. A resumed pass
-//! marks every sum it holds as possibly applied (its earlier owner may have
-//! sent it), so none is merged with another (`held`'s rule).
+//! **A catch-up** (`catch_up`) folds the collection itself, up to a
+//! boundary in the log, where the log takes over: a ledger's first fold
+//! (events recorded before any fold), the upgrade from an earlier version's
+//! state, and `tallyd fold-from` after the log was lost.
 //!
-//! **Deletion.** The sweep deletes the events numbered at or below both
-//! `W` and the server's clock less `event_retention`: folded, and past the
-//! dedupe window, dated by the server's clock. There is no TTL index. The
-//! window has a floor, the writers' retry horizon plus one attempt plus a
-//! margin ([`retention_floor`]): a resend of an event never finds its key
-//! forgotten.
+//! **Deletion** (`sweep`): events the fold is past and older than
+//! `event_retention` go, in bulk; there is no TTL index, which could not
+//! wait for the fold.
 //!
 //! **A lost state** (`<events>_fold` dropped) is refused, never folded
-//! over: the events collection's floor, or a counter's fold lane position,
-//! shows the state existed (`EventFold::check_no_floor`,
-//! `EventFold::check_no_counter_folded`).
+//! over: a counter's fold lane position shows the state existed.
 
-mod convert;
+mod apply;
+mod catch_up;
 mod held;
 mod pass;
-mod query;
-mod stand;
+mod sums;
 mod sweep;
+mod tail;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use mongodb::Collection;
-use mongodb::bson::{Bson, Document, doc, oid::ObjectId};
+use mongodb::bson::{Bson, Document, Timestamp, doc, oid::ObjectId};
+use mongodb::{ClientSession, Collection};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use super::{DEFAULT_EVENT_RETENTION, floor, fold_lane, index, state};
+use super::{DEFAULT_EVENT_RETENTION, fold_lane, index, state};
 use crate::document::display_id;
 use crate::error::Error;
 use crate::store::Store;
 use crate::write::counter::{CollectionConfig, Counters, WriterConfig};
 use crate::write::lane::LaneName;
 
+pub use catch_up::{FoldFrom, UncertainEvent};
+
 /// How many counters a pass applies at once.
 const APPLY_CONCURRENCY: usize = 16;
 
-/// How many passes one [`EventFold::fold`] runs after the first, when an
-/// unfinished pass or a repair left events out.
-const MORE_PASSES: usize = 3;
+/// The most inserts one pass folds: a longer backlog goes in several.
+pub(crate) const PASS_EVENTS: usize = 100_000;
 
 /// The part of the dedupe window's floor beyond the retry horizon and one
 /// attempt: room for the fold's lag and the clocks.
@@ -144,6 +130,11 @@ pub struct EventFoldSettings {
     /// update); 1 sends one command per counter. A counter with a held sum
     /// is always sent alone. Default: 100.
     pub apply_batch: usize,
+    /// How far an idle ledger's position may fall behind the log before a
+    /// pass moves it (one write): a position is where a fold, an exact read
+    /// and a restarted daemon resume the log from, and must stay well
+    /// inside the oplog's window. Default: 1 minute.
+    pub advance_after: Duration,
 }
 
 impl Default for EventFoldSettings {
@@ -154,6 +145,7 @@ impl Default for EventFoldSettings {
             lease: Duration::from_secs(30),
             sweep_every: Duration::from_secs(600),
             apply_batch: 100,
+            advance_after: Duration::from_secs(60),
         }
     }
 }
@@ -190,7 +182,8 @@ pub struct HeldSum {
     pub since: SystemTime,
 }
 
-/// The events of a ledger not in their counters yet.
+/// The events of a ledger not in their counters yet, and where its fold
+/// stands.
 ///
 /// ```no_run
 /// # async fn demo(
@@ -206,13 +199,20 @@ pub struct HeldSum {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Backlog {
-    /// Recorded events not folded yet (numbered above the watermark).
+    /// Recorded events not folded yet.
     pub events: u64,
-    /// The oldest of them's age (by its number, the server's clock, against
-    /// `now`).
+    /// The oldest of them's age (since its insert committed, by the
+    /// server's clock, against `now`).
     pub oldest_age: Option<Duration>,
     /// The sums counters refused, with their counters.
     pub held: Vec<HeldSum>,
+    /// How far behind `now` the fold's position in the log is (`None`
+    /// before its first fold finished): how far back a fold resumes the
+    /// log, which the oplog must still hold.
+    pub position_age: Option<Duration>,
+    /// The fold folds the collection itself up to a boundary in the log
+    /// (a first fold, an upgrade, `tallyd fold-from`).
+    pub catching_up: bool,
 }
 
 impl Backlog {
@@ -234,7 +234,7 @@ impl Backlog {
     }
 }
 
-/// What one fold pass did.
+/// What one call of [`EventFold::fold`] did.
 ///
 /// ```no_run
 /// # async fn demo(
@@ -248,42 +248,74 @@ impl Backlog {
 ///     println!("another fold is at work: nothing done");
 /// } else if let Some(pass) = run.pass {
 ///     let (events, counters) = (run.events_folded, run.counters_written);
-///     println!("pass {pass}: {events} events into {counters} counters");
+///     println!("up to pass {pass}: {events} events into {counters} counters");
 /// }
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventsRun {
-    /// The pass applied and committed, if any.
+    /// The last pass applied and committed, if any.
     pub pass: Option<i64>,
-    /// The pass was an unfinished one, resumed or taken over.
+    /// A pass was an unfinished one, resumed or taken over.
     pub recovered: bool,
     /// Another fold's pass is in progress and its lease has not run out:
-    /// nothing was done.
+    /// nothing more was done.
     pub busy: bool,
-    /// Events the pass folded (their sums are in their counters or held).
+    /// Events the passes folded (their sums are in their counters or held).
     pub events_folded: u64,
     /// Counter updates sent.
     pub counters_written: u64,
     /// Events whose amount is not an integer: reported, left out.
     pub malformed_events: u64,
-    /// Of the events folded, those a repair pass found in the change
-    /// stream: they landed below the watermark while a `collMod` of an
-    /// earlier pass, arrived late, held the floor down.
-    pub late_events_folded: u64,
-    /// The fold state document's size in bytes, as the pass read it.
+    /// The fold state document's size in bytes, as the last pass read it.
     pub state_bytes: u64,
     /// Events deleted (folded, older than the dedupe window).
     pub events_deleted: u64,
-    /// What is left after the pass.
+    /// What is left after the passes.
     pub backlog: Backlog,
+}
+
+impl EventsRun {
+    /// Adds one pass's work.
+    fn add(&mut self, pass: &PassRun) {
+        self.pass = pass.pass.or(self.pass);
+        self.recovered |= pass.recovered;
+        self.busy = pass.busy;
+        self.events_folded += pass.events;
+        self.counters_written += pass.written;
+        self.malformed_events += pass.malformed;
+        self.state_bytes = pass.state_bytes;
+    }
+}
+
+/// What one pass did, and whether another should follow at once.
+#[derive(Debug, Default)]
+struct PassRun {
+    pass: Option<i64>,
+    recovered: bool,
+    busy: bool,
+    events: u64,
+    written: u64,
+    malformed: u64,
+    state_bytes: u64,
+    /// More work waits (a catch-up's next chunk, a full pass's rest, the
+    /// passes after a resumed one).
+    again: bool,
+}
+
+/// What a fold keeps between passes: the log kept open, and when it last
+/// swept. Behind one lock: one pass at a time per fold.
+#[derive(Debug, Default)]
+struct Running {
+    tail: Option<tail::Tail>,
+    last_sweep: Option<Instant>,
 }
 
 /// Folds one ledger's events into its counters. One pass at a time per
 /// fold (a second waits for the first); keep one per process: it owns its
 /// passes by an id minted when it is made, and keeps the events
-/// collection's change stream open from one pass to the next (drop it
-/// before [`Store::shutdown`], which waits for open cursors).
+/// collection's log open from one pass to the next (drop it before
+/// [`Store::shutdown`], which waits for open cursors).
 ///
 /// ```no_run
 /// # async fn demo(store: tally::Store) -> Result<(), tally::Error> {
@@ -303,7 +335,7 @@ pub struct EventsRun {
 ///         tokio::time::sleep(Duration::from_secs(5)).await;
 ///     }
 /// }
-/// // The fold's change stream is a cursor: let go of it first.
+/// // The fold's log is a cursor: let go of it first.
 /// drop(fold);
 /// store.shutdown().await;
 /// # Ok(()) }
@@ -313,18 +345,15 @@ pub struct EventFold {
     store: Store,
     events: Collection<Document>,
     events_name: String,
-    state: Collection<Document>,
+    keeper: state::Keeper,
     counters: Counters,
     fold_lane: Result<LaneName, Error>,
     settings: EventFoldSettings,
     owner: ObjectId,
-    last_sweep: Mutex<Option<Instant>>,
-    /// The events collection's change stream, kept from one raise of the
-    /// floor to the next (see `floor::Watch`).
-    floor_watch: floor::Watch,
-    /// The watermark above which this fold's last look found no event at
-    /// all: where to look first next time (only what landed since).
-    quiet_above: std::sync::Mutex<Option<i64>>,
+    running: Mutex<Running>,
+    /// The latest cluster time this fold saw: its next pass reads the
+    /// state causally after it.
+    seen: std::sync::Mutex<Option<Timestamp>>,
 }
 
 impl EventFold {
@@ -344,15 +373,14 @@ impl EventFold {
         Self {
             store: store.clone(),
             events: store.collection(&events_name),
-            state: store.collection(&state::collection_name(&events_name)),
+            keeper: state::Keeper::new(store, &events_name),
             fold_lane: fold_lane(&events_name),
             events_name,
             counters: Counters::new(store, spec, WriterConfig::default()),
             settings,
             owner: ObjectId::new(),
-            last_sweep: Mutex::new(None),
-            floor_watch: floor::Watch::default(),
-            quiet_above: std::sync::Mutex::new(None),
+            running: Mutex::default(),
+            seen: std::sync::Mutex::default(),
         }
     }
 
@@ -411,35 +439,11 @@ impl EventFold {
         self.fold_lane.as_ref().map(|_| ()).map_err(Clone::clone)
     }
 
-    /// Refuses a ledger whose state document is missing although its
-    /// events collection has a floor ([`Error::FoldStateLost`]): only a
-    /// fold raises it, after making the state. One `listCollections`, run
-    /// before the pass that would make the document.
-    pub(super) async fn check_no_floor(&self) -> Result<(), Error> {
-        let Some(floor) = floor::read(&self.store, &self.events_name).await? else {
-            return Ok(());
-        };
-        // Another fold made the state and raised the floor since this one
-        // read the state: not lost.
-        if state::read(&self.store, &self.state).await?.exists {
-            return Ok(());
-        }
-        Err(state::lost(
-            &self.state,
-            format!(
-                "the events collection {} has a floor ({floor}), which only a fold raises",
-                self.events_name
-            ),
-        ))
-    }
-
     /// Refuses to make a ledger's first state document when a counter
     /// holds a fold pass ([`Error::FoldStateLost`]): the state was lost,
     /// and passes numbered from 1 again would be taken for counted by a
-    /// counter past them, dropping their sums. Run before the intent that
-    /// would make the document: once per ledger (a scan of its counters),
-    /// and on every pass with events to fold of a ledger that lost it.
-    pub(super) async fn check_no_counter_folded(&self) -> Result<(), Error> {
+    /// counter past them, dropping their sums. One read of the counters.
+    async fn check_no_counter_folded(&self) -> Result<(), Error> {
         let spec = self.counters.spec();
         let position = format!("{}.{}", spec.lanes_field, self.fold_lane.clone()?.as_str());
         let counters: Collection<Document> = self.store.collection(&spec.name);
@@ -451,23 +455,18 @@ impl EventFold {
             .await?;
         match folded {
             None => Ok(()),
-            // Another fold made the state and applied its first pass since
-            // this one read the state: not lost (this fold's intent then
-            // meets the state it made, and stands back).
-            Some(_) if state::read(&self.store, &self.state).await?.exists => Ok(()),
             Some(counter) => {
                 let id = counter.get("_id").map_or_else(String::new, display_id);
                 let evidence = format!("counter {id} of {} holds a fold pass", spec.name);
-                Err(state::lost(&self.state, evidence))
+                Err(self.keeper.lost(evidence))
             }
         }
     }
 
-    /// One fold pass (see the module docs) — after resuming an unfinished
-    /// one, a fresh one too, so that everything visible when it began is
-    /// folded — then the sweep, when it is due. `now` is the server's clock
-    /// at the start of the pass. A failed step fails the pass; the next one
-    /// resumes it.
+    /// Folds what is there to fold — every insert the log holds when it
+    /// begins, a catch-up to its end, a pass left unfinished — then sweeps
+    /// when the sweep is due. `now` is the server's clock. A failed step
+    /// fails the call; the next one resumes it.
     ///
     /// ```no_run
     /// # async fn demo(
@@ -491,61 +490,82 @@ impl EventFold {
     ) -> Result<EventsRun, Error> {
         self.check_settings()?;
         self.check_indexes().await?;
-        let mut last_sweep = self.last_sweep.lock().await;
+        let mut running = self.running.lock().await;
         let began = Instant::now();
         let clock = move || now + began.elapsed();
-        let (mut run, mut again) = self.pass(&clock, stop).await?;
-        // After an unfinished pass or a repair, what they left out is
-        // folded now too.
-        for _ in 0..MORE_PASSES {
-            if !again || run.busy {
+        let mut run = EventsRun::default();
+        while !stop.is_cancelled() {
+            let pass = self.pass(&mut running, &clock).await?;
+            run.add(&pass);
+            if !pass.again || pass.busy {
                 break;
             }
-            let (next, more) = self.pass(&clock, stop).await?;
-            run.pass = next.pass.or(run.pass);
-            run.events_folded += next.events_folded;
-            run.late_events_folded += next.late_events_folded;
-            run.counters_written += next.counters_written;
-            run.malformed_events += next.malformed_events;
-            run.busy = next.busy;
-            again = more;
         }
-        if last_sweep.is_none_or(|at| at.elapsed() >= self.settings.sweep_every) && !run.busy {
-            let swept = self.sweep(clock()).await?;
-            run.events_deleted = swept;
-            *last_sweep = Some(Instant::now());
+        if !run.busy
+            && running
+                .last_sweep
+                .is_none_or(|at| at.elapsed() >= self.settings.sweep_every)
+        {
+            run.events_deleted = self.sweep(clock()).await?;
+            running.last_sweep = Some(Instant::now());
         }
-        run.backlog = self.backlog(clock()).await?;
+        run.backlog = self.backlog_of(&mut running, clock()).await?;
         Ok(run)
     }
 
-    /// What is not in the counters yet at `now` (the server's clock): the
-    /// events above their lanes' folded numbers, and the held sums.
+    /// Reads the log into the fold's read-ahead for at most `wait`, and says
+    /// how many inserts wait to be folded: for a daemon that folds as soon
+    /// as inserts come. Reads nothing until the fold's first pass has
+    /// opened the log.
     ///
     /// ```no_run
-    /// # async fn demo(
-    /// #     fold: tally::EventFold,
-    /// #     clock: tally::Reconciler,
-    /// # ) -> Result<(), tally::Error> {
-    /// // For a metric or a health check; changes nothing.
-    /// let backlog = fold.backlog(clock.server_time().await?).await?;
-    /// println!("{} events not in their counters yet", backlog.events + backlog.held_events());
-    /// # Ok(()) }
+    /// # async fn demo(fold: tally::EventFold, clock: tally::Reconciler) -> Result<(), tally::Error> {
+    /// use std::time::Duration;
+    /// use tokio_util::sync::CancellationToken;
+    ///
+    /// let stop = CancellationToken::new();
+    /// loop {
+    ///     if fold.listen(Duration::from_secs(1)).await? > 0 {
+    ///         fold.fold(clock.server_time().await?, &stop).await?;
+    ///     }
+    /// }
+    /// # }
     /// ```
-    pub async fn backlog(&self, now: SystemTime) -> Result<Backlog, Error> {
-        let state = state::read(&self.store, &self.state).await?;
-        if state.legacy.is_some() {
-            return Err(state::not_converted(&self.state));
+    pub async fn listen(&self, wait: Duration) -> Result<u64, Error> {
+        let deadline = Instant::now() + wait;
+        let mut running = self.running.lock().await;
+        let Some(tail) = running.tail.as_mut() else {
+            return Ok(0);
+        };
+        let waiting = match tail.listen(&self.store, PASS_EVENTS, deadline).await {
+            Ok(waiting) => waiting,
+            Err(err) => {
+                // The next pass opens the log again from the state's position.
+                running.tail = None;
+                return Err(err);
+            }
+        };
+        Ok(waiting as u64)
+    }
+
+    /// A causally consistent session, after everything this fold saw.
+    async fn session(&self) -> Result<ClientSession, Error> {
+        let seen = *self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.store.causal_session(seen).await
+    }
+
+    /// Remembers what `session` saw, for the next pass's reads.
+    fn saw(&self, session: &ClientSession) {
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(time) = session.operation_time() {
+            *seen = Some(seen.map_or(time, |seen| seen.max(time)));
         }
-        let (events, lowest) = query::above(&self.store, &self.events, state.watermark).await?;
-        Ok(Backlog {
-            held: state.held.iter().map(held_sum).collect(),
-            events,
-            oldest_age: lowest.map(|s| {
-                now.duration_since(super::time_of(s))
-                    .unwrap_or(Duration::ZERO)
-            }),
-        })
     }
 }
 

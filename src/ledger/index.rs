@@ -1,17 +1,25 @@
-//! The indexes an events collection needs, checked and created.
+//! The indexes an events collection needs, checked and created, and what
+//! earlier versions of tally left on it.
 //!
 //! tally never creates an index behind the user's back: `tallyd setup`
 //! creates these ([`create`]), `status`, `doctor` and `check-config
 //! --connect` say which are missing ([`missing`]), and the fold refuses to
 //! run without them ([`Error::IndexesMissing`]).
 //!
-//! - `tally_events_number`: `{s: 1}`: events by number — a pass's range,
-//!   the backlog above the watermark, the deletion of folded events;
-//! - `tally_events_counter_number`: `{k: 1, s: 1}`: a counter's events
-//!   above the watermark (exact reads).
+//! - `tally_events_number`: `{s: 1}`: events by number — the sweep's
+//!   deletion of folded events past the dedupe window, a catch-up's chunks
+//!   (`tallyd fold-from`, a first fold, an upgrade).
 //!
-//! Each secondary index costs every insert; there is no TTL index: events
-//! are deleted by the fold, once folded and older than the dedupe window.
+//! That is all: the fold and exact reads read the events collection's log
+//! (its change stream), not the collection, and each secondary index costs
+//! every insert. There is no TTL index: events are deleted by the fold,
+//! once it is past them and they are older than the dedupe window.
+//!
+//! Earlier versions indexed events by counter and number, by key, bucket
+//! and number, and (0.2.0) by lane; nothing reads those any more, and
+//! `tallyd setup` drops them ([`drop_obsolete`]). The version before this
+//! one fenced the events collection with a validator (its "floor"), which
+//! `setup` removes too ([`remove_floor`]).
 
 use futures::TryStreamExt;
 use mongodb::IndexModel;
@@ -24,8 +32,21 @@ use crate::store::Store;
 
 /// The number index's name.
 const NUMBER: &str = "tally_events_number";
-/// The counter index's name.
-const COUNTER: &str = "tally_events_counter_number";
+
+#[cfg(feature = "daemon")]
+/// Indexes earlier versions made on an events collection that nothing
+/// reads any more, by name.
+pub(crate) const OBSOLETE: [&str; 4] = [
+    "tally_events_counter_number",
+    "tally_events_bucket_number",
+    "tally_events_lane",
+    "tally_events_counter_lane",
+];
+
+#[cfg(feature = "daemon")]
+/// The validator clause by which the version before this one named its
+/// floor's raises.
+const FLOOR_TOKEN: &str = "tally_floor";
 
 /// One index the ledger needs: its name and keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,16 +66,10 @@ pub(crate) enum Created {
 
 /// The indexes an events collection needs.
 pub(crate) fn needed() -> Vec<Needed> {
-    vec![
-        Needed {
-            name: NUMBER,
-            keys: doc! { field::NUMBER: 1 },
-        },
-        Needed {
-            name: COUNTER,
-            keys: doc! { field::COUNTER: 1, field::NUMBER: 1 },
-        },
-    ]
+    vec![Needed {
+        name: NUMBER,
+        keys: doc! { field::NUMBER: 1 },
+    }]
 }
 
 /// The indexes of `collection` as the server lists them (none when the
@@ -99,23 +114,6 @@ pub(crate) async fn missing(store: &Store, collection: &str) -> Result<Vec<Strin
         })
         .map(|n| n.name.to_owned())
         .collect())
-}
-
-/// The index of a bucketed ledger's events, beside [`needed`]: by key,
-/// bucket and number (the events' counter is a document `{k, t}`). A
-/// counter's events are asked for by the dotted fields of their counter
-/// ([`by_id`](crate::write::at::by_id)), which this serves on every server
-/// (the test server answers an equality with a document by a collection
-/// scan). Not required: reads work without it, scanning.
-pub(crate) fn bucket_events() -> Needed {
-    Needed {
-        name: "tally_events_bucket_number",
-        keys: doc! {
-            format!("{}.{}", field::COUNTER, crate::write::at::KEY): 1,
-            format!("{}.{}", field::COUNTER, crate::write::at::START): 1,
-            field::NUMBER: 1,
-        },
-    }
 }
 
 /// The index of a bucketed counters collection, ledger or not: by key and
@@ -197,4 +195,108 @@ pub(crate) fn describe(collection: &str, need: &Needed, created: Created) -> Str
         Created::New => "created",
     };
     format!("{collection}: index {} {}: {what}", need.name, need.keys)
+}
+
+#[cfg(feature = "daemon")]
+/// Drops the indexes of `collection` that earlier versions made and nothing
+/// reads any more ([`OBSOLETE`], by name): each costs every insert. Returns
+/// one line per index dropped.
+pub(crate) async fn drop_obsolete(store: &Store, collection: &str) -> Result<Vec<String>, Error> {
+    let listed = listed(store, collection).await?;
+    let coll = store.collection(collection);
+    let mut dropped = Vec::new();
+    for index in listed {
+        let Ok(name) = index.get_str("name") else {
+            continue;
+        };
+        if !OBSOLETE.contains(&name) {
+            continue;
+        }
+        let mut budget = RetryBudget::retry_once("ledger.drop_index");
+        match store
+            .with_retry(&mut budget, || coll.drop_index(name))
+            .await
+        {
+            Ok(()) => {}
+            // Dropped meanwhile (another setup): as asked.
+            Err(failure) if crate::error::server_code(&failure.source) == Some(27) => {}
+            Err(failure) => return Err(Error::Server(failure)),
+        }
+        let keys = index.get_document("key").cloned().unwrap_or_default();
+        dropped.push(format!(
+            "{collection}: index {name} {keys}: dropped (an earlier version's; nothing reads it, \
+             and it cost every insert)"
+        ));
+    }
+    Ok(dropped)
+}
+
+#[cfg(feature = "daemon")]
+/// Removes the validator the version before this one set on the events
+/// collection `events` (its floor, `{s: {$gt: F}, tally_floor: …}`), which
+/// would refuse an insert numbered at or below `F`. Another validator is
+/// left as it is. Says what it did, if anything.
+pub(crate) async fn remove_floor(store: &Store, events: &str) -> Result<Option<String>, Error> {
+    let database = store.database();
+    let listing = doc! { "listCollections": 1, "filter": { "name": events } };
+    let mut budget = RetryBudget::read_once("ledger.read_validator");
+    let reply = store
+        .with_retry(&mut budget, || database.run_command(listing.clone()))
+        .await
+        .map_err(Error::Server)?;
+    let validator = reply
+        .get_document("cursor")
+        .ok()
+        .and_then(|c| c.get_array("firstBatch").ok())
+        .and_then(|batch| batch.first())
+        .and_then(mongodb::bson::Bson::as_document)
+        .and_then(|c| c.get_document("options").ok())
+        .and_then(|o| o.get_document("validator").ok());
+    let Some(validator) = validator.filter(|v| is_floor(v)) else {
+        return Ok(None);
+    };
+    let shown = validator.to_string();
+    let remove = doc! { "collMod": events, "validator": {}, "writeConcern": { "w": "majority" } };
+    let mut budget = RetryBudget::retry_once("ledger.remove_floor");
+    store
+        .with_retry(&mut budget, || database.run_command(remove.clone()))
+        .await
+        .map_err(Error::Server)?;
+    Ok(Some(format!(
+        "{events}: validator {shown}: removed (the previous version's floor; the fold no longer \
+         needs one)"
+    )))
+}
+
+#[cfg(feature = "daemon")]
+/// Whether `validator` is the previous version's floor: `{s: {$gt: F}}`,
+/// with its raise's token or without.
+pub(crate) fn is_floor(validator: &Document) -> bool {
+    let numbered = validator
+        .get_document(field::NUMBER)
+        .is_ok_and(|s| s.len() == 1 && s.contains_key("$gt"));
+    let named = validator.contains_key(FLOOR_TOKEN);
+    numbered
+        && validator
+            .keys()
+            .all(|k| k == field::NUMBER || k == FLOOR_TOKEN)
+        || named
+}
+
+#[cfg(all(test, feature = "daemon"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_previous_versions_floor_is_taken_for_it() {
+        assert!(is_floor(
+            &doc! { "s": { "$gt": 5i64 }, "tally_floor": { "$ne": "t" } }
+        ));
+        assert!(is_floor(&doc! { "s": { "$gt": 5i64 } }));
+        assert!(!is_floor(
+            &doc! { "s": { "$gt": 5i64 }, "k": { "$exists": true } }
+        ));
+        assert!(!is_floor(&doc! { "n": { "$type": "long" } }));
+        assert!(!is_floor(&doc! {}));
+    }
 }

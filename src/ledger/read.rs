@@ -1,54 +1,56 @@
 //! Exact reads: a counter plus its events not folded yet and its held
 //! sums, consistent at any moment of a fold.
 //!
-//! The fold keeps a watermark `W`: every event numbered at or below it is
-//! in its counter (or in a held sum), every event above it is not — except
-//! those of a pass in progress (its intent, `(W, W']`), which are in a
-//! counter once the counter's fold lane entry holds the pass. A held sum of
-//! pass `p` is in it once the entry holds `p` or more.
+//! The fold's position splits the log: every insert at or before it is in
+//! its counter (or in a held sum), every insert after it is not — except
+//! those of a pass in progress, which are in a counter once the counter's
+//! fold lane entry holds the pass. So an exact read is:
 //!
-//! So the exact value is the counter, plus the counter's events above `W`
-//! (one index range on `{k: 1, s: 1}`: what happened since the last pass,
-//! never the counter's history, whatever the number of recorders), less
-//! those of the intent when the counter has its pass, plus every held sum
-//! the counter does not have.
+//! - the state (its position, the pass in progress, the held sums), then
+//!   the counters, in one causally consistent session at read concern
+//!   `majority` (the counters as the passes the state knows left them, or
+//!   later);
+//! - the counters' inserts after the position — after the pass in
+//!   progress's last insert, for a counter that has that pass — read from
+//!   the log, filtered by key on the server, up to the read's own start:
+//!   the `operationTime` of the counters' read (`log::Reader::read_until`);
+//! - every held sum the counter does not have yet.
 //!
-//! The state, the counter and the events are not read atomically, so the
-//! state is read before and after (an optimistic double read): when both
-//! show the same pass, no pass committed in between — the only write that
-//! moves `W` or the held sums — and every event and held sum read is
-//! judged against the one counter read, with the intent read last (while
-//! the pass stays the same, at most one intent can have been applied: that
-//! one). After [`OPTIMISTIC_ROUNDS`] double reads that met a moving fold,
-//! the three are read once inside a read-only transaction at read concern
-//! `snapshot`: one consistent view, which no fold can make fail. A busy
-//! fold delays a read, never fails it.
+//! Its value is the counter's events that committed up to that time, each
+//! once. It costs the log since the fold's position: the daemon keeps that
+//! short. A counter whose fold lane shows a pass the state read before it
+//! did not know (a pass began in between) is read again; after
+//! [`ROUNDS`] such reads the state and the counters are read once inside a
+//! read-only transaction at read concern `snapshot` — one view, which no
+//! fold can make fail. A busy fold delays a read, never fails it.
+//!
+//! While the fold catches up (`fold::catch_up`), the events it has yet to
+//! fold are read from the collection itself (by number, then by key: a
+//! scan of what is left) and from the log after the catch-up's boundary.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc};
+use mongodb::ClientSession;
+use mongodb::bson::{Bson, Document, Timestamp, doc};
 use mongodb::options::ReadConcern;
 
-use super::state::{self, FoldState};
-use super::{Ledger, field, floor, fold_lane};
-use std::collections::HashMap;
-
+use super::log::{Inserted, Logged, Position, Reader, Scope};
+use super::state::{FoldState, Keeper, Window};
+use super::{Ledger, field, fold_lane};
 use crate::bucket::CLOSED_FIELD;
 use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 use crate::write::at::{by_any, by_id};
 
-/// How many optimistic double reads [`Ledger::value`] tries before it
-/// reads from one snapshot.
-const OPTIMISTIC_ROUNDS: u32 = 3;
+/// How many optimistic reads [`Ledger::value`] tries before it reads the
+/// state and the counters from one snapshot.
+const ROUNDS: u32 = 3;
 
-/// Unfolded events per batch of an exact read: the first reply carries
-/// them all, unless the backlog is long.
-const UNFOLDED_BATCH: u32 = 10_000;
-
-/// The fields of an event an exact read needs.
-fn event_projection() -> Document {
-    doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 }
-}
+/// How long one `getMore` of an exact read's log waits at the end of the
+/// log: the read's latency when nothing new comes.
+const LOG_WAIT: Duration = Duration::from_millis(1);
 
 /// Which counters an exact read reads: `keys` (distinct), and, for a range
 /// read of a bucketed key, the range they are the buckets of.
@@ -58,8 +60,7 @@ pub(super) struct Which<'a> {
 }
 
 /// A key's buckets that start in `[from, to)`: read by the dotted fields of
-/// their `_id` (and of the events' counter), which the range indexes serve
-/// on every server (the test server scans for a document `_id`).
+/// their `_id` (and of the events' counter).
 #[derive(Clone, Copy)]
 pub(super) struct Span<'a> {
     pub(super) key: &'a Bson,
@@ -80,32 +81,15 @@ impl Span<'_> {
 }
 
 impl Which<'_> {
-    /// The filter of their documents.
-    fn documents(&self) -> Document {
+    /// The filter of their documents (`path`: `_id`, or an event's `k`).
+    fn filter(&self, path: &str) -> Document {
         match &self.span {
-            Some(span) => span.filter("_id"),
-            None => one_or_any("_id", &self.keys),
+            Some(span) => span.filter(path),
+            None => match self.keys.as_slice() {
+                [key] => by_id(path, key),
+                keys => by_any(path, keys),
+            },
         }
-    }
-
-    /// The filter of their events above `watermark`.
-    fn unfolded(&self, watermark: i64) -> Document {
-        let mut filter = match &self.span {
-            Some(span) => span.filter(field::COUNTER),
-            None => one_or_any(field::COUNTER, &self.keys),
-        };
-        filter.insert(field::NUMBER, doc! { "$gt": watermark });
-        filter
-    }
-}
-
-/// The filter of the documents whose `path` is one of `keys`: the key
-/// itself for one (an equality, as every read of one counter is), `$in`
-/// for more; a bucketed `_id` by its dotted fields too ([`by_id`]).
-fn one_or_any(path: &str, keys: &[Bson]) -> Document {
-    match keys {
-        [key] => by_id(path, key),
-        _ => by_any(path, keys),
     }
 }
 
@@ -138,13 +122,20 @@ pub struct ExactValue {
     pub closed: bool,
 }
 
-/// The counter document as far as the ledger cares: its value and its
-/// fold lane's position.
+/// The counter document as far as the ledger cares.
 #[derive(Debug, PartialEq)]
 struct CounterState {
     value: i64,
     fold_position: Option<i64>,
     closed: bool,
+}
+
+/// One consistent reading: the state, the counters (by key) and the time
+/// the read reaches in the log.
+struct Reading {
+    state: FoldState,
+    counters: HashMap<CanonicalKey, CounterState>,
+    until: Timestamp,
 }
 
 impl Ledger {
@@ -186,209 +177,160 @@ impl Ledger {
     /// The counters `counters` read exactly, from one consistent reading of
     /// them all, in the order of their keys.
     pub(super) async fn exact(&self, counters: Which<'_>) -> Result<Vec<ExactValue>, Error> {
+        let keeper = Keeper::new(&self.store, &self.spec.events_collection_name());
         let lane = fold_lane(&self.spec.events_collection_name())?;
-        for _ in 0..OPTIMISTIC_ROUNDS {
-            let before = state::read(&self.store, &self.state).await?;
-            if before.legacy.is_some() {
-                return Err(state::not_converted(&self.state));
-            }
-            let found = self.find_counters(&counters).await?;
-            let events = self.unfolded_events(&counters, before.watermark).await?;
-            let after = state::read(&self.store, &self.state).await?;
-            if before.seen() == after.seen() {
-                return self
-                    .judge_all(counters.keys, lane.as_str(), found, events, &after)
-                    .await;
+        let mut session = self.store.causal_session(None).await?;
+        let mut reading = None;
+        for _ in 0..ROUNDS {
+            let read = self
+                .read_once(&keeper, &mut session, &counters, lane.as_str())
+                .await?;
+            if read.consistent() {
+                reading = Some(read);
+                break;
             }
         }
-        let (state, found, events) = self.snapshot(&counters).await?;
-        if state.legacy.is_some() {
-            return Err(state::not_converted(&self.state));
-        }
-        self.judge_all(counters.keys, lane.as_str(), found, events, &state)
-            .await
-    }
-
-    /// Each key's exact value from one consistent reading of the counters
-    /// `found`, their events above the watermark and the state.
-    async fn judge_all(
-        &self,
-        keys: Vec<Bson>,
-        lane: &str,
-        found: Vec<Document>,
-        events: Vec<Document>,
-        state: &FoldState,
-    ) -> Result<Vec<ExactValue>, Error> {
-        let mut counters: HashMap<CanonicalKey, Document> = found
+        let reading = match reading {
+            Some(reading) => reading,
+            None => self.snapshot(&keeper, &counters, lane.as_str()).await?,
+        };
+        reading.check(&keeper)?;
+        let unfolded = self.unfolded(&mut session, &counters, &reading).await?;
+        counters
+            .keys
             .into_iter()
-            .map(|counter| {
-                let id = counter.get("_id").cloned().unwrap_or(Bson::Null);
-                (CanonicalKey::of(&id), counter)
-            })
-            .collect();
-        let mut by_counter: HashMap<CanonicalKey, Vec<Document>> = HashMap::new();
-        for event in events {
-            let counter = event.get(field::COUNTER).cloned().unwrap_or(Bson::Null);
-            by_counter
-                .entry(CanonicalKey::of(&counter))
-                .or_default()
-                .push(event);
-        }
-        self.check_floor_kept(state).await?;
-        let mut values = Vec::with_capacity(keys.len());
-        for key in keys {
-            let canonical = CanonicalKey::of(&key);
-            let counter = self.counter_state(&key, lane, counters.remove(&canonical))?;
-            let events = by_counter.remove(&canonical).unwrap_or_default();
-            values.push(self.judge(key, &counter, &events, state).await?);
-        }
-        Ok(values)
+            .map(|key| self.value_of(key, &reading, &unfolded))
+            .collect()
     }
 
-    /// The exact value from one consistent reading of the counter, its
-    /// events above the watermark, and the state.
-    async fn judge(
+    /// The state, then the counters, in `session`.
+    async fn read_once(
         &self,
-        key: Bson,
-        counter: &CounterState,
-        events: &[Document],
-        state: &FoldState,
-    ) -> Result<ExactValue, Error> {
-        self.check_counter_kept(&key, counter, state)?;
-        let position = counter.fold_position.unwrap_or(i64::MIN);
-        let in_counter = |s: i64| {
-            state
-                .intent
-                .as_ref()
-                .is_some_and(|intent| position >= intent.pass && intent.folds(s))
-        };
-        let mut unfolded = 0i128;
-        let mut unfolded_events = 0u64;
-        for event in events {
-            let Some(number) = event.get(field::NUMBER).and_then(integer_value) else {
-                return Err(self.malformed_event(event, "its number s is not an integer"));
-            };
-            if number <= state.watermark || in_counter(number) {
-                continue;
-            }
-            let Some(amount) = event.get(field::AMOUNT).and_then(integer_value) else {
-                return Err(self.malformed_event(event, "its amount n is not an integer"));
-            };
-            unfolded += i128::from(amount);
-            unfolded_events += 1;
-        }
-        for sum in state.held.iter().filter(|h| same_key(&h.key, &key)) {
-            if position < sum.pass {
-                unfolded += sum.amount;
-                unfolded_events += sum.events;
-            }
-        }
-        let too_big = || Error::ExactValueTooLarge {
-            key: display_id(&key),
-        };
-        let value = i64::try_from(i128::from(counter.value) + unfolded).map_err(|_| too_big())?;
-        Ok(ExactValue {
-            value,
-            folded: counter.value,
-            unfolded: i64::try_from(unfolded).map_err(|_| too_big())?,
-            unfolded_events,
-            closed: counter.closed,
-            key,
+        keeper: &Keeper,
+        session: &mut ClientSession,
+        counters: &Which<'_>,
+        lane: &str,
+    ) -> Result<Reading, Error> {
+        let state = keeper.read(session).await?;
+        refuse_unreadable(keeper, &state, &self.spec.events_collection_name())?;
+        let found = self.find_counters(session, counters).await?;
+        let until = session
+            .operation_time()
+            .ok_or_else(|| no_cluster_time(self))?;
+        Ok(Reading {
+            state,
+            counters: self.counter_states(found, lane)?,
+            until,
         })
     }
 
-    /// The state, the counter documents and their events above the
-    /// watermark, read inside one read-only transaction at read concern
-    /// `snapshot` (retried once on a transient failure).
+    /// The state and the counters read inside one read-only transaction at
+    /// read concern `snapshot` (retried once on a transient failure).
     async fn snapshot(
         &self,
+        keeper: &Keeper,
         counters: &Which<'_>,
-    ) -> Result<(FoldState, Vec<Document>, Vec<Document>), Error> {
+        lane: &str,
+    ) -> Result<Reading, Error> {
         let mut budget = RetryBudget::read_once("ledger.read_snapshot");
+        let filter = counters.filter("_id");
         let read = || async {
             let mut session = self.store.client().start_session().await?;
             session
                 .start_transaction()
                 .read_concern(ReadConcern::snapshot())
                 .await?;
-            let state = self
-                .state
-                .find_one(state::filter())
+            let state = keeper
+                .collection()
+                .find_one(super::state::filter())
                 .session(&mut session)
                 .await?;
             let mut cursor = self
                 .counters
-                .find(counters.documents())
+                .find(filter.clone())
                 .projection(self.counter_projection())
                 .session(&mut session)
                 .await?;
             let found: Vec<Document> = cursor.stream(&mut session).try_collect().await?;
-            let events = match state::from_document(&self.state, state.clone()) {
-                Ok(parsed) => {
-                    let mut cursor = self
-                        .events
-                        .find(counters.unfolded(parsed.watermark))
-                        .projection(event_projection())
-                        .batch_size(UNFOLDED_BATCH)
-                        .session(&mut session)
-                        .await?;
-                    cursor.stream(&mut session).try_collect().await?
-                }
-                Err(_) => Vec::new(),
-            };
             session.abort_transaction().await?;
-            Ok::<_, mongodb::error::Error>((state, found, events))
+            Ok::<_, mongodb::error::Error>((state, found))
         };
-        let (state, counters, events) = self
+        let (state, found) = self
             .store
             .with_retry(&mut budget, read)
             .await
             .map_err(Error::Server)?;
-        Ok((state::from_document(&self.state, state)?, counters, events))
+        let state = keeper.parsed(state)?;
+        refuse_unreadable(keeper, &state, &self.spec.events_collection_name())?;
+        Ok(Reading {
+            state,
+            counters: self.counter_states(found, lane)?,
+            // A time after the snapshot: the log is read past it.
+            until: self.store.cluster_time().await?,
+        })
     }
 
-    /// The counter documents of `keys`, with what an exact read needs of
-    /// them (and their `_id`).
-    async fn find_counters(&self, counters: &Which<'_>) -> Result<Vec<Document>, Error> {
+    /// The counter documents of `counters` in `session`, with what an exact
+    /// read needs of them (and their `_id`).
+    async fn find_counters(
+        &self,
+        session: &mut ClientSession,
+        counters: &Which<'_>,
+    ) -> Result<Vec<Document>, Error> {
         const OPERATION: &str = "ledger.read_counter";
-        let filter = counters.documents();
+        let filter = counters.filter("_id");
         let mut budget = RetryBudget::read_once(OPERATION);
-        let cursor = self
-            .store
-            .with_retry(&mut budget, || {
-                self.counters
-                    .find(filter.clone())
-                    .projection(self.counter_projection())
-            })
-            .await
-            .map_err(Error::Server)?;
-        cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once(OPERATION, err)))
+        loop {
+            budget.start_attempt();
+            let found = self
+                .counters
+                .find(filter.clone())
+                .projection(self.counter_projection())
+                .read_concern(ReadConcern::majority())
+                .session(&mut *session);
+            let mut cursor = match self.store.attempt(async { found.await }).await {
+                Ok(cursor) => cursor,
+                Err(err) => match self.store.after_failure(&mut budget, err) {
+                    crate::error::Next::Retry => continue,
+                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                },
+            };
+            return cursor
+                .stream(&mut *session)
+                .try_collect()
+                .await
+                .map_err(|err| Error::Server(Failure::once(OPERATION, err)));
+        }
     }
 
     fn counter_projection(&self) -> Document {
         doc! { &self.spec.counter_field: 1, &self.spec.lanes_field: 1, CLOSED_FIELD: 1 }
     }
 
-    /// The counter's value and its fold lane's position (zero and none
-    /// without a document).
+    /// The counters as the ledger reads them, by key.
+    fn counter_states(
+        &self,
+        found: Vec<Document>,
+        lane: &str,
+    ) -> Result<HashMap<CanonicalKey, CounterState>, Error> {
+        found
+            .into_iter()
+            .map(|counter| {
+                let id = counter.get("_id").cloned().unwrap_or(Bson::Null);
+                let state = self.counter_state(&id, lane, &counter)?;
+                Ok((CanonicalKey::of(&id), state))
+            })
+            .collect()
+    }
+
+    /// The counter's value and its fold lane's position.
     fn counter_state(
         &self,
         key: &Bson,
         lane: &str,
-        found: Option<Document>,
+        found: &Document,
     ) -> Result<CounterState, Error> {
         let spec = &self.spec;
-        let entry = format!("{}.{lane}", spec.lanes_field);
-        let Some(found) = found else {
-            return Ok(CounterState {
-                value: 0,
-                fold_position: None,
-                closed: false,
-            });
-        };
         let malformed = |reason: String| Error::Malformed {
             collection: spec.name.clone(),
             id: display_id(key),
@@ -408,10 +350,12 @@ impl Ledger {
             None => None,
             Some(Bson::Document(map)) => match map.get(lane) {
                 None => None,
-                Some(position) => Some(
-                    integer_value(position)
-                        .ok_or_else(|| malformed(format!("its entry {entry} is not an integer")))?,
-                ),
+                Some(position) => Some(integer_value(position).ok_or_else(|| {
+                    malformed(format!(
+                        "its entry {}.{lane} is not an integer",
+                        spec.lanes_field
+                    ))
+                })?),
             },
             Some(other) => {
                 return Err(malformed(format!(
@@ -429,77 +373,309 @@ impl Ledger {
         })
     }
 
-    /// Refuses a read whose fold state was lost ([`Error::FoldStateLost`]),
-    /// as the counter `key` shows it: it holds a fold pass past any the
-    /// state knows (passes were numbered again, or the document is gone).
-    fn check_counter_kept(
+    /// The counters' events not in them yet, by counter: from the log after
+    /// the fold's position, or, while the fold catches up, from the
+    /// collection and the log after the catch-up's boundary.
+    async fn unfolded(
         &self,
-        key: &Bson,
-        counter: &CounterState,
-        state: &FoldState,
-    ) -> Result<(), Error> {
-        let known = state.known_pass();
-        if let Some(position) = counter.fold_position.filter(|&p| p > known) {
-            let evidence = format!(
-                "counter {} holds fold pass {position}, past the last one recorded ({known})",
-                display_id(key)
-            );
-            return Err(state::lost(&self.state, evidence));
-        }
-        Ok(())
-    }
-
-    /// Refuses a read whose fold state was lost, as the events collection
-    /// shows it: with no state document, it has a floor (only a fold raises
-    /// it, after making the document). Once per read, whatever the number
-    /// of counters it reads.
-    async fn check_floor_kept(&self, state: &FoldState) -> Result<(), Error> {
-        // A floor with no state document: lost — unless a ledger's first
-        // pass made the document since this read (then nothing was applied
-        // before the read, and the value it found stands).
-        if !state.exists
-            && let Some(floor) =
-                floor::read(&self.store, &self.spec.events_collection_name()).await?
-            && !state::read(&self.store, &self.state).await?.exists
-        {
-            let evidence = format!(
-                "the events collection {} has a floor ({floor}), which only a fold raises",
-                self.spec.events_collection_name()
-            );
-            return Err(state::lost(&self.state, evidence));
-        }
-        Ok(())
-    }
-
-    /// The counters' events above the watermark: one index range each.
-    async fn unfolded_events(
-        &self,
+        session: &mut ClientSession,
         counters: &Which<'_>,
-        watermark: i64,
-    ) -> Result<Vec<Document>, Error> {
-        let filter = counters.unfolded(watermark);
-        let mut budget = RetryBudget::read_once("ledger.read_unfolded");
-        let cursor = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events
-                    .find(filter.clone())
-                    .projection(event_projection())
-                    .batch_size(UNFOLDED_BATCH)
-            })
-            .await
-            .map_err(Error::Server)?;
-        cursor
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("ledger.read_unfolded", err)))
+        reading: &Reading,
+    ) -> Result<HashMap<CanonicalKey, Vec<Logged>>, Error> {
+        let state = &reading.state;
+        let events = match (&state.position, &state.catch_up) {
+            (Some(position), None) => {
+                let end = reading
+                    .state
+                    .intent
+                    .as_ref()
+                    .and_then(|pass| match &pass.window {
+                        Window::Log { to: Some(to), .. } => Some(to.key.clone()),
+                        _ => None,
+                    });
+                let read = self
+                    .log_after(position, counters, end, reading.until)
+                    .await?;
+                self.after_pass(read, reading)?
+            }
+            (_, catch_up) => {
+                let boundary = catch_up.as_ref().map(|c| &c.boundary);
+                self.catching_up(session, counters, reading, boundary)
+                    .await?
+            }
+        };
+        let mut by_counter: HashMap<CanonicalKey, Vec<Logged>> = HashMap::new();
+        for event in events {
+            by_counter
+                .entry(CanonicalKey::of(&event.counter()))
+                .or_default()
+                .push(event);
+        }
+        Ok(by_counter)
     }
 
-    fn malformed_event(&self, event: &Document, reason: &str) -> Error {
-        Error::Malformed {
-            collection: self.spec.events_collection_name(),
-            id: event.get("_id").map_or_else(String::new, display_id),
-            reason: reason.into(),
+    /// The counters' inserts after `position`, up to `until` (and the
+    /// insert of the event `end`, where a pass in progress ends).
+    async fn log_after(
+        &self,
+        position: &Position,
+        counters: &Which<'_>,
+        end: Option<Bson>,
+        until: Timestamp,
+    ) -> Result<Vec<Inserted>, Error> {
+        let events = self.spec.events_collection_name();
+        let scope = Scope::Matching {
+            counters: counters.filter(field::COUNTER),
+            event: end,
+        };
+        let mut reader =
+            Reader::open(&self.store, &events, Some(position), &scope, LOG_WAIT).await?;
+        let deadline = Instant::now() + self.store.attempt_timeout();
+        reader.read_until(&self.store, until, deadline).await
+    }
+
+    /// `read` without the inserts of the pass in progress for the counters
+    /// that have it (their fold lane holds its number).
+    fn after_pass(&self, read: Vec<Inserted>, reading: &Reading) -> Result<Vec<Logged>, Error> {
+        let Some((number, Window::Log { to: Some(to), .. })) = reading
+            .state
+            .intent
+            .as_ref()
+            .map(|pass| (pass.number, &pass.window))
+        else {
+            return Ok(read.into_iter().map(|i| i.event).collect());
+        };
+        let has_pass = |counter: &Bson| {
+            reading
+                .counters
+                .get(&CanonicalKey::of(counter))
+                .and_then(|c| c.fold_position)
+                .is_some_and(|p| p >= number)
+        };
+        // The pass's last insert committed before its intent, which the
+        // state showed before the read's time: it is in the read (its
+        // scope asks for it), and everything up to it is the pass's.
+        let end = match read
+            .iter()
+            .position(|i| i.identity() == (to.at.time, &to.key))
+        {
+            Some(end) => end + 1,
+            None if reading
+                .counters
+                .values()
+                .any(|c| c.fold_position.is_some_and(|p| p >= number)) =>
+            {
+                return Err(Error::FoldStopped {
+                    events: self.spec.events_collection_name(),
+                    why: format!(
+                        "the log read from the fold's position does not show the last event of                          the pass in progress ({}): the read cannot tell which events the pass                          put in their counters",
+                        display_id(&to.key)
+                    ),
+                });
+            }
+            None => 0,
+        };
+        Ok(read
+            .into_iter()
+            .enumerate()
+            .filter(|(at, inserted)| !(*at < end && has_pass(&inserted.event.counter())))
+            .map(|(_, inserted)| inserted.event)
+            .collect())
+    }
+
+    /// While the fold catches up: the counters' events numbered above its
+    /// progress (above a chunk a counter has already), from the collection,
+    /// and every insert of theirs after the boundary, from the log; an
+    /// event found in both is one event.
+    async fn catching_up(
+        &self,
+        session: &mut ClientSession,
+        counters: &Which<'_>,
+        reading: &Reading,
+        boundary: Option<&Position>,
+    ) -> Result<Vec<Logged>, Error> {
+        let state = &reading.state;
+        let progress = state
+            .catch_up
+            .as_ref()
+            .and_then(super::state::CatchUp::next_after);
+        let chunk = state.intent.as_ref().and_then(|pass| match pass.window {
+            Window::Chunk { upto, .. } => Some((pass.number, upto)),
+            Window::Log { .. } => None,
+        });
+        let mut filter = counters.filter(field::COUNTER);
+        if let Some(progress) = progress {
+            filter.insert(field::NUMBER, doc! { "$gt": progress });
         }
+        let mut collected = self.scan(session, filter).await?;
+        let after: Vec<Logged> = match boundary {
+            Some(boundary) => self
+                .log_after(boundary, counters, None, reading.until)
+                .await?
+                .into_iter()
+                .map(|i| i.event)
+                .collect(),
+            None => Vec::new(),
+        };
+        let logged: HashSet<CanonicalKey> =
+            after.iter().map(|e| CanonicalKey::of(&e.key)).collect();
+        collected.retain(|event| {
+            if logged.contains(&CanonicalKey::of(&event.key)) {
+                return false;
+            }
+            // A counter that has the chunk in progress has its events.
+            let Some((number, upto)) = chunk else {
+                return true;
+            };
+            let has_chunk = reading
+                .counters
+                .get(&CanonicalKey::of(&event.counter()))
+                .and_then(|c| c.fold_position)
+                .is_some_and(|p| p >= number);
+            let numbered = event.number.as_ref().and_then(integer_value);
+            !(has_chunk && numbered.is_some_and(|s| s <= upto))
+        });
+        collected.extend(after);
+        Ok(collected)
+    }
+
+    /// The events matching `filter`, at read concern `majority` in
+    /// `session`.
+    async fn scan(
+        &self,
+        session: &mut ClientSession,
+        filter: Document,
+    ) -> Result<Vec<Logged>, Error> {
+        const OPERATION: &str = "ledger.read_unfolded";
+        let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
+        let mut budget = RetryBudget::read_once(OPERATION);
+        loop {
+            budget.start_attempt();
+            let found = self
+                .events
+                .find(filter.clone())
+                .projection(projection.clone())
+                .read_concern(ReadConcern::majority())
+                .session(&mut *session);
+            let mut cursor = match self.store.attempt(async { found.await }).await {
+                Ok(cursor) => cursor,
+                Err(err) => match self.store.after_failure(&mut budget, err) {
+                    crate::error::Next::Retry => continue,
+                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                },
+            };
+            let found: Vec<Document> = cursor
+                .stream(&mut *session)
+                .try_collect()
+                .await
+                .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
+            return Ok(found
+                .into_iter()
+                .map(|document| Logged {
+                    key: document.get("_id").cloned().unwrap_or(Bson::Null),
+                    counter: document.get(field::COUNTER).cloned(),
+                    amount: document.get(field::AMOUNT).cloned(),
+                    number: document.get(field::NUMBER).cloned(),
+                })
+                .collect());
+        }
+    }
+
+    /// One key's exact value from a consistent reading.
+    fn value_of(
+        &self,
+        key: Bson,
+        reading: &Reading,
+        unfolded: &HashMap<CanonicalKey, Vec<Logged>>,
+    ) -> Result<ExactValue, Error> {
+        let canonical = CanonicalKey::of(&key);
+        let counter = reading.counters.get(&canonical);
+        let position = counter.and_then(|c| c.fold_position).unwrap_or(i64::MIN);
+        let mut sum = 0i128;
+        let mut events = 0u64;
+        for event in unfolded.get(&canonical).into_iter().flatten() {
+            let Some(amount) = event.amount.as_ref().and_then(integer_value) else {
+                return Err(Error::Malformed {
+                    collection: self.spec.events_collection_name(),
+                    id: display_id(&event.key),
+                    reason: "its amount n is not an integer".into(),
+                });
+            };
+            sum += i128::from(amount);
+            events += 1;
+        }
+        for held in reading.state.held.iter().filter(|h| same_key(&h.key, &key)) {
+            if position < held.pass {
+                sum += held.amount;
+                events += held.events;
+            }
+        }
+        let folded = counter.map_or(0, |c| c.value);
+        let too_big = || Error::ExactValueTooLarge {
+            key: display_id(&key),
+        };
+        Ok(ExactValue {
+            value: i64::try_from(i128::from(folded) + sum).map_err(|_| too_big())?,
+            folded,
+            unfolded: i64::try_from(sum).map_err(|_| too_big())?,
+            unfolded_events: events,
+            closed: counter.is_some_and(|c| c.closed),
+            key,
+        })
+    }
+}
+
+impl Reading {
+    /// Whether every counter's fold lane holds only passes the state knows:
+    /// else a pass began between the two reads, and the read is done again.
+    fn consistent(&self) -> bool {
+        let known = self.state.known_pass();
+        self.counters
+            .values()
+            .all(|c| c.fold_position.is_none_or(|p| p <= known))
+    }
+
+    /// Refuses a reading whose fold state was lost: a counter holds a fold
+    /// pass past any the state knows (from one snapshot, where no pass can
+    /// have begun in between).
+    fn check(&self, keeper: &Keeper) -> Result<(), Error> {
+        let known = self.state.known_pass();
+        match self
+            .counters
+            .values()
+            .filter_map(|c| c.fold_position)
+            .find(|&p| p > known)
+        {
+            None => Ok(()),
+            Some(position) => Err(keeper.lost(format!(
+                "a counter holds fold pass {position}, past the last one recorded ({known})"
+            ))),
+        }
+    }
+}
+
+/// Refuses a read of a ledger whose state it cannot read exactly: stopped,
+/// or written by an earlier version and not converted yet.
+fn refuse_unreadable(keeper: &Keeper, state: &FoldState, events: &str) -> Result<(), Error> {
+    if let Some(stopped) = &state.stopped {
+        return Err(Error::FoldStopped {
+            events: events.to_owned(),
+            why: stopped.why.clone(),
+        });
+    }
+    if state.earlier.is_some() {
+        return Err(keeper.malformed(
+            "it was written by an earlier version of tally and is not converted yet: run \
+             `tallyd reconcile` once (it converts it; see the changelog)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The error of a server that does not say when a read took effect.
+fn no_cluster_time(ledger: &Ledger) -> Error {
+    Error::ReplicaSetRequired {
+        what: format!("an exact read of {}", ledger.spec.name),
     }
 }

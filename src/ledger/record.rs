@@ -17,7 +17,7 @@ pub use outcome::{Conflict, Event, EventTicket, NotRecorded, Recording};
 pub(in crate::ledger) use recorder::Recorder;
 pub(crate) use recorder::{time_of, unix_micros};
 
-use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index, state};
+use super::{Ledger, MAX_EVENT_KEY_BYTES, field, index};
 use crate::error::Error;
 use crate::store::Store;
 use crate::write::at::{bucket_id, counter_id};
@@ -44,11 +44,9 @@ impl Ledger {
     /// ```
     pub fn new(store: &Store, spec: CollectionConfig) -> Self {
         let events = spec.events_collection_name();
-        let state = state::collection_name(&events);
         Self {
             events: store.collection(&events),
             counters: store.collection(&spec.name),
-            state: store.collection(&state),
             recorder: Arc::new(Recorder::new(store, &events)),
             store: store.clone(),
             spec: Arc::new(spec),
@@ -108,15 +106,10 @@ impl Ledger {
             .map(|(need, created)| index::describe(&events, &need, created))
             .collect();
         if self.spec.buckets.is_some() {
-            for (collection, need) in [
-                (events.as_str(), index::bucket_events()),
-                (self.spec.name.as_str(), index::bucket_counters()),
-            ] {
-                for (need, created) in
-                    index::create_these(&self.store, collection, vec![need]).await?
-                {
-                    done.push(index::describe(collection, &need, created));
-                }
+            let collection = self.spec.name.as_str();
+            let need = vec![index::bucket_counters()];
+            for (need, created) in index::create_these(&self.store, collection, need).await? {
+                done.push(index::describe(collection, &need, created));
             }
         }
         Ok(done)

@@ -1,54 +1,57 @@
-//! The fold's state, as stored, and every write to it: the one place that
-//! knows its field paths. One document per ledger, in `<events>_fold`:
+//! The fold's state: one document per ledger, in `<events>_fold`, and the
+//! one type that writes it ([`Keeper`]: every transition is a method, each
+//! a conditioned write; no other file knows its field names).
 //!
 //! ```text
-//! { _id: "state", pass: <int64>, v: <int64>, W: <int64>,
-//!   floor: { f: <int64>, t: <token>, at: <timestamp> },
-//!   late: [ { after: <timestamp>, below: <int64> }, ... ],
-//!   intent: { pass: P, from: <W>, to: <W'>, owner: ObjectId,
-//!             deadline: <date>, recovered: <bool>,
-//!             anchor: <raise>, live: <raise>, late: [ ... ] },
-//!   held: [ { k: <counter key>, p: <pass>, n: <int64>, e: <events>,
-//!             a: <maybe applied>, why: <string>, at: <date> }, ... ] }
+//! { _id: "state", v: <int64>, pass: <int64>,
+//!   position: { token: <resume token>, time: <cluster time> },
+//!   intent: { pass: P, owner: ObjectId, deadline: <date>, recovered: <bool>,
+//!             log: { from: <position>, to: <position and event key> | null }
+//!           | chunk: { after: <number> | null, upto: <number> } },
+//!   catch_up: { to: <position>, since: <number> | null, done: <number> | null },
+//!   held: [ { k, p, n, e, a, why, at }, ... ],
+//!   stopped: { why: <text>, at: <date> } }
 //! ```
 //!
-//! - `W`, the **watermark**: every event numbered at or below it is in its
-//!   counter (or in a held sum); every event above it is not. The events
-//!   collection's floor (see `floor`) is at least `W`, so no event at or
-//!   below it can land any more.
-//! - `pass` is the last committed pass; `v` changes with every write that
-//!   records an intent or commits one.
-//! - `intent` is the pass in progress: it folds the events numbered in
-//!   `(from, to]`, applied by `owner` until `deadline`.
+//! - `position` is where every committed pass reached in the events
+//!   collection's log (`ledger::log`): every insert at or before it is in
+//!   its counter (or in a held sum), every insert after it is not.
+//! - `pass` is the last committed pass; `v` changes with every write.
+//! - `intent` is the pass in progress ([`Pass`]), recorded before anything
+//!   is applied: a **log** pass folds the inserts after `from` up to and
+//!   including `to`'s; a **chunk** of a catch-up folds the events numbered
+//!   in `(after, upto]` that are in the collection at the catch-up's
+//!   boundary.
+//! - `catch_up` is a fold of the collection itself up to a boundary in the
+//!   log (a ledger's first fold, an upgrade, `tallyd fold-from`): its
+//!   chunks go through the events numbered above `since`, `done` the last
+//!   one's end; the last chunk makes the boundary the position.
 //! - `held` are the sums a counter refused, each with the pass whose fold
 //!   lane position it goes through.
-//! - `floor` is the last raise of the events collection's floor a pass
-//!   committed (see `floor`): its value, its token and the cluster time it
-//!   took effect. An intent's `anchor` is its first raise — the pass folds
-//!   the events of its range that landed before it — and `live` its latest.
-//! - `late` are the events the fold **owes**: those numbered at or below
-//!   `below` that landed after the cluster time `after`, below a floor a
-//!   late `collMod` lowered (see `floor`). A repair pass (an intent with
-//!   `late`) finds them in the change stream and folds them.
+//! - `stopped` says the fold cannot go on from its position (the oplog no
+//!   longer reaches back to it, the events collection was dropped): it
+//!   stays stopped until `tallyd fold-from`.
 //!
-//! The document's size does not grow with time, events or recorders: a
-//! watermark and one intent of fixed size; only `held` grows, by one entry
-//! per counter that refuses its sum (about 150 bytes each: a hundred
-//! thousand refusing counters before the document limit), and `late` by
-//! one entry per late `collMod` found, until the next pass repairs it.
+//! The document's size does not grow with time, events or recorders: only
+//! `held` grows, by one entry per counter that refuses its sum (about 150
+//! bytes each).
 //!
-//! Tally 0.2.0 kept a `folded` map (one entry per recorder lane) and one
-//! registration document per lane in this collection: see
-//! [`FoldState::legacy`].
+//! Earlier versions left other fields ([`Earlier`]): tally 0.2.0 a `folded`
+//! map (per recorder lane, the highest number folded), the version before
+//! this one a watermark `W` (every event numbered at or below it folded),
+//! with a validator on the events collection. Both are converted by a
+//! catch-up (`ledger::fold::catch_up`).
+
+mod stored;
 
 use std::time::SystemTime;
 
-use mongodb::Collection;
-use mongodb::bson::{Bson, DateTime, Document, Timestamp, doc, oid::ObjectId};
+use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
+use mongodb::options::ReadConcern;
+use mongodb::{ClientSession, Collection};
 
-use crate::document::integer_value;
-use crate::error::{Error, ErrorClass, RetryBudget};
-use crate::ledger::floor::Raise;
+use super::log::Position;
+use crate::error::{Error, ErrorClass};
 use crate::store::Store;
 
 /// The state document's `_id`.
@@ -59,42 +62,34 @@ pub(crate) fn collection_name(events: &str) -> String {
     format!("{events}_fold")
 }
 
-mod stored;
-
-use stored::parse;
-
 /// The state document's fields.
 mod field {
     pub(super) const PASS: &str = "pass";
     pub(super) const VERSION: &str = "v";
-    pub(super) const WATERMARK: &str = "W";
+    pub(super) const POSITION: &str = "position";
     pub(super) const INTENT: &str = "intent";
+    pub(super) const CATCH_UP: &str = "catch_up";
+    pub(super) const CATCH_UP_DONE: &str = "catch_up.done";
     pub(super) const HELD: &str = "held";
-    pub(super) const FLOOR: &str = "floor";
-    pub(super) const FLOOR_TOKEN: &str = "floor.t";
-    pub(super) const LATE: &str = "late";
-    /// 0.2.0's per-lane map.
-    pub(super) const LEGACY_FOLDED: &str = "folded";
-
-    /// The intent's fields, as paths from the document.
+    pub(super) const STOPPED: &str = "stopped";
     pub(super) const INTENT_PASS: &str = "intent.pass";
     pub(super) const INTENT_OWNER: &str = "intent.owner";
     pub(super) const INTENT_DEADLINE: &str = "intent.deadline";
     pub(super) const INTENT_RECOVERED: &str = "intent.recovered";
-    pub(super) const INTENT_ANCHOR: &str = "intent.anchor";
-    pub(super) const INTENT_LIVE: &str = "intent.live";
-    pub(super) const INTENT_LATE: &str = "intent.late";
+    /// tally 0.2.0's per-lane map.
+    pub(super) const EARLIER_LANES: &str = "folded";
+    /// The previous version's watermark, floor and debts.
+    pub(super) const EARLIER_WATERMARK: &str = "W";
+    pub(super) const EARLIER_FLOOR: &str = "floor";
+    pub(super) const EARLIER_DEBTS: &str = "late";
 }
 
-/// The pass in progress.
+/// A pass: its number (its fold lane position), who applies it until
+/// when, and which events it folds.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Intent {
+pub(crate) struct Pass {
     /// Its number: the fold lane position its sums go through.
-    pub(crate) pass: i64,
-    /// The watermark it starts from: it folds the events numbered above.
-    pub(crate) from: i64,
-    /// The watermark it ends at: it folds the events numbered up to it.
-    pub(crate) to: i64,
+    pub(crate) number: i64,
     /// The fold applying it.
     pub(crate) owner: ObjectId,
     /// Until when the owner may send (the server's clock); renewed while
@@ -103,53 +98,55 @@ pub(crate) struct Intent {
     /// It was taken over, or resumed after its owner stopped: any of its
     /// sends may have applied.
     pub(crate) recovered: bool,
-    /// Its first raise of the floor: it folds the events of its range that
-    /// landed before it (`None` before it raised).
-    pub(crate) anchor: Option<Raise>,
-    /// Its latest raise of the floor.
-    pub(crate) live: Option<Raise>,
-    /// The debts it repairs (a repair pass; empty for a range's pass).
-    pub(crate) late: Vec<Late>,
+    /// Which events it folds.
+    pub(crate) window: Window,
 }
 
-/// Events the fold owes: those numbered at or below `below` that landed
-/// after the cluster time `after`.
+/// The events a pass folds.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Late {
-    /// The cluster time after which they landed.
-    pub(crate) after: Timestamp,
-    /// The highest number among them.
-    pub(crate) below: i64,
+pub(crate) enum Window {
+    /// The log's inserts after `from`, up to and including `to` (`None`:
+    /// none; a pass of held sums alone).
+    Log {
+        from: Position,
+        to: Option<LastInsert>,
+    },
+    /// A catch-up's chunk: the events numbered in `(after, upto]` (`after`
+    /// `None`: from the lowest) that committed at or before its boundary.
+    Chunk { after: Option<i64>, upto: i64 },
 }
 
-impl Late {
-    /// Whether the event numbered `s` that landed at `at` is owed.
-    pub(crate) fn owes(&self, s: i64, at: Timestamp) -> bool {
-        at > self.after && s <= self.below
-    }
-
-    /// The debt as stored (always the same bytes: `$pull` finds it).
-    pub(crate) fn to_document(&self) -> Document {
-        doc! { "after": self.after, "below": self.below }
-    }
-
-    fn from_document(document: &Document) -> Result<Self, String> {
-        Ok(Self {
-            after: document
-                .get_timestamp("after")
-                .map_err(|_| "a debt's cluster time is malformed".to_owned())?,
-            below: document
-                .get("below")
-                .and_then(integer_value)
-                .ok_or_else(|| "a debt's number is malformed".to_owned())?,
-        })
-    }
+/// The last insert of a log pass: its position and its event key, by which
+/// a pass read again finds where it ends.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LastInsert {
+    pub(crate) at: Position,
+    pub(crate) key: Bson,
 }
 
-impl Intent {
-    /// Whether the event numbered `s` is one this pass folds.
-    pub(crate) fn folds(&self, s: i64) -> bool {
-        s > self.from && s <= self.to
+/// A fold of the events collection itself up to a boundary in the log.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct CatchUp {
+    /// Where the log takes over: the catch-up folds what committed at or
+    /// before it.
+    pub(crate) boundary: Position,
+    /// It folds the events numbered above this (`None`: all).
+    pub(crate) since: Option<i64>,
+    /// The highest number its chunks folded so far (`None`: none yet).
+    pub(crate) done: Option<i64>,
+    /// Where its first chunk ends, when a pass was in progress as the fold
+    /// stopped (`tallyd fold-from`): the first chunk reaches that pass's
+    /// end, with its number, so a counter that has the pass ignores it.
+    pub(crate) first_upto: Option<i64>,
+}
+
+impl CatchUp {
+    /// The number its next chunk starts above.
+    pub(crate) fn next_after(&self) -> Option<i64> {
+        match (self.done, self.since) {
+            (Some(done), Some(since)) => Some(done.max(since)),
+            (done, since) => done.or(since),
+        }
     }
 }
 
@@ -172,12 +169,25 @@ pub(crate) struct Held {
     pub(crate) since: SystemTime,
 }
 
-/// What tally 0.2.0 left in a fold state: per recorder lane, the highest
-/// number folded.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct Legacy {
-    /// Lane (hex) and its highest folded number.
-    pub(crate) folded: Vec<(ObjectId, i64)>,
+/// Why the fold cannot go on from its position, and since when.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Stopped {
+    pub(crate) why: String,
+    pub(crate) since: SystemTime,
+}
+
+/// What an earlier version of tally left in the state.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Earlier {
+    /// tally 0.2.0: per recorder lane, the highest number folded; a pass
+    /// of its own in progress.
+    Lanes {
+        lanes: Vec<(ObjectId, i64)>,
+        in_progress: bool,
+    },
+    /// The version before this one: every event numbered at or below the
+    /// watermark is folded; a pass or a repair of its own in progress.
+    Watermark { watermark: i64, in_progress: bool },
 }
 
 /// Everything the fold keeps, as read.
@@ -189,49 +199,337 @@ pub(crate) struct FoldState {
     pub(crate) pass: i64,
     /// The version (0 before the first write).
     pub(crate) version: i64,
-    /// The watermark: every event numbered at or below it is folded.
-    pub(crate) watermark: i64,
+    /// Where the committed passes reached in the log (`None` before the
+    /// first catch-up finished).
+    pub(crate) position: Option<Position>,
     /// The pass in progress.
-    pub(crate) intent: Option<Intent>,
+    pub(crate) intent: Option<Pass>,
+    /// A catch-up in progress.
+    pub(crate) catch_up: Option<CatchUp>,
     /// The held sums, in the order they go out.
     pub(crate) held: Vec<Held>,
-    /// A state written by tally 0.2.0, not converted yet.
-    pub(crate) legacy: Option<Legacy>,
-    /// The last raise of the floor a pass committed.
-    pub(crate) floor: Option<Raise>,
-    /// The events the fold owes.
-    pub(crate) late: Vec<Late>,
+    /// The fold cannot go on from its position.
+    pub(crate) stopped: Option<Stopped>,
+    /// What an earlier version left, not converted yet.
+    pub(crate) earlier: Option<Earlier>,
     /// The document's size in bytes (0 without one).
     pub(crate) bytes: usize,
 }
 
 impl FoldState {
-    /// What a reader compares before and after: a commit in between — the
-    /// only write that moves the watermark or the held sums — changes it.
-    /// (An intent recorded in between does not: the reader judges by the
-    /// intent it reads last, the only one that can have applied anything
-    /// while the pass stayed the same.)
-    pub(crate) fn seen(&self) -> i64 {
-        self.pass
-    }
-
     /// The highest pass the state knows of, committed or in progress.
     pub(crate) fn known_pass(&self) -> i64 {
         self.intent
             .as_ref()
-            .map_or(self.pass, |i| i.pass.max(self.pass))
+            .map_or(self.pass, |i| i.number.max(self.pass))
     }
 }
 
-/// Reads the fold state of `collection` (one `find` by `_id`).
-pub(crate) async fn read(
-    store: &Store,
-    collection: &Collection<Document>,
-) -> Result<FoldState, Error> {
-    let found = store
-        .find_one(collection, filter(), Document::new(), "ledger.fold_state")
-        .await?;
-    from_document(collection, found)
+/// The fold state of one ledger, and every write to it.
+#[derive(Debug, Clone)]
+pub(crate) struct Keeper {
+    store: Store,
+    collection: Collection<Document>,
+}
+
+impl Keeper {
+    /// The keeper of the events collection `events`' fold state.
+    pub(crate) fn new(store: &Store, events: &str) -> Self {
+        Self {
+            store: store.clone(),
+            collection: store.collection(&collection_name(events)),
+        }
+    }
+
+    /// The state collection's name.
+    pub(crate) fn name(&self) -> &str {
+        self.collection.name()
+    }
+
+    /// The state collection (for a read inside a transaction).
+    pub(crate) fn collection(&self) -> &Collection<Document> {
+        &self.collection
+    }
+
+    /// Reads the state at read concern `majority` in `session` (causally
+    /// after everything the session saw).
+    pub(crate) async fn read(&self, session: &mut ClientSession) -> Result<FoldState, Error> {
+        let found = self
+            .store
+            .find_one_in(
+                session,
+                &self.collection,
+                filter(),
+                ReadConcern::majority(),
+                "ledger.fold_state",
+            )
+            .await?;
+        self.parsed(found)
+    }
+
+    /// The state from its document as found (`None`: no document).
+    pub(crate) fn parsed(&self, found: Option<Document>) -> Result<FoldState, Error> {
+        let Some(document) = found else {
+            return Ok(FoldState::default());
+        };
+        let mut state = stored::parse(&document).map_err(|reason| self.malformed(reason))?;
+        state.exists = true;
+        state.bytes = document.to_vec().map_or(0, |bytes| bytes.len());
+        Ok(state)
+    }
+
+    /// The error of a state that cannot be read.
+    pub(crate) fn malformed(&self, reason: String) -> Error {
+        Error::Malformed {
+            collection: self.collection.name().to_owned(),
+            id: STATE_ID.to_owned(),
+            reason,
+        }
+    }
+
+    /// Makes a ledger's first state document: a catch-up of everything
+    /// that committed up to `boundary`. `false` when another fold made it
+    /// first.
+    pub(crate) async fn start(
+        &self,
+        session: &mut ClientSession,
+        boundary: &Position,
+    ) -> Result<bool, Error> {
+        let catch_up = CatchUp {
+            boundary: boundary.clone(),
+            since: None,
+            done: None,
+            first_upto: None,
+        };
+        let document = doc! {
+            "_id": STATE_ID,
+            field::PASS: 0i64,
+            field::VERSION: 1i64,
+            field::CATCH_UP: catch_up.to_document(),
+        };
+        match self
+            .store
+            .insert_one_in(session, &self.collection, document, "ledger.fold.start")
+            .await
+        {
+            Ok(()) => Ok(true),
+            // Another fold made it first (or our own lost attempt did: the
+            // caller reads it back).
+            Err(Error::Server(failure)) if failure.class == ErrorClass::DuplicateKey => Ok(false),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Replaces what `state` stands on — an earlier version's watermark or
+    /// lanes, or a stop and the pass it left — with a catch-up of the events
+    /// numbered above `since` that committed up to `boundary` (its first
+    /// chunk ending at `first_upto`, when given). Conditioned on the version
+    /// read.
+    pub(crate) async fn catch_up_from(
+        &self,
+        session: &mut ClientSession,
+        state: &FoldState,
+        boundary: &Position,
+        since: Option<i64>,
+        first_upto: Option<i64>,
+    ) -> Result<bool, Error> {
+        let catch_up = CatchUp {
+            boundary: boundary.clone(),
+            since,
+            done: None,
+            first_upto,
+        };
+        let filter = doc! { "_id": STATE_ID, field::VERSION: state.version };
+        let update = doc! {
+            "$set": { field::CATCH_UP: catch_up.to_document() },
+            "$unset": {
+                field::POSITION: "", field::STOPPED: "", field::INTENT: "",
+                field::EARLIER_LANES: "", field::EARLIER_WATERMARK: "",
+                field::EARLIER_FLOOR: "", field::EARLIER_DEBTS: "",
+            },
+            "$inc": { field::VERSION: 1 },
+        };
+        self.conditioned(session, filter, update, "ledger.fold.catch_up")
+            .await
+    }
+
+    /// Records `pass` as the next pass of `state`, conditioned on the state
+    /// not having changed since it was read. `false` when another fold got
+    /// there first.
+    pub(crate) async fn begin(
+        &self,
+        session: &mut ClientSession,
+        state: &FoldState,
+        pass: &Pass,
+    ) -> Result<bool, Error> {
+        let filter = doc! {
+            "_id": STATE_ID,
+            field::VERSION: state.version,
+            field::INTENT: { "$exists": false },
+        };
+        let update = doc! {
+            "$set": { field::INTENT: pass.to_document() },
+            "$inc": { field::VERSION: 1 },
+        };
+        self.conditioned(session, filter, update, "ledger.fold.intent")
+            .await
+    }
+
+    /// Makes the unfinished `pass` `owner`'s until `deadline`, marked
+    /// recovered. `false` when it changed meanwhile.
+    pub(crate) async fn claim(
+        &self,
+        session: &mut ClientSession,
+        pass: &Pass,
+        owner: ObjectId,
+        deadline: SystemTime,
+    ) -> Result<bool, Error> {
+        let filter = owned(pass.owner, pass.number);
+        let update = doc! { "$set": {
+            field::INTENT_OWNER: owner,
+            field::INTENT_DEADLINE: DateTime::from_system_time(deadline),
+            field::INTENT_RECOVERED: true,
+        } };
+        self.conditioned(session, filter, update, "ledger.fold.take_over")
+            .await
+    }
+
+    /// Extends `owner`'s pass `number` to `deadline`; `false` when it is no
+    /// longer `owner`'s.
+    pub(crate) async fn renew(
+        &self,
+        owner: ObjectId,
+        number: i64,
+        deadline: SystemTime,
+    ) -> Result<bool, Error> {
+        let update =
+            doc! { "$set": { field::INTENT_DEADLINE: DateTime::from_system_time(deadline) } };
+        let renewed = self
+            .store
+            .update_one(
+                &self.collection,
+                owned(owner, number),
+                update,
+                "ledger.fold.renew",
+            )
+            .await?;
+        Ok(renewed.matched_count == 1)
+    }
+
+    /// Commits `owner`'s `pass`: the position moves to its end (a log pass)
+    /// or the catch-up `catch_up` past its chunk — to its boundary after
+    /// the last one —, the held sums become `held`, the intent goes.
+    /// `false` when it was no longer `owner`'s (the caller reads whether it
+    /// was committed all the same).
+    pub(crate) async fn commit(
+        &self,
+        session: &mut ClientSession,
+        (owner, pass): (ObjectId, &Pass),
+        held: &[Held],
+        catch_up: Option<&CatchUp>,
+    ) -> Result<bool, Error> {
+        let held: Vec<Document> = held.iter().map(Held::to_document).collect();
+        let mut set = doc! { field::PASS: pass.number, field::HELD: held };
+        let mut unset = doc! { field::INTENT: "" };
+        match (&pass.window, catch_up) {
+            (Window::Log { to: Some(to), .. }, _) => {
+                set.insert(field::POSITION, to.at.to_document());
+            }
+            (Window::Log { to: None, .. }, _) => {}
+            (Window::Chunk { upto, .. }, Some(catch_up)) if *upto == i64::MAX => {
+                set.insert(field::POSITION, catch_up.boundary.to_document());
+                unset.insert(field::CATCH_UP, "");
+            }
+            (Window::Chunk { upto, .. }, _) => {
+                set.insert(field::CATCH_UP_DONE, *upto);
+            }
+        }
+        let update = doc! { "$set": set, "$unset": unset, "$inc": { field::VERSION: 1 } };
+        self.conditioned(
+            session,
+            owned(owner, pass.number),
+            update,
+            "ledger.fold.commit",
+        )
+        .await
+    }
+
+    /// Moves the position of `state` (no pass in progress, no catch-up) to
+    /// `to`, past inserts none of which were found: an idle ledger's
+    /// position keeps up with the log, never falling behind what the oplog
+    /// holds. Conditioned on the version read.
+    pub(crate) async fn advance(
+        &self,
+        session: &mut ClientSession,
+        state: &FoldState,
+        to: &Position,
+    ) -> Result<bool, Error> {
+        let filter = doc! {
+            "_id": STATE_ID,
+            field::VERSION: state.version,
+            field::INTENT: { "$exists": false },
+            field::CATCH_UP: { "$exists": false },
+        };
+        let update = doc! {
+            "$set": { field::POSITION: to.to_document() },
+            "$inc": { field::VERSION: 1 },
+        };
+        self.conditioned(session, filter, update, "ledger.fold.advance")
+            .await
+    }
+
+    /// Records that the fold cannot go on from the position of `state`,
+    /// and why. Conditioned on the version read.
+    pub(crate) async fn stop(
+        &self,
+        session: &mut ClientSession,
+        state: &FoldState,
+        why: &str,
+        at: SystemTime,
+    ) -> Result<bool, Error> {
+        let filter = doc! { "_id": STATE_ID, field::VERSION: state.version };
+        let update = doc! {
+            "$set": { field::STOPPED: { "why": why, "at": DateTime::from_system_time(at) } },
+            "$inc": { field::VERSION: 1 },
+        };
+        self.conditioned(session, filter, update, "ledger.fold.stop")
+            .await
+    }
+
+    /// Deletes tally 0.2.0's lane registrations (documents with an
+    /// ObjectId `_id`): nothing reads them any more. Returns how many.
+    pub(crate) async fn forget_lane_registrations(&self) -> Result<u64, Error> {
+        let filter = doc! { "_id": { "$type": "objectId" } };
+        let mut budget = crate::error::RetryBudget::retry_once("ledger.fold.forget_registrations");
+        self.store
+            .with_retry(&mut budget, || self.collection.delete_many(filter.clone()))
+            .await
+            .map(|r| r.deleted_count)
+            .map_err(Error::Server)
+    }
+
+    /// The error of a fold state found missing although `evidence` shows it
+    /// existed.
+    pub(crate) fn lost(&self, evidence: String) -> Error {
+        Error::FoldStateLost {
+            collection: self.collection.name().to_owned(),
+            evidence,
+        }
+    }
+
+    async fn conditioned(
+        &self,
+        session: &mut ClientSession,
+        filter: Document,
+        update: Document,
+        operation: &'static str,
+    ) -> Result<bool, Error> {
+        let written = self
+            .store
+            .update_one_in(session, &self.collection, filter, update, operation)
+            .await?;
+        Ok(written.matched_count == 1)
+    }
 }
 
 /// The filter that finds the state document.
@@ -239,344 +537,7 @@ pub(crate) fn filter() -> Document {
     doc! { "_id": STATE_ID }
 }
 
-/// The fold state of `collection` from its state document as found.
-pub(crate) fn from_document(
-    collection: &Collection<Document>,
-    found: Option<Document>,
-) -> Result<FoldState, Error> {
-    let Some(document) = found else {
-        return Ok(FoldState::default());
-    };
-    let mut state = parse(&document).map_err(|reason| Error::Malformed {
-        collection: collection.name().to_owned(),
-        id: STATE_ID.to_owned(),
-        reason,
-    })?;
-    state.exists = true;
-    state.bytes = document.to_vec().map_or(0, |bytes| bytes.len());
-    Ok(state)
-}
-
-/// The error of a read or a pass that meets a state tally 0.2.0 wrote and
-/// no fold converted yet.
-pub(crate) fn not_converted(collection: &Collection<Document>) -> Error {
-    Error::Malformed {
-        collection: collection.name().to_owned(),
-        id: STATE_ID.to_owned(),
-        reason: "it was written by tally 0.2.0 and is not converted yet: run `tallyd reconcile` \
-                 once (it converts it, see the changelog)"
-            .into(),
-    }
-}
-
-/// Records `intent` as the next pass of `state` — conditioned on the state
-/// not having changed since it was read (its version), or, without a state
-/// document, by creating it. `false` when another fold got there first.
-pub(crate) async fn record_intent(
-    store: &Store,
-    collection: &Collection<Document>,
-    state: &FoldState,
-    intent: &Intent,
-) -> Result<bool, Error> {
-    let mut budget = RetryBudget::retry_once("ledger.fold.intent");
-    let written = if state.exists {
-        let filter = doc! {
-            "_id": STATE_ID,
-            field::VERSION: state.version,
-            field::INTENT: { "$exists": false },
-        };
-        let update = doc! {
-            "$set": { field::INTENT: intent.to_document() },
-            "$inc": { field::VERSION: 1 },
-        };
-        store
-            .with_retry(&mut budget, || {
-                collection.update_one(filter.clone(), update.clone())
-            })
-            .await
-            .map(|r| r.matched_count == 1)
-    } else {
-        let document = doc! {
-            "_id": STATE_ID,
-            field::PASS: 0i64,
-            field::VERSION: 1i64,
-            field::WATERMARK: intent.from,
-            field::INTENT: intent.to_document(),
-        };
-        match store
-            .with_retry(&mut budget, || collection.insert_one(document.clone()))
-            .await
-        {
-            Ok(_) => Ok(true),
-            // Another fold created the state first (or our own lost
-            // attempt did: the caller reads it back).
-            Err(failure) if failure.class == ErrorClass::DuplicateKey => Ok(false),
-            Err(failure) => Err(failure),
-        }
-    };
-    written.map_err(Error::Server)
-}
-
-/// Makes the unfinished pass `intent` (owned by `from`) `owner`'s until
-/// `deadline`, marked recovered. `false` when it changed meanwhile.
-pub(crate) async fn claim(
-    store: &Store,
-    collection: &Collection<Document>,
-    intent: &Intent,
-    from: ObjectId,
-    owner: ObjectId,
-    deadline: SystemTime,
-) -> Result<bool, Error> {
-    let filter =
-        doc! { "_id": STATE_ID, field::INTENT_OWNER: from, field::INTENT_PASS: intent.pass };
-    let update = doc! { "$set": {
-        field::INTENT_OWNER: owner,
-        field::INTENT_DEADLINE: DateTime::from_system_time(deadline),
-        field::INTENT_RECOVERED: true,
-    } };
-    let claimed = store
-        .update_one(collection, filter, update, "ledger.fold.take_over")
-        .await?;
-    Ok(claimed.matched_count == 1)
-}
-
-/// Extends `owner`'s pass `pass` to `deadline`; `false` when it is no
-/// longer `owner`'s.
-pub(crate) async fn renew(
-    store: &Store,
-    collection: &Collection<Document>,
-    owner: ObjectId,
-    pass: i64,
-    deadline: SystemTime,
-) -> Result<bool, Error> {
-    let filter = owned(owner, pass);
-    let update = doc! { "$set": { field::INTENT_DEADLINE: DateTime::from_system_time(deadline) } };
-    let renewed = store
-        .update_one(collection, filter, update, "ledger.fold.renew")
-        .await?;
-    Ok(renewed.matched_count == 1)
-}
-
-/// Commits `owner`'s pass `intent`: the watermark moves to its end, the
-/// held sums become `held`, the floor remembered becomes `live`, the debts
-/// a repair pass `repaid` go, the intent goes. `false` when it was no longer
-/// `owner`'s (the caller reads whether it was committed all the same).
-pub(crate) async fn commit(
-    store: &Store,
-    collection: &Collection<Document>,
-    owner: ObjectId,
-    (intent, repaid): (&Intent, &[Late]),
-    live: &Raise,
-    held: &[Held],
-) -> Result<bool, Error> {
-    let filter =
-        doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: intent.pass };
-    let mut update = doc! {
-        "$set": {
-            field::PASS: intent.pass,
-            field::WATERMARK: intent.to,
-            field::HELD: held.iter().map(Held::to_document).collect::<Vec<Document>>(),
-            field::FLOOR: live.to_document(),
-        },
-        "$unset": { field::INTENT: "" },
-        "$inc": { field::VERSION: 1 },
-    };
-    if !repaid.is_empty() {
-        let repaid: Vec<Document> = repaid.iter().map(Late::to_document).collect();
-        update.insert("$pull", doc! { field::LATE: { "$in": repaid } });
-    }
-    let committed = store
-        .update_one(collection, filter, update, "ledger.fold.commit")
-        .await?;
-    Ok(committed.matched_count == 1)
-}
-
-/// The filter of the state while `owner`'s pass `pass` is in progress.
-fn owned(owner: ObjectId, pass: i64) -> Document {
-    doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: pass }
-}
-
-/// Records `raise` as `owner`'s pass `pass`'s latest raise of the floor
-/// (and as its anchor, its first, when `anchor`). `false` when the pass is
-/// no longer `owner`'s — or, for an anchor, when the pass has another one
-/// already: an anchor is set once, so that an earlier attempt's write held
-/// up in the network and arriving late never replaces the anchor a later
-/// attempt applied counters against.
-pub(crate) async fn record_raise(
-    store: &Store,
-    collection: &Collection<Document>,
-    (owner, pass): (ObjectId, i64),
-    raise: &Raise,
-    anchor: bool,
-) -> Result<bool, Error> {
-    let mut filter = owned(owner, pass);
-    let mut set = doc! { field::INTENT_LIVE: raise.to_document() };
-    if anchor {
-        filter.insert(field::INTENT_ANCHOR, doc! { "$exists": false });
-        set.insert(field::INTENT_ANCHOR, raise.to_document());
-    }
-    let recorded = store
-        .update_one(
-            collection,
-            filter,
-            doc! { "$set": set },
-            "ledger.fold.raise",
-        )
-        .await?;
-    if recorded.matched_count == 1 || !anchor {
-        return Ok(recorded.matched_count == 1);
-    }
-    // Our own first attempt, whose reply was lost, may have set it.
-    let mut ours = owned(owner, pass);
-    ours.insert(format!("{}.t", field::INTENT_ANCHOR), &raise.token);
-    let found = store
-        .find_one(collection, ours, doc! { "_id": 1 }, "ledger.fold.raise")
-        .await?;
-    Ok(found.is_some())
-}
-
-/// Records that the fold owes `late`, while `owner`'s pass `pass` is in
-/// progress. `false` when the pass is no longer `owner`'s.
-pub(crate) async fn owe_in_pass(
-    store: &Store,
-    collection: &Collection<Document>,
-    (owner, pass): (ObjectId, i64),
-    late: &Late,
-) -> Result<bool, Error> {
-    let filter = owned(owner, pass);
-    owe(store, collection, filter, late, false).await
-}
-
-/// Records that the fold owes `late`, found by `owner`'s repair pass
-/// `pass` at its first raise: the pass repays it too (it joins the pass's
-/// debts). `false` when the pass is no longer `owner`'s.
-pub(crate) async fn owe_in_repair(
-    store: &Store,
-    collection: &Collection<Document>,
-    (owner, pass): (ObjectId, i64),
-    late: &Late,
-) -> Result<bool, Error> {
-    owe(store, collection, owned(owner, pass), late, true).await
-}
-
-/// Records that the fold owes `late`, found from the committed raise
-/// `floor`: only while the state still remembers it and no pass is in
-/// progress (a repair since, or one under way, would make the debt a
-/// second one).
-pub(crate) async fn owe_on_floor(
-    store: &Store,
-    collection: &Collection<Document>,
-    floor: &Raise,
-    late: &Late,
-) -> Result<bool, Error> {
-    let filter = doc! {
-        "_id": STATE_ID,
-        field::FLOOR_TOKEN: &floor.token,
-        field::INTENT: { "$exists": false },
-    };
-    owe(store, collection, filter, late, false).await
-}
-
-/// Adds `late` to the debts (and to the pass in progress's, with
-/// `into_intent`) of the state `filter` finds.
-async fn owe(
-    store: &Store,
-    collection: &Collection<Document>,
-    filter: Document,
-    late: &Late,
-    into_intent: bool,
-) -> Result<bool, Error> {
-    let debt = late.to_document();
-    let mut add = doc! { field::LATE: debt.clone() };
-    if into_intent {
-        add.insert(field::INTENT_LATE, debt);
-    }
-    let update = doc! {
-        "$addToSet": add,
-        "$inc": { field::VERSION: 1 },
-    };
-    let owed = store
-        .update_one(collection, filter, update, "ledger.fold.owe")
-        .await?;
-    Ok(owed.matched_count == 1)
-}
-
-/// Records `raise` as the committed floor in place of `expected` (`None`:
-/// none remembered), while no pass is in progress. `false` when the state
-/// changed meanwhile.
-pub(crate) async fn record_floor(
-    store: &Store,
-    collection: &Collection<Document>,
-    expected: Option<&Raise>,
-    raise: &Raise,
-) -> Result<bool, Error> {
-    let mut filter = doc! { "_id": STATE_ID, field::INTENT: { "$exists": false } };
-    match expected {
-        Some(floor) => filter.insert(field::FLOOR_TOKEN, &floor.token),
-        None => filter.insert(field::FLOOR, doc! { "$exists": false }),
-    };
-    let update = doc! {
-        "$set": { field::FLOOR: raise.to_document() },
-        "$inc": { field::VERSION: 1 },
-    };
-    let recorded = store
-        .update_one(collection, filter, update, "ledger.fold.floor")
-        .await?;
-    Ok(recorded.matched_count == 1)
-}
-
-/// Converts a 0.2.0 state (read as `state`) to a watermark `watermark`
-/// over the floor's raise `floor`, owing `owed` (what may have landed below
-/// it while it was converted): its per-lane map goes, its pass and held
-/// sums stay. Conditioned on the version read; `false` when the state
-/// changed meanwhile.
-pub(crate) async fn convert_legacy(
-    store: &Store,
-    collection: &Collection<Document>,
-    state: &FoldState,
-    (watermark, floor): (i64, &Raise),
-    owed: &Late,
-) -> Result<bool, Error> {
-    let filter = doc! {
-        "_id": STATE_ID,
-        field::VERSION: state.version,
-        field::INTENT: { "$exists": false },
-    };
-    let update = doc! {
-        "$set": {
-            field::WATERMARK: watermark,
-            field::FLOOR: floor.to_document(),
-            field::LATE: [owed.to_document()],
-        },
-        "$unset": { field::LEGACY_FOLDED: "" },
-        "$inc": { field::VERSION: 1 },
-    };
-    let converted = store
-        .update_one(collection, filter, update, "ledger.fold.convert")
-        .await?;
-    Ok(converted.matched_count == 1)
-}
-
-/// Deletes 0.2.0's lane registrations (documents with an ObjectId `_id`)
-/// from `collection`: nothing reads them any more. Returns how many.
-pub(crate) async fn forget_legacy_registrations(
-    store: &Store,
-    collection: &Collection<Document>,
-) -> Result<u64, Error> {
-    let filter = doc! { "_id": { "$type": "objectId" } };
-    let mut budget = RetryBudget::retry_once("ledger.fold.forget_registrations");
-    store
-        .with_retry(&mut budget, || collection.delete_many(filter.clone()))
-        .await
-        .map(|r| r.deleted_count)
-        .map_err(Error::Server)
-}
-
-/// The error of a fold state found missing although `evidence` shows it
-/// existed.
-pub(crate) fn lost(collection: &Collection<Document>, evidence: String) -> Error {
-    Error::FoldStateLost {
-        collection: collection.name().to_owned(),
-        evidence,
-    }
+/// The filter of the state while `owner`'s pass `number` is in progress.
+fn owned(owner: ObjectId, number: i64) -> Document {
+    doc! { "_id": STATE_ID, field::INTENT_OWNER: owner, field::INTENT_PASS: number }
 }

@@ -29,7 +29,7 @@ use std::time::SystemTime;
 
 use mongodb::bson::Bson;
 
-use super::query::Share;
+use super::sums::Share;
 use crate::error::Error;
 use crate::ledger::state::Held;
 

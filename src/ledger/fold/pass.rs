@@ -1,131 +1,191 @@
-//! One pass of the fold, step by step (the parent module's docs say why
-//! each step is safe): intent, floor, sums, apply, commit. The floor's
-//! steps are in `stand`.
+//! One pass of the fold: what it folds, then intent, sums, apply, commit
+//! (the parent module's docs say why each step is safe), and what is left
+//! after it.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use futures::StreamExt;
-use mongodb::bson::{Bson, oid::ObjectId};
-use tokio_util::sync::CancellationToken;
+use mongodb::ClientSession;
 
-use super::held::{self, Applied, Work};
-use super::query;
-use super::stand::Read;
-use super::{APPLY_CONCURRENCY, EventFold, EventsRun};
-use crate::document::{CanonicalKey, display_id};
-use crate::error::{Error, ErrorClass};
-use crate::ledger::floor::Raise;
-use crate::ledger::state::{self, FoldState, Held, Intent, Late};
-use crate::ledger::unix_micros;
-use crate::write::lane::{LaneId, LaneIncrement};
+use super::sums::{Shares, shares_of};
+use super::tail::Tail;
+use super::{Backlog, EventFold, PASS_EVENTS, PassRun, Running, held_sum};
+use crate::document::display_id;
+use crate::error::Error;
+use crate::ledger::log::{Inserted, Position, wall_time};
+use crate::ledger::state::{FoldState, LastInsert, Pass, Window};
 
-/// How far before a new pass's end its first look for waiting events
-/// reaches, in microseconds (the numbers' unit): where a busy ledger's
-/// newest events are.
-const RECENT: i64 = 50_000;
+/// How long a pass reads the log for what committed before it began before
+/// it gives up (the next pass goes on from the same position).
+const READ_FOR: Duration = Duration::from_secs(600);
 
-/// How many times as long each further look back is than the one before.
-const FURTHER: i64 = 4;
-
-/// The longest look back before the rest is looked at in one: about 3½
-/// minutes (50 ms × 4⁶).
-const MAX_WIDTH: i64 = RECENT * 4_096;
-
-/// How many such commands a pass sends at once.
-const BATCHES_AT_ONCE: usize = 2;
-
-/// What waits above the watermark, for a new pass.
-enum Waiting {
-    /// No event.
-    Nothing,
-    /// Events numbered up to the pass's end.
-    UpTo,
-    /// Events numbered only after the pass's end.
-    OnlyAhead,
-}
-
-/// What applying a pass came to.
-struct Applying {
-    live: Raise,
-    owed: bool,
-    repaid: Vec<Late>,
-    held: Vec<Held>,
-    written: u64,
-    events: u64,
-    malformed: u64,
-}
+/// How long a resumed pass reads the log for its window before it gives up
+/// (the next pass tries again).
+const REREAD_FOR: Duration = Duration::from_secs(600);
 
 impl EventFold {
-    /// One pass: resumes or takes over an unfinished one, repairs what the
-    /// fold owes, or records a new one when there is something to fold;
-    /// raises the floor to its end, applies it and commits it. Says too
-    /// whether another pass should follow at once (it was unfinished, or a
-    /// repair).
+    /// One pass: resumes or takes over an unfinished one, runs a catch-up's
+    /// next step, or folds what waits in the log.
     pub(super) async fn pass(
         &self,
+        running: &mut Running,
         clock: &(impl Fn() -> SystemTime + Sync),
-        stop: &CancellationToken,
-    ) -> Result<(EventsRun, bool), Error> {
-        let mut run = EventsRun::default();
-        if stop.is_cancelled() {
-            return Ok((run, false));
-        }
-        let mut state = state::read(&self.store, &self.state).await?;
-        if state.legacy.is_some() {
-            state = self.convert(&state).await?;
-        }
+    ) -> Result<PassRun, Error> {
+        let mut session = self.session().await?;
+        let state = self.keeper.read(&mut session).await?;
+        let run = match self.step(running, &mut session, &state, clock).await {
+            Err(err @ (Error::HistoryLost { .. } | Error::FoldStopped { .. }))
+                if state.stopped.is_none() =>
+            {
+                // The fold cannot go on from its position: it stops there,
+                // for every fold of the ledger, until `fold-from`.
+                running.tail = None;
+                self.keeper
+                    .stop(&mut session, &state, &err.to_string(), clock())
+                    .await?;
+                Err(err)
+            }
+            run => run,
+        };
+        self.saw(&session);
+        let mut run = run?;
         run.state_bytes = state.bytes as u64;
-        if state.exists && state.intent.is_none() && self.keep_the_floor(&state, clock()).await? {
-            state = state::read(&self.store, &self.state).await?;
+        Ok(run)
+    }
+
+    async fn step(
+        &self,
+        running: &mut Running,
+        session: &mut ClientSession,
+        state: &FoldState,
+        clock: &(impl Fn() -> SystemTime + Sync),
+    ) -> Result<PassRun, Error> {
+        if let Some(stopped) = &state.stopped {
+            return Err(Error::FoldStopped {
+                events: self.events_name.clone(),
+                why: stopped.why.clone(),
+            });
         }
-        let intent = match &state.intent {
-            Some(intent) if intent.owner == self.owner => {
-                run.recovered = true;
-                self.claim(intent, intent.owner, clock()).await?
+        match &state.intent {
+            Some(pass)
+                if pass.owner != self.owner
+                    && clock() < pass.deadline + self.store.attempt_timeout() =>
+            {
+                Ok(PassRun {
+                    busy: true,
+                    ..PassRun::default()
+                })
             }
-            Some(intent) if clock() < intent.deadline + self.store.attempt_timeout() => None,
-            Some(intent) => {
-                run.recovered = true;
-                self.claim(intent, intent.owner, clock()).await?
+            Some(pass) => self.recover(running, session, state, pass, clock).await,
+            None if !state.exists || state.earlier.is_some() => {
+                self.begin_catch_up(running, session, state).await
             }
-            // Events owed: a repair pass first.
-            None if !state.late.is_empty() => {
-                self.intend(&state, state.watermark, state.late.clone(), clock())
-                    .await?
+            None if state.catch_up.is_some() => {
+                self.catch_up_chunk(running, session, state, clock).await
             }
-            None => {
-                let mut to = self.pass_end(&state, clock());
-                match self.waiting(state.watermark, to).await? {
-                    Waiting::Nothing if state.held.is_empty() => return Ok((run, false)),
-                    Waiting::Nothing | Waiting::UpTo => {}
-                    // Only events numbered ahead of the server's clock (a
-                    // recorder numbered above a floor a converted state or
-                    // a caller's clock put ahead): the floor protects any
-                    // end, so the pass ends at the highest.
-                    Waiting::OnlyAhead => {
-                        to = query::highest_number(&self.store, &self.events)
-                            .await?
-                            .unwrap_or(to)
-                            .max(to);
-                    }
-                }
-                if !state.exists {
-                    self.check_no_floor().await?;
-                    self.check_no_counter_folded().await?;
-                }
-                self.intend(&state, to, Vec::new(), clock()).await?
-            }
+            None => self.log_pass(running, session, state, clock).await,
+        }
+    }
+
+    /// A new pass over what waits in the log after the position (and the
+    /// held sums), or, on an idle ledger, the position moved up to where
+    /// the log stands.
+    async fn log_pass(
+        &self,
+        running: &mut Running,
+        session: &mut ClientSession,
+        state: &FoldState,
+        clock: &(impl Fn() -> SystemTime + Sync),
+    ) -> Result<PassRun, Error> {
+        let Some(position) = &state.position else {
+            return Err(self
+                .keeper
+                .malformed("it has no position in the log and no catch-up to reach one".into()));
         };
-        let Some(intent) = intent else {
-            run.busy = true;
-            return Ok((run, false));
-        };
-        let applied = self.apply(&state, &intent, clock).await?;
-        self.commit((&intent, &applied.repaid), &applied.live, &applied.held)
+        let now = self.store.cluster_time().await?;
+        let tail = self.tail_at(running, position).await?;
+        tail.fill_to(&self.store, now, PASS_EVENTS, Instant::now() + READ_FOR)
             .await?;
-        for held in applied.held.iter().filter(|h| h.pass == intent.pass) {
+        let count = tail.read().len().min(PASS_EVENTS);
+        if count == 0 && state.held.is_empty() {
+            self.advance_if_due(running, session, state, position)
+                .await?;
+            return Ok(PassRun::default());
+        }
+        let window: Vec<Inserted> = tail.read().iter().take(count).cloned().collect();
+        let pass = Pass {
+            number: state.pass + 1,
+            owner: self.owner,
+            deadline: clock() + self.settings.lease,
+            recovered: false,
+            window: Window::Log {
+                from: position.clone(),
+                to: window.last().map(|last| LastInsert {
+                    at: last.at.clone(),
+                    key: last.event.key.clone(),
+                }),
+            },
+        };
+        if !self.intend(session, state, &pass).await? {
+            return Ok(PassRun {
+                busy: true,
+                ..PassRun::default()
+            });
+        }
+        let shares = shares_of(window.iter().map(|i| &i.event));
+        let mut run = self
+            .fold_window(session, &pass, state, shares, clock)
+            .await?;
+        if let Some(tail) = running.tail.as_mut() {
+            let to = window.last().map_or(position, |last| &last.at);
+            tail.consumed(count, to);
+        }
+        run.again = count == PASS_EVENTS;
+        Ok(run)
+    }
+
+    /// Records `pass` as the next of `state`; `false` when another fold got
+    /// there first.
+    async fn intend(
+        &self,
+        session: &mut ClientSession,
+        state: &FoldState,
+        pass: &Pass,
+    ) -> Result<bool, Error> {
+        // An unknown outcome fails the pass; if it landed, the next pass
+        // finds it as its own.
+        if self.keeper.begin(session, state, pass).await? {
+            return Ok(true);
+        }
+        // Nothing matched: another fold got there first — or our own first
+        // attempt, whose reply was lost, did.
+        let now = self.keeper.read(session).await?;
+        Ok(now
+            .intent
+            .is_some_and(|i| i.owner == self.owner && i.number == pass.number))
+    }
+
+    /// Applies `shares` (the window's sums) and the held sums as `pass`,
+    /// commits it.
+    pub(super) async fn fold_window(
+        &self,
+        session: &mut ClientSession,
+        pass: &Pass,
+        state: &FoldState,
+        shares: Shares,
+        clock: &(impl Fn() -> SystemTime + Sync),
+    ) -> Result<PassRun, Error> {
+        let events = shares.values().map(|s| s.events).sum();
+        let malformed = shares.values().map(|s| s.malformed).sum();
+        if malformed > 0 {
+            tracing::warn!(
+                events = %self.events_name,
+                malformed,
+                "events whose amount is not an integer are left out of their counters"
+            );
+        }
+        let applied = self.apply(pass, &state.held, shares, clock).await?;
+        self.commit(session, pass, state, &applied.held).await?;
+        for held in applied.held.iter().filter(|h| h.pass == pass.number) {
             tracing::warn!(
                 events = %self.events_name,
                 counter = %display_id(&held.key),
@@ -134,414 +194,294 @@ impl EventFold {
                 "a counter refused its events' sum; it is held and offered again every pass"
             );
         }
-        run.pass = Some(intent.pass);
-        run.events_folded = applied.events;
-        run.counters_written = applied.written;
-        run.malformed_events = applied.malformed;
-        let repair = !applied.repaid.is_empty();
-        if repair {
-            run.late_events_folded = applied.events;
-        }
-        let again = run.recovered || repair || applied.owed;
-        Ok((run, again))
-    }
-
-    /// What waits above the watermark `from` for a pass ending at `to`.
-    ///
-    /// On MongoDB one index seek on `{s: 1}` would do. The test server
-    /// reads a whole range before it stops at the first event, so a look
-    /// at everything above the watermark would cost the whole backlog:
-    /// as much as the pass's own sums. So the fold looks where events
-    /// are: first at those numbered in the last [`RECENT`] before `to`
-    /// or after it (a busy ledger's newest), then further back in ranges
-    /// each [`FURTHER`] times as long, and the rest of `(from, to]` in
-    /// one. A look costs the events in its range, and a pass stops
-    /// looking at the first it finds. After a look that found nothing
-    /// above this watermark, the next looks at all of them at once: what
-    /// landed since, one seek on an idle ledger.
-    async fn waiting(&self, from: i64, to: i64) -> Result<Waiting, Error> {
-        let quiet = *lock(&self.quiet_above) == Some(from);
-        let mut bound = if quiet {
-            from
-        } else {
-            to.saturating_sub(RECENT).max(from)
-        };
-        let newest = query::lowest_above(&self.store, &self.events, bound).await?;
-        let mut found = newest.is_some_and(|lowest| lowest <= to);
-        let mut width = RECENT;
-        while !found && bound > from {
-            width = width.saturating_mul(FURTHER);
-            let lower = if width > MAX_WIDTH {
-                from
-            } else {
-                bound.saturating_sub(width).max(from)
-            };
-            found = query::any_in(&self.store, &self.events, lower, bound).await?;
-            bound = lower;
-        }
-        *lock(&self.quiet_above) = (!found && newest.is_none()).then_some(from);
-        Ok(match newest {
-            _ if found => Waiting::UpTo,
-            Some(_) => Waiting::OnlyAhead,
-            None => Waiting::Nothing,
+        Ok(PassRun {
+            pass: Some(pass.number),
+            recovered: pass.recovered,
+            events,
+            written: applied.written,
+            malformed,
+            again: pass.recovered,
+            ..PassRun::default()
         })
     }
 
-    /// Where a new pass of `state` ends at `now` (the server's clock when
-    /// it began): it folds every event numbered before — an insert
-    /// numbered earlier but not landed yet meets the floor and is numbered
-    /// again — never below the watermark.
-    fn pass_end(&self, state: &FoldState, now: SystemTime) -> i64 {
-        unix_micros(now).max(state.watermark)
-    }
-
-    /// Records the pass folding `(W, to]` — or, with `late`, the pass
-    /// repairing those debts — conditioned on the state not having changed
-    /// since it was read; `None` when another fold got there first.
-    async fn intend(
-        &self,
-        state: &FoldState,
-        to: i64,
-        late: Vec<Late>,
-        now: SystemTime,
-    ) -> Result<Option<Intent>, Error> {
-        let intent = Intent {
-            pass: state.pass + 1,
-            from: state.watermark,
-            to,
-            owner: self.owner,
-            deadline: now + self.settings.lease,
-            recovered: false,
-            anchor: None,
-            live: None,
-            late,
-        };
-        // An unknown outcome fails the pass; if it landed, the next pass
-        // finds it as its own.
-        if state::record_intent(&self.store, &self.state, state, &intent).await? {
-            return Ok(Some(intent));
-        }
-        // Nothing matched: another fold got there first — or our own first
-        // attempt, whose reply was lost, did.
-        let now = state::read(&self.store, &self.state).await?;
-        Ok(now
-            .intent
-            .filter(|i| i.owner == self.owner && i.pass == intent.pass)
-            .map(|_| intent))
-    }
-
-    /// Makes the unfinished pass `intent` (owned by `from`) this fold's:
-    /// `None` when it changed meanwhile. It is marked recovered — any of
-    /// its sends may have applied — and its deadline renewed.
-    async fn claim(
-        &self,
-        intent: &Intent,
-        from: ObjectId,
-        now: SystemTime,
-    ) -> Result<Option<Intent>, Error> {
-        let deadline = now + self.settings.lease;
-        let claimed =
-            state::claim(&self.store, &self.state, intent, from, self.owner, deadline).await?;
-        if from != self.owner {
-            tracing::info!(
-                events = %self.events_name,
-                pass = intent.pass,
-                from = %from,
-                "taking over a fold pass whose owner stopped renewing it"
-            );
-        }
-        Ok(claimed.then(|| Intent {
-            owner: self.owner,
-            deadline,
-            recovered: true,
-            ..intent.clone()
-        }))
-    }
-
-    /// Steps 3 and 4: the sums of the pass's ranges, then every counter's
-    /// held sums and share through the fold lane, renewing the pass's
-    /// lease meanwhile.
-    async fn apply(
-        &self,
-        state: &FoldState,
-        intent: &Intent,
-        clock: &(impl Fn() -> SystemTime + Sync),
-    ) -> Result<Applying, Error> {
-        let lease = self.settings.lease;
-        let sendable_until = Mutex::new(Instant::now() + lease);
-        let renew = async {
-            loop {
-                tokio::time::sleep(lease / 3).await;
-                let asked = Instant::now();
-                let renewed = state::renew(
-                    &self.store,
-                    &self.state,
-                    self.owner,
-                    intent.pass,
-                    clock() + lease,
-                )
-                .await;
-                match renewed {
-                    Ok(true) => *lock(&sendable_until) = asked + lease,
-                    Ok(false) => {
-                        return Error::FoldPassLost {
-                            events: self.events_name.clone(),
-                            pass: intent.pass,
-                            why: "another fold took it over".into(),
-                        };
-                    }
-                    Err(err) => tracing::warn!(
-                        events = %self.events_name,
-                        cause = %err,
-                        "cannot renew the fold pass's lease; retrying"
-                    ),
-                }
-            }
-        };
-        let work = self.sums_and_work(state, intent, &sendable_until, clock);
-        tokio::select! {
-            applied = work => applied,
-            lost = renew => Err(lost),
-        }
-    }
-
-    async fn sums_and_work(
-        &self,
-        state: &FoldState,
-        intent: &Intent,
-        sendable_until: &Mutex<Instant>,
-        clock: &(impl Fn() -> SystemTime + Sync),
-    ) -> Result<Applying, Error> {
-        let Read {
-            shares,
-            live,
-            owed,
-            repaid,
-        } = self.read_pass(state, intent).await?;
-        let events = shares.values().map(|s| s.events).sum();
-        let malformed: u64 = shares.values().map(|s| s.malformed).sum();
-        if malformed > 0 {
-            tracing::warn!(
-                events = %self.events_name,
-                malformed,
-                "events whose amount is not an integer are left out of their counters"
-            );
-        }
-        let mut work: Vec<Work> = Vec::new();
-        let mut index: HashMap<CanonicalKey, usize> = HashMap::new();
-        for held in &state.held {
-            let at = *index.entry(CanonicalKey::of(&held.key)).or_insert_with(|| {
-                work.push(Work {
-                    key: held.key.clone(),
-                    held: Vec::new(),
-                    new: None,
-                });
-                work.len() - 1
-            });
-            work[at].held.push(held.clone());
-        }
-        for (bytes, share) in shares {
-            match index.get(&bytes) {
-                Some(&at) => work[at].new = Some(share),
-                None => work.push(Work {
-                    key: share.key.clone(),
-                    held: Vec::new(),
-                    new: Some(share),
-                }),
-            }
-        }
-        let now = clock();
-        let mut sent = self.send_batched(&work, intent, sendable_until).await?;
-        let outcomes: Vec<Result<held::Done, Error>> = futures::stream::iter(work)
-            .map(|work| {
-                let key = work.key.clone();
-                // The counter's new sum, sent already in a batch: its one send.
-                let mut batched = sent.remove(&CanonicalKey::of(&key));
-                held::apply(
-                    work,
-                    intent.pass,
-                    intent.recovered,
-                    now,
-                    move |p, n, resumed| {
-                        let batched = batched.take().filter(|_| p == intent.pass);
-                        let key = key.clone();
-                        async move {
-                            match batched {
-                                Some(applied) => applied,
-                                None => self.send(key, p, n, resumed, sendable_until).await,
-                            }
-                        }
-                    },
-                )
-            })
-            .buffer_unordered(APPLY_CONCURRENCY)
-            .collect()
-            .await;
-        let mut applying = Applying {
-            live,
-            owed,
-            repaid,
-            held: Vec::new(),
-            written: 0,
-            events,
-            malformed,
-        };
-        for done in outcomes {
-            let done = done?;
-            applying.written += done.written;
-            applying.held.extend(done.held);
-        }
-        // Oldest first, each counter's in its order.
-        applying.held.sort_by_key(|h| h.pass);
-        Ok(applying)
-    }
-
-    /// The new sums of the counters with nothing held (a pass's common
-    /// case), sent through the fold lane at the pass's position in
-    /// commands of many statements ([`Counters::add_many_through`]):
-    /// what each established, by counter, for `held::apply` to judge as if
-    /// it had sent it itself. Every other counter's sums go one by one.
-    ///
-    /// [`Counters::add_many_through`]: crate::Counters
-    async fn send_batched(
-        &self,
-        work: &[Work],
-        intent: &Intent,
-        sendable_until: &Mutex<Instant>,
-    ) -> Result<HashMap<CanonicalKey, Result<Applied, Error>>, Error> {
-        let sums: Vec<(Bson, i64)> = work
-            .iter()
-            .filter_map(|w| Some((w.key.clone(), held::lone_sum(w)?)))
-            .collect();
-        let groups: Vec<Vec<(Bson, i64)>> = sums
-            .chunks(self.settings.apply_batch.max(1))
-            .map(<[_]>::to_vec)
-            .collect();
-        let mut sent = HashMap::with_capacity(sums.len());
-        let mut groups = futures::stream::iter(groups)
-            .map(|group| self.send_group(group, intent, sendable_until))
-            .buffer_unordered(BATCHES_AT_ONCE);
-        while let Some(group) = groups.next().await {
-            sent.extend(group?);
-        }
-        Ok(sent)
-    }
-
-    /// One group of new sums in one command (more, when its keys are large).
-    async fn send_group(
-        &self,
-        group: Vec<(Bson, i64)>,
-        intent: &Intent,
-        sendable_until: &Mutex<Instant>,
-    ) -> Result<Vec<(CanonicalKey, Result<Applied, Error>)>, Error> {
-        self.sendable(intent.pass, sendable_until)?;
-        let lane = LaneId::Named(self.fold_lane.clone()?);
-        let keys: Vec<CanonicalKey> = group.iter().map(|(key, _)| CanonicalKey::of(key)).collect();
-        let outcomes = self
-            .counters
-            .add_many_through(group, &lane, intent.pass, intent.recovered)
-            .await;
-        Ok(keys
-            .into_iter()
-            .zip(outcomes)
-            .map(|(key, outcome)| (key, self.judge(outcome)))
-            .collect())
-    }
-
-    /// Refuses to send once the pass's lease may have run out.
-    fn sendable(&self, pass: i64, sendable_until: &Mutex<Instant>) -> Result<(), Error> {
-        if Instant::now() >= *lock(sendable_until) {
-            return Err(Error::FoldPassLost {
-                events: self.events_name.clone(),
-                pass,
-                why: "its lease ran out before it could be renewed (the server did not answer)"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// One sum to one counter through the fold lane at `position`.
-    async fn send(
-        &self,
-        key: Bson,
-        position: i64,
-        amount: i64,
-        resumed: bool,
-        sendable_until: &Mutex<Instant>,
-    ) -> Result<Applied, Error> {
-        self.sendable(position, sendable_until)?;
-        let lane = LaneId::Named(self.fold_lane.clone()?);
-        let outcome = self
-            .counters
-            .add_through(key, lane, position, amount, resumed)
-            .await;
-        self.judge(outcome)
-    }
-
-    /// What a counter's update through the fold lane established.
-    fn judge(&self, outcome: LaneIncrement) -> Result<Applied, Error> {
-        let refused = |cause: &Error, maybe_applied| Applied::Refused {
-            cause: self.store.scrub(&cause.to_string()),
-            maybe_applied,
-        };
-        match &outcome {
-            LaneIncrement::Counted(_) => Ok(Applied::Counted),
-            LaneIncrement::OutOfOrder(late) => Ok(Applied::Behind { held: late.held() }),
-            LaneIncrement::NotCounted(_) | LaneIncrement::Unknown(_) => {
-                let maybe_applied = matches!(outcome, LaneIncrement::Unknown(_));
-                let cause = outcome
-                    .cause()
-                    .cloned()
-                    .unwrap_or_else(|| Error::InvalidArgument("the counter update failed".into()));
-                match cause.class() {
-                    // The counter's own refusal (a validator, an overflow, a
-                    // malformed lane map): held.
-                    Some(ErrorClass::Command) | None => Ok(refused(&cause, maybe_applied)),
-                    // The server's trouble, not the counter's: the pass is
-                    // resumed later.
-                    Some(_) => Err(cause),
-                }
-            }
-        }
-    }
-
-    /// Commits the pass: the watermark moves to its end, the held sums are
-    /// stored, the intent goes — only while the pass is still this fold's.
+    /// Commits `pass`, only while it is still this fold's.
     async fn commit(
         &self,
-        (intent, repaid): (&Intent, &[Late]),
-        live: &Raise,
-        held: &[Held],
+        session: &mut ClientSession,
+        pass: &Pass,
+        state: &FoldState,
+        held: &[crate::ledger::state::Held],
     ) -> Result<(), Error> {
-        let committed = state::commit(
-            &self.store,
-            &self.state,
-            self.owner,
-            (intent, repaid),
-            live,
-            held,
-        );
-        if committed.await? {
+        let committed = self
+            .keeper
+            .commit(session, (self.owner, pass), held, state.catch_up.as_ref())
+            .await?;
+        if committed {
             return Ok(());
         }
         // Our lost first attempt committed it, or another fold took it over
         // and committed it: either way it is done.
-        let now = state::read(&self.store, &self.state).await?;
-        if now.pass >= intent.pass {
+        let now = self.keeper.read(session).await?;
+        if now.pass >= pass.number {
             Ok(())
         } else {
-            Err(Error::FoldPassLost {
-                events: self.events_name.clone(),
-                pass: intent.pass,
-                why: "another fold took it over before it committed".into(),
-            })
+            Err(self.pass_lost(pass, "another fold took it over before it committed"))
         }
+    }
+
+    /// Resumes this fold's unfinished pass, or takes over another's whose
+    /// lease ran out: claimed (marked recovered: any of its sends may have
+    /// applied), its window read again, applied at the same position.
+    async fn recover(
+        &self,
+        running: &mut Running,
+        session: &mut ClientSession,
+        state: &FoldState,
+        pass: &Pass,
+        clock: &(impl Fn() -> SystemTime + Sync),
+    ) -> Result<PassRun, Error> {
+        let deadline = clock() + self.settings.lease;
+        if !self
+            .keeper
+            .claim(session, pass, self.owner, deadline)
+            .await?
+        {
+            return Ok(PassRun {
+                busy: true,
+                ..PassRun::default()
+            });
+        }
+        if pass.owner != self.owner {
+            tracing::info!(
+                events = %self.events_name,
+                pass = pass.number,
+                from = %pass.owner,
+                "taking over a fold pass whose owner stopped renewing it"
+            );
+        }
+        let claimed = Pass {
+            owner: self.owner,
+            deadline,
+            recovered: true,
+            ..pass.clone()
+        };
+        match &claimed.window {
+            Window::Log { from, to } => {
+                let window = self.reread(running, from, to.as_ref()).await?;
+                let shares = shares_of(window.iter().map(|i| &i.event));
+                let mut run = self
+                    .fold_window(session, &claimed, state, shares, clock)
+                    .await?;
+                if let Some(tail) = running.tail.as_mut() {
+                    let end = to.as_ref().map_or(from, |to| &to.at);
+                    tail.consumed(window.len(), end);
+                }
+                run.again = true;
+                Ok(run)
+            }
+            Window::Chunk { after, upto } => {
+                self.resume_chunk(running, session, state, &claimed, (*after, *upto), clock)
+                    .await
+            }
+        }
+    }
+
+    /// The inserts of a log pass's window read again: after `from`, up to
+    /// and including `to`'s (none when `to` is `None`). The log gives the
+    /// same inserts in the same order every time it is read from the same
+    /// position; an insert past `to`'s time before `to`'s own would mean it
+    /// does not, and the pass stops rather than guess.
+    async fn reread(
+        &self,
+        running: &mut Running,
+        from: &Position,
+        to: Option<&LastInsert>,
+    ) -> Result<Vec<Inserted>, Error> {
+        let Some(to) = to else {
+            return Ok(Vec::new());
+        };
+        let tail = self.tail_at(running, from).await?;
+        let deadline = Instant::now() + REREAD_FOR;
+        loop {
+            if let Some(end) = tail
+                .read()
+                .iter()
+                .position(|i| i.identity() == (to.at.time, &to.key))
+            {
+                return Ok(tail.read().iter().take(end + 1).cloned().collect());
+            }
+            if let Some(past) = tail.read().iter().find(|i| i.at.time > to.at.time) {
+                return Err(self.window_not_found(to, past));
+            }
+            let before = tail.read().len();
+            tail.listen(&self.store, usize::MAX, deadline).await?;
+            if tail.read().len() == before && Instant::now() >= deadline {
+                return Err(Error::FoldPassLost {
+                    events: self.events_name.clone(),
+                    pass: 0,
+                    why: "its window could not be read again in time".into(),
+                });
+            }
+        }
+    }
+
+    fn window_not_found(&self, to: &LastInsert, past: &Inserted) -> Error {
+        Error::FoldStopped {
+            events: self.events_name.clone(),
+            why: format!(
+                "the log read again from a pass's start showed event {} (cluster time {}) \
+                 before the pass's last event {} (cluster time {}): the log is not what the \
+                 pass read; nothing more is folded until `tallyd fold-from`",
+                display_id(&past.event.key),
+                past.at.time.time,
+                display_id(&to.key),
+                to.at.time.time
+            ),
+        }
+    }
+
+    /// The fold's tail, standing at `position` (opened there when it
+    /// stands elsewhere or none is open).
+    pub(super) async fn tail_at<'r>(
+        &self,
+        running: &'r mut Running,
+        position: &Position,
+    ) -> Result<&'r mut Tail, Error> {
+        let reusable = running
+            .tail
+            .as_mut()
+            .is_some_and(|tail| tail.skip_to(position));
+        if !reusable {
+            running.tail = None;
+            let opened = Tail::open(&self.store, &self.events_name, position).await;
+            running.tail = Some(opened.map_err(|err| self.lost_history(err))?);
+        }
+        Ok(running.tail.as_mut().expect("a tail was opened"))
+    }
+
+    /// A stream that cannot resume from the state's position: the fold
+    /// stops there ([`Error::HistoryLost`] says what to do).
+    pub(super) fn lost_history(&self, err: Error) -> Error {
+        if matches!(err, Error::HistoryLost { .. }) {
+            tracing::error!(
+                events = %self.events_name,
+                cause = %err,
+                "the fold's position is no longer in the oplog; the fold of this ledger stops"
+            );
+        }
+        err
+    }
+
+    /// On an idle ledger: moves the position up to where the log stands
+    /// once it is `advance_after` behind, so that the position a fold, an
+    /// exact read or a restarted daemon resumes from stays well inside the
+    /// oplog's window.
+    async fn advance_if_due(
+        &self,
+        running: &mut Running,
+        session: &mut ClientSession,
+        state: &FoldState,
+        position: &Position,
+    ) -> Result<(), Error> {
+        let Some(tail) = running.tail.as_mut() else {
+            return Ok(());
+        };
+        let Some(quiet) = tail.quiet_at().cloned() else {
+            return Ok(());
+        };
+        let behind = wall_time(quiet.time)
+            .duration_since(position.wall_time())
+            .unwrap_or_default();
+        if behind < self.settings.advance_after || quiet.token == position.token {
+            return Ok(());
+        }
+        if self.keeper.advance(session, state, &quiet).await? {
+            tail.consumed(0, &quiet);
+        }
+        Ok(())
+    }
+
+    /// What is left after the passes, as the fold's read-ahead shows it.
+    pub(super) async fn backlog_of(
+        &self,
+        running: &mut Running,
+        now: SystemTime,
+    ) -> Result<Backlog, Error> {
+        let mut session = self.session().await?;
+        let state = self.keeper.read(&mut session).await?;
+        if state.catch_up.is_some() || state.position.is_none() {
+            return self.catch_up_backlog(&state, now).await;
+        }
+        let read = running
+            .tail
+            .as_ref()
+            .filter(|tail| Some(tail.from()) == state.position.as_ref())
+            .map(|tail| tail.read());
+        let (events, oldest) = match read {
+            Some(read) => (read.len() as u64, read.front().map(|i| i.at.time)),
+            None => (0, None),
+        };
+        Ok(backlog(&state, events, oldest.map(wall_time), now))
+    }
+
+    /// What is not in the counters yet at `now` (the server's clock): the
+    /// log read from the fold's position up to now (or, while a catch-up
+    /// runs, the events it has yet to fold), and the held sums. Changes
+    /// nothing.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     fold: tally::EventFold,
+    /// #     clock: tally::Reconciler,
+    /// # ) -> Result<(), tally::Error> {
+    /// // For a metric or a health check; changes nothing.
+    /// let backlog = fold.backlog(clock.server_time().await?).await?;
+    /// println!("{} events not in their counters yet", backlog.events + backlog.held_events());
+    /// # Ok(()) }
+    /// ```
+    pub async fn backlog(&self, now: SystemTime) -> Result<Backlog, Error> {
+        let mut session = self.session().await?;
+        let state = self.keeper.read(&mut session).await?;
+        if let Some(stopped) = &state.stopped {
+            return Err(Error::FoldStopped {
+                events: self.events_name.clone(),
+                why: stopped.why.clone(),
+            });
+        }
+        let Some(position) = state.position.clone().filter(|_| state.catch_up.is_none()) else {
+            return self.catch_up_backlog(&state, now).await;
+        };
+        let until = self.store.cluster_time().await?;
+        let mut reader = crate::ledger::log::Reader::open(
+            &self.store,
+            &self.events_name,
+            Some(&position),
+            &crate::ledger::log::Scope::All,
+            Duration::from_millis(1),
+        )
+        .await?;
+        let deadline = Instant::now() + self.store.attempt_timeout();
+        let read = reader.read_until(&self.store, until, deadline).await?;
+        let oldest = read.first().map(|i| wall_time(i.at.time));
+        Ok(backlog(&state, read.len() as u64, oldest, now))
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// The backlog of `state` with `events` waiting, the oldest committed at
+/// `oldest`.
+pub(super) fn backlog(
+    state: &FoldState,
+    events: u64,
+    oldest: Option<SystemTime>,
+    now: SystemTime,
+) -> Backlog {
+    let age = |t: SystemTime| now.duration_since(t).unwrap_or(Duration::ZERO);
+    Backlog {
+        events,
+        oldest_age: oldest.map(age),
+        held: state.held.iter().map(held_sum).collect(),
+        position_age: state.position.as_ref().map(|p| age(p.wall_time())),
+        catching_up: state.catch_up.is_some() || state.position.is_none(),
+    }
 }

@@ -11,16 +11,11 @@
 //! events that follow are read too (one `find`), so a batch of events
 //! recorded before costs two round trips, not one per event.
 //!
-//! An event the events collection's floor refuses (the fold has folded
-//! every number at or below it; `DocumentValidationFailure`) was not
-//! inserted by this attempt, nor were those after it: they go back to the
-//! recorder to be numbered again above the floor ([`Fate::Renumber`]).
-//!
 //! A transient failure sends the same insert once more (the retry rule);
 //! an event that may have landed but whose fate is still unknown after that
 //! is [`Recording::Unknown`], and its lane is retired: nothing newer may go
-//! out on it while an older insert may still land (the fold stands on a
-//! lane's events becoming visible in number order).
+//! out on it while an older insert may still land (a lane's events become
+//! visible in number order).
 
 use std::collections::HashMap;
 
@@ -33,7 +28,7 @@ use mongodb::{Collection, Namespace};
 use super::outcome::{Conflict, Event, EventTicket, Recording, refused};
 use crate::document::integer_value;
 use crate::error::{Effect, Error, Facts, Failure, FailureKind, Next, RetryBudget, code};
-use crate::ledger::{field, floor};
+use crate::ledger::field;
 use crate::store::Store;
 use crate::write::at::{same_key_any_bucket, split_id};
 
@@ -128,23 +123,10 @@ pub(super) fn judge_other(event: Event, stored: &Document) -> Recording {
     }
 }
 
-/// What became of one event of a batch.
-#[derive(Debug)]
-#[allow(clippy::large_enum_variant)] // one per event of a batch, moved once
-pub(super) enum Fate {
-    /// Its outcome.
-    Settled(Recording),
-    /// The floor refused it (or an event before it): not inserted by this
-    /// batch; to be numbered again above the floor. `maybe_applied`: an
-    /// earlier attempt of this batch, with the same number, may have
-    /// landed.
-    Renumber { maybe_applied: bool },
-}
-
-/// What a batch came to: one fate per item, and whether its lane must be
-/// retired (some insert may still land, or the floor passed its numbers).
+/// What a batch came to: one outcome per item, and whether its lane must be
+/// retired (some insert may still land).
 pub(super) struct Sent {
-    pub(super) fates: Vec<Fate>,
+    pub(super) outcomes: Vec<Recording>,
     pub(super) retire: bool,
 }
 
@@ -154,7 +136,6 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
     let ns = &namespace;
     let mut outcomes: Vec<Option<Recording>> = items.iter().map(|_| None).collect();
     let mut maybe_applied = vec![false; items.len()];
-    let mut renumber = vec![false; items.len()];
     let mut left: Vec<usize> = (0..items.len()).collect();
     let mut budget = RetryBudget::retry_once("ledger.record");
     while !left.is_empty() {
@@ -188,21 +169,6 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
             let inserted: Vec<usize> = left[..at].to_vec();
             let stopped = left[at];
             let rest: Vec<usize> = left[at + 1..].to_vec();
-            if floor::refused_by_floor(refused_code) {
-                // Numbered at or below the floor. The events after it were
-                // not inserted by this attempt; those before it were on
-                // MongoDB (the floor rose between them) but not on every
-                // server (the test server refuses the whole ordered batch):
-                // all are numbered again, those before it kept recognisable
-                // as ours should they be there.
-                for &i in &inserted {
-                    maybe_applied[i] = true;
-                }
-                for i in inserted.into_iter().chain([stopped]).chain(rest) {
-                    renumber[i] = true;
-                }
-                break;
-            }
             if unconfirmed {
                 inserted.iter().for_each(|&i| maybe_applied[i] = true);
             } else {
@@ -289,21 +255,21 @@ pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[
             }
         }
     }
-    let retire = renumber.contains(&true)
-        || items
-            .iter()
-            .zip(&outcomes)
-            .any(|(item, outcome)| outcome.as_ref().is_some_and(|o| item.left_in_doubt(o)));
-    let fates = outcomes
+    let retire = items
+        .iter()
+        .zip(&outcomes)
+        .any(|(item, outcome)| outcome.as_ref().is_some_and(|o| item.left_in_doubt(o)));
+    let outcomes = outcomes
         .into_iter()
-        .zip(renumber)
+        .zip(items)
         .zip(maybe_applied)
-        .map(|((outcome, renumber), maybe_applied)| match outcome {
-            Some(outcome) if !renumber => Fate::Settled(outcome),
-            _ => Fate::Renumber { maybe_applied },
+        .map(|((outcome, item), maybe_applied)| {
+            // The loop above leaves each event its outcome; one without
+            // (never seen) says no more than that it may have landed.
+            outcome.unwrap_or_else(|| item.undecided(maybe_applied, ns, Error::RecorderStopped))
         })
         .collect();
-    Sent { fates, retire }
+    Sent { outcomes, retire }
 }
 
 /// Which of `inserted` a majority read finds stored as ours.

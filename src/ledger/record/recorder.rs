@@ -11,15 +11,9 @@
 //! moves its watermark by. A lane is used for at most [`LANE_SPAN`] (the
 //! monotonic clock's drift stays negligible), and is retired at once after
 //! an insert whose outcome is unknown; the next event mints a fresh one.
-//!
-//! **The floor.** The fold raises the events collection's floor as it
-//! folds: an insert numbered at or below it is refused, and wrote nothing.
-//! The events it refused go back to the head of the queue, to be numbered
-//! on a fresh lane above the floor (each keeps the lane and number it was
-//! sent with when an earlier attempt of it may have landed, so finding it
-//! stored is recognised as ours). After [`FLOOR_REFUSALS`] refusals of one
-//! event it is given up: not recorded, or unknown when an attempt of it
-//! may have landed.
+//! The numbers date the events (the sweep deletes by them, `tallyd
+//! fold-from` chooses by them); the fold itself follows the log's order,
+//! whatever the numbers.
 //!
 //! **One insert in flight.** Events recorded while an insert is in flight
 //! wait, and go out together — in the order they were recorded, numbered
@@ -40,19 +34,15 @@ use mongodb::bson::{Document, doc, oid::ObjectId};
 use tokio::sync::oneshot;
 
 use super::event_document;
-use super::insert::{self, Fate, Item};
+use super::insert::{self, Item};
 use super::outcome::{Event, Recording, refused};
 use crate::error::Error;
-use crate::ledger::floor;
 use crate::store::Store;
 
 /// How long a recorder numbers on one lane from one reading of the
 /// server's clock: after it the next event mints a fresh lane, and reads
 /// the clock again.
 pub(crate) const LANE_SPAN: Duration = Duration::from_secs(3600);
-
-/// How many times the floor may refuse one event before it is given up.
-const FLOOR_REFUSALS: u8 = 3;
 
 /// Events per `insert` command: the server's `maxWriteBatchSize`, which
 /// the driver would otherwise split at (a split command fails as a whole).
@@ -108,8 +98,6 @@ struct Waiting {
     earlier: Vec<(ObjectId, i64)>,
     bytes: usize,
     reply: oneshot::Sender<Recording>,
-    /// How often the floor refused it.
-    refusals: u8,
 }
 
 impl Recorder {
@@ -142,7 +130,6 @@ impl Recorder {
                 earlier,
                 bytes,
                 reply,
-                refusals: 0,
             });
             receivers.push(receiver);
         }
@@ -173,7 +160,7 @@ impl Recorder {
             };
             let lane = match lane.filter(|l| l.minted.elapsed() < LANE_SPAN) {
                 Some(lane) => lane,
-                None => match self.mint(None).await {
+                None => match self.mint().await {
                     Ok(lane) => lane,
                     Err(cause) => {
                         self.refuse(batch, &cause);
@@ -190,56 +177,9 @@ impl Recorder {
                     queue.lane = None;
                 }
             }
-            let mut again = Vec::new();
-            for ((mut waiting, item), fate) in waiting.into_iter().zip(items).zip(sent.fates) {
-                match fate {
-                    Fate::Settled(outcome) => {
-                        let _ = waiting.reply.send(outcome);
-                    }
-                    Fate::Renumber { maybe_applied } => {
-                        if maybe_applied {
-                            waiting.earlier.push((item.lane, item.number));
-                        }
-                        waiting.refusals += 1;
-                        again.push(waiting);
-                    }
-                }
+            for (waiting, outcome) in waiting.into_iter().zip(sent.outcomes) {
+                let _ = waiting.reply.send(outcome);
             }
-            if !again.is_empty() {
-                self.floor_refused(again, lane).await;
-            }
-        }
-    }
-
-    /// Puts the events the floor refused back at the head of the queue, on
-    /// a fresh lane numbered above the floor — or gives up those refused
-    /// too often.
-    async fn floor_refused(&self, refused: Vec<Waiting>, lane: Lane) {
-        let (retry, give_up): (Vec<Waiting>, Vec<Waiting>) = refused
-            .into_iter()
-            .partition(|w| w.refusals < FLOOR_REFUSALS);
-        let cause = Error::FloorRefused {
-            events: self.events.name().to_owned(),
-            refusals: u32::from(FLOOR_REFUSALS),
-        };
-        self.refuse(give_up, &cause);
-        if retry.is_empty() {
-            return;
-        }
-        let floor = floor::read(&self.store, self.events.name()).await;
-        let fresh = match floor {
-            Ok(floor) => self.mint(floor.map(|f| f.max(lane.last))).await,
-            Err(cause) => Err(cause),
-        };
-        match fresh {
-            Ok(fresh) => {
-                let mut queue = self.lock();
-                queue.lane = Some(fresh);
-                for waiting in retry.into_iter().rev() {
-                    queue.waiting.push_front(waiting);
-                }
-            }
-            Err(cause) => self.refuse(retry, &cause),
         }
     }
 
@@ -253,13 +193,12 @@ impl Recorder {
         }
     }
 
-    /// A fresh lane, numbered from the server's clock (and above `above`,
-    /// the floor, when known).
-    async fn mint(&self, above: Option<i64>) -> Result<Lane, Error> {
+    /// A fresh lane, numbered from the server's clock.
+    async fn mint(&self) -> Result<Lane, Error> {
         let server = self.store.server_time().await?;
         Ok(Lane {
             id: ObjectId::new(),
-            last: above.unwrap_or(0),
+            last: 0,
             anchor: unix_micros(server),
             // The reply's time was read on the server at some moment
             // before this: reckoned from here, numbers never run ahead of
@@ -338,7 +277,6 @@ mod tests {
             earlier: Vec::new(),
             bytes: 100,
             reply,
-            refusals: 0,
         };
         (waiting, receiver)
     }

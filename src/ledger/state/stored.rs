@@ -1,14 +1,14 @@
 //! The state document as stored: read into its parts (refusing, never
 //! guessing, what is malformed) and each part's document form. The field
-//! paths are the parent module's.
+//! names are the parent module's.
 
 use std::time::SystemTime;
 
 use mongodb::bson::{Bson, DateTime, Document, doc, oid::ObjectId};
 
-use super::{FoldState, Held, Intent, Late, Legacy, field};
+use super::{CatchUp, Earlier, FoldState, Held, LastInsert, Pass, Stopped, Window, field};
 use crate::document::{bson_type_name, integer_value};
-use crate::ledger::floor::Raise;
+use crate::ledger::log::Position;
 
 /// The state document read into its parts, or what is wrong with it.
 pub(super) fn parse(document: &Document) -> Result<FoldState, String> {
@@ -20,41 +20,25 @@ pub(super) fn parse(document: &Document) -> Result<FoldState, String> {
     let mut state = FoldState {
         pass: number(field::PASS)?,
         version: number(field::VERSION)?,
-        watermark: number(field::WATERMARK)?,
         ..FoldState::default()
     };
-    if let Some(folded) = document.get(field::LEGACY_FOLDED) {
-        let Bson::Document(folded) = folded else {
-            return Err("its folded map (tally 0.2.0) is not a document".into());
-        };
-        let mut legacy = Legacy::default();
-        for (lane, value) in folded {
-            let lane = ObjectId::parse_str(lane).map_err(|_| format!("{lane} is not a lane"))?;
-            let number = integer_value(value).ok_or("a folded number is not an integer")?;
-            legacy.folded.push((lane, number));
-        }
-        state.legacy = Some(legacy);
+    state.earlier = earlier(document)?;
+    if let Some(position) = document.get(field::POSITION) {
+        state.position = Some(position_of(position, "position")?);
     }
-    if let Some(intent) = document.get(field::INTENT) {
+    if let Some(catch_up) = document.get(field::CATCH_UP) {
+        let Bson::Document(catch_up) = catch_up else {
+            return Err("its catch-up is not a document".into());
+        };
+        state.catch_up = Some(parse_catch_up(catch_up)?);
+    }
+    // An earlier version's pass in progress is read as `earlier`'s.
+    if let (Some(intent), None) = (document.get(field::INTENT), &state.earlier) {
         let Bson::Document(intent) = intent else {
-            return Err("its intent is not a document".into());
+            return Err("its pass in progress is not a document".into());
         };
-        if intent.contains_key("ranges") {
-            return Err(
-                "its intent is a pass of tally 0.2.0 (lane ranges): finish it with tally 0.2.0's \
-                 `tallyd reconcile` before upgrading"
-                    .into(),
-            );
-        }
-        state.intent = Some(parse_intent(intent)?);
+        state.intent = Some(parse_pass(intent)?);
     }
-    if let Some(floor) = document.get(field::FLOOR) {
-        let Bson::Document(floor) = floor else {
-            return Err("its floor is not a document".into());
-        };
-        state.floor = Some(Raise::from_document(floor).map_err(|why| format!("{why} (floor)"))?);
-    }
-    state.late = parse_late(document.get(field::LATE))?;
     if let Some(held) = document.get(field::HELD) {
         let Bson::Array(held) = held else {
             return Err("its held sums are not an array".into());
@@ -66,55 +50,120 @@ pub(super) fn parse(document: &Document) -> Result<FoldState, String> {
             state.held.push(parse_held(entry)?);
         }
     }
+    if let Some(stopped) = document.get(field::STOPPED) {
+        let Bson::Document(stopped) = stopped else {
+            return Err("its stop is not a document".into());
+        };
+        state.stopped = Some(Stopped {
+            why: stopped.get_str("why").unwrap_or_default().to_owned(),
+            since: stopped
+                .get_datetime("at")
+                .map_or(SystemTime::UNIX_EPOCH, |d| d.to_system_time()),
+        });
+    }
     Ok(state)
 }
 
-fn parse_late(late: Option<&Bson>) -> Result<Vec<Late>, String> {
-    let Some(late) = late else {
-        return Ok(Vec::new());
-    };
-    let Bson::Array(late) = late else {
-        return Err("its debts (late) are not an array".into());
-    };
-    late.iter()
-        .map(|entry| match entry {
-            Bson::Document(entry) => Late::from_document(entry),
-            _ => Err("a debt is not a document".into()),
-        })
-        .collect()
+/// What an earlier version left in the document, if anything.
+fn earlier(document: &Document) -> Result<Option<Earlier>, String> {
+    if let Some(folded) = document.get(field::EARLIER_LANES) {
+        let Bson::Document(folded) = folded else {
+            return Err("its folded map (tally 0.2.0) is not a document".into());
+        };
+        let in_progress = document
+            .get_document(field::INTENT)
+            .is_ok_and(|intent| intent.contains_key("ranges"));
+        let mut lanes = Vec::with_capacity(folded.len());
+        for (lane, value) in folded {
+            let lane = ObjectId::parse_str(lane).map_err(|_| format!("{lane} is not a lane"))?;
+            let number = integer_value(value).ok_or("a folded number is not an integer")?;
+            lanes.push((lane, number));
+        }
+        return Ok(Some(Earlier::Lanes { lanes, in_progress }));
+    }
+    if let Some(watermark) = document.get(field::EARLIER_WATERMARK) {
+        let watermark = integer_value(watermark)
+            .ok_or("its watermark W (an earlier version's) is not an integer")?;
+        let debts = document
+            .get_array(field::EARLIER_DEBTS)
+            .is_ok_and(|late| !late.is_empty());
+        let in_progress = document.contains_key(field::INTENT) || debts;
+        return Ok(Some(Earlier::Watermark {
+            watermark,
+            in_progress,
+        }));
+    }
+    Ok(None)
 }
 
-fn parse_raise(intent: &Document, name: &str) -> Result<Option<Raise>, String> {
-    match intent.get(name) {
-        None => Ok(None),
-        Some(Bson::Document(raise)) => Raise::from_document(raise)
-            .map(Some)
-            .map_err(|why| format!("its intent's {name}: {why}")),
-        Some(_) => Err(format!("its intent's {name} is not a document")),
+fn position_of(value: &Bson, name: &str) -> Result<Position, String> {
+    match value {
+        Bson::Document(document) => {
+            Position::from_document(document).map_err(|why| format!("its {name}: {why}"))
+        }
+        _ => Err(format!("its {name} is not a document")),
     }
 }
 
-fn parse_intent(intent: &Document) -> Result<Intent, String> {
-    let bad = |what: &str| format!("its intent's {what} is malformed");
-    let number = |name: &str| {
-        intent
-            .get(name)
-            .and_then(integer_value)
-            .ok_or_else(|| bad(name))
+fn optional_number(document: &Document, name: &str) -> Result<Option<i64>, String> {
+    match document.get(name) {
+        None | Some(Bson::Null) => Ok(None),
+        Some(value) => integer_value(value)
+            .map(Some)
+            .ok_or_else(|| format!("its {name} is not an integer")),
+    }
+}
+
+fn parse_catch_up(catch_up: &Document) -> Result<CatchUp, String> {
+    Ok(CatchUp {
+        boundary: position_of(
+            catch_up.get("to").ok_or("its catch-up has no boundary")?,
+            "catch-up's boundary",
+        )?,
+        since: optional_number(catch_up, "since")?,
+        done: optional_number(catch_up, "done")?,
+        first_upto: optional_number(catch_up, "first")?,
+    })
+}
+
+fn parse_pass(intent: &Document) -> Result<Pass, String> {
+    let bad = |what: &str| format!("its pass in progress: its {what} is malformed");
+    let window = if let Ok(log) = intent.get_document("log") {
+        let to = match log.get("to") {
+            None | Some(Bson::Null) => None,
+            Some(Bson::Document(to)) => Some(LastInsert {
+                at: Position::from_document(to).map_err(|why| bad(&format!("end ({why})")))?,
+                key: to.get("key").cloned().ok_or_else(|| bad("end's event"))?,
+            }),
+            Some(_) => return Err(bad("end")),
+        };
+        Window::Log {
+            from: position_of(log.get("from").ok_or_else(|| bad("start"))?, "pass's start")?,
+            to,
+        }
+    } else if let Ok(chunk) = intent.get_document("chunk") {
+        Window::Chunk {
+            after: optional_number(chunk, "after")?,
+            upto: chunk
+                .get("upto")
+                .and_then(integer_value)
+                .ok_or_else(|| bad("chunk's end"))?,
+        }
+    } else {
+        return Err(bad("window"));
     };
-    Ok(Intent {
-        pass: number("pass")?,
-        from: number("from")?,
-        to: number("to")?,
+    Ok(Pass {
+        number: intent
+            .get("pass")
+            .and_then(integer_value)
+            .ok_or_else(|| bad("number"))?,
         owner: intent.get_object_id("owner").map_err(|_| bad("owner"))?,
         deadline: intent
             .get_datetime("deadline")
             .map_err(|_| bad("deadline"))?
             .to_system_time(),
         recovered: intent.get_bool("recovered").unwrap_or(false),
-        anchor: parse_raise(intent, "anchor")?,
-        live: parse_raise(intent, "live")?,
-        late: parse_late(intent.get("late"))?,
+        window,
     })
 }
 
@@ -164,28 +213,44 @@ impl Held {
     }
 }
 
-impl Intent {
-    /// The intent as stored.
-    pub(crate) fn to_document(&self) -> Document {
-        let mut intent = doc! {
-            "pass": self.pass,
-            "from": self.from,
-            "to": self.to,
+impl Pass {
+    /// The pass as stored.
+    pub(super) fn to_document(&self) -> Document {
+        let window = match &self.window {
+            Window::Log { from, to } => {
+                let to = to.as_ref().map_or(Bson::Null, |to| {
+                    let mut end = to.at.to_document();
+                    end.insert("key", to.key.clone());
+                    Bson::Document(end)
+                });
+                ("log", doc! { "from": from.to_document(), "to": to })
+            }
+            Window::Chunk { after, upto } => (
+                "chunk",
+                doc! { "after": after.map_or(Bson::Null, Bson::Int64), "upto": upto },
+            ),
+        };
+        let mut pass = doc! {
+            "pass": self.number,
             "owner": self.owner,
             "deadline": DateTime::from_system_time(self.deadline),
             "recovered": self.recovered,
         };
-        if let Some(anchor) = &self.anchor {
-            intent.insert("anchor", anchor.to_document());
+        pass.insert(window.0, window.1);
+        pass
+    }
+}
+
+impl CatchUp {
+    /// The catch-up as stored.
+    pub(super) fn to_document(&self) -> Document {
+        let number = |n: Option<i64>| n.map_or(Bson::Null, Bson::Int64);
+        doc! {
+            "to": self.boundary.to_document(),
+            "since": number(self.since),
+            "done": number(self.done),
+            "first": number(self.first_upto),
         }
-        if let Some(live) = &self.live {
-            intent.insert("live", live.to_document());
-        }
-        if !self.late.is_empty() {
-            let late: Vec<Document> = self.late.iter().map(Late::to_document).collect();
-            intent.insert("late", late);
-        }
-        intent
     }
 }
 
@@ -194,34 +259,41 @@ mod tests {
     use super::*;
     use crate::ledger::state::STATE_ID;
     use mongodb::bson::Timestamp;
-    use mongodb::bson::doc;
+    use mongodb::change_stream::event::ResumeToken;
 
-    #[test]
-    fn a_state_document_reads_back_what_the_fold_writes() {
-        let intent = Intent {
-            pass: 4,
-            from: 10,
-            to: 20,
+    fn position(increment: u32) -> Position {
+        let token: ResumeToken = mongodb::bson::deserialize_from_bson(Bson::Document(
+            doc! { "_data": format!("8264A1B2C3{increment:08X}2B") },
+        ))
+        .unwrap();
+        Position {
+            token,
+            time: Timestamp {
+                time: 0x64A1_B2C3,
+                increment,
+            },
+        }
+    }
+
+    fn pass(window: Window) -> Pass {
+        Pass {
+            number: 4,
             owner: ObjectId::new(),
             deadline: DateTime::from_millis(1_700_000_000_000).to_system_time(),
             recovered: true,
-            anchor: Some(Raise {
-                floor: 20,
-                token: "a".into(),
-                at: Timestamp {
-                    time: 9,
-                    increment: 1,
-                },
+            window,
+        }
+    }
+
+    #[test]
+    fn a_state_document_reads_back_what_the_fold_writes() {
+        let log = pass(Window::Log {
+            from: position(1),
+            to: Some(LastInsert {
+                at: position(9),
+                key: Bson::from("evt_9"),
             }),
-            live: None,
-            late: vec![Late {
-                after: Timestamp {
-                    time: 3,
-                    increment: 4,
-                },
-                below: 10,
-            }],
-        };
+        });
         let held = Held {
             key: Bson::Document(doc! { "u": 5 }),
             pass: 3,
@@ -231,44 +303,85 @@ mod tests {
             cause: "refused".into(),
             since: DateTime::from_millis(1_700_000_000_000).to_system_time(),
         };
+        let catch_up = CatchUp {
+            boundary: position(3),
+            since: None,
+            done: Some(17),
+            first_upto: Some(20),
+        };
         let document = doc! {
-            "_id": STATE_ID, "pass": 3i64, "v": 7i64, "W": 10i64,
-            "intent": intent.to_document(),
+            "_id": STATE_ID, "pass": 3i64, "v": 7i64,
+            "position": position(1).to_document(),
+            "catch_up": catch_up.to_document(),
+            "intent": log.to_document(),
             "held": [held.to_document()],
         };
         let state = parse(&document).unwrap();
-        assert_eq!((state.pass, state.version, state.watermark), (3, 7, 10));
-        assert_eq!(state.intent, Some(intent.clone()));
+        assert_eq!((state.pass, state.version), (3, 7));
+        assert_eq!(state.position, Some(position(1)));
+        assert_eq!(state.intent, Some(log));
+        assert_eq!(state.catch_up, Some(catch_up));
         assert_eq!(state.held, vec![held]);
-        assert_eq!(state.legacy, None);
-        let late = &intent.late[0];
-        assert!(late.owes(
-            10,
-            Timestamp {
-                time: 3,
-                increment: 5
-            }
-        ));
-        assert!(!late.owes(
-            11,
-            Timestamp {
-                time: 4,
-                increment: 0
-            }
-        ));
-        assert!(!late.owes(10, late.after));
-        assert!(intent.folds(11) && intent.folds(20));
-        assert!(!intent.folds(10) && !intent.folds(21));
+        assert_eq!(state.earlier, None);
+        let chunk = pass(Window::Chunk {
+            after: None,
+            upto: i64::MAX,
+        });
+        let state = parse(&doc! { "intent": chunk.to_document() }).unwrap();
+        assert_eq!(state.intent, Some(chunk));
+        let idle = pass(Window::Log {
+            from: position(2),
+            to: None,
+        });
+        assert_eq!(
+            parse(&doc! { "intent": idle.to_document() })
+                .unwrap()
+                .intent,
+            Some(idle)
+        );
     }
 
     #[test]
-    fn a_state_of_tally_0_2_0_is_recognised() {
+    fn what_earlier_versions_left_is_recognised() {
         let lane = ObjectId::new();
         let state = parse(&doc! { "pass": 2i64, "folded": { lane.to_hex(): 10i64 } }).unwrap();
-        assert_eq!(state.legacy.unwrap().folded, vec![(lane, 10)]);
-        let unfinished = doc! { "intent": { "pass": 3i64, "ranges": {} } };
-        let refused = parse(&unfinished).unwrap_err();
-        assert!(refused.contains("0.2.0"), "{refused}");
+        assert_eq!(
+            state.earlier,
+            Some(Earlier::Lanes {
+                lanes: vec![(lane, 10)],
+                in_progress: false
+            })
+        );
+        let busy = parse(&doc! { "folded": {}, "intent": { "pass": 3i64, "ranges": {} } }).unwrap();
+        assert!(matches!(
+            busy.earlier,
+            Some(Earlier::Lanes {
+                in_progress: true,
+                ..
+            })
+        ));
+        let watermark = parse(&doc! { "W": 40i64, "pass": 5i64 }).unwrap();
+        assert_eq!(
+            watermark.earlier,
+            Some(Earlier::Watermark {
+                watermark: 40,
+                in_progress: false
+            })
+        );
+        let owing = parse(&doc! { "W": 40i64, "late": [{ "after": Timestamp { time: 1, increment: 1 }, "below": 3i64 }] }).unwrap();
+        assert!(matches!(
+            owing.earlier,
+            Some(Earlier::Watermark {
+                in_progress: true,
+                ..
+            })
+        ));
+        let passing =
+            parse(&doc! { "W": 40i64, "intent": { "pass": 6i64, "from": 40i64 } }).unwrap();
+        assert!(
+            passing.intent.is_none(),
+            "an earlier version's pass is not read as ours"
+        );
     }
 
     #[test]
@@ -278,5 +391,7 @@ mod tests {
         assert!(parse(&doc! { "folded": { "nota lane": 1 } }).is_err());
         assert!(parse(&doc! { "intent": { "pass": 1 } }).is_err());
         assert!(parse(&doc! { "held": [{ "k": "a" }] }).is_err());
+        assert!(parse(&doc! { "position": { "time": 1 } }).is_err());
+        assert!(parse(&doc! { "catch_up": { "since": 1 } }).is_err());
     }
 }

@@ -17,12 +17,9 @@
 //!   a pass stops after, held sums, two folds at once, a lost state, one
 //!   counter or ledger never stopping the others;
 //! - `reads`: exact reads, exact while the fold runs;
-//! - `floor`: the events collection's floor — late inserts, late `collMod`s,
-//!   recorders whose clocks are off;
-//! - `confirmed`: "recorded" only once a majority read confirms it; debts
-//!   start where a raise took effect;
-//! - `lowered`: a floor lowered behind the fold's back at every point of a
-//!   pass — the events that landed meanwhile found and folded once;
+//! - `late`: inserts that land late (held up in the network past a pass,
+//!   from recorders whose clocks are minutes off) are counted once;
+//! - `confirmed`: "recorded" only once a majority read confirms it;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
 //! - `upgrade`: a fold state of tally 0.2.0 converted;
 //! - `retention`: what the ledger leaves behind and when it goes;
@@ -41,9 +38,7 @@ mod cost;
 mod daemon;
 mod duplicates;
 mod faults;
-mod floor;
 mod fold;
-mod lowered;
 mod reads;
 mod recording;
 mod retention;
