@@ -321,7 +321,6 @@ async fn serve(
     ledger::start(
         &reconciler,
         store,
-        &state,
         &targets,
         ledger::Timing {
             fold_delay: config.reconcile.fold_delay,

@@ -501,6 +501,21 @@ pub enum Error {
         since: Option<std::time::SystemTime>,
     },
 
+    /// The user may not read the events collection's change stream, which
+    /// the fold and exact reads read: grant `changeStream` (and `find`) on
+    /// it. Nothing was changed.
+    #[error(
+        "the user may not read the change stream of {events}, which the ledger's fold and exact \
+         reads read ({cause}): grant changeStream and find on {events} (the book: the smallest \
+         MongoDB role)"
+    )]
+    LogRefused {
+        /// The events collection.
+        events: String,
+        /// The server's refusal.
+        cause: Box<Failure>,
+    },
+
     /// A ledger's fold is stopped: it cannot go on from its position (`why`
     /// says why, and what to do). Nothing is folded and no exact read of the
     /// ledger answers until `tallyd fold-from`.

@@ -115,6 +115,7 @@ pub(crate) fn exit_code_for(err: &Error) -> u8 {
             Trouble::Refused => EXIT_FAILED,
             Trouble::Misconfigured => EXIT_CONFIG,
         },
+        Error::LogRefused { .. } => EXIT_NOPERM,
         _ => EXIT_FAILED,
     }
 }

@@ -56,6 +56,15 @@ pub(crate) struct ReconcileConfig {
     /// attempt) after its owner stopped renewing it. Default: 30s.
     #[serde(serialize_with = "serialize_duration")]
     pub(crate) fold_lease: Duration,
+    /// The longest a ledger's fold may stand still — the daemon down, the
+    /// cluster unreachable — that this deployment plans to survive: the
+    /// fold resumes the events collection's change stream from where it
+    /// stood, which the oplog must still hold. `tallyd doctor` checks the
+    /// oplog's window against it, and the daemon alerts
+    /// (`events_fold_behind`) when the fold's position is older than half
+    /// the window. Default: 24h.
+    #[serde(serialize_with = "serialize_duration")]
+    pub(crate) fold_outage: Duration,
 }
 
 impl Default for ReconcileConfig {
@@ -66,9 +75,13 @@ impl Default for ReconcileConfig {
             event_retention: DEFAULT_EVENT_RETENTION,
             fold_delay: DEFAULT_FOLD_DELAY,
             fold_lease: DEFAULT_FOLD_LEASE,
+            fold_outage: DEFAULT_FOLD_OUTAGE,
         }
     }
 }
+
+/// Default `[reconcile] fold_outage`.
+pub(crate) const DEFAULT_FOLD_OUTAGE: Duration = Duration::from_secs(24 * 3600);
 
 /// Default `[reconcile] fold_delay`.
 pub(crate) const DEFAULT_FOLD_DELAY: Duration = Duration::from_secs(1);
@@ -89,6 +102,11 @@ pub(super) fn validate_reconcile(raw: RawReconcile, issues: &mut Issues) -> Reco
         ),
         fold_delay: issues.duration("reconcile.fold_delay", raw.fold_delay, DEFAULT_FOLD_DELAY),
         fold_lease: issues.duration("reconcile.fold_lease", raw.fold_lease, DEFAULT_FOLD_LEASE),
+        fold_outage: issues.duration(
+            "reconcile.fold_outage",
+            raw.fold_outage,
+            DEFAULT_FOLD_OUTAGE,
+        ),
     }
 }
 

@@ -98,6 +98,7 @@ pub(crate) struct RawReconcile {
     pub(crate) event_retention: Option<Value>,
     pub(crate) fold_delay: Option<Value>,
     pub(crate) fold_lease: Option<Value>,
+    pub(crate) fold_outage: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }

@@ -1,33 +1,25 @@
-//! The continuous fold of the ledgers: a fold pass runs every `[monitor]
-//! scan_interval` whatever happens, and within `[reconcile] fold_delay` of
-//! new events while a change stream on the events collection is open
-//! (debounced: a burst of inserts is one pass). The stream is a trigger,
-//! never a condition: when it cannot open (a standalone server, a user
-//! without `changeStream`) the periodic pass folds on, the failure is
-//! counted (`tally_events_stream_failures_total`), and after `[alerts]
-//! monitor_down_after` it fires `events_stream_down`. The scheduled
-//! reconcile run folds the ledger too.
+//! The continuous fold of the ledgers: one task per ledger reads the
+//! events collection's change stream as inserts come (the fold's own log,
+//! `EventFold::listen`), folds within `[reconcile] fold_delay` of each
+//! burst, and folds every `[monitor] scan_interval` whatever happens. The
+//! scheduled reconcile run folds the ledger too, through the same
+//! [`EventFold`].
 //!
-//! Every pass goes through the reconciler's [`EventFold`] of the
-//! collection, the same one the scheduled run uses. The stream's position
-//! is saved like the monitor's (`resume:<events collection>` in the state
-//! collection); a lost position only costs a pass, which finds every
-//! unfolded event.
-//!
-//! Only the active instance folds. While events are left after a pass, the
-//! next one follows within `fold_delay`. After every pass — however long
-//! the backlog: a pass folds up to its survey's end — the backlog,
-//! the lag and the held sums are current in `/metrics`; events waiting
-//! longer than `[alerts] stuck_after`, or a ledger the fold refuses, fire
-//! `events_stuck`; counters holding refused sums fire `events_held`.
+//! Only the active instance folds. After every pass the backlog, the lag,
+//! the held sums, where the fold stands in the log and how far back the
+//! oplog reaches are current in `/metrics`, and the alerts follow:
+//! `events_stuck` (events waiting longer than `[alerts] stuck_after`, or a
+//! ledger the fold refuses), `events_held` (counters refusing their sums),
+//! `events_stream_down` (the log cannot be read for longer than `[alerts]
+//! monitor_down_after`), `events_fold_behind` (the fold's position is older
+//! than half the oplog's window: it would stop if it stayed behind) and
+//! `events_fold_stopped` (its position is no longer in the oplog:
+//! `tallyd fold-from`).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use mongodb::bson::{Document, doc};
-use mongodb::change_stream::ChangeStream;
-use mongodb::change_stream::event::{ChangeStreamEvent, ResumeToken};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -35,22 +27,19 @@ use tokio_util::task::TaskTracker;
 use crate::daemon::alert::{AlertKind, Alerts, Observation};
 use crate::daemon::lease::Role;
 use crate::daemon::metrics::Metrics;
-use crate::daemon::state::State;
 use crate::document::display_id;
-use crate::error::{Error, Failure};
+use crate::error::Error;
 use crate::ledger::{Backlog, EventFold};
 use crate::reconcile::{FoldTarget, Reconciler};
 use crate::store::Store;
 
-/// How long one read of the stream waits for events: the debounce's
-/// resolution.
-const AWAIT: Duration = Duration::from_millis(200);
-/// How long a failed stream waits before it is opened again.
+/// How long a failed read of the log waits before the next pass opens it
+/// again.
 const REOPEN_AFTER: Duration = Duration::from_secs(2);
-/// How often the stream's position is saved.
-const SAVE_EVERY: Duration = Duration::from_secs(10);
 /// Counters named one by one in an `events_held` alert.
 const HELD_SAMPLE: usize = 10;
+/// How often the oplog's window is read again.
+const WINDOW_EVERY: Duration = Duration::from_secs(60);
 
 /// How the ledger tasks are timed (from the configuration).
 #[derive(Debug, Clone, Copy)]
@@ -64,7 +53,6 @@ pub(crate) struct Timing {
 /// What a ledger's folding task needs.
 struct LedgerFolder {
     store: Store,
-    state: State,
     fold: Arc<EventFold>,
     collection: String,
     timing: Timing,
@@ -72,8 +60,6 @@ struct LedgerFolder {
     alerts: Alerts,
     role: watch::Receiver<Role>,
     shutdown: CancellationToken,
-    /// Rung by the stream on new events.
-    inserted: Notify,
 }
 
 /// Starts a folding task for every collection with a ledger.
@@ -81,7 +67,6 @@ struct LedgerFolder {
 pub(crate) fn start(
     reconciler: &Reconciler,
     store: &Store,
-    state: &State,
     targets: &[FoldTarget],
     timing: Timing,
     metrics: &Metrics,
@@ -94,9 +79,8 @@ pub(crate) fn start(
         .iter()
         .filter(|t| t.spec.events_collection.is_some())
     {
-        let folder = Arc::new(LedgerFolder {
+        let folder = LedgerFolder {
             store: store.clone(),
-            state: state.clone(),
             fold: reconciler.event_fold(&target.spec),
             collection: target.spec.name.clone(),
             timing,
@@ -104,11 +88,21 @@ pub(crate) fn start(
             alerts: alerts.clone(),
             role: role.clone(),
             shutdown: shutdown.clone(),
-            inserted: Notify::new(),
-        });
-        tracker.spawn(Arc::clone(&folder).fold_periodically());
-        tracker.spawn(folder.watch());
+        };
+        tracker.spawn(folder.run());
     }
+}
+
+/// How the last read of the log went.
+enum Heard {
+    /// Inserts wait to be folded.
+    Inserts,
+    /// Nothing came by the time the next periodic pass is due.
+    Nothing,
+    /// The fold has no log open yet (or its last pass closed it).
+    NotListening,
+    /// The read failed.
+    Failed(Error),
 }
 
 impl LedgerFolder {
@@ -116,159 +110,122 @@ impl LedgerFolder {
         self.fold.events_collection()
     }
 
-    /// A pass at start, then one every scan interval and one within
-    /// `fold_delay` of each burst the stream reports, until shutdown.
-    async fn fold_periodically(self: Arc<Self>) {
+    /// A pass at start, then one within `fold_delay` of inserts the log
+    /// shows and one every scan interval, until shutdown.
+    async fn run(self) {
+        let name = self.collection.clone();
         let mut next_scan = Instant::now();
+        let mut down_since: Option<Instant> = None;
+        let mut window = Window::default();
         loop {
-            tokio::select! {
+            if self.shutdown.is_cancelled() {
+                return;
+            }
+            if Instant::now() >= next_scan || !self.active() {
+                if !self.active() {
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => return,
+                        () = tokio::time::sleep_until(next_scan) => {}
+                    }
+                }
+                let waiting = self.pass(&mut window, &mut down_since).await;
+                next_scan = Instant::now() + self.next_pass_in(waiting);
+                continue;
+            }
+            let heard = tokio::select! {
                 () = self.shutdown.cancelled() => return,
-                () = tokio::time::sleep_until(next_scan) => {}
-                () = self.inserted.notified() => {
+                heard = self.listen(next_scan) => heard,
+            };
+            match heard {
+                Heard::Inserts => {
+                    self.stream_up(&name, &mut down_since);
                     tokio::select! {
                         () = self.shutdown.cancelled() => return,
                         () = tokio::time::sleep(self.timing.fold_delay) => {}
                     }
+                    let waiting = self.pass(&mut window, &mut down_since).await;
+                    next_scan = Instant::now() + self.next_pass_in(waiting);
+                }
+                Heard::Nothing => self.stream_up(&name, &mut down_since),
+                Heard::NotListening => {
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => return,
+                        () = tokio::time::sleep_until(next_scan) => {}
+                    }
+                }
+                Heard::Failed(err) => {
+                    self.stream_down(&name, &mut down_since, &err);
+                    next_scan = next_scan.min(Instant::now() + REOPEN_AFTER);
                 }
             }
-            // Events left (newer than the pass's survey, or more than one
-            // pass takes): the next pass soon, stream or not.
-            let waiting = self.pass().await;
-            next_scan = Instant::now()
-                + if waiting {
-                    self.timing.fold_delay
-                } else {
-                    self.timing.scan_interval
-                };
         }
     }
 
-    /// Follows the events collection's inserts, opening the stream again
-    /// after a failure; a trigger for the passes, nothing more.
-    async fn watch(self: Arc<Self>) {
-        let name = self.collection.as_str();
-        let mut down_since: Option<Instant> = None;
-        while !self.shutdown.is_cancelled() {
-            let followed = self.follow(&mut down_since).await;
-            if self.shutdown.is_cancelled() {
-                return;
-            }
-            if let Err(err) = followed {
-                self.metrics
-                    .events_stream_failures
-                    .with_label_values(&[name])
-                    .inc();
-                self.metrics
-                    .events_stream_up
-                    .with_label_values(&[name])
-                    .set(0);
-                let since = *down_since.get_or_insert_with(Instant::now);
-                tracing::warn!(collection = name, events = %self.events(), cause = %err, "the events change stream failed; the periodic pass folds meanwhile, and the stream is opened again");
-                let down = since.elapsed();
-                let observation = (down >= self.timing.stream_down_after).then(|| Observation {
-                    count: 1,
-                    oldest_age: Some(down),
-                    sample_ids: Vec::new(),
-                    detail: Some(format!(
-                        "the change stream on {} cannot be opened ({err}); its events are folded \
-                         every {} instead of at once",
-                        self.events(),
-                        humantime::format_duration(self.timing.scan_interval)
-                    )),
-                });
-                self.alerts
-                    .set(AlertKind::EventsStreamDown, name, observation);
-            }
-            tokio::select! {
-                () = self.shutdown.cancelled() => return,
-                () = tokio::time::sleep(REOPEN_AFTER) => {}
-            }
+    fn active(&self) -> bool {
+        *self.role.borrow() == Role::Active
+    }
+
+    /// How soon the next pass runs: soon while events wait (more than one
+    /// pass takes), else at the scan interval.
+    fn next_pass_in(&self, waiting: bool) -> Duration {
+        if waiting {
+            self.timing.fold_delay
+        } else {
+            self.timing.scan_interval
         }
     }
 
-    /// Opens the stream and rings for every burst of inserts until it
-    /// fails or the daemon stops.
-    async fn follow(&self, down_since: &mut Option<Instant>) -> Result<(), Error> {
-        let name = self.collection.as_str();
-        // Opening reads the saved position, then opens the stream: two
-        // waits for a server in an outage, longer together than the stop's
-        // grace for work in flight. A stop meanwhile drops them (nothing
-        // is written but the forgetting of a lost position, which the next
-        // start does again), so a stop in an outage is not held by them.
-        let mut stream = tokio::select! {
-            () = self.shutdown.cancelled() => return Ok(()),
-            opened = self.open() => opened?,
-        };
+    /// Reads the log until inserts come or `until`.
+    async fn listen(&self, until: Instant) -> Heard {
+        let wait = until.saturating_duration_since(Instant::now());
+        match self.fold.listen(wait).await {
+            Ok(Some(0)) => Heard::Nothing,
+            Ok(Some(_)) => Heard::Inserts,
+            Ok(None) => Heard::NotListening,
+            Err(err) => Heard::Failed(err),
+        }
+    }
+
+    fn stream_up(&self, name: &str, down_since: &mut Option<Instant>) {
         *down_since = None;
         self.metrics
             .events_stream_up
             .with_label_values(&[name])
             .set(1);
         self.alerts.set(AlertKind::EventsStreamDown, name, None);
-        // What arrived while no one watched.
-        self.inserted.notify_one();
-        let mut next_save = Instant::now() + SAVE_EVERY;
-        loop {
-            if self.shutdown.is_cancelled() {
-                self.save(stream.resume_token()).await;
-                return Ok(());
-            }
-            if next_save <= Instant::now() {
-                self.save(stream.resume_token()).await;
-                next_save = Instant::now() + SAVE_EVERY;
-            }
-            match stream.next_if_any().await {
-                Ok(Some(_)) => self.inserted.notify_one(),
-                Ok(None) if stream.is_alive() => {}
-                Ok(None) => return Err(Error::InvalidArgument("the change stream ended".into())),
-                Err(err) => {
-                    self.save(stream.resume_token()).await;
-                    return Err(Error::Server(Failure::once("ledger.stream", err)));
-                }
-            }
-        }
     }
 
-    async fn open(&self) -> Result<ChangeStream<ChangeStreamEvent<Document>>, Error> {
-        let saved = self.state.resume_token(self.events()).await.unwrap_or(None);
-        let events = self.store.collection(self.events());
-        let watch = |from: Option<ResumeToken>| {
-            events
-                .watch()
-                .pipeline([
-                    doc! { "$match": { "operationType": "insert" } },
-                    doc! { "$project": { "_id": 1, "operationType": 1 } },
-                ])
-                .max_await_time(AWAIT)
-                .resume_after(from)
-        };
-        match watch(saved.clone()).await {
-            Ok(stream) => Ok(stream),
-            // The saved position is gone (history lost): start from now;
-            // the next pass finds whatever was missed.
-            Err(_) if saved.is_some() => {
-                let _ = self.state.forget_resume_token(self.events()).await;
-                watch(None)
-                    .await
-                    .map_err(|err| Error::Server(Failure::once("ledger.watch", err)))
-            }
-            Err(err) => Err(Error::Server(Failure::once("ledger.watch", err))),
-        }
-    }
-
-    async fn save(&self, token: Option<ResumeToken>) {
-        if let Some(token) = token
-            && let Err(err) = self.state.save_resume_token(self.events(), &token).await
-        {
-            tracing::warn!(events = %self.events(), cause = %err, "cannot save the events stream's position");
-        }
+    fn stream_down(&self, name: &str, down_since: &mut Option<Instant>, err: &Error) {
+        self.metrics
+            .events_stream_failures
+            .with_label_values(&[name])
+            .inc();
+        self.metrics
+            .events_stream_up
+            .with_label_values(&[name])
+            .set(0);
+        let since = *down_since.get_or_insert_with(Instant::now);
+        tracing::warn!(collection = name, events = %self.events(), cause = %err, "reading the events collection's change stream failed; the next pass opens it again");
+        let down = since.elapsed();
+        let observation = (down >= self.timing.stream_down_after).then(|| Observation {
+            count: 1,
+            oldest_age: Some(down),
+            sample_ids: Vec::new(),
+            detail: Some(format!(
+                "the change stream of {} cannot be read ({err}); its events are folded only as \
+                 passes manage to read it",
+                self.events()
+            )),
+        });
+        self.alerts
+            .set(AlertKind::EventsStreamDown, name, observation);
     }
 
     /// One fold pass while this instance is active, then the metrics and
     /// alerts of what is left; whether events wait to be folded.
-    async fn pass(&self) -> bool {
+    async fn pass(&self, window: &mut Window, down_since: &mut Option<Instant>) -> bool {
         let name = self.collection.as_str();
-        if *self.role.borrow() != Role::Active {
+        if !self.active() {
             return false;
         }
         let now = match self.store.server_time().await {
@@ -278,6 +235,7 @@ impl LedgerFolder {
                 return false;
             }
         };
+        window.refresh(&self.store, &self.metrics, now).await;
         let (backlog, refused) = match self.fold.fold(now, &self.shutdown).await {
             Ok(run) => {
                 self.metrics
@@ -306,11 +264,30 @@ impl LedgerFolder {
                 (self.fold.backlog(now).await.ok(), Some(err))
             }
         };
+        if let Some(err @ Error::LogRefused { .. }) = &refused {
+            self.stream_down(name, down_since, err);
+        }
+        let stopped = matches!(
+            refused,
+            Some(Error::HistoryLost { .. } | Error::FoldStopped { .. })
+        );
+        self.metrics
+            .events_fold_stopped
+            .with_label_values(&[name])
+            .set(i64::from(stopped));
+        self.alert_stopped(stopped.then_some(refused.as_ref()).flatten());
         if let Some(backlog) = &backlog {
             self.account(backlog);
+            self.alert_behind(backlog, window.seconds);
         }
+        self.alert_stuck(backlog.as_ref(), refused.as_ref());
+        refused.is_none() && backlog.is_some_and(|b| b.events > 0)
+    }
+
+    /// `events_stuck`: events waiting longer than `stuck_after`, or a
+    /// ledger the fold refuses.
+    fn alert_stuck(&self, backlog: Option<&Backlog>, refused: Option<&Error>) {
         let stuck = backlog
-            .as_ref()
             .and_then(|b| b.oldest_age)
             .is_some_and(|a| a > self.timing.stuck_after);
         let refusing = matches!(
@@ -320,18 +297,18 @@ impl LedgerFolder {
                     | Error::InvalidArgument(_)
                     | Error::Malformed { .. }
                     | Error::FoldStateLost { .. }
-                    | Error::HistoryLost { .. }
-                    | Error::FoldStopped { .. }
                     | Error::UpgradeBlocked { .. }
+                    | Error::ReplicaSetRequired { .. }
+                    | Error::LogRefused { .. }
             )
         );
         let observation = (stuck || refusing).then(|| Observation {
-            count: backlog.as_ref().map_or(0, |b| b.events),
-            oldest_age: backlog.as_ref().and_then(|b| b.oldest_age),
+            count: backlog.map_or(0, |b| b.events),
+            oldest_age: backlog.and_then(|b| b.oldest_age),
             sample_ids: Vec::new(),
-            detail: Some(match &refused {
-                Some(err) => err.to_string(),
-                None => format!(
+            detail: Some(match refused {
+                Some(err) if refusing => err.to_string(),
+                _ => format!(
                     "recorded events of {} wait longer than stuck_after to be folded",
                     self.events()
                 ),
@@ -345,9 +322,45 @@ impl LedgerFolder {
         // `/readyz` show).
         let measured = refused.is_none() || refusing || stuck;
         if measured {
-            self.alerts.set(AlertKind::EventsStuck, name, observation);
+            self.alerts
+                .set(AlertKind::EventsStuck, &self.collection, observation);
         }
-        refused.is_none() && backlog.is_some_and(|b| b.events > 0)
+    }
+
+    /// `events_fold_stopped`: the fold cannot go on from its position.
+    fn alert_stopped(&self, stopped: Option<&Error>) {
+        let observation = stopped.map(|err| Observation {
+            count: 1,
+            oldest_age: None,
+            sample_ids: Vec::new(),
+            detail: Some(err.to_string()),
+        });
+        self.alerts
+            .set(AlertKind::EventsFoldStopped, &self.collection, observation);
+    }
+
+    /// `events_fold_behind`: the fold's position is older than half the
+    /// oplog's window (`window`, in seconds, when the daemon may read it).
+    fn alert_behind(&self, backlog: &Backlog, window: Option<f64>) {
+        let (Some(age), Some(window)) = (backlog.position_age, window) else {
+            return;
+        };
+        let behind = age.as_secs_f64() > window / 2.0;
+        let observation = behind.then(|| Observation {
+            count: backlog.events,
+            oldest_age: Some(age),
+            sample_ids: Vec::new(),
+            detail: Some(format!(
+                "the fold of {} stands {} back in the change stream, more than half the oplog's \
+                 window ({}): if it stays behind, the oplog will no longer hold its position and \
+                 the fold will stop",
+                self.events(),
+                humantime::format_duration(Duration::from_secs(age.as_secs())),
+                humantime::format_duration(Duration::from_secs(window as u64))
+            )),
+        });
+        self.alerts
+            .set(AlertKind::EventsFoldBehind, &self.collection, observation);
     }
 
     /// The backlog's metrics and the `events_held` alert.
@@ -361,6 +374,12 @@ impl LedgerFolder {
             .events_fold_lag
             .with_label_values(&[name])
             .set(backlog.oldest_age.map_or(0.0, |a| a.as_secs_f64()));
+        if let Some(age) = backlog.position_age {
+            self.metrics
+                .events_fold_position_age
+                .with_label_values(&[name])
+                .set(age.as_secs_f64());
+        }
         self.metrics
             .events_held
             .with_label_values(&[name])
@@ -389,5 +408,37 @@ impl LedgerFolder {
             }
         });
         self.alerts.set(AlertKind::EventsHeld, name, held);
+    }
+}
+
+/// The oplog's window as last read.
+#[derive(Debug, Default)]
+struct Window {
+    seconds: Option<f64>,
+    read_at: Option<Instant>,
+}
+
+impl Window {
+    /// Reads the window again when it is older than [`WINDOW_EVERY`]; a user
+    /// who may not read it leaves it unknown (`tallyd doctor` says so).
+    async fn refresh(&mut self, store: &Store, metrics: &Metrics, now: SystemTime) {
+        if self.read_at.is_some_and(|at| at.elapsed() < WINDOW_EVERY) {
+            return;
+        }
+        self.read_at = Some(Instant::now());
+        match crate::ledger::log::oplog_start(store).await {
+            Ok(Some(start)) => {
+                let seconds = now.duration_since(start).unwrap_or_default().as_secs_f64();
+                self.seconds = Some(seconds);
+                metrics
+                    .oplog_window
+                    .with_label_values::<&str>(&[])
+                    .set(seconds);
+            }
+            Ok(None) => self.seconds = None,
+            Err(err) => {
+                tracing::debug!(cause = %err, "cannot read the oplog's window");
+            }
+        }
     }
 }

@@ -108,12 +108,23 @@ pub(crate) struct Inner {
     /// `tally_buckets_closed_total{collection}`: buckets closed.
     pub(crate) buckets_closed: IntCounterVec,
     /// `tally_events_fold_state_bytes{collection}`: the size of the
-    /// ledger's fold state document, as the last pass read it (a watermark
+    /// ledger's fold state document, as the last pass read it (a position
     /// and the held sums: it does not grow with time or recorders).
     pub(crate) events_fold_state_bytes: IntGaugeVec,
+    /// `tally_events_fold_position_age_seconds{collection}`: how far behind
+    /// the server's clock the fold's position in the events collection's
+    /// log is: how far back a fold resumes the change stream, which the
+    /// oplog must still hold.
+    pub(crate) events_fold_position_age: GaugeVec,
+    /// `tally_events_fold_stopped{collection}`: 1 while the ledger's fold is
+    /// stopped (its position no longer in the oplog; `tallyd fold-from`).
+    pub(crate) events_fold_stopped: IntGaugeVec,
+    /// `tally_oplog_window_seconds`: how far back the deployment's oplog
+    /// reaches (its oldest entry's age), when the daemon may read it.
+    pub(crate) oplog_window: GaugeVec,
     /// `tally_events_stream_up{collection}`: 1 while the change stream on
-    /// the ledger's events collection is open (the periodic pass folds
-    /// either way).
+    /// the ledger's events collection is open (the fold reads it; a pass
+    /// opens it again).
     pub(crate) events_stream_up: IntGaugeVec,
     /// `tally_events_stream_failures_total{collection}`: times that stream
     /// could not be opened or broke off.
@@ -334,6 +345,24 @@ impl Metrics {
                 "tally_events_fold_lag_seconds",
                 "Age of the oldest recorded event not folded yet",
                 collection,
+            ),
+            events_fold_position_age: float_vec(
+                &registry,
+                "tally_events_fold_position_age_seconds",
+                "How far behind the server's clock the fold's position in the events collection's change stream is",
+                collection,
+            ),
+            events_fold_stopped: gauge_vec(
+                &registry,
+                "tally_events_fold_stopped",
+                "1 while the ledger's fold is stopped: its position is no longer in the oplog",
+                collection,
+            ),
+            oplog_window: float_vec(
+                &registry,
+                "tally_oplog_window_seconds",
+                "How far back the deployment's oplog reaches: its oldest entry's age",
+                &[],
             ),
             events_held: gauge_vec(
                 &registry,

@@ -515,8 +515,9 @@ impl EventFold {
 
     /// Reads the log into the fold's read-ahead for at most `wait`, and says
     /// how many inserts wait to be folded: for a daemon that folds as soon
-    /// as inserts come. Reads nothing until the fold's first pass has
-    /// opened the log.
+    /// as inserts come. `None` (at once) while the fold has no log open:
+    /// before its first pass, or after a read failed (the next pass opens
+    /// it again).
     ///
     /// ```no_run
     /// # async fn demo(fold: tally::EventFold, clock: tally::Reconciler) -> Result<(), tally::Error> {
@@ -525,17 +526,21 @@ impl EventFold {
     ///
     /// let stop = CancellationToken::new();
     /// loop {
-    ///     if fold.listen(Duration::from_secs(1)).await? > 0 {
-    ///         fold.fold(clock.server_time().await?, &stop).await?;
+    ///     match fold.listen(Duration::from_secs(1)).await? {
+    ///         Some(0) => {}
+    ///         // Inserts wait, or the log is not open yet: a pass opens it.
+    ///         Some(_) | None => {
+    ///             fold.fold(clock.server_time().await?, &stop).await?;
+    ///         }
     ///     }
     /// }
     /// # }
     /// ```
-    pub async fn listen(&self, wait: Duration) -> Result<u64, Error> {
+    pub async fn listen(&self, wait: Duration) -> Result<Option<u64>, Error> {
         let deadline = Instant::now() + wait;
         let mut running = self.running.lock().await;
         let Some(tail) = running.tail.as_mut() else {
-            return Ok(0);
+            return Ok(None);
         };
         let waiting = match tail.listen(&self.store, PASS_EVENTS, deadline).await {
             Ok(waiting) => waiting,
@@ -545,7 +550,7 @@ impl EventFold {
                 return Err(err);
             }
         };
-        Ok(waiting as u64)
+        Ok(Some(waiting as u64))
     }
 
     /// A causally consistent session, after everything this fold saw.

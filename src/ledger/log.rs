@@ -443,7 +443,14 @@ fn failed(events: &str, from: Option<&Position>, err: mongodb::error::Error) -> 
             since: from.map(Position::wall_time),
         };
     }
-    Error::Server(Failure::once("ledger.log", err))
+    let failure = Failure::once("ledger.log", err);
+    if code == Some(code::UNAUTHORIZED) {
+        return Error::LogRefused {
+            events: events.to_owned(),
+            cause: failure,
+        };
+    }
+    Error::Server(failure)
 }
 
 #[cfg(feature = "daemon")]

@@ -52,12 +52,20 @@ pub(crate) enum AlertKind {
     /// could not close (a pending token the fold has not taken, recorded
     /// events not folded, a malformed document): they are not final.
     BucketsUnclosed,
+    /// A ledger's fold stands further back in the events collection's
+    /// change stream than half the oplog's window: if it stays behind, the
+    /// oplog will no longer hold its position and the fold will stop.
+    EventsFoldBehind,
+    /// A ledger's fold stopped: its position is no longer in the oplog (or
+    /// the events collection was dropped). Nothing more is folded until
+    /// `tallyd fold-from`.
+    EventsFoldStopped,
 }
 
 impl AlertKind {
     /// Every kind: for the series the daemon exports from its start, and
     /// for the tests that check each of them.
-    pub(crate) const ALL: [AlertKind; 12] = {
+    pub(crate) const ALL: [AlertKind; 14] = {
         use AlertKind::*;
         [
             StuckTokens,
@@ -72,6 +80,8 @@ impl AlertKind {
             EventsHeld,
             EventsStreamDown,
             BucketsUnclosed,
+            EventsFoldBehind,
+            EventsFoldStopped,
         ]
     };
 
@@ -80,7 +90,11 @@ impl AlertKind {
     pub(crate) fn is_ledger(&self) -> bool {
         matches!(
             self,
-            AlertKind::EventsStuck | AlertKind::EventsHeld | AlertKind::EventsStreamDown
+            AlertKind::EventsStuck
+                | AlertKind::EventsHeld
+                | AlertKind::EventsStreamDown
+                | AlertKind::EventsFoldBehind
+                | AlertKind::EventsFoldStopped
         )
     }
 
@@ -105,6 +119,8 @@ impl AlertKind {
             AlertKind::EventsHeld => "events_held",
             AlertKind::EventsStreamDown => "events_stream_down",
             AlertKind::BucketsUnclosed => "buckets_unclosed",
+            AlertKind::EventsFoldBehind => "events_fold_behind",
+            AlertKind::EventsFoldStopped => "events_fold_stopped",
         }
     }
 }

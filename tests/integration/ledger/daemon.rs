@@ -76,14 +76,11 @@ async fn the_daemon_refuses_a_ledger_without_indexes_and_alerts() {
     assert_eq!(counter(&client.collection("views"), "home").await, 0);
 }
 
-/// Finding 4: when the events change stream could not open (a user
-/// without `changeStream`), the periodic pass never ran. Now the pass runs
-/// every scan interval whatever the stream does, and the stream's failure
-/// is a metric. A fold reads the change stream itself (what its raise of
-/// the floor replaced): refused it, the pass stops saying what to grant
-/// (a refusal: `events_stuck` judges it) — nothing is folded blind.
+/// The fold reads the events collection's change stream: a user without
+/// `changeStream` folds nothing, blind or not. Every pass says what to
+/// grant, the stream's failures are counted, and `events_stuck` fires.
 #[tokio::test]
-async fn the_periodic_pass_runs_and_names_the_grant_when_change_streams_are_refused() {
+async fn a_fold_refused_the_change_stream_names_the_grant_and_counts_the_failure() {
     let ctx = TestContext::new("ledger_finding_no_stream").await;
     let client = ctx.client(false).await;
     let ledger = ledger_on(&client.store(), "views").await;
@@ -114,7 +111,11 @@ async fn the_periodic_pass_runs_and_names_the_grant_when_change_streams_are_refu
     wait_until(
         "the pass says what to grant",
         Duration::from_secs(30),
-        || async { daemon.log().contains("grant changeStream on views_events") },
+        || async {
+            daemon
+                .log()
+                .contains("grant changeStream and find on views_events")
+        },
     )
     .await;
     assert_eq!(counter(&client.collection("views"), "home").await, 0);
