@@ -25,6 +25,7 @@ mod database;
 mod doctor;
 mod envfile;
 pub(crate) mod exit;
+mod fold_from;
 mod generate;
 mod increment;
 mod keys;
@@ -57,6 +58,7 @@ use crate::write::counter::CollectionConfig;
 use bench::BenchArgs;
 use daemon::StatusArgs;
 use doctor::DoctorArgs;
+use fold_from::FoldFromArgs;
 use generate::{CompletionsArgs, ManArgs};
 use increment::IncrArgs;
 use ledger::{GetArgs, RecordArgs};
@@ -168,6 +170,11 @@ pub(crate) enum Command {
     /// Create the indexes the configuration needs (idempotent; says what
     /// it did): the ledgers' and the advised sparse ones.
     Setup(SetupArgs),
+    /// Fold a ledger again from a time you choose after its fold stopped
+    /// (its place in the change stream no longer in the oplog): the events
+    /// recorded after TIME, then the change stream; names the events
+    /// recorded near the stop, whose count cannot be certain.
+    FoldFrom(FoldFromArgs),
     /// Measure tally against a plain `$inc` on the configured server, in a
     /// scratch collection it creates and drops: ops/s, p50/p99, outcomes
     /// and the ratio per protocol, then every side's counters checked
@@ -515,6 +522,7 @@ pub(crate) async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode 
         Command::Resume(args) => settle::resume(args, &config).await,
         Command::Seq(command) => sequence::run(command, &config).await,
         Command::Reconcile(args) => reconcile::run(args, &config).await,
+        Command::FoldFrom(args) => fold_from::run(args, &config).await,
         Command::Record(args) => ledger::record(args, &config).await,
         Command::Get(args) => ledger::get(args, &config).await,
         Command::Setup(args) => setup::run(args, &config).await,

@@ -358,8 +358,9 @@ fn whose(lane: &str) -> String {
 
 /// What needs someone's attention, one phrase each: stuck tokens,
 /// malformed documents, a ledger's events left unfolded for longer than
-/// `stuck_after` (the fold is continuous), a ledger lacking its indexes
-/// (the daemon refuses to fold it). `status --check` exits 1 on any.
+/// `stuck_after` (the fold is continuous), a ledger whose fold stopped, a
+/// ledger lacking its indexes (the daemon refuses to fold it). `status
+/// --check` exits 1 on any.
 fn attention(rows: &[(String, Survey)], ledgers: &[Value], stuck_after: Duration) -> Vec<String> {
     let mut found = Vec::new();
     for (name, s) in rows {
@@ -372,6 +373,11 @@ fn attention(rows: &[(String, Survey)], ledgers: &[Value], stuck_after: Duration
     }
     for ledger in ledgers {
         let events = ledger["events_collection"].as_str().unwrap_or_default();
+        if ledger["stopped"].is_string() {
+            found.push(format!(
+                "the fold of {events} is stopped (run `tallyd fold-from`)"
+            ));
+        }
         let oldest = ledger["oldest_unfolded_age_seconds"].as_u64();
         if let Some(age) = oldest.filter(|age| *age > stuck_after.as_secs()) {
             found.push(format!(

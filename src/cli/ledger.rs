@@ -457,9 +457,22 @@ pub(super) async fn backlogs(
         let ledger = Ledger::new(store, spec.clone());
         let missing = ledger.missing_indexes().await?;
         let events = spec.events_collection_name();
-        let backlog = EventFold::new(store, spec, EventFoldSettings::default())
+        let backlog = match EventFold::new(store, spec, EventFoldSettings::default())
             .backlog(now)
-            .await?;
+            .await
+        {
+            Ok(backlog) => backlog,
+            Err(err @ (Error::FoldStopped { .. } | Error::HistoryLost { .. })) => {
+                rows.push(json!({
+                    "collection": name,
+                    "events_collection": events,
+                    "stopped": err.to_string(),
+                    "missing_indexes": missing,
+                }));
+                continue;
+            }
+            Err(err) => return Err(err),
+        };
         let held: Vec<Value> = backlog
             .held
             .iter()
@@ -470,6 +483,8 @@ pub(super) async fn backlogs(
             "events_collection": events,
             "unfolded_events": backlog.events,
             "oldest_unfolded_age_seconds": backlog.oldest_age.map(|a| a.as_secs()),
+            "fold_position_age_seconds": backlog.position_age.map(|a| a.as_secs()),
+            "catching_up": backlog.catching_up,
             "held_sums": held,
             "missing_indexes": missing,
         }));
@@ -480,6 +495,13 @@ pub(super) async fn backlogs(
 /// Prints [`backlogs`] as text.
 pub(super) fn print_backlogs(rows: &[Value]) {
     for row in rows {
+        if let Some(stopped) = row["stopped"].as_str() {
+            out!(
+                "ledger {}: STOPPED: {stopped}",
+                row["events_collection"].as_str().unwrap_or_default()
+            );
+            continue;
+        }
         let oldest = row["oldest_unfolded_age_seconds"].as_u64().map_or_else(
             || "-".to_owned(),
             |s| humantime::format_duration(Duration::from_secs(s)).to_string(),
@@ -513,8 +535,19 @@ pub(super) fn print_backlogs(rows: &[Value]) {
                 keys.join(", ")
             )
         };
+        let position = match (
+            row["catching_up"].as_bool(),
+            row["fold_position_age_seconds"].as_u64(),
+        ) {
+            (Some(true), _) => "; catching up (its first fold, an upgrade or fold-from)".to_owned(),
+            (_, Some(age)) => format!(
+                "; fold position {} behind",
+                humantime::format_duration(Duration::from_secs(age))
+            ),
+            _ => String::new(),
+        };
         out!(
-            "ledger {}: {}, oldest {oldest}{held}; {indexes}",
+            "ledger {}: {}, oldest {oldest}{held}{position}; {indexes}",
             row["events_collection"].as_str().unwrap_or_default(),
             counted(
                 row["unfolded_events"].as_u64().unwrap_or_default(),

@@ -80,6 +80,10 @@ pub struct FoldFrom {
     pub uncertain: Vec<UncertainEvent>,
     /// How many uncertain events there are in all.
     pub uncertain_total: u64,
+    /// The uncertain events are those recorded after this time…
+    pub uncertain_after: SystemTime,
+    /// … and up to this one.
+    pub uncertain_until: SystemTime,
 }
 
 /// An event whose count a [`FoldFrom`] cannot be sure of.
@@ -533,7 +537,31 @@ impl EventFold {
             stopped_at,
             uncertain: uncertain.0,
             uncertain_total: uncertain.1,
+            uncertain_after: uncertain.2.0,
+            uncertain_until: uncertain.2.1,
         })
+    }
+
+    /// Where a stopped fold stood when it stopped (the start of the pass it
+    /// left unfinished, if any): what `tallyd fold-from` folds from by
+    /// default. `None` when it never folded; refused when it is not stopped.
+    ///
+    /// ```no_run
+    /// # async fn demo(fold: tally::EventFold) -> Result<(), tally::Error> {
+    /// if let Some(at) = fold.stopped_at().await? {
+    ///     println!("stopped at {}", humantime::format_rfc3339_seconds(at));
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn stopped_at(&self) -> Result<Option<SystemTime>, Error> {
+        let mut session = self.session().await?;
+        let state = self.keeper.read(&mut session).await?;
+        if state.stopped.is_none() {
+            return Err(Error::FoldNotStopped {
+                events: self.events_name.clone(),
+            });
+        }
+        Ok(stopped_where(&state).0)
     }
 
     /// The events whose count a fold from `since` cannot be sure of, when
@@ -545,9 +573,9 @@ impl EventFold {
         stopped_at: Option<SystemTime>,
         pass_end: Option<SystemTime>,
         since: SystemTime,
-    ) -> Result<(Vec<UncertainEvent>, u64), Error> {
+    ) -> Result<(Vec<UncertainEvent>, u64, (SystemTime, SystemTime)), Error> {
         let Some(stopped_at) = stopped_at else {
-            return Ok((Vec::new(), 0));
+            return Ok((Vec::new(), 0, (since, since)));
         };
         let reach = self.uncertainty();
         let low = (stopped_at
@@ -591,7 +619,7 @@ impl EventFold {
                 }
             })
             .collect();
-        Ok((uncertain, total))
+        Ok((uncertain, total, (low, high)))
     }
 
     /// How long after its number an event's insert may still commit: two
@@ -599,6 +627,28 @@ impl EventFold {
     /// for the recorder's reckoning of the server's clock.
     pub(super) fn uncertainty(&self) -> Duration {
         2 * self.store.attempt_timeout() + Duration::from_secs(60)
+    }
+}
+
+/// Where the fold of `state` stood when it stopped, and where the pass it
+/// left unfinished ended (its first chunk's end when it folds again).
+fn stopped_where(state: &FoldState) -> (Option<SystemTime>, Option<i64>) {
+    match &state.intent {
+        Some(Pass {
+            window: Window::Log { from, to },
+            ..
+        }) => (
+            Some(from.wall_time()),
+            to.as_ref().map(|to| unix_micros(to.at.wall_time())),
+        ),
+        Some(Pass {
+            window: Window::Chunk { upto, .. },
+            ..
+        }) => (
+            state.position.as_ref().map(Position::wall_time),
+            Some(*upto),
+        ),
+        None => (state.position.as_ref().map(Position::wall_time), None),
     }
 }
 
