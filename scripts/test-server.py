@@ -57,65 +57,16 @@ original_connection_status = commands._HANDLERS["connectionStatus"]
 commands._HANDLERS["connectionStatus"] = connection_status
 
 
-class CollectionLock:
-    """MongoDB's lock order between writes and ``collMod``: an insert holds
-    its collection's lock in a shared mode from its validation to its
-    commit, and ``collMod`` takes it exclusively, so a ``collMod`` waits for
-    the inserts in progress and every later insert is validated against the
-    new validator. SecantusDB 0.7.0b3 reads the validator before it takes
-    its storage lock, so a ``collMod`` could fall between an insert's
-    validation and its commit. tally's ledger raises the events
-    collection's floor (a validator) with ``collMod`` and relies on that
-    order; this restores it (one lock for every collection: coarser than
-    mongod's, the same guarantee)."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    def shared(self, handler):
-        def run(doc, ctx):
-            with self._cv:
-                self._cv.wait_for(lambda: not self._exclusive)
-                self._shared += 1
-            try:
-                return handler(doc, ctx)
-            finally:
-                with self._cv:
-                    self._shared -= 1
-                    self._cv.notify_all()
-        return run
-
-    def exclusive(self, handler):
-        def run(doc, ctx):
-            with self._cv:
-                self._cv.wait_for(lambda: not self._exclusive)
-                self._exclusive = True
-                self._cv.wait_for(lambda: self._shared == 0)
-            try:
-                return handler(doc, ctx)
-            finally:
-                with self._cv:
-                    self._exclusive = False
-                    self._cv.notify_all()
-        return run
-
-
-collection_lock = CollectionLock()
-for name in ("insert", "bulkWrite"):
-    if name in commands._HANDLERS:
-        commands._HANDLERS[name] = collection_lock.shared(commands._HANDLERS[name])
-commands._HANDLERS["collMod"] = collection_lock.exclusive(commands._HANDLERS["collMod"])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--storage-path", help="data directory to keep (default: a temporary one)")
     parser.add_argument("--idle-timeout", type=float, default=300.0,
                         help="seconds after which idle client connections are closed")
-    parser.add_argument("--oplog-max-entries", type=int, default=100_000)
+    parser.add_argument("--oplog-max-entries", type=int, default=100_000,
+                        help="the oplog keeps at most this many entries")
+    parser.add_argument("--oplog-retention-seconds", type=float, default=3600.0,
+                        help="the oplog drops entries older than this (pruned as writes come)")
     parser.add_argument("--noop-heartbeat-seconds", type=float, default=0.0)
     parser.add_argument("--auth", action="store_true", help="require SCRAM authentication")
     parser.add_argument("--standalone", action="store_true",
@@ -139,6 +90,7 @@ def main() -> int:
         enable_test_commands=True,
         client_idle_timeout_s=args.idle_timeout,
         oplog_max_entries=args.oplog_max_entries,
+        oplog_retention_seconds=args.oplog_retention_seconds,
         noop_heartbeat_seconds=args.noop_heartbeat_seconds,
     )
     stop = threading.Event()

@@ -70,8 +70,9 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
-    /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `privileges` or
-    /// `change_stream_history`; on a sharded cluster also `shards`,
+    /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `ledger_fold`,
+    /// `ledger_leftovers`, `privileges`, `change_stream_history` or
+    /// `fold_outage`; on a sharded cluster also `shards`,
     /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
     /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`,
@@ -185,8 +186,11 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
         .await
         .unwrap_or_else(|_| std::time::SystemTime::now());
     checks.extend(ledger::unfolded_elsewhere(store, config, now).await);
+    checks.extend(ledger::folds(store, config, now).await);
     checks.push(access::privileges(store, config).await);
-    checks.push(deployment::history(store, &topology).await);
+    let (history, window) = deployment::history(store, &topology).await;
+    checks.push(history);
+    checks.extend(ledger::fold_outage(config, window));
     if sharding::is_mongos(&hello) {
         checks.extend(cluster::checks(store, config, &hello, clock).await);
     }

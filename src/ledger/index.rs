@@ -198,6 +198,16 @@ pub(crate) fn describe(collection: &str, need: &Needed, created: Created) -> Str
 }
 
 #[cfg(feature = "daemon")]
+/// The names of `collection`'s indexes (none when it does not exist).
+#[cfg(feature = "daemon")]
+pub(crate) async fn names(store: &Store, collection: &str) -> Result<Vec<String>, Error> {
+    Ok(listed(store, collection)
+        .await?
+        .iter()
+        .filter_map(|index| index.get_str("name").ok().map(str::to_owned))
+        .collect())
+}
+
 /// Drops the indexes of `collection` that earlier versions made and nothing
 /// reads any more ([`OBSOLETE`], by name): each costs every insert. Returns
 /// one line per index dropped.
@@ -237,6 +247,34 @@ pub(crate) async fn drop_obsolete(store: &Store, collection: &str) -> Result<Vec
 /// would refuse an insert numbered at or below `F`. Another validator is
 /// left as it is. Says what it did, if anything.
 pub(crate) async fn remove_floor(store: &Store, events: &str) -> Result<Option<String>, Error> {
+    let Some(validator) = floor(store, events).await? else {
+        return Ok(None);
+    };
+    let shown = validator.to_string();
+    let database = store.database();
+    let remove = doc! { "collMod": events, "validator": {}, "writeConcern": { "w": "majority" } };
+    let mut budget = RetryBudget::retry_once("ledger.remove_floor");
+    store
+        .with_retry(&mut budget, || database.run_command(remove.clone()))
+        .await
+        .map_err(Error::Server)?;
+    Ok(Some(format!(
+        "{events}: validator {shown}: removed (the previous version's floor; the fold no longer \
+         needs one)"
+    )))
+}
+
+/// Whether the events collection `events` still carries the previous
+/// version's validator.
+#[cfg(feature = "daemon")]
+pub(crate) async fn has_floor(store: &Store, events: &str) -> Result<bool, Error> {
+    Ok(floor(store, events).await?.is_some())
+}
+
+/// The previous version's validator on the events collection `events`, if
+/// it carries one.
+#[cfg(feature = "daemon")]
+async fn floor(store: &Store, events: &str) -> Result<Option<Document>, Error> {
     let database = store.database();
     let listing = doc! { "listCollections": 1, "filter": { "name": events } };
     let mut budget = RetryBudget::read_once("ledger.read_validator");
@@ -252,20 +290,7 @@ pub(crate) async fn remove_floor(store: &Store, events: &str) -> Result<Option<S
         .and_then(mongodb::bson::Bson::as_document)
         .and_then(|c| c.get_document("options").ok())
         .and_then(|o| o.get_document("validator").ok());
-    let Some(validator) = validator.filter(|v| is_floor(v)) else {
-        return Ok(None);
-    };
-    let shown = validator.to_string();
-    let remove = doc! { "collMod": events, "validator": {}, "writeConcern": { "w": "majority" } };
-    let mut budget = RetryBudget::retry_once("ledger.remove_floor");
-    store
-        .with_retry(&mut budget, || database.run_command(remove.clone()))
-        .await
-        .map_err(Error::Server)?;
-    Ok(Some(format!(
-        "{events}: validator {shown}: removed (the previous version's floor; the fold no longer \
-         needs one)"
-    )))
+    Ok(validator.filter(|v| is_floor(v)).cloned())
 }
 
 #[cfg(feature = "daemon")]

@@ -255,7 +255,11 @@ fn needed(config: &Config) -> Vec<Needed> {
             "insert",
             "the ledger's fold creates a counter on its first event",
         );
-        need(&events, "find", "the ledger's fold sums its events");
+        need(
+            &events,
+            "find",
+            "the ledger's fold catches up from it (a first fold, an upgrade, fold-from)",
+        );
         need(
             &events,
             "remove",
@@ -264,18 +268,7 @@ fn needed(config: &Config) -> Vec<Needed> {
         need(
             &events,
             "changeStream",
-            "the ledger's fold watches it and reads from it what each raise of the floor \
-             replaced",
-        );
-        need(
-            &events,
-            "collMod",
-            "the ledger's fold raises the events collection's floor before each pass",
-        );
-        need(
-            "",
-            "listCollections",
-            "the ledger's fold reads the events collection's floor",
+            "the ledger's fold and exact reads read its change stream: its log",
         );
         let why = "the ledger's fold keeps its state there";
         for action in ["find", "insert", "update", "remove"] {
@@ -472,8 +465,7 @@ mod tests {
             needed_of(&ledger),
             [
                 "views: find update insert",
-                "log: find remove changeStream collMod",
-                ": listCollections",
+                "log: find remove changeStream",
                 "log_fold: find insert update remove",
                 "tally_state: find insert update remove",
             ]

@@ -299,53 +299,38 @@ async fn majority_probe(store: &Store, state: &str) -> (Verdict, String) {
 
 /// How long the daemon may be down and still resume its change streams:
 /// the oplog's first and last entries.
-pub(super) async fn history(store: &Store, topology: &Topology) -> Check {
+pub(super) async fn history(store: &Store, topology: &Topology) -> (Check, Option<Duration>) {
     let name = "change_stream_history";
+    let unknown = |message: String| (Check::new(name, Verdict::Warn, message), None);
     match topology {
         Topology::Standalone => {
-            return Check::new(
-                name,
-                Verdict::Warn,
-                "none: a standalone server has no change streams (see server)",
-            );
+            return unknown("none: a standalone server has no change streams (see server)".into());
         }
         Topology::Sharded | Topology::LoadBalanced => {
-            return Check::new(
-                name,
-                Verdict::Warn,
+            return unknown(
                 "unknown: each shard keeps its own oplog; run tallyd doctor against each \
-                 shard's replica set to see how long its history reaches back",
+                 shard's replica set to see how long its history reaches back"
+                    .into(),
             );
         }
         Topology::ReplicaSet { .. } => {}
     }
     let (first, last) = match oplog_ends(store).await {
         Ok(Some(ends)) => ends,
-        Ok(None) => {
-            return Check::new(
-                name,
-                Verdict::Warn,
-                "unknown: the oplog (local.oplog.rs) is empty",
-            );
-        }
+        Ok(None) => return unknown("unknown: the oplog (local.oplog.rs) is empty".into()),
         Err(err) if server_code(&err) == Some(code::UNAUTHORIZED) => {
-            return Check::new(
-                name,
-                Verdict::Warn,
+            return unknown(
                 "unknown: this user may not read local.oplog.rs (find on the local database, \
                  e.g. the clusterMonitor role), so how long the daemon may be down without a \
-                 rescan cannot be told",
+                 rescan cannot be told"
+                    .into(),
             );
         }
         Err(err) => {
-            return Check::new(
-                name,
-                Verdict::Warn,
-                format!(
-                    "unknown: cannot read the oplog (local.oplog.rs): {}",
-                    store.describe(&err)
-                ),
-            );
+            return unknown(format!(
+                "unknown: cannot read the oplog (local.oplog.rs): {}",
+                store.describe(&err)
+            ));
         }
     };
     let window = Duration::from_secs(u64::from(last.saturating_sub(first)));
@@ -353,7 +338,7 @@ pub(super) async fn history(store: &Store, topology: &Topology) -> Check {
         std::time::UNIX_EPOCH + Duration::from_secs(u64::from(first)),
     );
     let shown = format_duration(window);
-    if window < SHORT_HISTORY {
+    let check = if window < SHORT_HISTORY {
         Check::new(
             name,
             Verdict::Warn,
@@ -373,7 +358,8 @@ pub(super) async fn history(store: &Store, topology: &Topology) -> Check {
                  back to {since}"
             ),
         )
-    }
+    };
+    (check, Some(window))
 }
 
 /// The times (seconds) of the oplog's oldest and newest entries.

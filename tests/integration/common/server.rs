@@ -22,6 +22,8 @@ pub struct ServerOptions {
     pub idle_timeout: Option<Duration>,
     /// Keep at most this many oplog entries.
     pub oplog_max_entries: Option<u64>,
+    /// Drop oplog entries older than this (as writes come).
+    pub oplog_retention: Option<Duration>,
     /// Require authentication.
     pub auth: bool,
     /// Advertise a standalone server (no replica set, no retryable writes).
@@ -68,6 +70,10 @@ impl TestServer {
         }
         if let Some(n) = options.oplog_max_entries {
             cmd.arg("--oplog-max-entries").arg(n.to_string());
+        }
+        if let Some(retention) = options.oplog_retention {
+            cmd.arg("--oplog-retention-seconds")
+                .arg(retention.as_secs_f64().to_string());
         }
         if options.auth {
             cmd.arg("--auth");
