@@ -49,7 +49,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{Config, ConfigErrors};
 use crate::daemon::clock::{Clock, ClockOffset};
-use crate::error::{Error, words};
+use crate::error::words;
 use crate::logging::Logging;
 use crate::redact::Secrets;
 use crate::store::Store;
@@ -70,6 +70,7 @@ use setup::SetupArgs;
 pub(crate) use exit::{
     EXIT_CONFIG, EXIT_FAILED, EXIT_NOPERM, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, exit_code_for,
 };
+use exit::{fail, fail_with};
 
 /// `tallyd`: exact counters in MongoDB.
 #[derive(Debug, Parser)]
@@ -584,25 +585,4 @@ async fn survey_setup(
         }
     };
     Ok((names, reconciler, now, store))
-}
-
-/// Prints a failure that happened before any outcome was known; `code` is
-/// its exit code.
-fn fail(json: bool, message: &str, secrets: &Secrets, code: u8) -> ExitCode {
-    let message = secrets.scrub(message);
-    if json {
-        out!(
-            "{}",
-            serde_json::json!({ "outcome": "error", "error": message })
-        );
-    } else {
-        eprintln!("error: {message}");
-    }
-    ExitCode::from(code)
-}
-
-/// [`fail`] for an error of an operation on `store`: its message names
-/// where the operation went; its exit code is its class's.
-fn fail_with(json: bool, err: &Error, store: &Store, secrets: &Secrets) -> ExitCode {
-    fail(json, &store.explain(err), secrets, exit_code_for(err))
 }

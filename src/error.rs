@@ -492,7 +492,7 @@ pub enum Error {
         "the oplog no longer reaches back to where the fold of {events} stands{since}: the fold \
          of this ledger stops rather than guess; fold again from a time you choose with \
          `tallyd fold-from` (the book: \"when the fold stops\")",
-        since = shown_since(.since)
+        since = message::position_since(.since)
     )]
     HistoryLost {
         /// The events collection.
@@ -570,16 +570,6 @@ pub enum Error {
         /// How many inserts were tried.
         attempts: u32,
     },
-}
-
-/// ` (its position: <time>)`, or nothing.
-fn shown_since(since: &Option<std::time::SystemTime>) -> String {
-    since.map_or_else(String::new, |since| {
-        format!(
-            " (its position: {})",
-            humantime::format_rfc3339_seconds(since)
-        )
-    })
 }
 
 impl Error {

@@ -8,7 +8,12 @@
 //! unknown or pending exits 75 whatever its cause; a definite "not done"
 //! exits by its cause (69, 77, else 1).
 
+use std::process::ExitCode;
+
+use crate::cli::out;
 use crate::error::{Effect, Error, Trouble};
+use crate::redact::Secrets;
+use crate::store::Store;
 
 /// Exit status: done.
 pub(crate) const EXIT_OK: u8 = 0;
@@ -128,6 +133,27 @@ pub(crate) fn exit_code_for_write(err: &Error) -> u8 {
         Error::Server(failure) if failure.effect != Effect::NotApplied => EXIT_TEMPFAIL,
         _ => exit_code_for(err),
     }
+}
+
+/// Prints a failure that happened before any outcome was known; `code` is
+/// its exit code.
+pub(super) fn fail(json: bool, message: &str, secrets: &Secrets, code: u8) -> ExitCode {
+    let message = secrets.scrub(message);
+    if json {
+        out!(
+            "{}",
+            serde_json::json!({ "outcome": "error", "error": message })
+        );
+    } else {
+        eprintln!("error: {message}");
+    }
+    ExitCode::from(code)
+}
+
+/// [`fail`] for an error of an operation on `store`: its message names
+/// where the operation went; its exit code is its class's.
+pub(super) fn fail_with(json: bool, err: &Error, store: &Store, secrets: &Secrets) -> ExitCode {
+    fail(json, &store.explain(err), secrets, exit_code_for(err))
 }
 
 #[cfg(test)]

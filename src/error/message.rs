@@ -570,6 +570,16 @@ impl super::Error {
     }
 }
 
+/// ` (its position: <time>)`, or nothing.
+pub(crate) fn position_since(since: &Option<std::time::SystemTime>) -> String {
+    since.map_or_else(String::new, |since| {
+        format!(
+            " (its position: {})",
+            humantime::format_rfc3339_seconds(since)
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

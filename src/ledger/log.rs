@@ -186,6 +186,7 @@ struct Change {
 
 /// What one read of a stream gave.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per insert read, moved once
 pub(crate) enum Step {
     /// The next insert.
     Inserted(Inserted),

@@ -26,15 +26,18 @@
 //!
 //! While the fold catches up (`fold::catch_up`), the events it has yet to
 //! fold are read from the collection itself (by number, then by key: a
-//! scan of what is left) and from the log after the catch-up's boundary.
+//! scan of what is left) and from the log after the catch-up's boundary
+//! (`catching_up`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 use mongodb::bson::{Bson, Document, Timestamp, doc};
 use mongodb::options::ReadConcern;
+
+mod catching_up;
 
 use super::log::{Inserted, Logged, Position, Reader, Scope};
 use super::state::{FoldState, Keeper, Window};
@@ -481,104 +484,6 @@ impl Ledger {
             .filter(|(at, inserted)| !(*at < end && has_pass(&inserted.event.counter())))
             .map(|(_, inserted)| inserted.event)
             .collect())
-    }
-
-    /// While the fold catches up: the counters' events numbered above its
-    /// progress (above a chunk a counter has already), from the collection,
-    /// and every insert of theirs after the boundary, from the log; an
-    /// event found in both is one event.
-    async fn catching_up(
-        &self,
-        session: &mut ClientSession,
-        counters: &Which<'_>,
-        reading: &Reading,
-        boundary: Option<&Position>,
-    ) -> Result<Vec<Logged>, Error> {
-        let state = &reading.state;
-        let progress = state
-            .catch_up
-            .as_ref()
-            .and_then(super::state::CatchUp::next_after);
-        let chunk = state.intent.as_ref().and_then(|pass| match pass.window {
-            Window::Chunk { upto, .. } => Some((pass.number, upto)),
-            Window::Log { .. } => None,
-        });
-        let mut filter = counters.filter(field::COUNTER);
-        if let Some(progress) = progress {
-            filter.insert(field::NUMBER, doc! { "$gt": progress });
-        }
-        let mut collected = self.scan(session, filter).await?;
-        let after: Vec<Logged> = match boundary {
-            Some(boundary) => self
-                .log_after(boundary, counters, None, reading.until)
-                .await?
-                .into_iter()
-                .map(|i| i.event)
-                .collect(),
-            None => Vec::new(),
-        };
-        let logged: HashSet<CanonicalKey> =
-            after.iter().map(|e| CanonicalKey::of(&e.key)).collect();
-        collected.retain(|event| {
-            if logged.contains(&CanonicalKey::of(&event.key)) {
-                return false;
-            }
-            // A counter that has the chunk in progress has its events.
-            let Some((number, upto)) = chunk else {
-                return true;
-            };
-            let has_chunk = reading
-                .counters
-                .get(&CanonicalKey::of(&event.counter()))
-                .and_then(|c| c.fold_position)
-                .is_some_and(|p| p >= number);
-            let numbered = event.number.as_ref().and_then(integer_value);
-            !(has_chunk && numbered.is_some_and(|s| s <= upto))
-        });
-        collected.extend(after);
-        Ok(collected)
-    }
-
-    /// The events matching `filter`, at read concern `majority` in
-    /// `session`.
-    async fn scan(
-        &self,
-        session: &mut ClientSession,
-        filter: Document,
-    ) -> Result<Vec<Logged>, Error> {
-        const OPERATION: &str = "ledger.read_unfolded";
-        let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
-        let mut budget = RetryBudget::read_once(OPERATION);
-        loop {
-            budget.start_attempt();
-            let found = self
-                .events
-                .find(filter.clone())
-                .projection(projection.clone())
-                .read_concern(ReadConcern::majority())
-                .session(&mut *session);
-            let mut cursor = match self.store.attempt(async { found.await }).await {
-                Ok(cursor) => cursor,
-                Err(err) => match self.store.after_failure(&mut budget, err) {
-                    crate::error::Next::Retry => continue,
-                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            };
-            let found: Vec<Document> = cursor
-                .stream(&mut *session)
-                .try_collect()
-                .await
-                .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
-            return Ok(found
-                .into_iter()
-                .map(|document| Logged {
-                    key: document.get("_id").cloned().unwrap_or(Bson::Null),
-                    counter: document.get(field::COUNTER).cloned(),
-                    amount: document.get(field::AMOUNT).cloned(),
-                    number: document.get(field::NUMBER).cloned(),
-                })
-                .collect());
-        }
     }
 
     /// One key's exact value from a consistent reading.

@@ -104,6 +104,7 @@ pub(crate) struct Pass {
 
 /// The events a pass folds.
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)] // one per pass
 pub(crate) enum Window {
     /// The log's inserts after `from`, up to and including `to` (`None`:
     /// none; a pass of held sums alone).

@@ -130,7 +130,7 @@ pub(super) async fn folds(store: &Store, config: &Config, now: SystemTime) -> Ve
                     "follows the change stream, its position {} behind",
                     backlog
                         .position_age
-                        .map_or_else(|| "-".to_owned(), |a| human_duration(a))
+                        .map_or_else(|| "-".to_owned(), human_duration)
                 ),
             ),
             Err(err @ (Error::FoldStopped { .. } | Error::HistoryLost { .. })) => {

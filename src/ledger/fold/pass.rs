@@ -304,15 +304,10 @@ impl EventFold {
         let tail = self.tail_at(running, from).await?;
         let deadline = Instant::now() + REREAD_FOR;
         loop {
-            if let Some(end) = tail
-                .read()
-                .iter()
-                .position(|i| i.identity() == (to.at.time, &to.key))
-            {
-                return Ok(tail.read().iter().take(end + 1).cloned().collect());
-            }
-            if let Some(past) = tail.read().iter().find(|i| i.at.time > to.at.time) {
-                return Err(self.window_not_found(to, past));
+            match window_end(tail.read().iter(), to) {
+                Ok(Some(end)) => return Ok(tail.read().iter().take(end + 1).cloned().collect()),
+                Ok(None) => {}
+                Err(past) => return Err(self.window_not_found(to, past)),
             }
             let before = tail.read().len();
             tail.listen(&self.store, usize::MAX, deadline).await?;
@@ -468,6 +463,27 @@ impl EventFold {
     }
 }
 
+/// Where a log pass's window ends among `read` (the inserts after its
+/// start, in the log's order): the index of its last insert `to`, known by
+/// its cluster time and event key — several inserts may share a cluster
+/// time (a transaction's, or on a sharded cluster two shards' merged by
+/// `mongos`), never a key. `Ok(None)`: not read yet. `Err`: an insert of a
+/// later cluster time came first — the log is not what the pass read.
+fn window_end<'a>(
+    read: impl IntoIterator<Item = &'a Inserted>,
+    to: &LastInsert,
+) -> Result<Option<usize>, &'a Inserted> {
+    for (at, inserted) in read.into_iter().enumerate() {
+        if inserted.identity() == (to.at.time, &to.key) {
+            return Ok(Some(at));
+        }
+        if inserted.at.time > to.at.time {
+            return Err(inserted);
+        }
+    }
+    Ok(None)
+}
+
 /// The backlog of `state` with `events` waiting, the oldest committed at
 /// `oldest`.
 pub(super) fn backlog(
@@ -483,5 +499,72 @@ pub(super) fn backlog(
         held: state.held.iter().map(held_sum).collect(),
         position_age: state.position.as_ref().map(|p| age(p.wall_time())),
         catching_up: state.catch_up.is_some() || state.position.is_none(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::log::Logged;
+    use mongodb::bson::{Bson, Timestamp, doc};
+    use mongodb::change_stream::event::ResumeToken;
+
+    /// An insert of `key` at cluster time `(time, increment)`, as a shard's
+    /// oplog stamps it.
+    fn insert(key: &str, time: u32, increment: u32) -> Inserted {
+        let token: ResumeToken = mongodb::bson::deserialize_from_bson(Bson::Document(
+            doc! { "_data": format!("82{time:08X}{increment:08X}{}", hex(key)) },
+        ))
+        .unwrap();
+        Inserted {
+            at: Position {
+                token,
+                time: Timestamp { time, increment },
+            },
+            event: Logged {
+                key: Bson::from(key),
+                counter: Some(Bson::from("c")),
+                amount: Some(Bson::Int64(1)),
+                number: None,
+            },
+        }
+    }
+
+    fn hex(text: &str) -> String {
+        text.bytes().map(|b| format!("{b:02X}")).collect()
+    }
+
+    fn last(inserted: &Inserted) -> LastInsert {
+        LastInsert {
+            at: inserted.at.clone(),
+            key: inserted.event.key.clone(),
+        }
+    }
+
+    /// Two shards' inserts as `mongos` merges them: shard A's and shard B's
+    /// at the same cluster times, interleaved. A pass that ended at B's
+    /// second insert, read again, ends exactly there — not at A's insert of
+    /// the same time before it, not at the one after it.
+    #[test]
+    fn a_window_read_again_from_two_shards_ends_at_its_own_last_insert() {
+        let merged = [
+            insert("a1", 10, 1),
+            insert("b1", 10, 1),
+            insert("a2", 10, 2),
+            insert("b2", 10, 2),
+            insert("a3", 10, 2),
+            insert("b3", 11, 1),
+        ];
+        let to = last(&merged[3]);
+        assert_eq!(window_end(merged.iter(), &to), Ok(Some(3)));
+        // Not read that far yet: more to read.
+        assert_eq!(window_end(merged[..3].iter(), &to), Ok(None));
+        // Its window read again starts after its start, wherever that was.
+        assert_eq!(window_end(merged[2..].iter(), &to), Ok(Some(1)));
+        // A log that no longer shows the pass's last insert before a later
+        // cluster time: the pass stops rather than guess.
+        let without = [merged[0].clone(), merged[1].clone(), merged[5].clone()];
+        let past = window_end(without.iter(), &to).unwrap_err();
+        assert_eq!(past.event.key, Bson::from("b3"));
     }
 }

@@ -31,7 +31,7 @@ async fn setup_record_get_and_status_from_the_command_line() {
     let missing = &json(&status)["ledgers"][0]["missing_indexes"];
     assert_eq!(
         missing.as_array().map(Vec::len),
-        Some(2),
+        Some(1),
         "{}",
         text(&status)
     );

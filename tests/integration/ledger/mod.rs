@@ -140,6 +140,7 @@ pub(crate) fn faketime_installed() -> bool {
 }
 
 /// `faketime`'s program, when installed (CI always has it).
+#[allow(dead_code)] // the skewed-clock tests of `late` use it
 fn faketime() -> Option<&'static str> {
     let found = faketime_installed();
     if !found && std::env::var_os("CI").is_some() {

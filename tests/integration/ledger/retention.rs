@@ -17,9 +17,12 @@ use tokio_util::sync::CancellationToken;
 use super::*;
 use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
 use crate::common::{TestContext, counter, field};
-use crate::ledger::{assert_outcome, documents, fold_of, ledger_on, unfolded};
+use crate::ledger::{
+    assert_outcome, documents, event_by_hand, fold_of, ledger_on, number_of, unfolded,
+};
 
 const HOUR: Duration = Duration::from_secs(3600);
+const MINUTE: Duration = Duration::from_secs(60);
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// A pass stops before its commit with every counter updated; a reconcile
@@ -97,19 +100,25 @@ async fn a_reconcile_a_day_later_prunes_writer_lanes_but_never_the_fold_lane() {
 
 /// Folded events stay for the dedupe window (a repeat is a duplicate),
 /// then go in bulk, dated by their numbers (the server's clock); events
-/// not folded never go, and the fold state holds no trace of the lanes.
+/// the fold is not past never go, and the fold state holds no trace of the
+/// lanes.
 #[tokio::test]
 async fn folded_events_are_deleted_past_the_window_and_unfolded_ones_never() {
     let ctx = TestContext::new("ledger_sweep").await;
     let client = ctx.client(false).await;
     let store = client.store();
     let ledger = ledger_on(&store, "views").await;
-    for i in 0..20 {
-        assert_outcome(&ledger.record(format!("e{i}"), "a", 1).await, "recorded");
+    let now = Reconciler::new(&store).server_time().await.unwrap();
+    // Twenty events numbered ten minutes ago (well before the fold's
+    // position once it folds them), as their recorder numbered them.
+    let events = client.collection("views_events");
+    let ten_minutes_ago = number_of(now - 10 * MINUTE);
+    for i in 0..20i64 {
+        let event = event_by_hand(&format!("e{i}"), "a", 1, ten_minutes_ago + i);
+        events.insert_one(event).await.unwrap();
     }
     let fold = fold_of(&store, "views");
     let stop = CancellationToken::new();
-    let now = Reconciler::new(&store).server_time().await.unwrap();
     fold.fold(now, &stop).await.unwrap();
     // Another handle records and nothing folds it (yet).
     let other = Ledger::new(&store, ledger.spec().clone());
@@ -117,7 +126,8 @@ async fn folded_events_are_deleted_past_the_window_and_unfolded_ones_never() {
     // Inside the window: kept, a repeat is a duplicate.
     assert_eq!(fold.sweep(now + 6 * DAY).await.unwrap(), 0);
     assert_outcome(&ledger.record("e3", "a", 1).await, "duplicate");
-    // Past it: the folded events go, the unfolded one stays.
+    // Past it: the folded events go; the one the fold is not past stays,
+    // however old.
     assert_eq!(fold.sweep(now + 8 * DAY).await.unwrap(), 20);
     let left = documents(&store, "views_events").await;
     assert_eq!(left.len(), 1, "{left:?}");

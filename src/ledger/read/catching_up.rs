@@ -1,0 +1,117 @@
+//! Exact reads while the fold catches up (`fold::catch_up`): the events it
+//! has yet to fold, from the collection itself and from the log after the
+//! catch-up's boundary; an event found in both is one event.
+
+use std::collections::HashSet;
+
+use futures::TryStreamExt;
+use mongodb::ClientSession;
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::options::ReadConcern;
+
+use super::{Reading, Which};
+use crate::document::{CanonicalKey, integer_value};
+use crate::error::{Error, Failure, RetryBudget};
+use crate::ledger::log::{Logged, Position};
+use crate::ledger::state::Window;
+use crate::ledger::{Ledger, field};
+
+impl Ledger {
+    /// While the fold catches up: the counters' events numbered above its
+    /// progress (above a chunk a counter has already), from the collection,
+    /// and every insert of theirs after the boundary, from the log; an
+    /// event found in both is one event.
+    pub(super) async fn catching_up(
+        &self,
+        session: &mut ClientSession,
+        counters: &Which<'_>,
+        reading: &Reading,
+        boundary: Option<&Position>,
+    ) -> Result<Vec<Logged>, Error> {
+        let state = &reading.state;
+        let progress = state
+            .catch_up
+            .as_ref()
+            .and_then(crate::ledger::state::CatchUp::next_after);
+        let chunk = state.intent.as_ref().and_then(|pass| match pass.window {
+            Window::Chunk { upto, .. } => Some((pass.number, upto)),
+            Window::Log { .. } => None,
+        });
+        let mut filter = counters.filter(field::COUNTER);
+        if let Some(progress) = progress {
+            filter.insert(field::NUMBER, doc! { "$gt": progress });
+        }
+        let mut collected = self.scan(session, filter).await?;
+        let after: Vec<Logged> = match boundary {
+            Some(boundary) => self
+                .log_after(boundary, counters, None, reading.until)
+                .await?
+                .into_iter()
+                .map(|i| i.event)
+                .collect(),
+            None => Vec::new(),
+        };
+        let logged: HashSet<CanonicalKey> =
+            after.iter().map(|e| CanonicalKey::of(&e.key)).collect();
+        collected.retain(|event| {
+            if logged.contains(&CanonicalKey::of(&event.key)) {
+                return false;
+            }
+            // A counter that has the chunk in progress has its events.
+            let Some((number, upto)) = chunk else {
+                return true;
+            };
+            let has_chunk = reading
+                .counters
+                .get(&CanonicalKey::of(&event.counter()))
+                .and_then(|c| c.fold_position)
+                .is_some_and(|p| p >= number);
+            let numbered = event.number.as_ref().and_then(integer_value);
+            !(has_chunk && numbered.is_some_and(|s| s <= upto))
+        });
+        collected.extend(after);
+        Ok(collected)
+    }
+
+    /// The events matching `filter`, at read concern `majority` in
+    /// `session`.
+    async fn scan(
+        &self,
+        session: &mut ClientSession,
+        filter: Document,
+    ) -> Result<Vec<Logged>, Error> {
+        const OPERATION: &str = "ledger.read_unfolded";
+        let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
+        let mut budget = RetryBudget::read_once(OPERATION);
+        loop {
+            budget.start_attempt();
+            let found = self
+                .events
+                .find(filter.clone())
+                .projection(projection.clone())
+                .read_concern(ReadConcern::majority())
+                .session(&mut *session);
+            let mut cursor = match self.store.attempt(async { found.await }).await {
+                Ok(cursor) => cursor,
+                Err(err) => match self.store.after_failure(&mut budget, err) {
+                    crate::error::Next::Retry => continue,
+                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                },
+            };
+            let found: Vec<Document> = cursor
+                .stream(&mut *session)
+                .try_collect()
+                .await
+                .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
+            return Ok(found
+                .into_iter()
+                .map(|document| Logged {
+                    key: document.get("_id").cloned().unwrap_or(Bson::Null),
+                    counter: document.get(field::COUNTER).cloned(),
+                    amount: document.get(field::AMOUNT).cloned(),
+                    number: document.get(field::NUMBER).cloned(),
+                })
+                .collect());
+        }
+    }
+}
