@@ -197,7 +197,6 @@ pub(crate) fn describe(collection: &str, need: &Needed, created: Created) -> Str
     format!("{collection}: index {} {}: {what}", need.name, need.keys)
 }
 
-#[cfg(feature = "daemon")]
 /// The names of `collection`'s indexes (none when it does not exist).
 #[cfg(feature = "daemon")]
 pub(crate) async fn names(store: &Store, collection: &str) -> Result<Vec<String>, Error> {
@@ -211,6 +210,7 @@ pub(crate) async fn names(store: &Store, collection: &str) -> Result<Vec<String>
 /// Drops the indexes of `collection` that earlier versions made and nothing
 /// reads any more ([`OBSOLETE`], by name): each costs every insert. Returns
 /// one line per index dropped.
+#[cfg(feature = "daemon")]
 pub(crate) async fn drop_obsolete(store: &Store, collection: &str) -> Result<Vec<String>, Error> {
     let listed = listed(store, collection).await?;
     let coll = store.collection(collection);
