@@ -106,7 +106,13 @@ async fn fold_from(
             Err(err) => return fail_with(json, &err, store, &secrets),
         };
         match fold.fold(now, &stop).await {
-            Ok(run) if run.backlog.catching_up && !run.busy => folded += run.events_folded,
+            // Another fold (the daemon) holds the catch-up's chunk: it goes
+            // on; wait for it.
+            Ok(run) if run.busy => {
+                folded += run.events_folded;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Ok(run) if run.backlog.catching_up => folded += run.events_folded,
             Ok(run) => break run,
             Err(err) => return fail_with(json, &err, store, &secrets),
         }
@@ -116,7 +122,8 @@ async fn fold_from(
         out!("{}", as_json(fold, &from, buckets, folded));
     } else {
         out!(
-            "{}: caught up: {} folded; the fold follows the change stream again",
+            "{}: caught up ({} folded by this command, the rest by the daemon if it runs): the \
+             fold follows the change stream again",
             fold.events_collection(),
             counted(folded, "event", "events")
         );

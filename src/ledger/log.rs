@@ -46,6 +46,11 @@ pub(crate) struct Position {
     pub(crate) token: ResumeToken,
     /// The cluster time it stands for.
     pub(crate) time: Timestamp,
+    /// The key of the event whose insert it is (`None`: a high-water mark,
+    /// between inserts). A stream resumed from an insert's token must show
+    /// that insert again (the server checks it), so a stream filtered by
+    /// counter asks for it too.
+    pub(crate) event: Option<Bson>,
 }
 
 impl Position {
@@ -57,13 +62,22 @@ impl Position {
                   can read (an unknown token format): the ledger needs MongoDB 4.4 or newer"
                 .into(),
         })?;
-        Ok(Self { token, time })
+        Ok(Self {
+            token,
+            time,
+            event: None,
+        })
     }
 
-    /// As stored: `{token: <the token>, time: <its cluster time>}`.
+    /// As stored: `{token: <the token>, time: <its cluster time>, event:
+    /// <its insert's event key, if any>}`.
     pub(crate) fn to_document(&self) -> Document {
         let token = mongodb::bson::serialize_to_bson(&self.token).unwrap_or(Bson::Null);
-        doc! { "token": token, "time": self.time }
+        let mut stored = doc! { "token": token, "time": self.time };
+        if let Some(event) = &self.event {
+            stored.insert("event", event.clone());
+        }
+        stored
     }
 
     /// As stored by [`Position::to_document`], or what is wrong with it.
@@ -77,7 +91,11 @@ impl Position {
         let time = document
             .get_timestamp("time")
             .map_err(|_| "its cluster time is not a timestamp")?;
-        Ok(Self { token, time })
+        Ok(Self {
+            token,
+            time,
+            event: document.get("event").cloned(),
+        })
     }
 
     /// The wall-clock time of its cluster time (whole seconds).
@@ -202,11 +220,12 @@ pub(crate) enum Scope {
     All,
     /// The inserts whose event matches `counters`, a filter on the event's
     /// fields (`k` and its dotted paths), applied by the server — and the
-    /// insert of the event `event`, whatever its counter (where a pass in
-    /// progress ends).
+    /// inserts of the events `events`, whatever their counters (the insert
+    /// the stream resumes after, which the server must find again; where a
+    /// pass in progress ends).
     Matching {
         counters: Document,
-        event: Option<Bson>,
+        events: Vec<Bson>,
     },
 }
 
@@ -301,6 +320,7 @@ impl Reader {
             at: Position {
                 token: change.token,
                 time,
+                event: Some(event.key.clone()),
             },
             event,
         }))
@@ -414,14 +434,15 @@ fn pipeline(scope: &Scope) -> Vec<Document> {
     let mut wanted = vec![doc! { "operationType": { "$in": ENDS } }];
     match scope {
         Scope::All => wanted.push(doc! { "operationType": "insert" }),
-        Scope::Matching { counters, event } => {
+        Scope::Matching { counters, events } => {
             let mut inserts = doc! { "operationType": "insert" };
             for (path, condition) in counters {
                 inserts.insert(full(path), condition.clone());
             }
             wanted.push(inserts);
-            if let Some(event) = event {
-                wanted.push(doc! { "operationType": "insert", full("_id"): event.clone() });
+            if !events.is_empty() {
+                let events = events.clone();
+                wanted.push(doc! { "operationType": "insert", full("_id"): { "$in": events } });
             }
         }
     }
@@ -527,14 +548,15 @@ mod tests {
     fn the_pipeline_keeps_inserts_of_the_scope_and_the_ends_of_the_log() {
         let scoped = pipeline(&Scope::Matching {
             counters: doc! { "k": "home" },
-            event: Some(Bson::from("evt_9")),
+            events: vec![Bson::from("evt_9")],
         });
         let filter = scoped[0].get_document("$match").unwrap();
         let wanted = filter.get_array("$or").unwrap();
         let insert = wanted[1].as_document().unwrap();
         assert_eq!(insert.get_str("fullDocument.k").unwrap(), "home");
         let end = wanted[2].as_document().unwrap();
-        assert_eq!(end.get_str("fullDocument._id").unwrap(), "evt_9");
+        let ids = end.get_document("fullDocument._id").unwrap();
+        assert_eq!(ids.get_array("$in").unwrap(), &vec![Bson::from("evt_9")]);
         assert_eq!(
             pipeline(&Scope::All)[1]
                 .get_document("$project")

@@ -38,12 +38,13 @@ use mongodb::bson::{Bson, Document, Timestamp, doc};
 use mongodb::options::ReadConcern;
 
 mod catching_up;
+mod counter;
 
 use super::log::{Inserted, Logged, Position, Reader, Scope};
 use super::state::{FoldState, Keeper, Window};
 use super::{Ledger, field, fold_lane};
 use crate::bucket::CLOSED_FIELD;
-use crate::document::{CanonicalKey, bson_type_name, display_id, integer_value, same_key};
+use crate::document::{CanonicalKey, display_id, integer_value, same_key};
 use crate::error::{Error, Failure, RetryBudget};
 use crate::write::at::{by_any, by_id};
 
@@ -84,6 +85,16 @@ impl Span<'_> {
 }
 
 impl Which<'_> {
+    /// Whether `counter` is one of them.
+    fn holds(&self, counter: &Bson) -> bool {
+        match &self.span {
+            Some(span) => crate::write::at::split_id(counter).is_some_and(|(key, start)| {
+                same_key(key, span.key) && start >= span.from && start < span.to
+            }),
+            None => self.keys.iter().any(|key| same_key(key, counter)),
+        }
+    }
+
     /// The filter of their documents (`path`: `_id`, or an event's `k`).
     fn filter(&self, path: &str) -> Document {
         match &self.span {
@@ -310,72 +321,6 @@ impl Ledger {
         doc! { &self.spec.counter_field: 1, &self.spec.lanes_field: 1, CLOSED_FIELD: 1 }
     }
 
-    /// The counters as the ledger reads them, by key.
-    fn counter_states(
-        &self,
-        found: Vec<Document>,
-        lane: &str,
-    ) -> Result<HashMap<CanonicalKey, CounterState>, Error> {
-        found
-            .into_iter()
-            .map(|counter| {
-                let id = counter.get("_id").cloned().unwrap_or(Bson::Null);
-                let state = self.counter_state(&id, lane, &counter)?;
-                Ok((CanonicalKey::of(&id), state))
-            })
-            .collect()
-    }
-
-    /// The counter's value and its fold lane's position.
-    fn counter_state(
-        &self,
-        key: &Bson,
-        lane: &str,
-        found: &Document,
-    ) -> Result<CounterState, Error> {
-        let spec = &self.spec;
-        let malformed = |reason: String| Error::Malformed {
-            collection: spec.name.clone(),
-            id: display_id(key),
-            reason,
-        };
-        let value = match found.get(&spec.counter_field) {
-            None => 0,
-            Some(value) => integer_value(value).ok_or_else(|| {
-                malformed(format!(
-                    "the counter field {} is a {}, not an exact integer",
-                    spec.counter_field,
-                    bson_type_name(value)
-                ))
-            })?,
-        };
-        let fold_position = match found.get(&spec.lanes_field) {
-            None => None,
-            Some(Bson::Document(map)) => match map.get(lane) {
-                None => None,
-                Some(position) => Some(integer_value(position).ok_or_else(|| {
-                    malformed(format!(
-                        "its entry {}.{lane} is not an integer",
-                        spec.lanes_field
-                    ))
-                })?),
-            },
-            Some(other) => {
-                return Err(malformed(format!(
-                    "the lanes field {} is a {}, not a document",
-                    spec.lanes_field,
-                    bson_type_name(other)
-                )));
-            }
-        };
-        Ok(CounterState {
-            value,
-            fold_position,
-            closed: spec.buckets.is_some()
-                && matches!(found.get(CLOSED_FIELD), Some(Bson::DateTime(_))),
-        })
-    }
-
     /// The counters' events not in them yet, by counter: from the log after
     /// the fold's position, or, while the fold catches up, from the
     /// collection and the log after the catch-up's boundary.
@@ -397,7 +342,7 @@ impl Ledger {
                         _ => None,
                     });
                 let read = self
-                    .log_after(position, counters, end, reading.until)
+                    .log_after(position, counters, end.into_iter().collect(), reading.until)
                     .await?;
                 self.after_pass(read, reading)?
             }
@@ -418,22 +363,41 @@ impl Ledger {
     }
 
     /// The counters' inserts after `position`, up to `until` (and the
-    /// insert of the event `end`, where a pass in progress ends).
-    async fn log_after(
+    /// inserts of the events `also`: where a pass in progress ends).
+    ///
+    /// The stream is filtered by counter on the server, and asks for the
+    /// insert it resumes after too: a server that pushes the filter down
+    /// into its oplog scan must still find that insert (MongoDB checks
+    /// that a resumed stream shows its token's event). Should a server
+    /// refuse the resume all the same (`ChangeStreamHistoryLost` with the
+    /// oplog still holding the position), the read takes every insert, as
+    /// the fold's own stream does, and keeps its counters' here.
+    pub(super) async fn log_after(
         &self,
         position: &Position,
         counters: &Which<'_>,
-        end: Option<Bson>,
+        mut also: Vec<Bson>,
         until: Timestamp,
     ) -> Result<Vec<Inserted>, Error> {
         let events = self.spec.events_collection_name();
+        also.extend(position.event.clone());
         let scope = Scope::Matching {
             counters: counters.filter(field::COUNTER),
-            event: end,
+            events: also,
         };
-        let mut reader =
-            Reader::open(&self.store, &events, Some(position), &scope, LOG_WAIT).await?;
         let deadline = Instant::now() + self.store.attempt_timeout();
+        let opened = Reader::open(&self.store, &events, Some(position), &scope, LOG_WAIT).await;
+        let mut reader = match opened {
+            Err(Error::HistoryLost { .. }) => {
+                let mut all =
+                    Reader::open(&self.store, &events, Some(position), &Scope::All, LOG_WAIT)
+                        .await?;
+                let mut read = all.read_until(&self.store, until, deadline).await?;
+                read.retain(|inserted| counters.holds(&inserted.event.counter()));
+                return Ok(read);
+            }
+            opened => opened?,
+        };
         reader.read_until(&self.store, until, deadline).await
     }
 

@@ -53,7 +53,7 @@ pub(super) async fn ledger_indexes(store: &Store, config: &Config) -> Vec<Check>
         let (verdict, message) = match ledger.missing_indexes().await {
             Ok(missing) if missing.is_empty() => (
                 Verdict::Ok,
-                "the fold's indexes are there (by number, and by counter and number)".to_owned(),
+                "the fold's index is there (by number: the sweep's, a catch-up's)".to_owned(),
             ),
             Ok(missing) => (
                 Verdict::Fail,

@@ -17,10 +17,12 @@ use crate::store::Store;
 /// update pipelines it writes with.
 const MIN_WIRE_VERSION: i32 = 8;
 
-/// The oldest MongoDB a ledger's fold works on: 6.0 (wire version 17)
-/// brought the change stream's `modify` events with `stateBeforeChange`,
-/// which tell the fold what its raise of the floor replaced.
-const LEDGER_MIN_WIRE_VERSION: i32 = 17;
+/// The oldest MongoDB a ledger's fold works on: 4.4 (wire version 9) labels
+/// the change stream's errors it may resume after
+/// (`ResumableChangeStreamError`), which the drivers' change-stream
+/// specification resumes by, and gives every reply a high-water mark
+/// (`postBatchResumeToken`) whose cluster time the fold reads.
+const LEDGER_MIN_WIRE_VERSION: i32 = 9;
 
 /// How long the majority-write probe may wait for replication.
 const MAJORITY_WAIT: Duration = Duration::from_secs(5);
@@ -91,9 +93,9 @@ pub(super) async fn server(
             "server",
             Verdict::Fail,
             format!(
-                "{version} is older than 6.0: the ledger's fold (of {}) reads what each raise of \
-                 the events collection's floor replaced from the change stream, which older \
-                 servers do not say; upgrade the server",
+                "{version} is older than 4.4: the ledger's fold (of {}) follows the events \
+                 collection's change stream, which older servers neither label the errors it may \
+                 resume after on nor mark where it stands between events; upgrade the server",
                 ledgers.join(", ")
             ),
         );

@@ -78,7 +78,13 @@ impl EventFold {
             })
             | Some(Earlier::Watermark {
                 in_progress: true, ..
-            }) => return Err(self.upgrade_blocked("a pass of that version is in progress")),
+            }) => {
+                return Err(self.upgrade_blocked(
+                    "a pass of that version is in progress: finish it with that version's \
+                     `tallyd reconcile` (until `tallyd status` shows nothing in progress), then \
+                     run this version",
+                ));
+            }
             Some(Earlier::Watermark { watermark, .. }) => Some(*watermark),
             Some(Earlier::Lanes { lanes, .. }) => Some(self.watermark_of(lanes).await?),
         };

@@ -520,6 +520,7 @@ mod tests {
             at: Position {
                 token,
                 time: Timestamp { time, increment },
+                event: Some(Bson::from(key)),
             },
             event: Logged {
                 key: Bson::from(key),

@@ -44,7 +44,7 @@ impl Ledger {
         let mut collected = self.scan(session, filter).await?;
         let after: Vec<Logged> = match boundary {
             Some(boundary) => self
-                .log_after(boundary, counters, None, reading.until)
+                .log_after(boundary, counters, Vec::new(), reading.until)
                 .await?
                 .into_iter()
                 .map(|i| i.event)

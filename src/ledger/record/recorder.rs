@@ -7,10 +7,10 @@
 //! once, and each event gets `s = max(last + 1, that time + the time
 //! elapsed since, by this host's monotonic clock)` in microseconds — never
 //! this host's wall clock, which may be minutes off. Numbers only grow, and
-//! an event's number dates it on the server's clock, which is what the fold
-//! moves its watermark by. A lane is used for at most [`LANE_SPAN`] (the
-//! monotonic clock's drift stays negligible), and is retired at once after
-//! an insert whose outcome is unknown; the next event mints a fresh one.
+//! an event's number dates it on the server's clock. A lane is used for at
+//! most [`LANE_SPAN`] (the monotonic clock's drift stays negligible), and
+//! is retired at once after an insert whose outcome is unknown; the next
+//! event mints a fresh one.
 //! The numbers date the events (the sweep deletes by them, `tallyd
 //! fold-from` chooses by them); the fold itself follows the log's order,
 //! whatever the numbers.

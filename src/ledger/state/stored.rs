@@ -272,6 +272,7 @@ mod tests {
                 time: 0x64A1_B2C3,
                 increment,
             },
+            event: None,
         }
     }
 

@@ -178,3 +178,67 @@ async fn every_kind_of_amount_that_is_not_an_integer_is_left_out_and_reported() 
     assert_eq!(counter(&direct.collection("views"), "b").await, 7);
     assert_eq!(ledger.value("a").await.unwrap().value, 5);
 }
+
+/// An exact read never goes back: read again and again while a pass is
+/// recorded, applied to the counter (its reply held up, so the counter has
+/// the pass and the state still shows it in progress) and committed (its
+/// reply held up too), every read is every event recorded so far — the
+/// pass's own events counted once, by the counter or by the log, never
+/// neither and never both — and an event recorded while the pass runs is
+/// read at once.
+#[tokio::test]
+async fn an_exact_read_never_goes_back_while_a_pass_is_applied() {
+    use crate::common::proxy::{Action, Proxy, Rule, upstream_of};
+    const HOLD: std::time::Duration = std::time::Duration::from_secs(2);
+    let ctx = TestContext::new("ledger_read_never_back").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    let fold = fold_of(&store, "views");
+    assert_outcome(&ledger.record("e1", "b", 1).await, "recorded");
+    fold_all(&fold).await;
+    for i in 2..=20 {
+        assert_outcome(&ledger.record(format!("e{i}"), "b", 1).await, "recorded");
+    }
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let _slow_apply = proxy.rule(
+        Rule::command("update")
+            .collection("views")
+            .then(Action::DelayReply(HOLD)),
+    );
+    let _slow_commit = proxy.rule(
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions("$unset")
+            .then(Action::DelayReply(HOLD)),
+    );
+    let pass = tokio::spawn(async move {
+        let fold = fold_of(&through, "views");
+        fold.fold(SystemTime::now(), &CancellationToken::new())
+            .await
+            .map(|run| run.events_folded)
+    });
+    let views = client.collection("views");
+    let mut expected = 20;
+    let (mut reads, mut applied_seen) = (0, false);
+    while !pass.is_finished() {
+        let read = ledger.value("b").await.unwrap();
+        assert_eq!(read.value, expected, "{read:?} after {reads} reads");
+        // The counter holds the pass while its commit is held up.
+        applied_seen |= read.folded == 20;
+        reads += 1;
+        if reads == 5 {
+            assert_outcome(&ledger.record("late", "b", 100).await, "recorded");
+            expected += 100;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let folded = pass.await.unwrap().unwrap();
+    assert!((19..=20).contains(&folded), "the pass folded {folded}");
+    assert!(reads > 10, "only {reads} reads while the pass ran");
+    assert!(applied_seen, "no read saw the counter holding the pass");
+    assert_eq!(ledger.value("b").await.unwrap().value, expected);
+    fold_all(&fold).await;
+    assert_eq!(counter(&views, "b").await, expected);
+}

@@ -2,7 +2,7 @@
 //! fold-from`): a catch-up of the events numbered after that time, and the
 //! events recorded near the stop named — their count cannot be certain.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
@@ -42,7 +42,7 @@ pub struct FoldFrom {
     pub stopped_at: Option<SystemTime>,
     /// The events recorded near where the fold stopped: each was counted
     /// before the stop, or is counted by this catch-up, or neither — the
-    /// log that would tell is gone. At most [`UNCERTAIN_LISTED`].
+    /// log that would tell is gone. At most 1,000 (`uncertain_total` counts them all).
     pub uncertain: Vec<UncertainEvent>,
     /// How many uncertain events there are in all.
     pub uncertain_total: u64,
@@ -249,22 +249,26 @@ impl EventFold {
 
 /// Where the fold of `state` stood when it stopped, and where the pass it
 /// left unfinished ended (its first chunk's end when it folds again).
+///
+/// A cluster time is a second and a counter: which events of that second
+/// committed before it, their numbers cannot tell. So the fold stopped "at
+/// the end of its position's second": an event numbered within that second
+/// may have been counted before the stop or not (it is named uncertain),
+/// and one numbered after it committed after the stop (counted now, once).
 fn stopped_where(state: &FoldState) -> (Option<SystemTime>, Option<i64>) {
+    let end_of_second = |at: &Position| at.wall_time() + Duration::from_secs(1);
     match &state.intent {
         Some(Pass {
             window: Window::Log { from, to },
             ..
         }) => (
-            Some(from.wall_time()),
-            to.as_ref().map(|to| unix_micros(to.at.wall_time())),
+            Some(end_of_second(from)),
+            to.as_ref().map(|to| unix_micros(end_of_second(&to.at))),
         ),
         Some(Pass {
             window: Window::Chunk { upto, .. },
             ..
-        }) => (
-            state.position.as_ref().map(Position::wall_time),
-            Some(*upto),
-        ),
-        None => (state.position.as_ref().map(Position::wall_time), None),
+        }) => (state.position.as_ref().map(end_of_second), Some(*upto)),
+        None => (state.position.as_ref().map(end_of_second), None),
     }
 }
