@@ -177,3 +177,14 @@ pub(crate) fn outcome_of(body: &Value) -> Value {
     }
     body
 }
+
+/// The stored form of `token` with `scopes`: the value of its
+/// `TALLYD_API_TOKEN_…` variable, as `tallyd api-token` prints it.
+pub(crate) fn stored(token: &str, scopes: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let hash: String = Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("sha256:{hash} {scopes}")
+}

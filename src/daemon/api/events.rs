@@ -23,7 +23,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use mongodb::bson::Bson;
 use serde_json::{Value, json};
 
@@ -164,7 +164,9 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Problem> {
 }
 
 /// The body, read within `max_body_bytes` and `body_timeout`: 413 or 408
-/// before anything is written.
+/// before anything is written. A body over the limit is read on (and
+/// thrown away) up to [`DRAIN_AT_MOST`], so that the client, still
+/// sending, gets the answer instead of a reset connection.
 async fn read_body(body: Body, headers: &HeaderMap, limits: &ApiLimits) -> Result<Bytes, Problem> {
     let too_large = || {
         Problem::new(
@@ -180,26 +182,60 @@ async fn read_body(body: Body, headers: &HeaderMap, limits: &ApiLimits) -> Resul
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let mut body = body;
     if declared.is_some_and(|length| length > limits.max_body_bytes) {
+        if declared.is_some_and(|length| length <= DRAIN_AT_MOST) {
+            let _ =
+                tokio::time::timeout(limits.body_timeout, drain(&mut body, DRAIN_AT_MOST)).await;
+        }
         return Err(too_large());
     }
-    let limit = usize::try_from(limits.max_body_bytes).unwrap_or(usize::MAX);
-    let read = tokio::time::timeout(limits.body_timeout, Limited::new(body, limit).collect());
-    match read.await {
-        Err(_) => Err(Problem::new(
+    let read = tokio::time::timeout(limits.body_timeout, async {
+        let mut bytes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|err| {
+                Problem::new(
+                    Kind::BadRequest,
+                    format!(
+                        "the body could not be read ({err}): nothing was written; send it again"
+                    ),
+                )
+            })?;
+            if let Ok(data) = frame.into_data() {
+                bytes.extend_from_slice(&data);
+            }
+            if bytes.len() as u64 > limits.max_body_bytes {
+                drain(&mut body, DRAIN_AT_MOST).await;
+                return Err(too_large());
+            }
+        }
+        Ok(Bytes::from(bytes))
+    });
+    read.await.unwrap_or_else(|_| {
+        Err(Problem::new(
             Kind::Timeout,
             format!(
                 "the body did not arrive within [api] body_timeout ({}): nothing was written; \
                  send it again",
                 humantime::format_duration(limits.body_timeout)
             ),
-        )),
-        Ok(Err(err)) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Ok(Err(err)) => Err(Problem::new(
-            Kind::BadRequest,
-            format!("the body could not be read ({err}): nothing was written; send it again"),
-        )),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        ))
+    })
+}
+
+/// How much of a body over the limit is read and thrown away, at most.
+const DRAIN_AT_MOST: u64 = 16 * 1024 * 1024;
+
+/// Reads and throws away what is left of `body`, up to `at_most` bytes.
+async fn drain(body: &mut Body, at_most: u64) {
+    let mut read = 0u64;
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Ok(data) = frame.into_data() {
+            read += data.len() as u64;
+        }
+        if read > at_most {
+            return;
+        }
     }
 }
 

@@ -265,7 +265,7 @@ async fn send_until_answered(
         let answer: Value = serde_json::from_str(&text)
             .unwrap_or_else(|err| panic!("an answer that is not JSON ({err}): {text}"));
         let outcomes: Vec<Value> = match (status, events.len()) {
-            (201 | 200 | 202, 1) => vec![answer],
+            (200..=202, 1) => vec![answer],
             (200, _) => answer["outcomes"].as_array().unwrap().clone(),
             (503, _) => {
                 tokio::time::sleep(Duration::from_millis(200)).await;

@@ -14,15 +14,6 @@ use crate::common::tallyd::{Tallyd, free_address};
 const WRITER: &str = "tally_writer_0123456789abcdef0123456789abcdef01234567";
 const READER: &str = "tally_reader_0123456789abcdef0123456789abcdef01234567";
 
-fn stored(token: &str, scopes: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let hash: String = Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("sha256:{hash} {scopes}")
-}
-
 /// One row: what is sent, and the status it must get.
 struct Row {
     what: &'static str,
@@ -153,8 +144,8 @@ fn rows() -> Vec<Row> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refusal_is_a_problem_that_says_what_to_do_and_writes_nothing() {
     let (writer, reader) = (
-        stored(WRITER, "record:orders read:orders"),
-        stored(READER, "read:*"),
+        super::stored(WRITER, "record:orders read:orders"),
+        super::stored(READER, "read:*"),
     );
     let setup = Setup {
         api: "max_body_bytes = 262144\nmax_batch = 5\n",
