@@ -31,9 +31,11 @@ mod requests;
 pub(crate) const PATIENCE: Duration = Duration::from_secs(60);
 
 /// The collections the API serves in these tests: `orders` (a ledger),
-/// `calls` (a ledger counted by the minute), `views` (no ledger).
+/// `calls` (a ledger counted by the minute), `page_views` (the book's),
+/// `views` (no ledger).
 pub(crate) const COLLECTIONS: &str = "[[collections]]\nname = \"orders\"\nledger = true\n\
-     [[collections]]\nname = \"calls\"\nledger = true\nbucket = \"minute\"\n";
+     [[collections]]\nname = \"calls\"\nledger = true\nbucket = \"minute\"\n\
+     [[collections]]\nname = \"page_views\"\nledger = true\n";
 
 /// A daemon with `[api]` on, and a client for it.
 pub(crate) struct ApiDaemon {
@@ -136,11 +138,12 @@ impl ApiDaemon {
 }
 
 /// The test's collections as the library configures them.
-pub(crate) fn specs() -> [CollectionConfig; 2] {
+pub(crate) fn specs() -> [CollectionConfig; 3] {
     let minutes = Buckets::utc(BucketWidth::Minute);
     [
         CollectionConfig::new("orders"),
         CollectionConfig::new("calls").with_buckets(minutes),
+        CollectionConfig::new("page_views"),
     ]
 }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use mongodb::bson::{Document, doc};
+use mongodb::bson::doc;
 use serde_json::{Value, json};
 
 use super::{ApiDaemon, PATIENCE, Setup, send};
@@ -60,18 +60,10 @@ fn load(
 
 /// The ids of the events `orders_events` holds.
 async fn recorded(ctx: &TestContext) -> std::collections::HashSet<String> {
-    use futures::TryStreamExt;
     let events = ctx.client(false).await.collection("orders_events");
-    let found: Vec<Document> = events
-        .find(doc! {})
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    found
-        .iter()
-        .map(|d| d.get_str("_id").unwrap().to_owned())
+    let ids = events.distinct("_id", doc! {}).await.unwrap();
+    ids.iter()
+        .map(|id| id.as_str().unwrap().to_owned())
         .collect()
 }
 
