@@ -16,6 +16,7 @@
 //! create a database (a misspelt `[mongodb] database` is reported instead).
 
 mod access;
+mod api;
 mod cluster;
 mod deployment;
 mod ledger;
@@ -70,8 +71,9 @@ impl Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
-    /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `privileges` or
-    /// `change_stream_history`; on a sharded cluster also `shards`,
+    /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `privileges`,
+    /// `change_stream_history`, and with `[api]` `api` and `api_tls`; on a
+    /// sharded cluster also `shards`,
     /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
     /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`,
@@ -187,6 +189,7 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
     checks.extend(ledger::unfolded_elsewhere(store, config, now).await);
     checks.push(access::privileges(store, config).await);
     checks.push(deployment::history(store, &topology).await);
+    checks.extend(api::checks(config));
     if sharding::is_mongos(&hello) {
         checks.extend(cluster::checks(store, config, &hello, clock).await);
     }

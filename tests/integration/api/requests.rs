@@ -308,3 +308,53 @@ async fn metrics_count_requests_by_route_and_status_with_their_latency() {
     let recorded = "tally_api_events_total{collection=\"orders\",outcome=\"recorded\"}";
     assert_eq!(daemon.daemon.metric(recorded).await, Some(1.0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_checks_the_api_section_naming_tokens_never_showing_them() {
+    let daemon = ApiDaemon::start("api_doctor", Setup::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let text = super::config(&daemon.ctx, daemon.api, "");
+    let path = write_config(dir.path(), &text);
+    let token = super::stored("tally_doctor_0123456789", "record:orders read:*");
+    let env = [("TALLYD_API_TOKEN_DOCTOR", token.as_str())];
+    let doctor = json(&tallyd(&["--config", &path, "doctor", "--json"], &env).await);
+    let check = |name: &str| {
+        doctor["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} check: {doctor}"))
+    };
+    let api = check("api");
+    assert_eq!(api["verdict"], "ok", "{api}");
+    let said = api["message"].as_str().unwrap();
+    assert!(said.contains("doctor (record:orders read:*)"), "{said}");
+    assert!(!doctor.to_string().contains("tally_doctor_0123456789"));
+
+    // Without tokens: a warning; TLS files that are not: a failure.
+    let lines = "tls_cert = \"/nonexistent/cert.pem\"\ntls_key = \"/nonexistent/key.pem\"\n";
+    let path = write_config(dir.path(), &super::config(&daemon.ctx, daemon.api, lines));
+    let doctor = json(&tallyd(&["--config", &path, "doctor", "--json"], &[]).await);
+    let verdicts: Vec<(String, String)> = doctor["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["name"].as_str().unwrap().starts_with("api"))
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().into(),
+                c["verdict"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            ("api".into(), "warn".into()),
+            ("api_tls".into(), "fail".into())
+        ],
+        "{doctor}"
+    );
+}
