@@ -191,3 +191,15 @@ pub(crate) fn stored(token: &str, scopes: &str) -> String {
         .collect();
     format!("sha256:{hash} {scopes}")
 }
+
+/// The unit's `TimeoutStopSec`, from `systemd/tallyd.service` itself: how
+/// long systemd lets a stop take.
+pub(crate) fn stop_deadline() -> Duration {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd/tallyd.service");
+    let unit = std::fs::read_to_string(path).expect("read the unit");
+    let value = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("TimeoutStopSec="))
+        .expect("the unit sets TimeoutStopSec");
+    humantime::parse_duration(value.trim()).expect("TimeoutStopSec is a duration")
+}

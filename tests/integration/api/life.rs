@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use mongodb::bson::doc;
 use serde_json::{Value, json};
 
-use super::{ApiDaemon, PATIENCE, Setup, send};
+use super::{ApiDaemon, PATIENCE, Setup, send, stop_deadline};
 use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{TestContext, wait_until};
 
@@ -93,17 +93,6 @@ async fn every_answer_true(ctx: &TestContext, said: &Said, refused: &[u16]) -> u
         }
     }
     counted
-}
-
-/// The unit's `TimeoutStopSec`: how long systemd lets a stop take.
-fn stop_deadline() -> Duration {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd/tallyd.service");
-    let unit = std::fs::read_to_string(path).unwrap();
-    let value = unit
-        .lines()
-        .find_map(|l| l.strip_prefix("TimeoutStopSec="))
-        .unwrap();
-    humantime::parse_duration(value.trim()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
