@@ -8,6 +8,8 @@
 //! - `exactly_once`: a retrying client through a proxy that drops, cuts and
 //!   delays: every counter equals its distinct events;
 //! - `life`: SIGTERM and SIGHUP under load, readiness, TLS;
+//! - `limits`: header, idle and body timeouts, `max_requests`, and an
+//!   unknown outcome settled by sending the request again;
 //! - `clients`: the book's Python client, run against the daemon.
 
 use std::net::SocketAddr;
@@ -24,6 +26,7 @@ use crate::daemon::Conf;
 mod clients;
 mod exactly_once;
 mod life;
+mod limits;
 mod refusals;
 mod requests;
 

@@ -251,3 +251,65 @@ async fn an_open_api_on_the_network_refuses_to_start_unless_the_configuration_sa
         "{log}"
     );
 }
+
+/// `tallyd api-token` makes a token and its line; the daemon started with
+/// the line accepts the token for its scopes, and only for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_from_tallyd_api_token_works_for_its_scopes_only() {
+    let ctx = crate::common::TestContext::new("api_token_made").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = crate::cli::write_config(dir.path(), &super::config(&ctx, free_address(), ""));
+    let args = [
+        "--config",
+        path.as_str(),
+        "api-token",
+        "billing",
+        "--record",
+        "orders",
+        "--json",
+    ];
+    let made = crate::cli::json(&crate::cli::tallyd(&args, &[]).await);
+    let token = made["token"].as_str().unwrap().to_owned();
+    let line = made["line"].as_str().unwrap();
+    assert!(!line.contains(&token), "the line holds the token: {line}");
+    let (variable, value) = line.split_once('=').unwrap();
+    assert_eq!(variable, "TALLYD_API_TOKEN_BILLING");
+    let setup = Setup {
+        env: vec![(variable, value)],
+        ..Setup::default()
+    };
+    let daemon = ApiDaemon::start("api_token_made", setup).await;
+    let post = |token: Option<&str>| {
+        let request = daemon
+            .client
+            .post(daemon.url("/v1/orders/events"))
+            .json(&json!({ "event": "made-1", "key": "home" }));
+        match token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    };
+    assert_eq!(send(post(None)).await.0, 401);
+    assert_eq!(send(post(Some(&token))).await.0, 201);
+    let read = daemon
+        .client
+        .get(daemon.url("/v1/orders/counters/home"))
+        .bearer_auth(&token);
+    assert_eq!(send(read).await.0, 403, "recording only");
+    // A scope naming a collection without a ledger: refused, 78.
+    let args = [
+        "--config",
+        path.as_str(),
+        "api-token",
+        "x",
+        "--read",
+        "views",
+    ];
+    let refused = crate::cli::tallyd(&args, &[]).await;
+    assert_eq!(
+        refused.status.code(),
+        Some(78),
+        "{}",
+        crate::cli::text(&refused)
+    );
+}
