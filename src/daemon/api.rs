@@ -224,9 +224,11 @@ async fn measured(State(api): State<Api>, request: Request, next: Next) -> Respo
     let route = route_of(request.method(), request.uri().path());
     let started = Instant::now();
     let metrics = &api.inner.metrics.api;
+    // Decremented however the request ends: a client that goes away drops
+    // this future before its answer.
     metrics.in_flight.inc();
+    let _in_flight = InFlight(&metrics.in_flight);
     let response = next.run(request).await;
-    metrics.in_flight.dec();
     let status = response.status();
     metrics
         .requests
@@ -237,6 +239,15 @@ async fn measured(State(api): State<Api>, request: Request, next: Next) -> Respo
         .with_label_values(&[route])
         .observe(started.elapsed().as_secs_f64());
     response
+}
+
+/// A request counted in `tally_api_requests_in_flight` until dropped.
+struct InFlight<'a>(&'a prometheus::IntGauge);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 async fn not_found() -> Problem {
