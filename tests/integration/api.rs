@@ -73,7 +73,47 @@ pub(crate) fn config(ctx: &TestContext, api: SocketAddr, lines: &str) -> String 
     )
 }
 
+/// A request to record one event, begun on a connection of its own: its
+/// headers and the body's first byte sent, the rest held back, so that it
+/// stays in flight until [`Held::finish`].
+pub(crate) struct Held {
+    stream: tokio::net::TcpStream,
+    event: &'static str,
+}
+
+/// The body's length a held request declares (its JSON, padded).
+const HELD_LENGTH: usize = 64;
+
+impl Held {
+    /// Sends the rest of the body: the answer's first line and headers.
+    pub(crate) async fn finish(mut self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rest = format!("\"event\":\"{}\",\"key\":\"home\"}}", self.event);
+        let rest = format!("{rest:<width$}", width = HELD_LENGTH - 1);
+        self.stream.write_all(rest.as_bytes()).await.unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = self.stream.read(&mut answer).await.unwrap();
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    }
+}
+
 impl ApiDaemon {
+    /// Begins a request recording `event` in `orders`, and waits until the
+    /// daemon serves it (its body held back).
+    pub(crate) async fn hold(&self, event: &'static str) -> Held {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(self.api).await.unwrap();
+        let head = format!(
+            "POST /v1/orders/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {HELD_LENGTH}\r\n\r\n{{"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        self.daemon
+            .wait_metric("tally_api_requests_in_flight", 1.0, PATIENCE)
+            .await;
+        Held { stream, event }
+    }
+
     /// Starts the daemon of `setup` on a fresh database `name`, with the
     /// ledgers' indexes, and waits until it is ready.
     pub(crate) async fn start(name: &str, setup: Setup<'_>) -> Self {

@@ -135,29 +135,14 @@ async fn sigterm_under_load_answers_what_it_accepted_truly_and_exits_in_time() {
 /// daemon exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_a_request_it_accepted_before_it_exits() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut daemon = ApiDaemon::start("api_sigterm_accepted", Setup::default()).await;
-    let mut held = tokio::net::TcpStream::connect(daemon.api).await.unwrap();
-    held.write_all(
-        b"POST /v1/orders/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-          Content-Length: 40\r\n\r\n{",
-    )
-    .await
-    .unwrap();
-    daemon
-        .daemon
-        .wait_metric("tally_api_requests_in_flight", 1.0, PATIENCE)
-        .await;
+    let held = daemon.hold("held-1").await;
     daemon.daemon.signal("TERM");
     wait_until("the drain began", PATIENCE, || async {
         daemon.daemon.log().contains("shutting down")
     })
     .await;
-    let rest = format!("{:<39}", "\"event\":\"held-1\",\"key\":\"home\"}");
-    held.write_all(rest.as_bytes()).await.unwrap();
-    let mut answer = vec![0u8; 4096];
-    let n = held.read(&mut answer).await.unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]);
+    let answer = held.finish().await;
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
     let status = daemon.daemon.wait(stop_deadline());
     assert_eq!(status.code(), Some(0), "{}", daemon.daemon.log());

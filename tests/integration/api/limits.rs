@@ -88,17 +88,7 @@ async fn one_request_more_than_max_requests_is_503_at_once() {
     };
     let daemon = ApiDaemon::start("api_max_requests", setup).await;
     // One request in flight, waiting for its body.
-    let mut held = TcpStream::connect(daemon.api).await.unwrap();
-    held.write_all(
-        b"POST /v1/orders/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-          Content-Length: 60\r\n\r\n{",
-    )
-    .await
-    .unwrap();
-    daemon
-        .daemon
-        .wait_metric("tally_api_requests_in_flight", 1.0, PATIENCE)
-        .await;
+    let held = daemon.hold("first").await;
     let started = Instant::now();
     let response = daemon
         .client
@@ -116,11 +106,8 @@ async fn one_request_more_than_max_requests_is_503_at_once() {
         "{body}"
     );
     // The held one finishes; then the next is served.
-    let rest = format!("{:<59}", "\"event\":\"first\",\"key\":\"home\"}");
-    held.write_all(rest.as_bytes()).await.unwrap();
-    let mut answer = vec![0u8; 4096];
-    let n = held.read(&mut answer).await.unwrap();
-    assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 201"));
+    let answer = held.finish().await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
     let again = daemon
         .client
         .post(daemon.url("/v1/orders/events"))
