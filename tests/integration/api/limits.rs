@@ -1,7 +1,9 @@
 //! The connection limits of `[api]`, from a raw socket: headers that do
 //! not arrive in time, a connection left idle, a body that does not
-//! arrive, one request more than `max_requests`; and an unknown outcome
-//! (202) settled by sending the same request again.
+//! arrive, one request more than `max_requests`; an unknown outcome (202)
+//! settled by sending the same request again; and concurrent requests
+//! sharing inserts (one `Ledger` handle for all), both seen in the MongoDB
+//! proxy's log.
 
 use std::time::{Duration, Instant};
 
@@ -116,12 +118,17 @@ async fn one_request_more_than_max_requests_is_503_at_once() {
     assert_eq!(daemon.value("home").await, 2);
 }
 
-/// The daemon's inserts of the ledger lose their replies (the insert and
-/// its one retry): the event's outcome is unknown, 202. Sending the same
-/// request again, once the network is back, settles it: counted once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unknown_outcome_is_202_and_the_same_request_again_settles_it() {
-    let ctx = crate::common::TestContext::new("api_unknown").await;
+/// A daemon whose MongoDB traffic goes through a fault-injecting proxy
+/// that logs it.
+async fn through_a_proxy(
+    name: &str,
+) -> (
+    Proxy,
+    crate::common::tallyd::Tallyd,
+    std::net::SocketAddr,
+    tally::Store,
+) {
+    let ctx = crate::common::TestContext::new(name).await;
     let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
     let store = ctx.client(false).await.store();
     for spec in super::specs() {
@@ -135,6 +142,15 @@ async fn an_unknown_outcome_is_202_and_the_same_request_again_settles_it() {
         .replace(&ctx.child_uri(false), &ctx.child_uri_through(&proxy, false));
     let daemon = crate::common::tallyd::Tallyd::start(&text, &[("RUST_LOG", "info")]);
     daemon.wait_ready("active", PATIENCE).await;
+    (proxy, daemon, api, store)
+}
+
+/// The daemon's inserts of the ledger lose their replies (the insert and
+/// its one retry): the event's outcome is unknown, 202. Sending the same
+/// request again, once the network is back, settles it: counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_202_and_the_same_request_again_settles_it() {
+    let (proxy, _daemon, api, store) = through_a_proxy("api_unknown").await;
     let client = reqwest::Client::new();
     let post = || {
         client
@@ -159,4 +175,35 @@ async fn an_unknown_outcome_is_202_and_the_same_request_again_settles_it() {
     );
     let orders = tally::Ledger::new(&store, tally::CollectionConfig::new("orders"));
     assert_eq!(orders.value("home").await.unwrap().value, 4);
+}
+
+/// Concurrent requests go through one `Ledger` handle: 64 events posted
+/// at once, each in a request of its own, reach MongoDB in far fewer
+/// inserts than events (group commit across requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_inserts() {
+    let (proxy, _daemon, api, store) = through_a_proxy("api_group_commit").await;
+    let client = reqwest::Client::new();
+    let before = proxy.requests("insert").len();
+    let posts: Vec<_> = (0..64)
+        .map(|i| {
+            let request = client
+                .post(format!("http://{api}/v1/orders/events"))
+                .json(&json!({ "event": format!("g-{i}"), "key": "home" }));
+            tokio::spawn(send(request))
+        })
+        .collect();
+    for post in posts {
+        assert_eq!(post.await.unwrap().0, 201);
+    }
+    let inserts = proxy
+        .requests("insert")
+        .iter()
+        .skip(before)
+        .filter(|e| e.collection.as_deref() == Some("orders_events"))
+        .count();
+    eprintln!("64 events posted at once reached MongoDB in {inserts} inserts");
+    assert!(inserts < 32, "64 events took {inserts} inserts");
+    let orders = tally::Ledger::new(&store, tally::CollectionConfig::new("orders"));
+    assert_eq!(orders.value("home").await.unwrap().value, 64);
 }
