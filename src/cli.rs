@@ -19,6 +19,7 @@
 //! with `--any-collection`). What a command prints about a failure is one
 //! sentence for people (the messages of `error`), secrets removed.
 
+mod api_token;
 mod bench;
 mod daemon;
 mod database;
@@ -41,7 +42,7 @@ mod shown;
 pub(crate) use doctor::sharding::refusal as shard_key_refusal;
 pub(crate) use keys::{counter_key, event_key};
 use reach::connect;
-pub(crate) use shown::shown_command;
+pub(crate) use shown::{shown_command, write_out};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -181,6 +182,9 @@ pub(crate) enum Command {
     /// and the ratio per protocol, then every side's counters checked
     /// against its counted increments (exit 1 on any difference).
     Bench(BenchArgs),
+    /// Make a bearer token for the HTTP API ([api]): prints the token, once,
+    /// and the line that stores it (hashed) in the environment file.
+    ApiToken(api_token::ApiTokenArgs),
     /// Sequences: hand out numbers from the counters collection.
     #[command(subcommand)]
     Seq(SeqCommand),
@@ -417,27 +421,6 @@ macro_rules! out {
 }
 pub(crate) use out;
 
-/// Writes `args` (and a newline) to standard output. A reader that went
-/// away (`tallyd status | head -1`) is no failure of the command: the rest
-/// of the output is dropped, and the command still finishes — closing its
-/// connection in order — with the exit code of what it did. Any other
-/// failure to write is said on standard error.
-pub(crate) fn write_out(args: std::fmt::Arguments<'_>, newline: bool) {
-    use std::io::Write;
-    let mut stdout = std::io::stdout().lock();
-    let written = if newline {
-        writeln!(stdout, "{args}")
-    } else {
-        write!(stdout, "{args}")
-    };
-    match written.and_then(|()| stdout.flush()) {
-        Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
-            eprintln!("error: cannot write to standard output: {err}");
-        }
-        _ => {}
-    }
-}
-
 /// The `tallyd` binary's entry point: parses the command line, loads the
 /// configuration, starts logging and runs the command, returning the exit
 /// code of its outcome (see the table of exit codes in `tallyd --help`).
@@ -528,6 +511,7 @@ pub(crate) async fn run(cli: Cli, config: Config, logging: Logging) -> ExitCode 
         Command::Get(args) => ledger::get(args, &config).await,
         Command::Setup(args) => setup::run(args, &config).await,
         Command::Bench(args) => bench::run(args, &config).await,
+        Command::ApiToken(args) => api_token::run(&args, &config),
         Command::Completions(args) => generate::completions(&args),
         Command::Man(args) => generate::man(&args),
     }

@@ -14,6 +14,7 @@
 //! daemon's sections (`daemon`, `alerts`) are its own.
 
 mod alerts;
+mod api;
 mod daemon;
 mod field;
 mod ledger;
@@ -38,6 +39,10 @@ use library::ReconcileConfig;
 use raw::RawConfig;
 
 pub(crate) use alerts::{AlertsConfig, WebhookConfig, redact_webhook_url};
+pub(crate) use api::{
+    ApiConfig, ApiLimits, ApiToken, TOKEN_HASH_PREFIX, TOKEN_VAR_PREFIX, Verb, hash_hex,
+    parse_token, token_hash,
+};
 pub(crate) use daemon::{
     DaemonConfig, HaConfig, HttpConfig, LogConfig, LogFormat, MonitorConfig, ScheduleConfig,
     parse_cron,
@@ -79,6 +84,8 @@ pub(crate) struct Config {
     pub(crate) ha: HaConfig,
     /// `[http]`: metrics and health endpoints.
     pub(crate) http: HttpConfig,
+    /// `[api]`: the events ledger over HTTP.
+    pub(crate) api: ApiConfig,
     /// `[daemon]`: the daemon's own state and shutdown.
     pub(crate) daemon: DaemonConfig,
     /// `[log]`: what is logged and how.
@@ -327,6 +334,8 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
     let alerts = alerts::validate_alerts(issues.table("alerts", raw.alerts), env, issues);
     let ha = daemon::validate_ha(issues.table("ha", raw.ha), issues);
     let http = daemon::validate_http(issues.table("http", raw.http), issues);
+    let api = api::validate_api(issues.table("api", raw.api), env, &collections, issues);
+    api::check_listen(&api, &http, issues);
     let daemon = daemon::validate_daemon(issues.table("daemon", raw.daemon), &collections, issues);
     let log = daemon::validate_log(issues.table("log", raw.log), env, issues);
     let mut config = Config {
@@ -340,6 +349,7 @@ fn validate(raw: RawConfig, env: &HashMap<String, String>, issues: &mut Issues) 
         alerts,
         ha,
         http,
+        api,
         daemon,
         log,
         warnings,

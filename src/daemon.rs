@@ -29,6 +29,7 @@
 //! ([`Drained`]).
 
 pub(crate) mod alert;
+pub(crate) mod api;
 pub(crate) mod clock;
 mod evaluator;
 mod http;
@@ -175,11 +176,12 @@ pub(crate) async fn run(
         schedule,
         listener,
         store,
+        api_tls,
     } = prepared;
     let secrets = config.secrets();
     let tracker = TaskTracker::new();
     let served = match listener.socket.try_clone().and_then(TcpListener::from_std) {
-        Ok(listener) => {
+        Ok(http) => {
             tracing::info!(listen = %config.http.listen, "serving /metrics, /healthz, /readyz");
             let work = Work {
                 config: &config,
@@ -188,8 +190,9 @@ pub(crate) async fn run(
                 reloading: &reloading,
                 store: &store,
                 secrets,
+                api: listener.api.map(|socket| (*socket, api_tls)),
             };
-            serve(work, schedule, tracker, listener).await
+            serve(work, schedule, tracker, http).await
         }
         Err(err) => Err(DaemonError::Start(format!(
             "cannot serve on {} ([http] listen): {err}",
@@ -211,6 +214,8 @@ struct Work<'a> {
     reloading: &'a Reloading,
     store: &'a Store,
     secrets: Secrets,
+    /// The API's socket and TLS, when `[api]` is on.
+    api: Option<(Listening, Option<tokio_rustls::TlsAcceptor>)>,
 }
 
 /// The daemon's work on `store`, from the first contact to the drain.
@@ -227,6 +232,7 @@ async fn serve(
         reloading,
         store,
         secrets,
+        api,
     } = work;
     let metrics = kept.metrics.clone();
     let state = State::new(store, &config.daemon.state_collection);
@@ -257,6 +263,14 @@ async fn serve(
         readiness.clone(),
         shutdown.clone(),
     ));
+    if let Some((socket, tls)) = api {
+        let served = api::Api::new(config, store, readiness.clone(), metrics.clone());
+        if let Err(err) = api::serve::start(config, &socket, tls, served, &tracker, shutdown) {
+            shutdown.cancel();
+            drain(tracker, config, store, CANNOT_START, reloading).await;
+            return Err(err);
+        }
+    }
 
     let reached = match readiness.first_contact(store, &secrets, shutdown).await {
         Ok(reached) => reached,

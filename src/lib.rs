@@ -98,7 +98,10 @@
 //!   (stop and reload), `runner`, `evaluator`, `monitor` (and its
 //!   `snapshot`), `alert` (and its `lanes` and `webhook`), `lease`,
 //!   `readiness`, `clock` (this host's clock against the server's, and the
-//!   margin for it), `schedule`, `state`, `http`, `metrics`.
+//!   margin for it), `schedule`, `state`, `http`, `metrics`; and `api`
+//!   (the events ledger over HTTP, `[api]`: its routes, access, problem
+//!   documents, connections, and the outcome JSON the command line prints
+//!   too).
 //! - `cli`: the `tallyd` commands, thin layers over the modules above —
 //!   `doctor` (is the deployment safe?) among them, and `generate` (the
 //!   man pages and completions of the package); `exit` (exit codes by
@@ -125,7 +128,7 @@
 //! ledger    → error store document write bucket quirks
 //! reconcile → error store document token write ledger bucket
 //! config    → error redact store write ledger reconcile bucket
-//! daemon    → config reconcile ledger write store token document error redact
+//! daemon    → config reconcile ledger write store token document error redact bucket
 //! cli       → (anything)
 //! logging   → (anything)
 //! ```

@@ -43,6 +43,7 @@ use crate::write::at::{bucket_id, by_id};
 use crate::write::counter::{CollectionConfig, Counters, Increment};
 use crate::write::lane::LaneIncrement;
 
+mod api;
 mod report;
 mod side;
 
@@ -56,7 +57,8 @@ const MAX_SLICE: Duration = Duration::from_secs(1);
 #[derive(Debug, clap::Args)]
 pub(crate) struct BenchArgs {
     /// The sides to measure, comma-separated: plain (a bare `$inc`, the
-    /// baseline), two-step, lanes, ledger.
+    /// baseline), two-step, lanes, ledger; http, http-batch, ledger-batch,
+    /// record-process (the ledger over HTTP and its comparisons).
     #[arg(
         long,
         value_delimiter = ',',
@@ -102,6 +104,14 @@ pub(crate) enum Protocol {
     Lanes,
     /// The events ledger (`Ledger::record`).
     Ledger,
+    /// The events ledger over HTTP: single events to `tallyd run`'s API.
+    Http,
+    /// The events ledger over HTTP, in batches of 100.
+    HttpBatch,
+    /// The events ledger's `Ledger::record_many` of 100 events.
+    LedgerBatch,
+    /// One `tallyd record` process per event.
+    RecordProcess,
 }
 
 impl Protocol {
@@ -111,7 +121,16 @@ impl Protocol {
             Self::TwoStep => "two-step",
             Self::Lanes => "lanes",
             Self::Ledger => "ledger",
+            Self::Http => "http",
+            Self::HttpBatch => "http-batch",
+            Self::LedgerBatch => "ledger-batch",
+            Self::RecordProcess => "record-process",
         }
+    }
+
+    /// Whether it records into the ledger (checked after the fold).
+    fn is_ledger(self) -> bool {
+        !matches!(self, Self::Plain | Self::TwoStep | Self::Lanes)
     }
 }
 
@@ -128,6 +147,8 @@ struct Handles {
     keys: u32,
     /// The scratch collection's buckets, with `--bucket`.
     buckets: Option<Buckets>,
+    /// The bench's own `tallyd run`, for the HTTP sides.
+    api: Option<api::Daemon>,
 }
 
 /// `tallyd bench`.
@@ -150,7 +171,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     };
     let events = spec.events_collection_name();
     let fold_state = crate::ledger::state::collection_name(&events);
-    let scratch = [name.clone(), events, fold_state];
+    let scratch = [name.clone(), events, fold_state, format!("{name}_state")];
     match existing(&store, &scratch).await {
         Ok(found) if found.is_empty() => {}
         Ok(found) => {
@@ -185,6 +206,13 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         out!("{first}");
     }
     let interrupted = super::exit::cancelled_at_ctrl_c();
+    let daemon = match api::start_for(&protocols, config, &spec, &scratch[3]).await {
+        Ok(daemon) => daemon,
+        Err(message) => {
+            store.shutdown().await;
+            return fail(args.json, &message, &secrets, EXIT_FAILED);
+        }
+    };
     let handles = Arc::new(Handles {
         plain: store.collection(&name),
         counters: Counters::new(&store, spec.clone(), config.writer),
@@ -201,6 +229,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         run: ObjectId::new().to_hex(),
         keys: args.keys,
         buckets,
+        api: daemon,
     });
     // A bucketed collection runs with the indexes `tallyd setup` makes for
     // it (its counters by key and bucket, its open buckets).
@@ -215,7 +244,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
     }
     // The ledger's side runs as deployed: with the indexes `tallyd setup`
     // creates (the fold refuses to run without them).
-    if protocols.contains(&Protocol::Ledger)
+    if protocols.iter().any(|p| p.is_ledger())
         && let Err(err) = handles.ledger.create_indexes().await
     {
         let code = fail_with(args.json, &err, &store, &secrets);
@@ -224,6 +253,7 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         return code;
     }
     let (sides, outage) = measure(&args, &protocols, &handles, &interrupted).await;
+    api::finish(handles.api.as_ref()).await;
     if let Some(why) = outage {
         // Nothing can be settled, checked or dropped now.
         drop(handles);
@@ -366,7 +396,7 @@ async fn run_slice(
                 while Instant::now() < until {
                     let n = u64::from(w) * 7919 + u64::from(round) * 104_729 + i * 31;
                     let key = format!("{}:{}", protocol.name(), n % u64::from(handles.keys));
-                    let event = format!("{}:{round}:{w}:{i}", handles.run);
+                    let event = format!("{}:{}:{round}:{w}:{i}", handles.run, protocol.name());
                     let started = Instant::now();
                     let outcome = one(&handles, protocol, key, event).await;
                     tally.record(started.elapsed(), outcome);
@@ -395,6 +425,8 @@ pub(crate) enum Told {
     Open(Box<Settle>),
     /// A plain `$inc` that failed: nothing can tell whether it applied.
     Failed,
+    /// A batch's events, each told.
+    Many(Vec<Told>),
 }
 
 async fn one(handles: &Handles, protocol: Protocol, key: String, event: String) -> Told {
@@ -437,6 +469,7 @@ async fn one(handles: &Handles, protocol: Protocol, key: String, event: String) 
                 Told::NotCounted
             }
         },
+        other => api::one(handles, other, key, event).await,
     }
 }
 
@@ -492,7 +525,7 @@ async fn check(handles: &Handles, mut sides: Vec<Side>) -> Result<Vec<Side>, Str
         let found = match side.protocol {
             // The ledger's counters, after its fold: what the daemon
             // would do, timed apart from the side.
-            Protocol::Ledger => {
+            protocol if protocol.is_ledger() => {
                 side.fold = Some(fold_everything(handles).await?);
                 sum(&handles.plain, key, &prefix, "counter").await?
             }

@@ -16,6 +16,7 @@
 //! create a database (a misspelt `[mongodb] database` is reported instead).
 
 mod access;
+mod api;
 mod cluster;
 mod deployment;
 mod ledger;
@@ -71,8 +72,9 @@ impl Verdict {
 pub(crate) struct Check {
     /// `connection`, `server`, `write_concern`, `clock_skew`, `indexes`,
     /// `ledger_indexes`, `bucket_indexes`, `unfolded_events`, `ledger_fold`,
-    /// `ledger_leftovers`, `privileges`, `change_stream_history` or
-    /// `fold_outage`; on a sharded cluster also `shards`,
+    /// `ledger_leftovers`, `privileges`, `change_stream_history`,
+    /// `fold_outage`, and with `[api]` `api` and `api_tls`; on a sharded
+    /// cluster also `shards`,
     /// `shard_key`, `shard_indexes`, `mongos_clocks` and `migration_pause`.
     pub(crate) name: &'static str,
     /// The collection an `indexes` (`ledger_indexes`, `unfolded_events`,
@@ -191,6 +193,7 @@ async fn examine(store: &Store, config: &Config, clock: Clock) -> (Vec<Check>, O
     let (history, window) = deployment::history(store, &topology).await;
     checks.push(history);
     checks.extend(ledger::fold_outage(config, window));
+    checks.extend(api::checks(config));
     if sharding::is_mongos(&hello) {
         checks.extend(cluster::checks(store, config, &hello, clock).await);
     }

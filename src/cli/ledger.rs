@@ -18,7 +18,6 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
-use mongodb::bson::Bson;
 use serde_json::{Value, json};
 
 use super::increment::shell_word;
@@ -27,6 +26,7 @@ use super::{
 };
 use crate::bucket::BucketWidth;
 use crate::config::Config;
+use crate::daemon::api::outcome;
 use crate::document::display_id;
 use crate::error::Error;
 use crate::error::counted;
@@ -156,82 +156,16 @@ pub(super) async fn record(args: RecordArgs, config: &Config) -> ExitCode {
     code
 }
 
-/// What a recording means for the exit code and for the person reading.
+/// What a recording means for the exit code and for the person reading
+/// (the sentence is the one the API's outcome carries too).
 fn judged(recording: &Recording, secrets: &Secrets) -> (u8, String) {
-    match recording {
-        Recording::Recorded(_) => (EXIT_OK, "recorded: it will be counted once".to_owned()),
-        Recording::Duplicate(_) => (
-            EXIT_OK,
-            "duplicate: recorded before with the same counter and amount; counted once".to_owned(),
-        ),
-        Recording::Conflict(conflict) => (EXIT_FAILED, format!("conflict: {conflict}")),
-        Recording::Unknown(ticket) => (
-            EXIT_TEMPFAIL,
-            format!(
-                "unknown: the insert may or may not have landed ({}); run the same command again",
-                ticket
-                    .cause()
-                    .map_or_else(String::new, |c| secrets.scrub(&c.to_string()))
-            ),
-        ),
-        Recording::NotRecorded(not) => (
-            exit_code_for(not.cause()),
-            format!("not recorded: {}", secrets.scrub(&not.cause().to_string())),
-        ),
-    }
-}
-
-/// The plain key and the start of the bucket of a recording's event, as
-/// printed (`None` without buckets): the bucket it was recorded in, else
-/// (refused) the bucket holding `at`.
-fn key_and_bucket(
-    recording: &Recording,
-    ledger: &Ledger,
-    at: Option<SystemTime>,
-) -> (Bson, Option<String>) {
-    let counter = recording.event().counter();
-    let Some(buckets) = &ledger.spec().buckets else {
-        return (counter.clone(), None);
+    let code = match recording {
+        Recording::Recorded(_) | Recording::Duplicate(_) => EXIT_OK,
+        Recording::Conflict(_) => EXIT_FAILED,
+        Recording::Unknown(_) => EXIT_TEMPFAIL,
+        Recording::NotRecorded(not) => exit_code_for(not.cause()),
     };
-    match crate::write::at::split_id(counter) {
-        Some((key, start)) => (key.clone(), Some(buckets.show_time(start))),
-        None => {
-            let start = at.and_then(|at| buckets.start_of(at).ok());
-            (counter.clone(), start.map(|start| buckets.show_time(start)))
-        }
-    }
-}
-
-/// A recording as one JSON object; in a collection with buckets, `key` is
-/// the plain key and `bucket` its bucket's start.
-fn as_json(
-    recording: &Recording,
-    ledger: &Ledger,
-    text: &str,
-    code: u8,
-    at: Option<SystemTime>,
-) -> Value {
-    let event = recording.event();
-    let (key, bucket) = key_and_bucket(recording, ledger, at);
-    let mut out = json!({
-        "outcome": recording.name(),
-        "event": event.key(),
-        "key": key.into_relaxed_extjson(),
-        "amount": event.amount(),
-        "collection": ledger.spec().name,
-        "events_collection": ledger.spec().events_collection_name(),
-    });
-    if let Some(bucket) = bucket {
-        out["bucket"] = json!(bucket);
-    }
-    if let Recording::Conflict(conflict) = recording {
-        out["recorded_key"] = conflict.stored_counter().clone().into_relaxed_extjson();
-        out["recorded_amount"] = json!(conflict.stored_amount());
-    }
-    if code != EXIT_OK {
-        out["error"] = json!(text);
-    }
-    out
+    (code, outcome::said(recording, secrets))
 }
 
 fn print_one(
@@ -243,7 +177,7 @@ fn print_one(
 ) -> ExitCode {
     let (code, text) = judged(recording, secrets);
     let event = recording.event();
-    let (key, bucket) = key_and_bucket(recording, ledger, at);
+    let (key, bucket) = outcome::key_and_bucket(recording, ledger, at);
     let bucket = match (&ledger.spec().buckets, bucket) {
         (Some(buckets), Some(start)) => format!(" in the {} from {start}", buckets.width()),
         _ => String::new(),
@@ -256,7 +190,7 @@ fn print_one(
         event.amount()
     );
     if json {
-        out!("{}", as_json(recording, ledger, &text, code, at));
+        out!("{}", outcome::as_json(recording, ledger, &text, at));
     } else if code == EXIT_OK {
         out!("{text}: {what}");
     } else {
@@ -286,16 +220,7 @@ pub(super) async fn get(args: GetArgs, config: &Config) -> ExitCode {
     let code = match ledger.value(args.key.as_str()).await {
         Ok(value) => {
             if args.target.json {
-                out!(
-                    "{}",
-                    json!({
-                        "key": args.key,
-                        "value": value.value,
-                        "folded": value.folded,
-                        "unfolded": value.unfolded,
-                        "unfolded_events": value.unfolded_events,
-                    })
-                );
+                out!("{}", outcome::exact_json(&args.key, &value));
             } else {
                 out!(
                     "{}/{}: {} ({} folded, {} in {})",
@@ -383,22 +308,8 @@ async fn get_range(
                 .expect("a range read is bucketed");
             let shown = |at| buckets.show_time(at);
             if args.target.json {
-                let rows: Vec<Value> = read
-                    .buckets
-                    .iter()
-                    .map(|b| json!({ "start": shown(b.start), "value": b.value, "closed": b.closed }))
-                    .collect();
-                out!(
-                    "{}",
-                    json!({
-                        "key": args.key,
-                        "from": shown(from),
-                        "to": shown(to),
-                        "by": read.by.as_str(),
-                        "total": read.total,
-                        "buckets": rows,
-                    })
-                );
+                let read = outcome::range_json(&args.key, (from, to), &read, &buckets);
+                out!("{read}");
             } else {
                 out!(
                     "{}/{} from {} to {}: {} ({} buckets)",

@@ -38,3 +38,24 @@ pub(crate) fn shown_command(rest: &str) -> String {
         _ => format!("tallyd {rest}"),
     }
 }
+
+/// Writes `args` (and a newline) to standard output. A reader that went
+/// away (`tallyd status | head -1`) is no failure of the command: the rest
+/// of the output is dropped, and the command still finishes — closing its
+/// connection in order — with the exit code of what it did. Any other
+/// failure to write is said on standard error.
+pub(crate) fn write_out(args: std::fmt::Arguments<'_>, newline: bool) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let written = if newline {
+        writeln!(stdout, "{args}")
+    } else {
+        write!(stdout, "{args}")
+    };
+    match written.and_then(|()| stdout.flush()) {
+        Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("error: cannot write to standard output: {err}");
+        }
+        _ => {}
+    }
+}

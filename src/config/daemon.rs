@@ -286,17 +286,32 @@ fn default_instance() -> String {
 
 pub(super) fn validate_http(raw: RawHttp, issues: &mut Issues) -> HttpConfig {
     issues.unknown_keys("http", &raw.unknown);
-    let listen = match issues.string("http.listen", raw.listen) {
-        None => HttpConfig::default().listen,
+    let listen = address(
+        issues,
+        "http.listen",
+        raw.listen,
+        HttpConfig::default().listen,
+    );
+    HttpConfig { listen }
+}
+
+/// An `address:port` at `key`, `default` when absent or bad (reported).
+pub(super) fn address(
+    issues: &mut Issues,
+    key: &str,
+    value: Option<serde_json::Value>,
+    default: SocketAddr,
+) -> SocketAddr {
+    match issues.string(key, value) {
+        None => default,
         Some(text) => text.parse::<SocketAddr>().unwrap_or_else(|_| {
             issues.push(
-                "http.listen",
-                format!("not an address:port, e.g. \"127.0.0.1:9187\": {text:?}"),
+                key,
+                format!("not an address:port, e.g. \"{default}\": {text:?}"),
             );
-            HttpConfig::default().listen
+            default
         }),
-    };
-    HttpConfig { listen }
+    }
 }
 
 pub(super) fn validate_daemon(

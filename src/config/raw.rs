@@ -25,6 +25,7 @@ pub(crate) struct RawConfig {
     pub(crate) alerts: Option<Section<RawAlerts>>,
     pub(crate) ha: Option<Section<RawHa>>,
     pub(crate) http: Option<Section<RawHttp>>,
+    pub(crate) api: Option<Section<RawApi>>,
     pub(crate) daemon: Option<Section<RawDaemon>>,
     pub(crate) log: Option<Section<RawLog>>,
     #[serde(flatten)]
@@ -179,6 +180,29 @@ pub(crate) struct RawHa {
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct RawHttp {
     pub(crate) listen: Option<Value>,
+    #[serde(flatten)]
+    pub(crate) unknown: Unknown,
+}
+
+/// `[api]`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct RawApi {
+    pub(crate) enabled: Option<Value>,
+    pub(crate) listen: Option<Value>,
+    pub(crate) tls_cert: Option<Value>,
+    pub(crate) tls_key: Option<Value>,
+    pub(crate) serve_without: Option<Value>,
+    pub(crate) max_body_bytes: Option<Value>,
+    pub(crate) max_batch: Option<Value>,
+    pub(crate) max_event_bytes: Option<Value>,
+    pub(crate) max_key_bytes: Option<Value>,
+    pub(crate) max_amount: Option<Value>,
+    pub(crate) header_timeout: Option<Value>,
+    pub(crate) body_timeout: Option<Value>,
+    pub(crate) idle_timeout: Option<Value>,
+    pub(crate) max_requests: Option<Value>,
+    /// Never read: tokens belong in the environment, which its message says.
+    pub(crate) tokens: Option<Value>,
     #[serde(flatten)]
     pub(crate) unknown: Unknown,
 }

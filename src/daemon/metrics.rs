@@ -6,6 +6,8 @@
 //! configured collection names, alert kinds and a few result values — never
 //! a document id.
 
+mod api;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -153,6 +155,8 @@ pub(crate) struct Inner {
     /// (the daemon runs on the configuration before it), 1 otherwise — also
     /// before any reload.
     pub(crate) config_last_reload_success: IntGauge,
+    /// The API's series (`[api]`).
+    pub(crate) api: api::ApiMetrics,
 }
 
 impl std::ops::Deref for Metrics {
@@ -440,6 +444,7 @@ impl Metrics {
                 "tally_config_last_reload_success",
                 "0 while the last reload failed and the previous configuration runs on, else 1",
             ),
+            api: api::ApiMetrics::new(&registry),
             labelled: registry.labelled.into_inner(),
             registry: registry.registry,
         };

@@ -17,6 +17,8 @@ pub(crate) struct Prepared {
     pub(super) schedule: Schedule,
     pub(super) listener: Listening,
     pub(super) store: Store,
+    /// The API's TLS, from `[api] tls_cert` and `tls_key` read anew.
+    pub(super) api_tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// The socket `[http] listen` is bound to. The supervisor keeps it across
@@ -27,6 +29,9 @@ pub(crate) struct Prepared {
 pub(crate) struct Listening {
     pub(super) address: std::net::SocketAddr,
     pub(super) socket: Arc<std::net::TcpListener>,
+    /// `[api] listen`'s socket when the API is on, kept across reloads the
+    /// same way.
+    pub(super) api: Option<Box<Listening>>,
 }
 
 impl Prepared {
@@ -39,9 +44,19 @@ impl Prepared {
     ) -> Result<Self, DaemonError> {
         let schedule =
             Schedule::new(&config.schedule).map_err(|e| DaemonError::Config(e.to_string()))?;
-        let listener = match current {
+        let mut listener = match current {
             Some(current) if current.address == config.http.listen => current.clone(),
-            _ => bind(&config)?,
+            _ => bind(config.http.listen, "[http] listen")?,
+        };
+        listener.api = match current.and_then(|c| c.api.as_deref()) {
+            _ if !config.api.enabled => None,
+            Some(api) if api.address == config.api.listen => Some(Box::new(api.clone())),
+            _ => Some(Box::new(bind(config.api.listen, "[api] listen")?)),
+        };
+        let api_tls = if config.api.enabled {
+            super::api::serve::tls_acceptor(&config.api).map_err(DaemonError::Config)?
+        } else {
+            None
         };
         let store = Store::connect(&config.mongodb)
             .await
@@ -51,6 +66,7 @@ impl Prepared {
             schedule,
             listener,
             store,
+            api_tls,
         })
     }
 
@@ -111,40 +127,40 @@ impl Prepared {
     }
 }
 
-/// Binds `[http] listen`. An address this host cannot listen on (taken, not
-/// its own, a port it may not bind) is the operator's to fix: restarting
-/// would fail the same way.
-fn bind(config: &Config) -> Result<Listening, DaemonError> {
-    let listen = config.http.listen;
+/// Binds `listen`, the address of the key `key` (`[http] listen`). An
+/// address this host cannot listen on (taken, not its own, a port it may
+/// not bind) is the operator's to fix: restarting would fail the same way.
+fn bind(listen: std::net::SocketAddr, key: &str) -> Result<Listening, DaemonError> {
     std::net::TcpListener::bind(listen)
         .and_then(|socket| {
             socket.set_nonblocking(true)?;
             Ok(Listening {
                 address: listen,
                 socket: Arc::new(socket),
+                api: None,
             })
         })
-        .map_err(|err| cannot_listen(listen, &err))
+        .map_err(|err| cannot_listen(listen, key, &err))
 }
 
 /// The error of an address the daemon cannot listen on, in words (never
 /// the system's `(os error N)`): the operator's to fix when the address is
 /// taken, absent or forbidden.
-fn cannot_listen(listen: std::net::SocketAddr, err: &std::io::Error) -> DaemonError {
-    let start = format!("cannot listen on {listen} ([http] listen)");
+fn cannot_listen(listen: std::net::SocketAddr, key: &str, err: &std::io::Error) -> DaemonError {
+    let start = format!("cannot listen on {listen} ({key})");
     let config = |why: &str, what: &str| DaemonError::Config(format!("{start}: {why}; {what}"));
     match err.kind() {
         ErrorKind::AddrInUse => config(
             "another process listens there",
-            "stop it, or choose another address in [http] listen",
+            &format!("stop it, or choose another address in {key}"),
         ),
         ErrorKind::AddrNotAvailable => config(
             "this host has no such address",
-            "choose one of this host's addresses in [http] listen",
+            &format!("choose one of this host's addresses in {key}"),
         ),
         ErrorKind::PermissionDenied => config(
             "permission denied (a port below 1024 needs privileges)",
-            "choose a port above 1023 in [http] listen",
+            &format!("choose a port above 1023 in {key}"),
         ),
         _ => {
             let text = err.to_string();
@@ -163,7 +179,7 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = taken.local_addr().unwrap();
         let err = std::net::TcpListener::bind(address).unwrap_err();
-        let DaemonError::Config(message) = cannot_listen(address, &err) else {
+        let DaemonError::Config(message) = cannot_listen(address, "[http] listen", &err) else {
             panic!("a configuration error (78)");
         };
         assert_eq!(
@@ -174,7 +190,7 @@ mod tests {
             )
         );
         let other = std::io::Error::from_raw_os_error(22);
-        let DaemonError::Start(message) = cannot_listen(address, &other) else {
+        let DaemonError::Start(message) = cannot_listen(address, "[http] listen", &other) else {
             panic!("a start error");
         };
         assert!(!message.contains("os error"), "{message}");

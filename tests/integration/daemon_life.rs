@@ -14,6 +14,7 @@ use crate::common::tallyd::{Tallyd, free_address};
 use crate::common::{TestContext, wait_until};
 use crate::daemon::{Conf, LONG};
 
+mod api;
 mod matrix;
 
 /// The alerts section: tokens stuck after 10 s (the grace: no shorter).

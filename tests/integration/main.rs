@@ -2,6 +2,7 @@
 //! against a real server on loopback (SecantusDB, started by the tests), or
 //! against the server named by `TALLY_TEST_MONGODB_URI`.
 
+mod api;
 mod bounded;
 mod buckets;
 mod cli;

@@ -16,7 +16,7 @@ use crate::common::shown::{book_pages, fenced_blocks};
 
 /// The sections `tallyd` reads: a block with any other top-level key is
 /// no configuration of its (a Cargo manifest).
-const SECTIONS: [&str; 12] = [
+const SECTIONS: [&str; 13] = [
     "mongodb",
     "collections",
     "writer",
@@ -27,6 +27,7 @@ const SECTIONS: [&str; 12] = [
     "alerts",
     "ha",
     "http",
+    "api",
     "daemon",
     "log",
 ];

@@ -36,12 +36,15 @@ pub(crate) struct Tally {
 
 impl Tally {
     pub(crate) fn record(&mut self, latency: Duration, told: Told) {
-        self.latencies.push(latency);
+        if !matches!(told, Told::Many(_)) {
+            self.latencies.push(latency);
+        }
         match told {
             Told::Counted => self.counted += 1,
             Told::NotCounted => self.not_counted += 1,
             Told::Failed => self.failed += 1,
             Told::Open(settle) => self.open.push(*settle),
+            Told::Many(all) => all.into_iter().for_each(|told| self.record(latency, told)),
         }
     }
 
@@ -215,7 +218,7 @@ impl Side {
 
     pub(crate) fn header() -> String {
         format!(
-            "{:<9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>11} {:>8} {:>6}",
+            "{:<14} {:>9} {:>8} {:>8} {:>8} {:>9} {:>11} {:>8} {:>6}",
             "protocol",
             "ops/s",
             "p50 ms",
@@ -235,7 +238,7 @@ impl Side {
             .group_size()
             .map_or("-".to_owned(), |g| format!("{g:.1}"));
         format!(
-            "{:<9} {:>9.0} {:>8.2} {:>8.2} {:>8} {:>9} {:>11} {:>8} {:>6}",
+            "{:<14} {:>9.0} {:>8.2} {:>8.2} {:>8} {:>9} {:>11} {:>8} {:>6}",
             self.protocol.name(),
             self.per_second(),
             me.percentile_ms(50.0),

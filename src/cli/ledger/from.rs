@@ -30,15 +30,15 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use mongodb::bson::Bson;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 
-use super::{as_json, judged};
+use super::judged;
 use crate::bucket::{BucketWidth, Buckets};
 use crate::cli::exit::{EXIT_INTERRUPTED, EXIT_UNAVAILABLE};
 use crate::cli::{EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, exit_code_for, fail, out};
+use crate::daemon::api::outcome;
 use crate::error::{Error, words};
 use crate::ledger::{Ledger, Recording};
 use crate::redact::Secrets;
@@ -58,7 +58,7 @@ const WAIT: Duration = Duration::from_millis(200);
 /// One line of the input, read: the event, its counter key, its amount
 /// and its time as written (read in the collection's zone when its batch
 /// goes out).
-type Line = Result<(String, Bson, i64, Option<String>), String>;
+type Line = Result<outcome::Written, String>;
 
 /// A line read: its number, how many bytes of the input were read through
 /// it, and what it holds.
@@ -191,52 +191,7 @@ fn progress_bar(size: Option<u64>) -> ProgressBar {
 
 /// Reads one line of the input as an event.
 fn parse_line(text: &str) -> Line {
-    let value: Value = serde_json::from_str(text).map_err(|err| {
-        // The line's number is the caller's; within it, only the column.
-        let text = err.to_string();
-        let what = text
-            .strip_suffix(&format!(" at line {} column {}", err.line(), err.column()))
-            .unwrap_or(&text);
-        format!("not a JSON object: {what} at column {}", err.column())
-    })?;
-    let Value::Object(fields) = value else {
-        return Err("not a JSON object".into());
-    };
-    if let Some(unknown) = fields
-        .keys()
-        .find(|k| !["event", "key", "by", "at"].contains(&k.as_str()))
-    {
-        return Err(format!(
-            "unknown field {unknown:?} (expected event, key, by and at)"
-        ));
-    }
-    let event = match fields.get("event") {
-        Some(Value::String(event)) => event.clone(),
-        Some(_) => return Err("\"event\" must be a string".into()),
-        None => return Err("\"event\" is missing".into()),
-    };
-    let key = match fields.get("key") {
-        None => return Err("\"key\" is missing".into()),
-        Some(key) => Bson::try_from(key.clone())
-            .map_err(|err| format!("\"key\" is not a value a counter key can be: {err}"))?,
-    };
-    let by = match fields.get("by") {
-        None => 1,
-        Some(by) => by
-            .as_i64()
-            .ok_or("\"by\" must be an integer (a 64-bit signed one)")?,
-    };
-    let at = match fields.get("at") {
-        None => None,
-        Some(Value::String(at)) => Some(at.clone()),
-        Some(_) => {
-            return Err(
-                "\"at\" must be a string: RFC 3339 (2026-11-28T14:30:00Z) or a date (2026-11-28)"
-                    .into(),
-            );
-        }
-    };
-    Ok((event, key, by, at))
+    outcome::line_of(text)
 }
 
 /// The time of a line's `"at"`, in the collection's zone (a collection
@@ -455,7 +410,7 @@ fn malformed(number: u64, why: &str, target: &Target<'_>, tally: &mut Tally) {
 fn report_line(number: u64, recording: &Recording, target: &Target<'_>) {
     let (code, text) = judged(recording, target.secrets);
     if target.json {
-        let mut shown = as_json(recording, target.ledger, &text, code, None);
+        let mut shown = outcome::as_json(recording, target.ledger, &text, None);
         shown["line"] = json!(number);
         out!("{shown}");
     } else if code != EXIT_OK {
