@@ -12,7 +12,8 @@
 //! ledger the fold refuses), `events_held` (counters refusing their sums),
 //! `events_stream_down` (the log cannot be read for longer than `[alerts]
 //! monitor_down_after`), `events_fold_behind` (the fold's position is older
-//! than half the oplog's window: it would stop if it stayed behind) and
+//! than half the oplog's window, and than `stuck_after`: it would stop if it
+//! stayed behind) and
 //! `events_fold_stopped` (its position is no longer in the oplog:
 //! `tallyd fold-from`).
 
@@ -340,12 +341,15 @@ impl LedgerFolder {
     }
 
     /// `events_fold_behind`: the fold's position is older than half the
-    /// oplog's window (`window`, in seconds, when the daemon may read it).
+    /// oplog's window (`window`, in seconds, when the daemon may read it)
+    /// and than `stuck_after`: a fold a moment behind a young oplog (a new
+    /// deployment's, whose window is only as long as its life so far) is
+    /// not at risk.
     fn alert_behind(&self, backlog: &Backlog, window: Option<f64>) {
         let (Some(age), Some(window)) = (backlog.position_age, window) else {
             return;
         };
-        let behind = age.as_secs_f64() > window / 2.0;
+        let behind = age.as_secs_f64() > window / 2.0 && age > self.timing.stuck_after;
         let observation = behind.then(|| Observation {
             count: backlog.events,
             oldest_age: Some(age),
