@@ -69,6 +69,7 @@ pub(crate) mod log;
 mod range;
 mod read;
 mod record;
+mod scan;
 pub(crate) mod state;
 
 use std::sync::Arc;

@@ -475,12 +475,32 @@ fn failed(events: &str, from: Option<&Position>, err: mongodb::error::Error) -> 
     Error::Server(failure)
 }
 
-#[cfg(feature = "daemon")]
 /// The deployment's oplog: when its oldest entry was written, by the
-/// server's clock (`None` when the user may not read `local.oplog.rs`).
-/// Its window is the time from there to now: how long a fold may stand
-/// still and still resume.
+/// server's clock (`None` when the user may see neither `serverStatus`'s
+/// oplog section nor `local.oplog.rs`). Its window is the time from there
+/// to now: how long a fold may stand still and still resume.
+#[cfg(feature = "daemon")]
 pub(crate) async fn oplog_start(store: &Store) -> Result<Option<SystemTime>, Error> {
+    let status = store
+        .attempt(
+            store
+                .client()
+                .database("admin")
+                .run_command(doc! { "serverStatus": 1, "oplog": 1 }),
+        )
+        .await;
+    if let Ok(status) = status
+        && let Ok(oplog) = status.get_document("oplog")
+        && let Ok(earliest) = oplog.get_timestamp("earliestOptime")
+    {
+        return Ok(Some(wall_time(earliest)));
+    }
+    Ok(oplog_first(store).await?.map(wall_time))
+}
+
+/// The cluster time of the oplog's oldest entry, from `local.oplog.rs`
+/// (`None` when the user may not read it).
+async fn oplog_first(store: &Store) -> Result<Option<Timestamp>, Error> {
     let oplog = store
         .client()
         .database("local")
@@ -494,11 +514,37 @@ pub(crate) async fn oplog_start(store: &Store) -> Result<Option<SystemTime>, Err
         )
         .await;
     match first {
-        Ok(first) => Ok(first
-            .and_then(|entry| entry.get_timestamp("ts").ok())
-            .map(wall_time)),
+        Ok(first) => Ok(first.and_then(|entry| entry.get_timestamp("ts").ok())),
         Err(err) if server_code(&err) == Some(code::UNAUTHORIZED) => Ok(None),
         Err(err) => Err(Error::Server(Failure::once("ledger.oplog_start", err))),
+    }
+}
+
+/// Fails with [`Error::HistoryLost`] when a stream read from `from` may
+/// have missed inserts the oplog dropped before the stream read them.
+///
+/// MongoDB fails such a stream's `getMore` itself (`CappedPositionLost`,
+/// `ChangeStreamHistoryLost`), so on MongoDB there is nothing to check. The
+/// test server reads on from the oldest entry it kept (`quirks`): for a
+/// stream of its log, the oplog must still hold `from`, checked after the
+/// reads — the oplog only ever drops from its start, so what it holds now
+/// it held while they ran.
+pub(crate) async fn check_history_kept(
+    store: &Store,
+    events: &str,
+    from: &Position,
+) -> Result<(), Error> {
+    let test_server =
+        token_bytes(&from.token).is_some_and(|data| crate::quirks::skips_dropped_history(&data));
+    if !test_server {
+        return Ok(());
+    }
+    match oplog_first(store).await? {
+        Some(first) if first > from.time => Err(Error::HistoryLost {
+            events: events.to_owned(),
+            since: Some(from.wall_time()),
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -40,15 +40,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::TryStreamExt;
 use mongodb::ClientSession;
-use mongodb::bson::{Bson, Document, doc};
-use mongodb::options::ReadConcern;
+use mongodb::bson::{Document, doc};
 
 use super::pass::backlog;
 use super::tail::{self, Tail};
 use super::{Backlog, EventFold, PassRun, Running};
 use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, Failure};
-use crate::ledger::log::{Logged, Reader, Scope};
+use crate::ledger::log::{Logged, Reader, Scope, check_history_kept};
 use crate::ledger::state::{CatchUp, Earlier, FoldState, Pass, Window};
 use crate::ledger::{field, time_of};
 
@@ -198,6 +197,18 @@ impl EventFold {
     /// [`CHUNK`]th event above it, or `i64::MAX` when fewer wait.
     async fn chunk_end(&self, after: Option<i64>) -> Result<i64, Error> {
         const OPERATION: &str = "ledger.catch_up.plan";
+        let mut budget = crate::error::RetryBudget::read_once(OPERATION);
+        // A collection of at most a chunk is one chunk: no walk of its index.
+        // (The estimate only sizes chunks; which events a chunk folds never
+        // depends on it.)
+        let estimate = self
+            .store
+            .with_retry(&mut budget, || self.events.estimated_document_count())
+            .await
+            .map_err(Error::Server)?;
+        if estimate <= u64::try_from(CHUNK).unwrap_or(u64::MAX) {
+            return Ok(i64::MAX);
+        }
         let filter = range(after, i64::MAX);
         let mut budget = crate::error::RetryBudget::read_once(OPERATION);
         let found = self
@@ -233,17 +244,27 @@ impl EventFold {
         (after, upto): (Option<i64>, i64),
     ) -> Result<Vec<Logged>, Error> {
         session.advance_operation_time(catch_up.boundary.time);
-        let mut read = self.scan(session, range(after, upto)).await?;
-        if upto == i64::MAX {
-            // Events whose number is not a number sort outside every range:
-            // the last chunk folds them (their amounts are judged as any).
-            let unnumbered = doc! { field::NUMBER: { "$not": { "$type": "number" } } };
-            read.extend(self.scan(session, unnumbered).await?);
-        }
+        let read = match (after, upto) {
+            // One chunk for the whole collection: every event, numbered or
+            // not, in one read of it.
+            (None, i64::MAX) => self.scan(session, Document::new()).await?,
+            (_, i64::MAX) => {
+                let mut read = self.scan(session, range(after, upto)).await?;
+                // Events whose number is not a number sort outside every
+                // range: the last chunk folds them (their amounts are
+                // judged as any).
+                let unnumbered = doc! { field::NUMBER: { "$not": { "$type": "number" } } };
+                read.extend(self.scan(session, unnumbered).await?);
+                read
+            }
+            _ => self.scan(session, range(after, upto)).await?,
+        };
+        let mut read = read;
         let read_by = self.store.cluster_time().await?;
         let tail = self.tail_at(running, &catch_up.boundary).await?;
         tail.fill_until(&self.store, read_by, Instant::now() + LOG_READ_FOR)
             .await?;
+        check_history_kept(&self.store, &self.events_name, &catch_up.boundary).await?;
         let later: HashSet<CanonicalKey> = tail
             .read()
             .iter()
@@ -260,35 +281,14 @@ impl EventFold {
         session: &mut ClientSession,
         filter: Document,
     ) -> Result<Vec<Logged>, Error> {
-        const OPERATION: &str = "ledger.catch_up.read";
-        let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
-        let mut budget = crate::error::RetryBudget::read_once(OPERATION);
-        loop {
-            budget.start_attempt();
-            let found = self
-                .events
-                .find(filter.clone())
-                .projection(projection.clone())
-                .read_concern(ReadConcern::majority())
-                .session(&mut *session);
-            let mut cursor = match self.store.attempt(async { found.await }).await {
-                Ok(cursor) => cursor,
-                Err(err) => match self.store.after_failure(&mut budget, err) {
-                    crate::error::Next::Retry => continue,
-                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            };
-            let mut read = Vec::new();
-            while let Some(document) = cursor
-                .next(&mut *session)
-                .await
-                .transpose()
-                .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?
-            {
-                read.push(logged(document));
-            }
-            return Ok(read);
-        }
+        crate::ledger::scan::events_matching(
+            &self.store,
+            &self.events,
+            session,
+            filter,
+            "ledger.catch_up.read",
+        )
+        .await
     }
 
     /// The backlog while a catch-up runs (or before the first): the events
@@ -299,7 +299,11 @@ impl EventFold {
         now: SystemTime,
     ) -> Result<Backlog, Error> {
         let after = state.catch_up.as_ref().and_then(CatchUp::next_after);
-        let filter = range(after, i64::MAX);
+        // Before the first chunk every event waits, numbered or not.
+        let filter = match after {
+            None => Document::new(),
+            Some(_) => range(after, i64::MAX),
+        };
         let mut budget = crate::error::RetryBudget::read_once("ledger.catch_up.backlog");
         let events = self
             .store
@@ -310,20 +314,29 @@ impl EventFold {
         Ok(backlog(state, events, lowest.map(time_of), now))
     }
 
-    /// The lowest number above `after`, if any.
+    /// The lowest number above `after`, if any (from the number index).
     async fn chunk_lowest(&self, after: Option<i64>) -> Result<Option<i64>, Error> {
-        let found = self
+        const OPERATION: &str = "ledger.catch_up.lowest";
+        let filter = doc! { field::NUMBER: { "$gt": after.unwrap_or(i64::MIN) } };
+        let mut budget = crate::error::RetryBudget::read_once(OPERATION);
+        let found: Vec<Document> = self
             .store
-            .find_one(
-                &self.events,
-                range(after, i64::MAX),
-                doc! { field::NUMBER: 1 },
-                "ledger.catch_up.lowest",
-            )
-            .await?;
+            .with_retry(&mut budget, || {
+                self.events
+                    .find(filter.clone())
+                    .sort(doc! { field::NUMBER: 1 })
+                    .limit(1)
+                    .projection(doc! { field::NUMBER: 1 })
+            })
+            .await
+            .map_err(Error::Server)?
+            .try_collect()
+            .await
+            .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
         Ok(found
-            .and_then(|e| e.get(field::NUMBER).cloned())
-            .and_then(|s| integer_value(&s)))
+            .first()
+            .and_then(|e| e.get(field::NUMBER))
+            .and_then(integer_value))
     }
 
     /// How long after its number an event's insert may still commit: two
@@ -348,16 +361,6 @@ pub(super) fn range(after: Option<i64>, upto: i64) -> Document {
         return doc! { field::NUMBER: { "$type": "number" } };
     }
     doc! { field::NUMBER: numbers }
-}
-
-/// An event document as the fold reads it.
-pub(super) fn logged(document: Document) -> Logged {
-    Logged {
-        key: document.get("_id").cloned().unwrap_or(Bson::Null),
-        counter: document.get(field::COUNTER).cloned(),
-        amount: document.get(field::AMOUNT).cloned(),
-        number: document.get(field::NUMBER).cloned(),
-    }
 }
 
 #[cfg(test)]

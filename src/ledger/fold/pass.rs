@@ -11,7 +11,7 @@ use super::tail::Tail;
 use super::{Backlog, EventFold, PASS_EVENTS, PassRun, Running, held_sum};
 use crate::document::display_id;
 use crate::error::Error;
-use crate::ledger::log::{Inserted, Position, wall_time};
+use crate::ledger::log::{Inserted, Position, check_history_kept, wall_time};
 use crate::ledger::state::{FoldState, LastInsert, Pass, Window};
 
 /// How long a pass reads the log for what committed before it began before
@@ -111,6 +111,7 @@ impl EventFold {
                 .await?;
             return Ok(PassRun::default());
         }
+        check_history_kept(&self.store, &self.events_name, position).await?;
         let window: Vec<Inserted> = tail.read().iter().take(count).cloned().collect();
         let pass = Pass {
             number: state.pass + 1,
@@ -305,7 +306,10 @@ impl EventFold {
         let deadline = Instant::now() + REREAD_FOR;
         loop {
             match window_end(tail.read().iter(), to) {
-                Ok(Some(end)) => return Ok(tail.read().iter().take(end + 1).cloned().collect()),
+                Ok(Some(end)) => {
+                    check_history_kept(&self.store, &self.events_name, from).await?;
+                    return Ok(tail.read().iter().take(end + 1).cloned().collect());
+                }
                 Ok(None) => {}
                 Err(past) => return Err(self.window_not_found(to, past)),
             }
@@ -391,6 +395,7 @@ impl EventFold {
         if behind < self.settings.advance_after || quiet.token == position.token {
             return Ok(());
         }
+        check_history_kept(&self.store, &self.events_name, position).await?;
         if self.keeper.advance(session, state, &quiet).await? {
             tail.consumed(0, &quiet);
         }

@@ -4,14 +4,12 @@
 
 use std::collections::HashSet;
 
-use futures::TryStreamExt;
 use mongodb::ClientSession;
-use mongodb::bson::{Bson, Document, doc};
-use mongodb::options::ReadConcern;
+use mongodb::bson::{Document, doc};
 
 use super::{Reading, Which};
 use crate::document::{CanonicalKey, integer_value};
-use crate::error::{Error, Failure, RetryBudget};
+use crate::error::Error;
 use crate::ledger::log::{Logged, Position};
 use crate::ledger::state::Window;
 use crate::ledger::{Ledger, field};
@@ -80,38 +78,13 @@ impl Ledger {
         session: &mut ClientSession,
         filter: Document,
     ) -> Result<Vec<Logged>, Error> {
-        const OPERATION: &str = "ledger.read_unfolded";
-        let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
-        let mut budget = RetryBudget::read_once(OPERATION);
-        loop {
-            budget.start_attempt();
-            let found = self
-                .events
-                .find(filter.clone())
-                .projection(projection.clone())
-                .read_concern(ReadConcern::majority())
-                .session(&mut *session);
-            let mut cursor = match self.store.attempt(async { found.await }).await {
-                Ok(cursor) => cursor,
-                Err(err) => match self.store.after_failure(&mut budget, err) {
-                    crate::error::Next::Retry => continue,
-                    crate::error::Next::GiveUp(failure) => return Err(Error::Server(failure)),
-                },
-            };
-            let found: Vec<Document> = cursor
-                .stream(&mut *session)
-                .try_collect()
-                .await
-                .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
-            return Ok(found
-                .into_iter()
-                .map(|document| Logged {
-                    key: document.get("_id").cloned().unwrap_or(Bson::Null),
-                    counter: document.get(field::COUNTER).cloned(),
-                    amount: document.get(field::AMOUNT).cloned(),
-                    number: document.get(field::NUMBER).cloned(),
-                })
-                .collect());
-        }
+        crate::ledger::scan::events_matching(
+            &self.store,
+            &self.events,
+            session,
+            filter,
+            "ledger.read_unfolded",
+        )
+        .await
     }
 }

@@ -615,12 +615,20 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
     assert!(reads > 100, "only {reads} exact reads");
     assert!(books.errors.is_empty(), "seed {seed}: {:#?}", books.errors);
 
-    wait_until(
-        "the daemon folded every event",
-        Duration::from_secs(60),
-        || async { crate::ledger::unfolded(&fold).await == 0 },
-    )
-    .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while crate::ledger::unfolded(&fold).await > 0 {
+        if Instant::now() > deadline {
+            let log = daemon.log();
+            panic!(
+                "seed {seed}: the daemon did not fold every event in 60 s: {:?} unfolded; \
+                 its state {:?}; its log ends:\n{}",
+                fold.backlog(std::time::SystemTime::now()).await,
+                state.find_one(doc! {}).await,
+                &log[log.len().saturating_sub(6000)..],
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let stored: Vec<Document> = events
         .find(doc! {})
         .projection(doc! { "k": 1 })

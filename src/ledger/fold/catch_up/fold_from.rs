@@ -7,12 +7,13 @@ use std::time::{Duration, SystemTime};
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
 
-use super::{logged, range};
+use super::range;
 use crate::document::integer_value;
 use crate::error::{Error, Failure};
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::tail::Tail;
 use crate::ledger::log::Position;
+use crate::ledger::scan::logged;
 use crate::ledger::state::{FoldState, Pass, Window};
 use crate::ledger::{field, time_of, unix_micros};
 
