@@ -188,6 +188,15 @@ pub(crate) fn number_of(time: SystemTime) -> i64 {
     .unwrap()
 }
 
+/// A length setting of a long test: the variable `name` (a number), else
+/// `default`.
+pub(crate) fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The server's clock.
 async fn server_now(store: &Store) -> SystemTime {
     Reconciler::new(store)

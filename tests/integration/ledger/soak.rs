@@ -57,14 +57,6 @@ const DEFAULT_EVENTS: usize = 250;
 const EVENTS_VAR: &str = "TALLY_LEDGER_SOAK_EVENTS";
 const KILLS_VAR: &str = "TALLY_LEDGER_SOAK_KILLS";
 
-/// A length setting: the variable `name`, else `default`.
-fn setting(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// Each recorder's own events.
 fn events_each() -> usize {
     setting(EVENTS_VAR, DEFAULT_EVENTS)
