@@ -19,6 +19,7 @@
 //! - `reads`: exact reads, exact while the fold runs;
 //! - `late`: inserts that land late (held up in the network past a pass,
 //!   from recorders whose clocks are minutes off) are counted once;
+//! - `ddl`: after `tallyd setup`, nothing the ledger does sends DDL;
 //! - `confirmed`: "recorded" only once a majority read confirms it;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
 //! - `upgrade`: a fold state of tally 0.2.0 converted;
@@ -36,6 +37,7 @@ mod cli;
 mod confirmed;
 mod cost;
 mod daemon;
+mod ddl;
 mod duplicates;
 mod faults;
 mod fold;
