@@ -41,6 +41,7 @@ mod ddl;
 mod duplicates;
 mod faults;
 mod fold;
+mod late;
 mod reads;
 mod recording;
 mod retention;
