@@ -27,6 +27,10 @@
 //! - `faults`: the ledger's rows of the fault matrix;
 //! - `soak`: recorder processes and a daemon killed with -9;
 //! - `daemon`: the daemon's continuous fold and its metrics;
+//! - `workloads`: an operator's workloads through the binaries — the
+//!   daemon folding a 30,000-event `record --from` stream (also across a
+//!   server restart), two `reconcile` loops racing it — every stored event
+//!   counted once, nothing refused;
 //! - `cli`: `tallyd setup`, `record`, `get`, `status`, `doctor` and
 //!   `check-config` on a ledger.
 //!
@@ -47,6 +51,7 @@ mod recording;
 mod retention;
 mod soak;
 mod upgrade;
+mod workloads;
 
 use std::time::{Duration, SystemTime};
 
