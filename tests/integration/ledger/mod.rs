@@ -20,6 +20,8 @@
 //! - `late`: inserts that land late (held up in the network past a pass,
 //!   from recorders whose clocks are minutes off) are counted once;
 //! - `ddl`: after `tallyd setup`, nothing the ledger does sends DDL;
+//! - `lost_log`: a fold whose position left the oplog stops and alerts,
+//!   and `tallyd fold-from` folds again, naming the uncertain events;
 //! - `confirmed`: "recorded" only once a majority read confirms it;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
 //! - `upgrade`: a fold state of tally 0.2.0 converted;
@@ -46,6 +48,7 @@ mod duplicates;
 mod faults;
 mod fold;
 mod late;
+mod lost_log;
 mod reads;
 mod recording;
 mod retention;
