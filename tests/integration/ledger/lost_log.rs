@@ -42,6 +42,8 @@ struct Stopped {
     near: BTreeSet<String>,
     /// The server's clock once the pass before the stop had folded.
     folded_at: std::time::SystemTime,
+    /// Every event folded before the stop.
+    folded: BTreeSet<String>,
 }
 
 /// How the fold stands still while the oplog moves past its position.
@@ -140,6 +142,9 @@ async fn stopped_ledger(name: &str, stands_still: StandsStill) -> Stopped {
         store,
         near: ["near0", "near1"].map(str::to_owned).into(),
         folded_at,
+        folded: ["old0", "old1", "old2", "near0", "near1"]
+            .map(str::to_owned)
+            .into(),
     }
 }
 
@@ -334,6 +339,86 @@ async fn fold_from_an_explicit_time_names_in_json_every_event_whose_count_it_can
     let output = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
     assert_eq!(output.status.code(), Some(0), "{}", text(&output));
     let shown = json(&output);
+    let named = judge_fold_from(store, &shown, &stopped.folded).await;
+    for near in &stopped.near {
+        assert_eq!(
+            named.get(near).map(|(_, counted)| *counted),
+            Some(true),
+            "{near}: numbered after TIME, counted now: {shown}"
+        );
+    }
+    assert!(
+        named.keys().all(|k| !k.starts_with("old")),
+        "numbered before TIME: not uncertain: {shown}"
+    );
+}
+
+/// `tallyd fold-from --json` (its default TIME) after a fold that folded
+/// events as recorders numbered them (the server's clock, now): every
+/// event the catch-up counts again — folded before the stop, numbered
+/// after TIME — is named `counted_now`, and the counters are off from the
+/// events by exactly those. (Events folded in the stop's last second are
+/// numbered after TIME, the stop's time in whole seconds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fold_from_names_every_event_it_counts_again() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let server = TestServer::start(&ServerOptions {
+        oplog_max_entries: Some(OPLOG),
+        ..ServerOptions::default()
+    });
+    let ctx = TestContext::on("ledger_lost_log_named", server.uri()).await;
+    let store = ctx.client(false).await.store();
+    let ledger = ledger_on(&store, "views").await;
+    // Recorded now, in three batches, and folded: the fold's last pass.
+    let mut folded = BTreeSet::new();
+    for batch in 0..3 {
+        let events: Vec<(String, String, i64)> = (0..50)
+            .map(|i| (format!("f{batch}_{i}"), KEYS[i % KEYS.len()].to_owned(), 1))
+            .collect();
+        folded.extend(events.iter().map(|(key, _, _)| key.clone()));
+        for recording in ledger.record_many(events).await {
+            assert_outcome(&recording, "recorded");
+        }
+    }
+    let run = fold_all(&fold_of(&store, "views")).await;
+    assert_eq!(run.events_folded, 150, "{run:?}");
+    // The fold stands still (stopped) while the oplog moves past it.
+    for batch in 0..WHILE_STOPPED / 100 {
+        let events: Vec<(String, String, i64)> = (0..100)
+            .map(|i| (format!("s{batch}_{i}"), KEYS[i % KEYS.len()].to_owned(), 1))
+            .collect();
+        for recording in ledger.record_many(events).await {
+            assert_outcome(&recording, "recorded");
+        }
+        let other: Vec<Document> = (0..100).map(|i| doc! { "i": i as i64 }).collect();
+        store.collection("other").insert_many(other).await.unwrap();
+    }
+    let pass = fold_of(&store, "views")
+        .fold(server_now(&store).await, &Default::default())
+        .await;
+    assert!(matches!(pass, Err(Error::HistoryLost { .. })), "{pass:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(&ctx, ""));
+    let output = tallyd(&["--config", &path, "fold-from", "--json"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    judge_fold_from(&store, &json(&output), &folded).await;
+}
+
+/// Judges what `tallyd fold-from --json` printed (`shown`) against the
+/// events collection, `folded` being the events the fold had counted
+/// before it stopped: the JSON names exactly the events its window holds,
+/// and every counter is off from its distinct events by exactly the named
+/// events it counts now that were folded before (counted twice) — none
+/// lost, every count that is off named. Returns the named events: their
+/// counters and whether they are counted now.
+async fn judge_fold_from(
+    store: &Store,
+    shown: &serde_json::Value,
+    folded: &BTreeSet<String>,
+) -> BTreeMap<String, (String, bool)> {
     assert_eq!(shown["outcome"], "caught_up", "{shown}");
     let listed = shown["uncertain"].as_array().unwrap();
     assert_eq!(
@@ -374,26 +459,21 @@ async fn fold_from_an_explicit_time_names_in_json_every_event_whose_count_it_can
         in_window,
         "the JSON names every event in its window: {shown}"
     );
-    for near in &stopped.near {
-        assert_eq!(
-            named.get(near).map(|(_, counted)| *counted),
-            Some(true),
-            "{near}: numbered after TIME, counted now: {shown}"
-        );
-    }
-    assert!(
-        named.keys().all(|k| !k.starts_with("old")),
-        "numbered before TIME: not uncertain: {shown}"
-    );
-    // The counters are off by exactly the named events counted now that
-    // the fold had counted before it stopped (the near ones).
     let (counters, events) = counters_and_events(store).await;
     let mut twice: BTreeMap<&str, i64> = KEYS.iter().map(|k| (*k, 0)).collect();
     for (event, (key, counted)) in &named {
-        if *counted && stopped.near.contains(event) {
+        if *counted && folded.contains(event) {
             *twice.get_mut(key.as_str()).unwrap() += 1;
         }
     }
     let expected: BTreeMap<&str, i64> = KEYS.iter().map(|k| (*k, events[k] + twice[k])).collect();
-    assert_eq!(counters, expected, "named: {named:?}");
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against the events plus the named events counted twice (the events \
+         stored: {events:?}; named: {} of them, {} counted now)",
+        named.len(),
+        named.values().filter(|(_, counted)| *counted).count()
+    );
+    named
 }
