@@ -463,7 +463,20 @@ pub async fn run_with(reconciler: &Reconciler, target: &FoldTarget, mode: Mode) 
 
 /// Polls `condition` until it holds or `timeout` passes; panics with
 /// `what` on timeout.
-pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    if !poll_until(timeout, condition).await {
+        panic!("timed out after {timeout:?} waiting for {what}");
+    }
+}
+
+/// Polls `condition` until it holds (`true`) or `timeout` passes
+/// (`false`): for a wait whose condition a defect may keep from ever
+/// holding, so that the test's own assertions say what is wrong.
+pub async fn poll_until<F, Fut>(timeout: Duration, mut condition: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -471,10 +484,10 @@ where
     let deadline = Instant::now() + timeout;
     loop {
         if condition().await {
-            return;
+            return true;
         }
         if Instant::now() >= deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -88,7 +88,8 @@ pub struct WireMessage {
     pub flag_bits: u32,
     /// The command name: the body's first key.
     pub command: Option<String>,
-    /// The collection: the value of the first key when it is a string.
+    /// The collection: the value of the first key when it is a string
+    /// (for a `getMore`, its `collection`).
     pub collection: Option<String>,
     /// The command body with every kind-1 document sequence merged in under
     /// its identifier (`documents`, `updates`, ...); empty for opcodes the
@@ -124,6 +125,12 @@ impl WireMessage {
         if let Some((name, value)) = message.body.iter().next() {
             message.command = Some(name.clone());
             message.collection = value.as_str().map(str::to_owned);
+        }
+        // A `getMore` names its cursor first, and its collection in
+        // `collection`: a rule can select the reads of one collection's
+        // cursors (a change stream's, a `find`'s).
+        if message.command.as_deref() == Some("getMore") {
+            message.collection = message.body.get_str("collection").ok().map(str::to_owned);
         }
         Ok(message)
     }
@@ -655,7 +662,8 @@ pub struct Exchange {
     pub opcode: i32,
     /// The command name, when the message could be parsed.
     pub command: Option<String>,
-    /// The collection, when the command's first value is a string.
+    /// The collection, when the command's first value is a string (for a
+    /// `getMore`, its `collection`).
     pub collection: Option<String>,
     /// The command with its document sequences merged in (see
     /// [`WireMessage::body`]).

@@ -2,24 +2,28 @@
 //! proxy injects — reply lost, connection cut, reply past the attempt
 //! timeout, not-primary, a command error, a request held up in the network
 //! and forwarded after the operation returned — at `Ledger::record` (its
-//! lane's registration and its insert), at `Ledger::record_many`, at
-//! `Ledger::record_at` of a bucketed collection, and at
-//! each read and write of a fold pass (the survey, the intent, the sum, a
-//! counter's update through the fold lane, the commit), with `retryWrites`
-//! in the URI off and on: tally owns its retries (the driver's are off on
-//! its client), so both give one table.
+//! insert), at `Ledger::record_many`, at `Ledger::record_at` of a bucketed
+//! collection, at each read and write of a fold pass (the `getMore` of the
+//! change stream it reads its window from, the intent, a counter's update
+//! through the fold lane, the commit) and at an exact read's stream (its
+//! `aggregate` and its `getMore`), with `retryWrites` in the URI off and
+//! on: tally owns its retries (the driver's are off on its client), so
+//! both give one table.
 //!
 //! Each cell asserts:
 //! - the outcome the caller sees (the table in [`expected`]);
 //! - how many requests of the faulted kind were sent and reached the
-//!   server (the proxy's log);
+//!   server (the proxy's log; for a stream's `getMore`, how often the
+//!   stream was opened: a stream cut is resumed by opening it again);
 //! - for the recordings: every event the outcome says is recorded, and no
 //!   other, is in the counters after a final fold, and what is there is
 //!   exactly the events whose `insert` reached the server (the log);
 //! - for the fold: the exact value of every counter right after the
 //!   faulted pass (`Ledger::value`), and after the same fold's next pass
 //!   and a new process's, every counter equal to its distinct events,
-//!   nothing unfolded, no pass left in progress, no sum held.
+//!   nothing unfolded, no pass left in progress, no sum held;
+//! - for an exact read: the value it answers (never a wrong one), a read
+//!   after it exact, and the same end state after a final fold.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -55,21 +59,23 @@ enum Site {
     Record,
     /// `Ledger::record_many` of three events (one ordered `insert`).
     RecordMany,
-    /// The fold's survey (whether any event waits above the watermark):
-    /// the pass's first `aggregate`.
-    Survey,
-    /// The pass's intent (the first `insert` of the fold state).
+    /// The pass's read of its window: the first `getMore` of the change
+    /// stream of the events collection the fold keeps open.
+    PassGetMore,
+    /// The pass's intent: the fold state's `update` that records it,
+    /// conditioned on no pass being in progress (`$exists`).
     Intent,
-    /// The floor raised to the pass's end (`collMod` of the events).
-    Floor,
-    /// The sum (`aggregate` `$group` by counter): the pass's second
-    /// aggregate.
-    Sum,
     /// A counter's update through the fold lane (the first `update` on the
     /// counters).
     Apply,
     /// The commit (the `update` of the fold state that drops the intent).
     Commit,
+    /// An exact read's stream of its counter's inserts after the fold's
+    /// position: its `aggregate` (the `$changeStream` resumed after the
+    /// position, filtered by counter).
+    ReadOpen,
+    /// That stream's first `getMore`.
+    ReadGetMore,
     /// `Ledger::record_at` in an hour-bucketed collection (one `insert`):
     /// the event counts on `a`'s `{k, t}` document of the hour.
     BucketedRecord,
@@ -79,12 +85,12 @@ const SITES: [Site; 9] = [
     Site::Record,
     Site::BucketedRecord,
     Site::RecordMany,
-    Site::Survey,
+    Site::PassGetMore,
     Site::Intent,
-    Site::Floor,
-    Site::Sum,
     Site::Apply,
     Site::Commit,
+    Site::ReadOpen,
+    Site::ReadGetMore,
 ];
 
 impl Site {
@@ -93,12 +99,10 @@ impl Site {
     fn target(self) -> (&'static str, &'static str, u64) {
         match self {
             Self::Record | Self::RecordMany | Self::BucketedRecord => ("insert", "_events", 1),
-            Self::Survey => ("aggregate", "_events", 1),
-            Self::Intent => ("insert", "_events_fold", 1),
-            Self::Floor => ("collMod", "_events", 1),
-            Self::Sum => ("aggregate", "_events", 2),
+            Self::PassGetMore | Self::ReadGetMore => ("getMore", "_events", 1),
+            Self::Intent | Self::Commit => ("update", "_events_fold", 1),
             Self::Apply => ("update", "", 1),
-            Self::Commit => ("update", "_events_fold", 1),
+            Self::ReadOpen => ("aggregate", "_events", 1),
         }
     }
 
@@ -107,14 +111,32 @@ impl Site {
         let (command, suffix, nth) = self.target();
         let matcher = Rule::command(command).collection(&format!("{name}{suffix}"));
         match self {
-            // The commit is the fold state's update that drops the intent.
+            // The intent is conditioned on no pass in progress; the commit
+            // drops the intent.
+            Self::Intent => matcher.mentions("$exists").nth(nth),
             Self::Commit => matcher.mentions("$unset").nth(nth),
-            // The survey seeks the lowest number (`$sort`); the sum groups
-            // (`$group`); neither is a change stream (a raise reads its
-            // own `collMod` from one).
-            Self::Survey => matcher.mentions("$sort").nth(1),
-            Self::Sum => matcher.mentions("$group").nth(1),
+            // The read's own stream, from the fold's position (a stream
+            // opened for where the log stands now resumes after nothing).
+            Self::ReadOpen => matcher.mentions("resumeAfter").nth(nth),
             _ => matcher.nth(nth),
+        }
+    }
+
+    /// The requests a cell counts (sent, reached): the faulted kind's —
+    /// for a stream's `getMore`, the opens of that stream (a stream cut is
+    /// opened again, resumed from its last token).
+    fn counts(self, exchange: &Exchange) -> bool {
+        let command = exchange.command.as_deref();
+        match self {
+            // The stream from a position (the fold's, the read's), and
+            // each resume of it (from its last token), never a stream
+            // opened for where the log stands now.
+            Self::PassGetMore | Self::ReadOpen | Self::ReadGetMore => {
+                command == Some("aggregate") && exchange.body_mentions("resumeAfter")
+            }
+            Self::Intent => command == Some("update") && exchange.body_mentions("$exists"),
+            Self::Commit => command == Some("update") && exchange.body_mentions("$unset"),
+            _ => command == Some(self.target().0),
         }
     }
 }
@@ -137,30 +159,22 @@ fn expected(site: Site, fault: Fault) -> Expected {
         }
         (RecordMany, ClosedBeforeForwarding | NotPrimary) => ("recorded recorded recorded", 2, 1),
         (RecordMany, CommandError) => ("not_recorded not_recorded not_recorded", 1, 0),
-        // The survey and the sum are reads, retried once; a survey refused
-        // stops the pass. The survey is the pass's first look for waiting
-        // events (the faulted request, the one with `$sort`); the looks
-        // further back are left out of its counts (how many there are
-        // follows how long ago the events were numbered).
-        (Survey, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
-        (Survey, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Sum, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
-        (Sum, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
-        (Survey, CommandError) => ("failed (command)", 1, 0),
-        // A `$group` the server refuses (an int64 overflow on the test
-        // server) has the range summed event by event, by a `find`.
-        (Sum, CommandError) => ("folded 3", 1, 0),
-        // The intent: an insert retried once; the retry's duplicate key is
-        // our own first attempt (read back: ours).
+        // The pass's read of its window from the stream the fold keeps
+        // open (counted: the stream's opens during the pass). A cut — the
+        // reply lost, the connection closed, the request held up — is
+        // resumed by the driver from the stream's last token, once, and
+        // the pass folds. An answer past the attempt timeout, or an error
+        // the driver does not resume on, fails the pass; the same fold's
+        // next pass reads on from the same position (checked below).
+        (PassGetMore, ReplyDropped | ClosedBeforeForwarding | Delayed) => ("folded 3", 1, 1),
+        (PassGetMore, DelayedPastTimeout | NotPrimary) => ("failed (transient)", 0, 0),
+        (PassGetMore, CommandError) => ("failed (command)", 0, 0),
+        // The intent: an update retried once; the retry matches nothing
+        // when the first attempt applied, and the state read back shows
+        // the intent ours.
         (Intent, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Intent, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Intent, CommandError) => ("failed (command)", 1, 0),
-        // The floor is idempotent (a validator set again), retried once;
-        // refused, the pass stops before it reads its range, and is
-        // resumed. The counts include the raise over it after the read.
-        (Floor, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 3, 3),
-        (Floor, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 3, 2),
-        (Floor, CommandError) => ("failed (command)", 1, 0),
         // The apply is one `update` command carrying both counters' lane
         // updates, retried once. A lost reply's retry collides on both
         // (`_id`): each is sent again alone, collides again, and the
@@ -178,6 +192,20 @@ fn expected(site: Site, fault: Fault) -> Expected {
         (Commit, ReplyDropped | DelayedPastTimeout | Delayed) => ("folded 3", 2, 2),
         (Commit, ClosedBeforeForwarding | NotPrimary) => ("folded 3", 2, 1),
         (Commit, CommandError) => ("failed (command)", 1, 0),
+        // An exact read's stream from the fold's position (counted: its
+        // opens). Its `aggregate` is a retryable read: lost, cut or
+        // refused as not primary, it is sent once more and the read
+        // answers; an answer past the attempt timeout or a command error
+        // fails the read — an error, never a wrong value.
+        (ReadOpen, ReplyDropped | Delayed) => ("read 4", 2, 2),
+        (ReadOpen, ClosedBeforeForwarding | NotPrimary) => ("read 4", 2, 1),
+        (ReadOpen, DelayedPastTimeout) => ("failed (transient)", 1, 1),
+        (ReadOpen, CommandError) => ("failed (command)", 1, 0),
+        // Its `getMore`, as the pass's: a cut is resumed (a second open,
+        // after the last event read), anything else fails the read.
+        (ReadGetMore, ReplyDropped | ClosedBeforeForwarding | Delayed) => ("read 4", 2, 2),
+        (ReadGetMore, DelayedPastTimeout | NotPrimary) => ("failed (transient)", 1, 1),
+        (ReadGetMore, CommandError) => ("failed (command)", 1, 1),
         (_, DuplicateKey) => unreachable!("not injected at the ledger"),
     };
     Expected {
@@ -226,16 +254,19 @@ impl LedgerRig {
             .map_err(|e| format!("indexes: {e}"))?;
         let (_, suffix, _) = site.target();
         let faulted = format!("{name}{suffix}");
-        self.rig.proxy.clear_log();
-        let rule = self
-            .rig
-            .proxy
-            .rule(site.rule(&name).then(fault.action(false)));
+        // The fault, from the moment the cell's operation begins.
+        let fault_now = || {
+            self.rig.proxy.clear_log();
+            self.rig
+                .proxy
+                .rule(site.rule(&name).then(fault.action(false)))
+        };
         let mut diff = Vec::new();
         match site {
             Site::BucketedRecord => {
                 // Taken once: the hour may turn while the cell runs.
                 let hour = hour_start();
+                let rule = fault_now();
                 let (outcome, recorded) = self.record(site, &name, hour).await;
                 drop(rule);
                 let log = settled_log(&self.rig.proxy, &faulted).await;
@@ -261,6 +292,7 @@ impl LedgerRig {
                 self.check_counts(site, fault, &log, &outcome, &mut diff);
             }
             Site::Record | Site::RecordMany => {
+                let rule = fault_now();
                 let (outcome, recorded) = self.record(site, &name, hour_start()).await;
                 drop(rule);
                 let log = settled_log(&self.rig.proxy, &faulted).await;
@@ -279,7 +311,65 @@ impl LedgerRig {
                 self.check_counters(&name, &direct, &want, &mut diff).await;
                 self.check_counts(site, fault, &log, &outcome, &mut diff);
             }
+            Site::ReadOpen | Site::ReadGetMore => {
+                // Folded: e1, e2, e3; after the fold's position: e4.
+                self.final_fold(&name).await?;
+                for (key, counter, amount) in EVENTS {
+                    let recording = direct.record(key, counter, amount).await;
+                    if recording.name() != "recorded" {
+                        return Err(format!("seeding {key}: {recording:?}"));
+                    }
+                }
+                self.final_fold(&name).await?;
+                // e5, on another counter, after e4: the read's stream
+                // reads past its last event of a (a `getMore`).
+                for (key, counter) in [("e4", "a"), ("e5", "b")] {
+                    let late = direct.record(key, counter, 1).await;
+                    if late.name() != "recorded" {
+                        return Err(format!("recording {key}: {late:?}"));
+                    }
+                }
+                let reader = Ledger::new(&self.rig.store, CollectionConfig::new(&name));
+                let rule = fault_now();
+                let outcome = match reader.value("a").await {
+                    Ok(read) => format!("read {}", read.value),
+                    Err(err) => format!(
+                        "failed ({})",
+                        err.class().map_or("not a server error", |c| c.as_str())
+                    ),
+                };
+                drop(rule);
+                let log = settled_log(&self.rig.proxy, &faulted).await;
+                let mut want = sums(EVENTS.iter());
+                *want.entry("a").or_default() += 1;
+                *want.entry("b").or_default() += 1;
+                // The next read, through the same client, is exact.
+                match reader.value("a").await {
+                    Ok(read) if read.value == want["a"] => {}
+                    other => diff.push(format!("the next read of a: {other:?}, expected 4")),
+                }
+                self.check_values(&direct, &want, "after the faulted read", &mut diff)
+                    .await;
+                self.final_fold(&name).await?;
+                self.check_counters(&name, &direct, &want, &mut diff).await;
+                self.check_counts(site, fault, &log, &outcome, &mut diff);
+            }
             _ => {
+                // A first fold, then the faulted fold's pass with nothing
+                // to fold: its pass folds from a position in the log, on
+                // the stream it keeps open (read by `getMore`).
+                self.final_fold(&name).await?;
+                let fold = EventFold::new(
+                    &self.rig.store,
+                    CollectionConfig::new(&name),
+                    EventFoldSettings::default(),
+                );
+                if let Err(err) = fold
+                    .fold(SystemTime::now(), &CancellationToken::new())
+                    .await
+                {
+                    return Err(format!("the fold's first pass: {err}"));
+                }
                 for (key, counter, amount) in EVENTS {
                     let recording = direct.record(key, counter, amount).await;
                     if recording.name() != "recorded" {
@@ -288,11 +378,7 @@ impl LedgerRig {
                 }
                 // The pass folds what was numbered before it began.
                 let seeded = SystemTime::now();
-                let fold = EventFold::new(
-                    &self.rig.store,
-                    CollectionConfig::new(&name),
-                    EventFoldSettings::default(),
-                );
+                let rule = fault_now();
                 let outcome = match fold.fold(seeded, &CancellationToken::new()).await {
                     Ok(run) if run.backlog.held.is_empty() => {
                         format!("folded {}", run.events_folded)
@@ -442,30 +528,10 @@ impl LedgerRig {
         outcome: &str,
         diff: &mut Vec<String>,
     ) {
-        let (command, _, _) = site.target();
-        let ours: Vec<&Exchange> = log
-            .iter()
-            .filter(|e| e.command.as_deref() == Some(command) && owns(site, e))
-            .collect();
+        let ours: Vec<&Exchange> = log.iter().filter(|e| site.counts(e)).collect();
         let sent = ours.len();
         let reached = ours.iter().filter(|e| e.reached_server).count();
         expected(site, fault).judge(outcome, sent, reached, diff);
-    }
-}
-
-/// Whether a request of the faulted kind is one of the site's: the
-/// commit drops the intent (`$unset`); the sum
-/// counts each counter's events (`e`); the survey's first look seeks the
-/// lowest number (`$sort`).
-fn owns(site: Site, exchange: &Exchange) -> bool {
-    match site {
-        Site::Commit => exchange.body_mentions("$unset"),
-        Site::Sum => exchange.body_mentions("e"),
-        // The pass's first look for waiting events (the faulted request)
-        // and its retries: the looks further back (`any_in`, no `$sort`)
-        // follow how long ago the events were numbered, not the fault.
-        Site::Survey => exchange.body_mentions("$sort"),
-        _ => true,
     }
 }
 

@@ -19,6 +19,9 @@
 //! - `reads`: exact reads, exact while the fold runs;
 //! - `late`: inserts that land late (held up in the network past a pass,
 //!   from recorders whose clocks are minutes off) are counted once;
+//! - `ddl`: after `tallyd setup`, nothing the ledger does sends DDL;
+//! - `lost_log`: a fold whose position left the oplog stops and alerts,
+//!   and `tallyd fold-from` folds again, naming the uncertain events;
 //! - `confirmed`: "recorded" only once a majority read confirms it;
 //! - `cost`: what the ledger costs follows the work, not the recorders;
 //! - `upgrade`: a fold state of tally 0.2.0 converted;
@@ -26,6 +29,10 @@
 //! - `faults`: the ledger's rows of the fault matrix;
 //! - `soak`: recorder processes and a daemon killed with -9;
 //! - `daemon`: the daemon's continuous fold and its metrics;
+//! - `workloads`: an operator's workloads through the binaries — the
+//!   daemon folding a 30,000-event `record --from` stream (also across a
+//!   server restart), two `reconcile` loops racing it — every stored event
+//!   counted once, nothing refused;
 //! - `cli`: `tallyd setup`, `record`, `get`, `status`, `doctor` and
 //!   `check-config` on a ledger.
 //!
@@ -36,14 +43,18 @@ mod cli;
 mod confirmed;
 mod cost;
 mod daemon;
+mod ddl;
 mod duplicates;
 mod faults;
 mod fold;
+mod late;
+mod lost_log;
 mod reads;
 mod recording;
 mod retention;
 mod soak;
 mod upgrade;
+mod workloads;
 
 use std::time::{Duration, SystemTime};
 
@@ -187,6 +198,15 @@ pub(crate) fn number_of(time: SystemTime) -> i64 {
             .as_micros(),
     )
     .unwrap()
+}
+
+/// A length setting of a long test: the variable `name` (a number), else
+/// `default`.
+pub(crate) fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The server's clock.

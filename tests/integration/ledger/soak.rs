@@ -2,9 +2,10 @@
 //! events sent twice — at once by the same process, by another process,
 //! and by the same process 3–6 s later (15–30 `fold_delay`s: many fold
 //! cycles) — while the daemon folds continuously and is killed with -9
-//! again and again at random moments (half of them as soon as a pass is
-//! between its intent and its commit, which the next daemon takes over
-//! once its lease has run out), and two recorder processes are killed with
+//! again and again at random moments (half of them — the first always —
+//! as soon as a pass is between its intent and its commit, which the next
+//! daemon takes over once its lease has run out: the soak fails unless
+//! one was), and two recorder processes are killed with
 //! -9 with an event in flight (just before or just after it is sent) and
 //! started again.
 //!
@@ -56,14 +57,6 @@ const DEFAULT_EVENTS: usize = 250;
 /// The settings of the soak's length (inherited by the recorders).
 const EVENTS_VAR: &str = "TALLY_LEDGER_SOAK_EVENTS";
 const KILLS_VAR: &str = "TALLY_LEDGER_SOAK_KILLS";
-
-/// A length setting: the variable `name`, else `default`.
-fn setting(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Each recorder's own events.
 fn events_each() -> usize {
@@ -570,9 +563,11 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
     let (mut kills_mid_batch, mut recoveries) = (0, 0);
     for kill in 0..kills {
         tokio::time::sleep(Duration::from_millis(rng.u64(800..3000))).await;
-        // Half the kills wait for a pass between its intent and its commit
-        // (its counters updated or not): a moment rarely hit at random.
-        let mid_batch = rng.bool() && intent_soon(&state).await;
+        // Half the kills — the first always — wait for a pass between its
+        // intent and its commit (its counters updated or not): a moment
+        // rarely hit at random.
+        let wait_for_a_pass = rng.bool() || kill == 0;
+        let mid_batch = wait_for_a_pass && intent_soon(&state).await;
         daemon.kill();
         kills_mid_batch += u32::from(mid_batch);
         recoveries += daemon.log().matches("taking over a fold pass").count();
@@ -680,16 +675,25 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
         RECORDERS * events_each(),
         "seed {seed}: every event acknowledged"
     );
-    recoveries += daemon
-        .log()
-        .matches("recovering an unfinished fold batch")
-        .count();
+    recoveries += daemon.log().matches("taking over a fold pass").count();
     daemon.terminate();
     eprintln!(
         "{kills_mid_batch} of {kills} daemon kills with a pass in progress, {recoveries} passes \
          taken over; the soak took {:?}",
         began.elapsed()
     );
+    // What the soak is for: a daemon killed with -9 between a pass's
+    // intent and its commit, and the pass taken over by the next one.
+    if kills > 0 {
+        assert!(
+            kills_mid_batch >= 1,
+            "seed {seed}: no daemon was killed with a pass in progress"
+        );
+        assert!(
+            recoveries >= 1,
+            "seed {seed}: no pass a killed daemon left was taken over"
+        );
+    }
 }
 
 /// Waits (up to 2 s) until a fold pass is in progress (its intent is
