@@ -357,10 +357,25 @@ async fn fold_from_an_explicit_time_names_in_json_every_event_whose_count_it_can
 /// events as recorders numbered them (the server's clock, now): every
 /// event the catch-up counts again — folded before the stop, numbered
 /// after TIME — is named `counted_now`, and the counters are off from the
-/// events by exactly those. (Events folded in the stop's last second are
-/// numbered after TIME, the stop's time in whole seconds.)
+/// events by exactly those. (TIME is the number of the event whose insert
+/// the position is; a catch-up's boundary, no insert, stands just before
+/// its second, so the events folded in that second are counted again.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fold_from_names_every_event_it_counts_again() {
+    names_every_event_counted_again(false).await;
+}
+
+/// The same, the fold's position the insert of an event (its last pass
+/// read the log) rather than a catch-up's boundary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fold_from_names_every_event_it_counts_again_from_a_position_in_the_log() {
+    names_every_event_counted_again(true).await;
+}
+
+/// Events folded, the fold stopped while more are recorded, `tallyd
+/// fold-from` with its default TIME: judged by [`judge_fold_from`]. With
+/// `from_the_log`, the last pass before the stop read the log.
+async fn names_every_event_counted_again(from_the_log: bool) {
     if external() {
         return; // needs a server with a small oplog
     }
@@ -384,6 +399,17 @@ async fn fold_from_names_every_event_it_counts_again() {
     }
     let run = fold_all(&fold_of(&store, "views")).await;
     assert_eq!(run.events_folded, 150, "{run:?}");
+    if from_the_log {
+        let events: Vec<(String, String, i64)> = (0..30)
+            .map(|i| (format!("l{i}"), KEYS[i % KEYS.len()].to_owned(), 1))
+            .collect();
+        folded.extend(events.iter().map(|(key, _, _)| key.clone()));
+        for recording in ledger.record_many(events).await {
+            assert_outcome(&recording, "recorded");
+        }
+        let run = fold_all(&fold_of(&store, "views")).await;
+        assert_eq!(run.events_folded, 30, "{run:?}");
+    }
     // The fold stands still (stopped) while the oplog moves past it.
     for batch in 0..WHILE_STOPPED / 100 {
         let events: Vec<(String, String, i64)> = (0..100)

@@ -47,7 +47,7 @@ use tokio::process::{Child, Command};
 
 use super::*;
 use crate::common::tallyd::Tallyd;
-use crate::common::{TestContext, counter, wait_until};
+use crate::common::{TestContext, counter};
 use crate::ledger::config;
 use crate::soak::seed;
 
@@ -498,7 +498,7 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
     // attempt have passed: short ones, so the soak keeps folding.
     let daemon_config = config(&ctx, "");
     let daemon_env = [
-        ("RUST_LOG", "info"),
+        ("RUST_LOG", "info,tally=debug"),
         ("TALLYD__RECONCILE__FOLD_LEASE", "2s"),
         ("TALLYD__MONGODB__SERVER_SELECTION_TIMEOUT", "2s"),
         ("TALLYD__MONGODB__ATTEMPT_TIMEOUT", "3s"),

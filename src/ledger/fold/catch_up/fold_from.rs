@@ -105,23 +105,8 @@ impl EventFold {
         // A pass left unfinished when the fold stopped: its first chunk
         // folds up to where that pass ended, at the pass's own number, so
         // a counter that has the pass already ignores it.
-        let (stopped_at, first_upto) = match &state.intent {
-            Some(Pass {
-                window: Window::Log { from, to },
-                ..
-            }) => (
-                Some(from.wall_time()),
-                to.as_ref().map(|to| unix_micros(to.at.wall_time())),
-            ),
-            Some(Pass {
-                window: Window::Chunk { upto, .. },
-                ..
-            }) => (
-                state.position.as_ref().map(Position::wall_time),
-                Some(*upto),
-            ),
-            None => (state.position.as_ref().map(Position::wall_time), None),
-        };
+        let (_, first_upto) = self.stopped_where(&state).await?;
+        let stopped_at = stopped_position(&state).map(Position::wall_time);
         let since_number = unix_micros(since);
         let first_upto = first_upto.filter(|&upto| upto > since_number);
         let uncertain = self
@@ -186,7 +171,63 @@ impl EventFold {
                 events: self.events_name.clone(),
             });
         }
-        Ok(stopped_where(&state).0)
+        Ok(self.stopped_where(&state).await?.0.map(time_of))
+    }
+
+    /// Where the fold of `state` stood when it stopped, as an event
+    /// number, and where the pass it left unfinished ended (its first
+    /// chunk's end when it folds again).
+    ///
+    /// The stop is the number of the event whose insert is the position:
+    /// of two events, the one numbered later nearly always committed later
+    /// (numbers are the server's clock as the recorder reckons it, never
+    /// ahead of it), and the events numbered near the stop either way are
+    /// named uncertain. A position that is no insert (a catch-up's
+    /// boundary, an idle fold's), or whose event is gone, stands just
+    /// before its cluster time's second: the events numbered in that
+    /// second are counted again — some of them twice, all of them named —
+    /// rather than any of them not at all.
+    ///
+    /// A pass's end is the end of its last insert's second: no event of
+    /// its window is numbered after that.
+    async fn stopped_where(&self, state: &FoldState) -> Result<(Option<i64>, Option<i64>), Error> {
+        let stop = match stopped_position(state) {
+            Some(position) => Some(self.number_at(position).await?),
+            None => None,
+        };
+        let pass_end = match &state.intent {
+            Some(Pass {
+                window: Window::Log { to, .. },
+                ..
+            }) => to.as_ref().map(|to| unix_micros(end_of_second(&to.at))),
+            Some(Pass {
+                window: Window::Chunk { upto, .. },
+                ..
+            }) => Some(*upto),
+            None => None,
+        };
+        Ok((stop, pass_end))
+    }
+
+    /// The number of the event whose insert `position` is, or just before
+    /// its second (see [`EventFold::stopped_where`]).
+    async fn number_at(&self, position: &Position) -> Result<i64, Error> {
+        let fallback = unix_micros(position.wall_time()) - 1;
+        let Some(key) = &position.event else {
+            return Ok(fallback);
+        };
+        let found = self
+            .store
+            .find_one(
+                &self.events,
+                doc! { "_id": key.clone() },
+                doc! { field::NUMBER: 1 },
+                "ledger.fold_from.stop",
+            )
+            .await?;
+        Ok(found
+            .and_then(|event| event.get(field::NUMBER).and_then(integer_value))
+            .unwrap_or(fallback))
     }
 
     /// The events whose count a fold from `since` cannot be sure of, when
@@ -207,7 +248,11 @@ impl EventFold {
             .checked_sub(reach)
             .unwrap_or(SystemTime::UNIX_EPOCH))
         .min(since);
-        let high = stopped_at.max(since).max(pass_end.unwrap_or(since));
+        // An event committed before the position's insert was numbered
+        // before that insert's second ended.
+        let high = (stopped_at + Duration::from_secs(1))
+            .max(since)
+            .max(pass_end.unwrap_or(since));
         let filter = range(Some(unix_micros(low)), unix_micros(high));
         let mut budget = crate::error::RetryBudget::read_once("ledger.fold_from.uncertain");
         let total = self
@@ -248,28 +293,19 @@ impl EventFold {
     }
 }
 
-/// Where the fold of `state` stood when it stopped, and where the pass it
-/// left unfinished ended (its first chunk's end when it folds again).
-///
-/// A cluster time is a second and a counter: which events of that second
-/// committed before it, their numbers cannot tell. So the fold stopped "at
-/// the end of its position's second": an event numbered within that second
-/// may have been counted before the stop or not (it is named uncertain),
-/// and one numbered after it committed after the stop (counted now, once).
-fn stopped_where(state: &FoldState) -> (Option<SystemTime>, Option<i64>) {
-    let end_of_second = |at: &Position| at.wall_time() + Duration::from_secs(1);
+/// The position the fold of `state` stood at when it stopped: the start
+/// of the pass it left unfinished, if any.
+fn stopped_position(state: &FoldState) -> Option<&Position> {
     match &state.intent {
         Some(Pass {
-            window: Window::Log { from, to },
+            window: Window::Log { from, .. },
             ..
-        }) => (
-            Some(end_of_second(from)),
-            to.as_ref().map(|to| unix_micros(end_of_second(&to.at))),
-        ),
-        Some(Pass {
-            window: Window::Chunk { upto, .. },
-            ..
-        }) => (state.position.as_ref().map(end_of_second), Some(*upto)),
-        None => (state.position.as_ref().map(end_of_second), None),
+        }) => Some(from),
+        _ => state.position.as_ref(),
     }
+}
+
+/// The end of the second of `at`'s cluster time.
+fn end_of_second(at: &Position) -> SystemTime {
+    at.wall_time() + Duration::from_secs(1)
 }
