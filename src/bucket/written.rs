@@ -19,7 +19,8 @@ const WHAT_TO_WRITE: &str = "write RFC 3339 with an offset (2026-11-28T14:30:00Z
 
 impl Buckets {
     /// `at` as RFC 3339 with the offset these buckets' zone has then, to
-    /// the second: how tally prints a bucket's start
+    /// the second (to the microsecond when it has a fraction: an event's
+    /// number): how tally prints a bucket's start
     /// (`2026-03-29T00:00:00+01:00`), which [`Buckets::parse_time`] reads
     /// back. An instant outside the calendar's range shows as UTC.
     ///
@@ -30,6 +31,9 @@ impl Buckets {
     /// let start = days.parse_time("2026-03-29")?;
     /// assert_eq!(days.show_time(start), "2026-03-29T00:00:00+01:00");
     /// assert_eq!(days.parse_time(&days.show_time(start))?, start);
+    /// let number = start + std::time::Duration::from_micros(1_250);
+    /// assert_eq!(days.show_time(number), "2026-03-29T00:00:00.001250+01:00");
+    /// assert_eq!(days.parse_time(&days.show_time(number))?, number);
     /// # Ok::<(), tally::BucketError>(())
     /// ```
     pub fn show_time(&self, at: std::time::SystemTime) -> String {
@@ -41,8 +45,14 @@ impl Buckets {
         let seconds = offset.seconds();
         let sign = if seconds < 0 { '-' } else { '+' };
         let seconds = seconds.unsigned_abs();
+        let micros = local.subsec_nanosecond() / 1_000;
+        let fraction = if micros == 0 {
+            String::new()
+        } else {
+            format!(".{micros:06}")
+        };
         format!(
-            "{}T{:02}:{:02}:{:02}{sign}{:02}:{:02}",
+            "{}T{:02}:{:02}:{:02}{fraction}{sign}{:02}:{:02}",
             local.date(),
             local.hour(),
             local.minute(),

@@ -430,13 +430,7 @@ fn rust_log_is_checked_like_the_level_when_set() {
 #[test]
 fn a_cron_expression_that_never_fires_is_refused() {
     let text = format!("{MINIMAL}[schedule]\ncron = \"0 0 0 30 2 *\"\n");
-    let started = std::time::Instant::now();
     let err = Config::from_toml(&text, []).unwrap_err();
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
     assert_eq!(keys(&err), ["schedule.cron"], "{err}");
     assert!(message(&err, "schedule.cron").contains("never"), "{err}");
     // Rare but real: 29 February comes within the window.

@@ -61,9 +61,15 @@ async fn one_shot_recorders_cost_the_fold_and_the_reads_what_one_recorder_costs(
     record_one_shot(52 + many..54 + many).await;
     let after_many = cost(&ctx, "home").await;
     assert_eq!(
-        (after_many.idle_pass_commands, after_many.read_commands),
-        (after_50.idle_pass_commands, after_50.read_commands),
-        "the ledger's cost grew with the number of recorder processes"
+        after_many.idle_pass_commands, after_50.idle_pass_commands,
+        "an idle pass's cost grew with the number of recorder processes"
+    );
+    // A read's stream may take one more `getMore` to reach its moment, by
+    // timing alone; a cost that followed the recorders would be thousands.
+    assert!(
+        after_many.read_commands <= after_50.read_commands + 1 && after_many.read_commands <= 8,
+        "an exact read's cost grew with the number of recorder processes: {after_50:?} then \
+         {after_many:?}"
     );
     // The state holds a position (a resume token: its size follows the
     // last event key's, not the recorders) and no per-lane memory.
@@ -159,14 +165,10 @@ async fn cost(ctx: &TestContext, key: &str) -> Cost {
         .sum::<usize>();
     assert_eq!(state.len(), 1, "the state is one document: {state:?}");
     // The read with events not folded yet, then the pass that folds them,
-    // then an idle pass. A read's stream may need one more `getMore` to
-    // reach its moment, by timing alone: the fewest of three reads.
-    let mut read_commands = usize::MAX;
-    for _ in 0..3 {
-        client.events.clear();
-        ledger.value(key).await.unwrap();
-        read_commands = read_commands.min(client.events.sent().len());
-    }
+    // then an idle pass.
+    client.events.clear();
+    ledger.value(key).await.unwrap();
+    let read_commands = client.events.sent().len();
     fold_all(&fold).await;
     let now = Reconciler::new(&store).server_time().await.unwrap();
     let run = fold.fold(now, &CancellationToken::new()).await.unwrap();
