@@ -167,12 +167,15 @@ fn say_what_is_uncertain(fold: &EventFold, from: &FoldFrom, buckets: &Buckets) {
         } else {
             "not counted now"
         };
+        let recorded = match event.recorded {
+            Some(at) => format!("recorded {}", buckets.show_time(at)),
+            None => "no number (written by hand)".to_owned(),
+        };
         out!(
-            "  {}  {}  {:+}  recorded {}  {now}",
+            "  {}  {}  {:+}  {recorded}  {now}",
             display_id(&event.key),
             display_id(&event.counter),
             event.amount,
-            buckets.show_time(event.recorded)
         );
     }
     let unlisted = from.uncertain_total - from.uncertain.len() as u64;
@@ -193,7 +196,7 @@ fn as_json(fold: &EventFold, from: &FoldFrom, buckets: &Buckets, folded: u64) ->
                 "event": e.key.clone().into_relaxed_extjson(),
                 "key": e.counter.clone().into_relaxed_extjson(),
                 "amount": e.amount,
-                "recorded": buckets.show_time(e.recorded),
+                "recorded": e.recorded.map(|at| buckets.show_time(at)),
                 "counted_now": e.counted,
             })
         })

@@ -135,10 +135,11 @@ pub(crate) struct CatchUp {
     pub(crate) since: Option<i64>,
     /// The highest number its chunks folded so far (`None`: none yet).
     pub(crate) done: Option<i64>,
-    /// Where its first chunk ends, when a pass was in progress as the fold
-    /// stopped (`tallyd fold-from`): the first chunk reaches that pass's
-    /// end, with its number, so a counter that has the pass ignores it.
-    pub(crate) first_upto: Option<i64>,
+    /// Whether its last chunk folds the events without a number too: a
+    /// first fold's and an upgrade's (nothing counted them yet), never
+    /// `tallyd fold-from`'s (the log counted those that committed before
+    /// the stop; they are named instead).
+    pub(crate) unnumbered: bool,
 }
 
 impl CatchUp {
@@ -300,7 +301,7 @@ impl Keeper {
             boundary: boundary.clone(),
             since: None,
             done: None,
-            first_upto: None,
+            unnumbered: true,
         };
         let document = doc! {
             "_id": STATE_ID,
@@ -323,26 +324,32 @@ impl Keeper {
 
     /// Replaces what `state` stands on — an earlier version's watermark or
     /// lanes, or a stop and the pass it left — with a catch-up of the events
-    /// numbered above `since` that committed up to `boundary` (its first
-    /// chunk ending at `first_upto`, when given). Conditioned on the version
-    /// read.
+    /// numbered above `since` that committed up to `boundary` (and of those
+    /// without a number, with `unnumbered`). Conditioned on the version
+    /// read. Its chunks are numbered after every pass before, the one left
+    /// unfinished included: a counter that has that pass ignores none of
+    /// them. `false` when another fold changed the state first.
     pub(crate) async fn catch_up_from(
         &self,
         session: &mut ClientSession,
         state: &FoldState,
         boundary: &Position,
         since: Option<i64>,
-        first_upto: Option<i64>,
+        unnumbered: bool,
     ) -> Result<bool, Error> {
         let catch_up = CatchUp {
             boundary: boundary.clone(),
             since,
             done: None,
-            first_upto,
+            unnumbered,
         };
+        let passes = state
+            .intent
+            .as_ref()
+            .map_or(state.pass, |intent| intent.number.max(state.pass));
         let filter = doc! { "_id": STATE_ID, field::VERSION: state.version };
         let update = doc! {
-            "$set": { field::CATCH_UP: catch_up.to_document() },
+            "$set": { field::CATCH_UP: catch_up.to_document(), field::PASS: passes },
             "$unset": {
                 field::POSITION: "", field::STOPPED: "", field::INTENT: "",
                 field::EARLIER_LANES: "", field::EARLIER_WATERMARK: "",

@@ -92,7 +92,7 @@ impl EventFold {
         let boundary = reader.position()?;
         let started = if state.exists {
             self.keeper
-                .catch_up_from(session, state, &boundary, since, None)
+                .catch_up_from(session, state, &boundary, since, true)
                 .await?
         } else {
             self.keeper.start(session, &boundary).await?
@@ -138,15 +138,12 @@ impl EventFold {
     ) -> Result<PassRun, Error> {
         let catch_up = state.catch_up.as_ref().expect("a catch-up");
         let after = catch_up.next_after();
-        let (upto, recovered) = match (catch_up.done, catch_up.first_upto) {
-            (None, Some(first)) => (first, true),
-            _ => (self.chunk_end(after).await?, false),
-        };
+        let upto = self.chunk_end(after).await?;
         let pass = Pass {
             number: state.pass + 1,
             owner: self.owner,
             deadline: clock() + self.settings.lease,
-            recovered,
+            recovered: false,
             window: Window::Chunk { after, upto },
         };
         if !self.keeper.begin(session, state, &pass).await? {
@@ -247,8 +244,8 @@ impl EventFold {
         let read = match (after, upto) {
             // One chunk for the whole collection: every event, numbered or
             // not, in one read of it.
-            (None, i64::MAX) => self.scan(session, Document::new()).await?,
-            (_, i64::MAX) => {
+            (None, i64::MAX) if catch_up.unnumbered => self.scan(session, Document::new()).await?,
+            (_, i64::MAX) if catch_up.unnumbered => {
                 let mut read = self.scan(session, range(after, upto)).await?;
                 // Events whose number is not a number sort outside every
                 // range: the last chunk folds them (their amounts are

@@ -37,11 +37,20 @@ impl EventFold {
                 if state.stopped.is_none() =>
             {
                 // The fold cannot go on from its position: it stops there,
-                // for every fold of the ledger, until `fold-from`.
+                // for every fold of the ledger, until `fold-from` — unless
+                // another fold moved on from it meanwhile (the state read
+                // again: the step may have written its intent).
                 running.tail = None;
-                self.keeper
-                    .stop(&mut session, &state, &err.to_string(), clock())
-                    .await?;
+                let now = self.keeper.read(&mut session).await?;
+                let boundary = |s: &FoldState| s.catch_up.as_ref().map(|c| c.boundary.clone());
+                if now.stopped.is_none()
+                    && now.position == state.position
+                    && boundary(&now) == boundary(&state)
+                {
+                    self.keeper
+                        .stop(&mut session, &now, &err.to_string(), clock())
+                        .await?;
+                }
                 Err(err)
             }
             run => run,

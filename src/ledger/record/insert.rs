@@ -132,144 +132,246 @@ pub(super) struct Sent {
 
 /// Sends `items` (in number order) until each has its fate.
 pub(super) async fn send(store: &Store, events: &Collection<Document>, items: &[Item]) -> Sent {
-    let namespace = events.namespace();
-    let ns = &namespace;
-    let mut outcomes: Vec<Option<Recording>> = items.iter().map(|_| None).collect();
-    let mut maybe_applied = vec![false; items.len()];
-    let mut left: Vec<usize> = (0..items.len()).collect();
+    let mut batch = Batch::new(events, items);
     let mut budget = RetryBudget::retry_once("ledger.record");
-    while !left.is_empty() {
-        let documents: Vec<Document> = left.iter().map(|&i| items[i].document.clone()).collect();
+    while !batch.left.is_empty() {
         budget.start_attempt();
         let err = match store
-            .attempt(events.insert_many(documents).ordered(true))
+            .attempt(events.insert_many(batch.documents()).ordered(true))
             .await
         {
             Ok(_) => {
-                for &i in &left {
-                    outcomes[i] = Some(items[i].recorded());
-                }
+                batch.all_recorded();
                 break;
             }
             Err(err) => err,
         };
-        let cause = || Error::Server(Failure::once("ledger.record", err.clone()));
-        let refused = match err.kind.as_ref() {
-            ErrorKind::InsertMany(many) => many
-                .write_errors
-                .as_ref()
-                .and_then(|errors| errors.iter().min_by_key(|e| e.index))
-                .map(|e| (e.index, e.code, many.write_concern_error.is_some())),
-            _ => None,
+        let Some(refusal) = Refusal::of(&err).filter(|r| r.at < batch.left.len()) else {
+            // No event refused: the whole insert failed, maybe after it
+            // wrote some of them.
+            let effect = Facts::of(&err).effect();
+            match store.after_failure(&mut budget, err) {
+                Next::Retry if effect != Effect::NotApplied => batch.maybe_applied_left(),
+                Next::Retry => {}
+                Next::GiveUp(failure) => {
+                    batch.give_up(&Error::Server(failure), effect != Effect::NotApplied);
+                }
+            }
+            continue;
         };
-        if let Some((at, refused_code, unconfirmed)) = refused.filter(|(at, ..)| *at < left.len()) {
-            // The server inserted the events before `at` (their replication
-            // unconfirmed when a write-concern error came too), refused the
-            // one at `at`, and never tried the rest.
-            let inserted: Vec<usize> = left[..at].to_vec();
-            let stopped = left[at];
-            let rest: Vec<usize> = left[at + 1..].to_vec();
-            if unconfirmed {
-                inserted.iter().for_each(|&i| maybe_applied[i] = true);
-            } else {
-                // A router (mongos) reports an ordered write's write error
-                // and drops its write-concern error: the events before the
-                // refused one are recorded only once a majority read finds
-                // them as ours; the others are unknown.
-                let confirmed = confirm(store, events, items, &inserted).await;
-                for &i in &inserted {
-                    outcomes[i] = Some(match &confirmed {
-                        Ok(found) if found.contains(&i) => items[i].recorded(),
-                        Ok(_) => items[i].unknown(ns, unconfirmed_error(events, inserted.len())),
-                        Err(read) => items[i].unknown(ns, read.clone()),
-                    });
-                }
+        let cause = Error::Server(Failure::once("ledger.record", err.clone()));
+        batch.refused(store, events, &refusal, cause).await;
+        if refusal.unconfirmed {
+            // The events before the refused one may not be replicated: the
+            // same insert once more, under the same budget.
+            if let Next::GiveUp(failure) = store.after_failure(&mut budget, err) {
+                batch.give_up(&Error::Server(failure), false);
             }
-            left = if unconfirmed { inserted } else { Vec::new() };
-            if code::DUPLICATE_KEY_CODES.contains(&refused_code) {
-                let mut candidates = vec![stopped];
-                candidates.extend(&rest);
-                let unread = judge_existing(store, events, items, &candidates, &mut outcomes).await;
-                match unread {
-                    Ok(()) => {}
-                    Err(read) => {
-                        // The key is there, but whose it is cannot be told.
-                        outcomes[stopped] = Some(items[stopped].unknown(ns, read));
-                    }
-                }
-                if outcomes[stopped].is_none() {
-                    // Not found by a majority read: the key is there on the
-                    // primary only (an attempt of ours or another's, not
-                    // replicated yet: it may be rolled back), or another
-                    // unique index of the events collection refused it.
-                    // Unknown: the ticket settles it.
-                    outcomes[stopped] = Some(items[stopped].unknown(ns, cause()));
-                }
-            } else {
-                // A write error that says nothing was written (a validator,
-                // a document too large) is a refusal; one that may follow a
-                // write — a router reporting a shard's lost connection or
-                // step-down as the write error of the op it was sending —
-                // leaves the event unknown: its ticket settles it.
-                let stopped_write = Facts {
-                    kind: FailureKind::Write(refused_code),
-                    retryable_label: false,
-                };
-                if stopped_write.effect() != Effect::NotApplied {
-                    maybe_applied[stopped] = true;
-                }
-                outcomes[stopped] =
-                    Some(items[stopped].undecided(maybe_applied[stopped], ns, cause()));
-            }
-            left.extend(rest.into_iter().filter(|&i| outcomes[i].is_none()));
-            if unconfirmed {
-                match store.after_failure(&mut budget, err.clone()) {
-                    Next::Retry => continue,
-                    Next::GiveUp(failure) => {
-                        let failure = Error::Server(failure);
-                        for i in left.drain(..) {
-                            outcomes[i] =
-                                Some(items[i].undecided(maybe_applied[i], ns, failure.clone()));
-                        }
-                        break;
-                    }
-                }
-            }
-            // A refusal is a definite answer: what is left is new work.
-            budget = RetryBudget::retry_once("ledger.record");
             continue;
         }
-        let effect = Facts::of(&err).effect();
-        match store.after_failure(&mut budget, err.clone()) {
-            Next::Retry => {
-                if effect != Effect::NotApplied {
-                    left.iter().for_each(|&i| maybe_applied[i] = true);
-                }
-            }
-            Next::GiveUp(failure) => {
-                let failure = Error::Server(failure);
-                for i in left.drain(..) {
-                    let maybe = maybe_applied[i] || effect != Effect::NotApplied;
-                    outcomes[i] = Some(items[i].undecided(maybe, ns, failure.clone()));
-                }
-            }
+        // A refusal is a definite answer: what is left is new work.
+        budget = RetryBudget::retry_once("ledger.record");
+    }
+    batch.finish()
+}
+
+/// Where an ordered insert stopped: the first event the server refused.
+struct Refusal {
+    /// Its index among the events sent.
+    at: usize,
+    /// The server's code for it.
+    code: i32,
+    /// Whether a write-concern error came too: the events before it were
+    /// inserted, their replication unconfirmed.
+    unconfirmed: bool,
+}
+
+impl Refusal {
+    fn of(err: &mongodb::error::Error) -> Option<Self> {
+        let ErrorKind::InsertMany(many) = err.kind.as_ref() else {
+            return None;
+        };
+        let first = many.write_errors.as_ref()?.iter().min_by_key(|e| e.index)?;
+        Some(Self {
+            at: first.index,
+            code: first.code,
+            unconfirmed: many.write_concern_error.is_some(),
+        })
+    }
+}
+
+/// A batch on its way: each event's outcome once known, whether an attempt
+/// may have written it, and the events still to send (in number order).
+struct Batch<'a> {
+    items: &'a [Item],
+    ns: Namespace,
+    outcomes: Vec<Option<Recording>>,
+    maybe_applied: Vec<bool>,
+    left: Vec<usize>,
+}
+
+impl<'a> Batch<'a> {
+    fn new(events: &Collection<Document>, items: &'a [Item]) -> Self {
+        Self {
+            items,
+            ns: events.namespace(),
+            outcomes: items.iter().map(|_| None).collect(),
+            maybe_applied: vec![false; items.len()],
+            left: (0..items.len()).collect(),
         }
     }
-    let retire = items
-        .iter()
-        .zip(&outcomes)
-        .any(|(item, outcome)| outcome.as_ref().is_some_and(|o| item.left_in_doubt(o)));
-    let outcomes = outcomes
-        .into_iter()
-        .zip(items)
-        .zip(maybe_applied)
-        .map(|((outcome, item), maybe_applied)| {
-            // The loop above leaves each event its outcome; one without
-            // (never seen) says no more than that it may have landed.
-            outcome.unwrap_or_else(|| item.undecided(maybe_applied, ns, Error::RecorderStopped))
-        })
-        .collect();
-    Sent { outcomes, retire }
+
+    /// The documents of the events left, in order.
+    fn documents(&self) -> Vec<Document> {
+        self.left
+            .iter()
+            .map(|&i| self.items[i].document.clone())
+            .collect()
+    }
+
+    /// The insert of every event left landed.
+    fn all_recorded(&mut self) {
+        for &i in &self.left {
+            self.outcomes[i] = Some(self.items[i].recorded());
+        }
+        self.left.clear();
+    }
+
+    /// Every event left may have been written by an attempt.
+    fn maybe_applied_left(&mut self) {
+        for &i in &self.left {
+            self.maybe_applied[i] = true;
+        }
+    }
+
+    /// No more attempts: every event left is unknown (if an attempt may
+    /// have written it, or `maybe` says the last one may have) or refused.
+    fn give_up(&mut self, failure: &Error, maybe: bool) {
+        for i in std::mem::take(&mut self.left) {
+            let maybe = self.maybe_applied[i] || maybe;
+            self.outcomes[i] = Some(self.items[i].undecided(maybe, &self.ns, failure.clone()));
+        }
+    }
+
+    /// An ordered insert stopped at `refusal`: the server inserted the
+    /// events before it (their replication unconfirmed when a write-concern
+    /// error came too), refused the one at it, and never tried the rest,
+    /// which are left to send (with the unconfirmed ones, sent again).
+    async fn refused(
+        &mut self,
+        store: &Store,
+        events: &Collection<Document>,
+        refusal: &Refusal,
+        cause: Error,
+    ) {
+        let inserted: Vec<usize> = self.left[..refusal.at].to_vec();
+        let stopped = self.left[refusal.at];
+        let rest: Vec<usize> = self.left[refusal.at + 1..].to_vec();
+        if refusal.unconfirmed {
+            inserted.iter().for_each(|&i| self.maybe_applied[i] = true);
+        } else {
+            self.confirm_inserted(store, events, &inserted).await;
+        }
+        self.left = if refusal.unconfirmed {
+            inserted
+        } else {
+            Vec::new()
+        };
+        if code::DUPLICATE_KEY_CODES.contains(&refusal.code) {
+            let mut candidates = vec![stopped];
+            candidates.extend(&rest);
+            self.judge_duplicate(store, events, stopped, &candidates, cause)
+                .await;
+        } else {
+            // A write error that says nothing was written (a validator, a
+            // document too large) is a refusal; one that may follow a write
+            // — a router reporting a shard's lost connection or step-down
+            // as the write error of the op it was sending — leaves the
+            // event unknown: its ticket settles it.
+            let stopped_write = Facts {
+                kind: FailureKind::Write(refusal.code),
+                retryable_label: false,
+            };
+            if stopped_write.effect() != Effect::NotApplied {
+                self.maybe_applied[stopped] = true;
+            }
+            let item = &self.items[stopped];
+            self.outcomes[stopped] =
+                Some(item.undecided(self.maybe_applied[stopped], &self.ns, cause));
+        }
+        let outcomes = &self.outcomes;
+        self.left
+            .extend(rest.into_iter().filter(|&i| outcomes[i].is_none()));
+    }
+
+    /// A router (mongos) reports an ordered write's write error and drops
+    /// its write-concern error: the events before the refused one are
+    /// recorded only once a majority read finds them as ours; the others
+    /// are unknown.
+    async fn confirm_inserted(
+        &mut self,
+        store: &Store,
+        events: &Collection<Document>,
+        inserted: &[usize],
+    ) {
+        let confirmed = confirm(store, events, self.items, inserted).await;
+        for &i in inserted {
+            let item = &self.items[i];
+            self.outcomes[i] = Some(match &confirmed {
+                Ok(found) if found.contains(&i) => item.recorded(),
+                Ok(_) => item.unknown(&self.ns, unconfirmed_error(events, inserted.len())),
+                Err(read) => item.unknown(&self.ns, read.clone()),
+            });
+        }
+    }
+
+    /// The event at `stopped` met a duplicate key: it and `candidates`
+    /// (the events after it) are judged by what their keys hold.
+    async fn judge_duplicate(
+        &mut self,
+        store: &Store,
+        events: &Collection<Document>,
+        stopped: usize,
+        candidates: &[usize],
+        cause: Error,
+    ) {
+        let judged =
+            judge_existing(store, events, self.items, candidates, &mut self.outcomes).await;
+        if let Err(read) = judged {
+            // The key is there, but whose it is cannot be told.
+            self.outcomes[stopped] = Some(self.items[stopped].unknown(&self.ns, read));
+        }
+        if self.outcomes[stopped].is_none() {
+            // Not found by a majority read: the key is there on the primary
+            // only (an attempt of ours or another's, not replicated yet: it
+            // may be rolled back), or another unique index of the events
+            // collection refused it. Unknown: the ticket settles it.
+            self.outcomes[stopped] = Some(self.items[stopped].unknown(&self.ns, cause));
+        }
+    }
+
+    /// Each event's outcome, and whether the lane must be retired.
+    fn finish(self) -> Sent {
+        let retire = self
+            .items
+            .iter()
+            .zip(&self.outcomes)
+            .any(|(item, outcome)| outcome.as_ref().is_some_and(|o| item.left_in_doubt(o)));
+        let ns = &self.ns;
+        let outcomes = self
+            .outcomes
+            .into_iter()
+            .zip(self.items)
+            .zip(self.maybe_applied)
+            .map(|((outcome, item), maybe_applied)| {
+                // The loop leaves each event its outcome; one without (never
+                // seen) says no more than that it may have landed.
+                outcome
+                    .unwrap_or_else(|| item.undecided(maybe_applied, ns, Error::RecorderStopped))
+            })
+            .collect();
+        Sent { outcomes, retire }
+    }
 }
 
 /// Which of `inserted` a majority read finds stored as ours.

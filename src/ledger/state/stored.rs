@@ -122,7 +122,12 @@ fn parse_catch_up(catch_up: &Document) -> Result<CatchUp, String> {
         )?,
         since: optional_number(catch_up, "since")?,
         done: optional_number(catch_up, "done")?,
-        first_upto: optional_number(catch_up, "first")?,
+        // Written before the field was: a first fold's or an upgrade's.
+        unnumbered: match catch_up.get("unnumbered") {
+            None => true,
+            Some(Bson::Boolean(unnumbered)) => *unnumbered,
+            Some(_) => return Err("its catch-up's unnumbered is not a boolean".into()),
+        },
     })
 }
 
@@ -249,7 +254,7 @@ impl CatchUp {
             "to": self.boundary.to_document(),
             "since": number(self.since),
             "done": number(self.done),
-            "first": number(self.first_upto),
+            "unnumbered": self.unnumbered,
         }
     }
 }
@@ -308,7 +313,7 @@ mod tests {
             boundary: position(3),
             since: None,
             done: Some(17),
-            first_upto: Some(20),
+            unnumbered: false,
         };
         let document = doc! {
             "_id": STATE_ID, "pass": 3i64, "v": 7i64,

@@ -2,20 +2,16 @@
 //! fold-from`): a catch-up of the events numbered after that time, and the
 //! events recorded near the stop named — their count cannot be certain.
 
-use std::time::{Duration, SystemTime};
+mod stop;
 
-use futures::TryStreamExt;
-use mongodb::bson::{Bson, Document, doc};
+use std::time::SystemTime;
 
-use super::range;
-use crate::document::integer_value;
-use crate::error::{Error, Failure};
+use mongodb::bson::Bson;
+
+use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::tail::Tail;
-use crate::ledger::log::Position;
-use crate::ledger::scan::logged;
-use crate::ledger::state::{FoldState, Pass, Window};
-use crate::ledger::{field, time_of, unix_micros};
+use crate::ledger::{time_of, unix_micros};
 
 /// The most uncertain events [`EventFold::fold_from`] names one by one.
 pub(crate) const UNCERTAIN_LISTED: usize = 1_000;
@@ -68,8 +64,10 @@ pub struct UncertainEvent {
     pub counter: Bson,
     /// Its amount (`0` when it is not an integer).
     pub amount: i64,
-    /// When it was recorded (its number: the server's clock).
-    pub recorded: SystemTime,
+    /// When it was recorded (its number: the server's clock); `None` for
+    /// an event without a number (written by hand), which the catch-up
+    /// leaves out.
+    pub recorded: Option<SystemTime>,
     /// The catch-up counts it (it is numbered after `since`). If the fold
     /// had counted it before it stopped, it is now counted twice; if not
     /// counted here and not before, it is in no counter.
@@ -102,18 +100,14 @@ impl EventFold {
                 events: self.events_name.clone(),
             });
         }
-        // A pass left unfinished when the fold stopped: its first chunk
-        // folds up to where that pass ended, at the pass's own number, so
-        // a counter that has the pass already ignores it.
-        let (_, first_upto) = self.stopped_where(&state).await?;
-        let stopped_at = stopped_position(&state).map(Position::wall_time);
+        let stop = self.stop_of(&state).await?;
         let since_number = unix_micros(since);
-        let first_upto = first_upto.filter(|&upto| upto > since_number);
-        let uncertain = self
-            .uncertain(stopped_at, first_upto.map(time_of), since)
-            .await?;
+        let uncertain = self.uncertain(&stop, since_number).await?;
         let reader = self.open_here().await?;
         let boundary = reader.position()?;
+        // The events without a number go with the catch-up only when no
+        // fold counted any of them; otherwise they are named.
+        let unnumbered = !stop.unnumbered_counted;
         if !self
             .keeper
             .catch_up_from(
@@ -121,7 +115,7 @@ impl EventFold {
                 &state,
                 &boundary,
                 Some(since_number),
-                first_upto,
+                unnumbered,
             )
             .await?
         {
@@ -137,24 +131,25 @@ impl EventFold {
         running.tail = Some(Tail::over(reader, boundary.clone()));
         tracing::warn!(
             events = %self.events_name,
-            since = %humantime::format_rfc3339_seconds(since),
-            uncertain = uncertain.1,
+            since = %humantime::format_rfc3339_micros(since),
+            uncertain = uncertain.total,
             "folding again from a chosen time after the fold stopped"
         );
         Ok(FoldFrom {
             since,
             boundary: boundary.wall_time(),
-            stopped_at,
-            uncertain: uncertain.0,
-            uncertain_total: uncertain.1,
-            uncertain_after: uncertain.2.0,
-            uncertain_until: uncertain.2.1,
+            stopped_at: stop.number.map(time_of),
+            uncertain: uncertain.listed,
+            uncertain_total: uncertain.total,
+            uncertain_after: time_of(uncertain.between.0.max(0)),
+            uncertain_until: time_of(uncertain.between.1),
         })
     }
 
-    /// Where a stopped fold stood when it stopped (the start of the pass it
-    /// left unfinished, if any): what `tallyd fold-from` folds from by
-    /// default. `None` when it never folded; refused when it is not stopped.
+    /// Where a stopped fold stood when it stopped — every event numbered up
+    /// to it was counted, as nearly as can be told — : what `tallyd
+    /// fold-from` folds from by default. `None` when it never counted an
+    /// event; refused when it is not stopped.
     ///
     /// ```no_run
     /// # async fn demo(fold: tally::EventFold) -> Result<(), tally::Error> {
@@ -171,141 +166,6 @@ impl EventFold {
                 events: self.events_name.clone(),
             });
         }
-        Ok(self.stopped_where(&state).await?.0.map(time_of))
+        Ok(self.stop_of(&state).await?.number.map(time_of))
     }
-
-    /// Where the fold of `state` stood when it stopped, as an event
-    /// number, and where the pass it left unfinished ended (its first
-    /// chunk's end when it folds again).
-    ///
-    /// The stop is the number of the event whose insert is the position:
-    /// of two events, the one numbered later nearly always committed later
-    /// (numbers are the server's clock as the recorder reckons it, never
-    /// ahead of it), and the events numbered near the stop either way are
-    /// named uncertain. A position that is no insert (a catch-up's
-    /// boundary, an idle fold's), or whose event is gone, stands just
-    /// before its cluster time's second: the events numbered in that
-    /// second are counted again — some of them twice, all of them named —
-    /// rather than any of them not at all.
-    ///
-    /// A pass's end is the end of its last insert's second: no event of
-    /// its window is numbered after that.
-    async fn stopped_where(&self, state: &FoldState) -> Result<(Option<i64>, Option<i64>), Error> {
-        let stop = match stopped_position(state) {
-            Some(position) => Some(self.number_at(position).await?),
-            None => None,
-        };
-        let pass_end = match &state.intent {
-            Some(Pass {
-                window: Window::Log { to, .. },
-                ..
-            }) => to.as_ref().map(|to| unix_micros(end_of_second(&to.at))),
-            Some(Pass {
-                window: Window::Chunk { upto, .. },
-                ..
-            }) => Some(*upto),
-            None => None,
-        };
-        Ok((stop, pass_end))
-    }
-
-    /// The number of the event whose insert `position` is, or just before
-    /// its second (see [`EventFold::stopped_where`]).
-    async fn number_at(&self, position: &Position) -> Result<i64, Error> {
-        let fallback = unix_micros(position.wall_time()) - 1;
-        let Some(key) = &position.event else {
-            return Ok(fallback);
-        };
-        let found = self
-            .store
-            .find_one(
-                &self.events,
-                doc! { "_id": key.clone() },
-                doc! { field::NUMBER: 1 },
-                "ledger.fold_from.stop",
-            )
-            .await?;
-        Ok(found
-            .and_then(|event| event.get(field::NUMBER).and_then(integer_value))
-            .unwrap_or(fallback))
-    }
-
-    /// The events whose count a fold from `since` cannot be sure of, when
-    /// the fold stopped at `stopped_at` (a pass reaching `pass_end` in
-    /// progress): those numbered from one uncertainty before the stop up to
-    /// the later of the stop and `since`.
-    pub(super) async fn uncertain(
-        &self,
-        stopped_at: Option<SystemTime>,
-        pass_end: Option<SystemTime>,
-        since: SystemTime,
-    ) -> Result<(Vec<UncertainEvent>, u64, (SystemTime, SystemTime)), Error> {
-        let Some(stopped_at) = stopped_at else {
-            return Ok((Vec::new(), 0, (since, since)));
-        };
-        let reach = self.uncertainty();
-        let low = (stopped_at
-            .checked_sub(reach)
-            .unwrap_or(SystemTime::UNIX_EPOCH))
-        .min(since);
-        // An event committed before the position's insert was numbered
-        // before that insert's second ended.
-        let high = (stopped_at + Duration::from_secs(1))
-            .max(since)
-            .max(pass_end.unwrap_or(since));
-        let filter = range(Some(unix_micros(low)), unix_micros(high));
-        let mut budget = crate::error::RetryBudget::read_once("ledger.fold_from.uncertain");
-        let total = self
-            .store
-            .with_retry(&mut budget, || self.events.count_documents(filter.clone()))
-            .await
-            .map_err(Error::Server)?;
-        let mut budget = crate::error::RetryBudget::read_once("ledger.fold_from.uncertain");
-        let listed: Vec<Document> = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events
-                    .find(filter.clone())
-                    .sort(doc! { field::NUMBER: 1 })
-                    .limit(UNCERTAIN_LISTED as i64)
-            })
-            .await
-            .map_err(Error::Server)?
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once("ledger.fold_from.uncertain", err)))?;
-        let since = unix_micros(since);
-        let uncertain = listed
-            .into_iter()
-            .map(logged)
-            .map(|event| {
-                let number = event.number.as_ref().and_then(integer_value).unwrap_or(0);
-                UncertainEvent {
-                    counter: event.counter(),
-                    amount: event.amount.as_ref().and_then(integer_value).unwrap_or(0),
-                    recorded: time_of(number),
-                    counted: number > since,
-                    key: event.key,
-                }
-            })
-            .collect();
-        Ok((uncertain, total, (low, high)))
-    }
-}
-
-/// The position the fold of `state` stood at when it stopped: the start
-/// of the pass it left unfinished, if any.
-fn stopped_position(state: &FoldState) -> Option<&Position> {
-    match &state.intent {
-        Some(Pass {
-            window: Window::Log { from, .. },
-            ..
-        }) => Some(from),
-        _ => state.position.as_ref(),
-    }
-}
-
-/// The end of the second of `at`'s cluster time.
-fn end_of_second(at: &Position) -> SystemTime {
-    at.wall_time() + Duration::from_secs(1)
 }
