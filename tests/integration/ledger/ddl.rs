@@ -162,15 +162,19 @@ async fn no_ddl_reaches_the_server_after_setup() {
         CollectionConfig::new("views"),
         EventFoldSettings::default(),
     );
-    wait_until("the sweep deleted the old events", Duration::from_secs(30), || async {
-        fold.sweep(server_now(&store).await).await.unwrap();
-        direct
-            .collection("views_events")
-            .count_documents(doc! { "_id": { "$in": ["old1", "old2"] } })
-            .await
-            .unwrap()
-            == 0
-    })
+    wait_until(
+        "the sweep deleted the old events",
+        Duration::from_secs(30),
+        || async {
+            fold.sweep(server_now(&store).await).await.unwrap();
+            direct
+                .collection("views_events")
+                .count_documents(doc! { "_id": { "$in": ["old1", "old2"] } })
+                .await
+                .unwrap()
+                == 0
+        },
+    )
     .await;
     drop(fold);
     let reconciled = tallyd(&["--config", &config, "reconcile"], &[]).await;
