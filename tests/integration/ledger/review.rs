@@ -129,16 +129,31 @@ async fn judge(
 /// ignore them. The book's contract: a named event "counted now" is in
 /// its counter (twice if the fold had counted it before the stop); every
 /// count that is off is named accordingly.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_fold_from_after_a_pass_left_in_progress_loses_events_it_names_counted() {
-    if external() {
-        return; // needs a server with a small oplog
-    }
+/// A ledger whose fold stopped with a pass left in progress: a first fold
+/// (events `a…`), then a pass over events `b…` that applied every
+/// counter's sum and was killed before its commit; an event `late` of `a`
+/// numbered just after the pass's last event, committing after it; then
+/// the daemon down while 600 events (`flood…`, numbered after the pass's
+/// second) and 600 other writes push the pass's start out of the oplog;
+/// the daemon back, its pass stopping the fold.
+struct InProgress {
+    _server: TestServer,
+    ctx: TestContext,
+    store: Store,
+    /// The events folded before the stop.
+    before: BTreeSet<String>,
+    /// The pass's last event, its number, and the end of its second.
+    to_key: String,
+    to_number: i64,
+    second_end: std::time::SystemTime,
+}
+
+async fn stopped_with_a_pass_in_progress(name: &str) -> InProgress {
     let server = TestServer::start(&ServerOptions {
         oplog_max_entries: Some(OPLOG),
         ..ServerOptions::default()
     });
-    let ctx = TestContext::on("review_fold_from_in_progress", server.uri()).await;
+    let ctx = TestContext::on(name, server.uri()).await;
     let store = ctx.client(false).await.store();
     let ledger = ledger_on(&store, "views").await;
 
@@ -218,6 +233,31 @@ async fn review_fold_from_after_a_pass_left_in_progress_loses_events_it_names_co
     );
     assert!(fold_state(&store).await.contains_key("stopped"));
     drop(killed);
+    InProgress {
+        _server: server,
+        ctx,
+        store,
+        before,
+        to_key,
+        to_number,
+        second_end,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_after_a_pass_left_in_progress_loses_events_it_names_counted() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let InProgress {
+        _server,
+        ctx,
+        store,
+        before,
+        to_key,
+        to_number,
+        ..
+    } = stopped_with_a_pass_in_progress("review_fold_from_in_progress").await;
 
     // The operator: `tallyd fold-from --json` (its default TIME).
     let dir = tempfile::tempdir().unwrap();
@@ -444,4 +484,51 @@ async fn review_an_exact_read_behind_a_long_filtered_backlog_holds_every_event()
         let read = ledger.value("a").await.unwrap();
         assert_eq!(read.value, stored, "round {round}: {read:?}");
     }
+}
+
+/// Finding: the same stop, and `tallyd fold-from TIME` with a TIME after
+/// the pass's last second (the book: "a later one [TIME counts] fewer").
+/// The unfinished pass's end is then not after TIME, so the catch-up's
+/// first chunk is an ordinary one — numbered `pass + 1`, which is the
+/// unfinished pass's own number, as the pass counter never moved. Every
+/// counter the unfinished pass reached has that number already and
+/// ignores the whole first chunk: every event numbered after TIME is
+/// lost, and none is named (they are all after the uncertain window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_a_later_time_after_a_pass_left_in_progress_loses_every_event_after_it() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let InProgress {
+        _server,
+        ctx,
+        store,
+        before,
+        second_end,
+        ..
+    } = stopped_with_a_pass_in_progress("review_fold_from_later_time").await;
+    // TIME: the end of the pass's last second (every event recorded after
+    // it is a flood event, none of them folded before the stop).
+    let time = humantime::format_rfc3339_seconds(second_end).to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(&ctx, ""));
+    let output = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    let shown = json(&output);
+    fold_all(&fold_of(&store, "views")).await;
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    let (_, stored) = counters_and_events(&store).await;
+    let after_time = documents(&store, "views_events")
+        .await
+        .iter()
+        .filter(|e| e.get_i64("s").is_ok_and(|s| s > number_of(second_end)))
+        .count();
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what fold-from said (the distinct events stored: {stored:?}; {after_time} \
+         events numbered after TIME, {} events named): {}",
+        named.len(),
+        summary(&shown)
+    );
 }
