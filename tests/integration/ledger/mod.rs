@@ -52,6 +52,7 @@ mod lost_log;
 mod reads;
 mod recording;
 mod retention;
+mod review;
 mod soak;
 mod upgrade;
 mod workloads;
