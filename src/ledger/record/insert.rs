@@ -366,8 +366,7 @@ impl<'a> Batch<'a> {
             .map(|((outcome, item), maybe_applied)| {
                 // The loop leaves each event its outcome; one without (never
                 // seen) says no more than that it may have landed.
-                outcome
-                    .unwrap_or_else(|| item.undecided(maybe_applied, ns, Error::RecorderStopped))
+                outcome.unwrap_or_else(|| item.undecided(maybe_applied, ns, Error::RecorderStopped))
             })
             .collect();
         Sent { outcomes, retire }

@@ -209,10 +209,7 @@ fn catching_up(catch_up: &CatchUp, intent: Option<&Pass>, reach: i64) -> Stop {
     {
         // A chunk's events committed at or before the boundary: numbered
         // before its second ended.
-        let chunk = (
-            after.unwrap_or(i64::MIN),
-            (*upto).min(boundary + SECOND),
-        );
+        let chunk = (after.unwrap_or(i64::MIN), (*upto).min(boundary + SECOND));
         doubt = Some(match doubt {
             Some((low, high)) => (low.min(chunk.0), high.max(chunk.1)),
             None => chunk,
@@ -282,7 +279,10 @@ mod tests {
         let stop = catching_up(&catch_up, None, REACH);
         assert_eq!(stop.number, Some(2_000 * SECOND));
         assert_eq!(stop.doubt, None);
-        assert!(stop.unnumbered_counted, "fold-from's catch-up: the log had them");
+        assert!(
+            stop.unnumbered_counted,
+            "fold-from's catch-up: the log had them"
+        );
     }
 
     #[test]
