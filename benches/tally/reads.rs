@@ -8,7 +8,10 @@
 //!
 //! The load: [`LOAD_WRITERS`] writers recording at [`LOAD_RATE`] events/s
 //! each over 1,000 keys (a steady few hundred events/s, well under what
-//! the test server takes, so that the daemon keeps up). The backlogs:
+//! the test server takes, so that the daemon keeps up), the daemon's
+//! `fold_delay` from `TALLY_BENCH_LEDGER_READ_FOLD_DELAY` (default `1s`,
+//! the default of `[reconcile] fold_delay`: an exact read reads the log
+//! since the daemon's last pass). The backlogs:
 //! `TALLY_BENCH_LEDGER_READ_BACKLOGS` (default `10000,100000`).
 
 use std::sync::Arc;
@@ -39,6 +42,11 @@ pub async fn run(settings: &Settings) {
     for backlog in backlogs() {
         with_backlog(&store, &db, backlog, settings).await;
     }
+}
+
+/// The daemon's `fold_delay` beside the reads.
+fn fold_delay() -> String {
+    std::env::var("TALLY_BENCH_LEDGER_READ_FOLD_DELAY").unwrap_or_else(|_| "1s".to_owned())
 }
 
 fn backlogs() -> Vec<usize> {
@@ -86,6 +94,7 @@ impl ReadSide {
 /// Exact reads beside `tallyd run` folding a steady load.
 async fn beside_daemon(store: &Store, db: &Database, uri: &str, settings: &Settings) {
     let name = "reads";
+    let fold_delay = fold_delay();
     let ledger = Arc::new(Ledger::new(store, CollectionConfig::new(name)));
     ledger.create_indexes().await.expect("indexes");
     let daemon = Daemon::start_with(
@@ -93,7 +102,7 @@ async fn beside_daemon(store: &Store, db: &Database, uri: &str, settings: &Setti
         &format!(
             "database = \"tally_bench_reads\"\n\
              [[collections]]\nname = \"{name}\"\nledger = true\n\
-             [reconcile]\nfold_delay = \"1s\"\n\
+             [reconcile]\nfold_delay = \"{fold_delay}\"\n\
              [schedule]\ncron = \"0 30 3 * * *\"\ncatch_up = false\n"
         ),
     );
@@ -162,7 +171,7 @@ async fn beside_daemon(store: &Store, db: &Database, uri: &str, settings: &Setti
     drop(daemon);
     let runs: Vec<Run> = runs.into_iter().map(merge).collect();
     println!(
-        "exact reads beside tallyd run (fold_delay 1s) folding {LOAD_WRITERS} writers x \
+        "exact reads beside tallyd run (fold_delay {fold_delay}) folding {LOAD_WRITERS} writers x \
          {LOAD_RATE:.0} events/s over {KEYS} keys (recorded meanwhile: {:.0} events/s; the \
          daemon's lag metric at the end: {}); 1 reader, {} interleaved slices x {:?} per side",
         load as f64 / took.as_secs_f64(),
