@@ -1,11 +1,19 @@
 //! P8, the events ledger: `record` against a plain `$inc` per event (1
 //! caller, and 16 concurrent callers on one handle, whose events share
-//! inserts), `record_many` of 100 against a plain `$inc` per event, the
-//! fold of N events over 1,000 counters against the bare `$group` over the
-//! same events, the process's peak RSS after folding N/10 and N events, a
-//! backlog of 50,000 events drained by `tallyd run` while one writer keeps
-//! recording (its lag metric checked against the events all along), and
-//! the lag from an acknowledged `record` to its counter.
+//! inserts), `record_many` of 100 against a plain `$inc` per event, each
+//! beside its floor (the driver's own insert into a collection with the
+//! ledger's one index) — the `ledger` group; and (`ledger-fold`) the fold
+//! of N events over 1,000 counters against a bare change-stream read of the
+//! same N inserts (and against the bare `$group` of the fold before it),
+//! the process's peak RSS, a backlog of 50,000 events drained by `tallyd
+//! run` while one writer keeps recording (its metrics checked against the
+//! events all along), and the lag from an acknowledged `record` to its
+//! counter.
+//!
+//! The fold follows the events collection's change stream, so the test
+//! server is started with an oplog of [`OPLOG_ENTRIES`] entries kept
+//! [`OPLOG_RETENTION`] (its default, 100,000 entries, would not hold the
+//! events one fold reads beside the others of the run).
 //!
 //! `TALLY_BENCH_LEDGER_EVENTS` sets N (default 100,000);
 //! `TALLY_BENCH_LEDGER_BACKLOG` the drained backlog (default 50,000).
@@ -14,8 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use futures::TryStreamExt;
-use mongodb::bson::{Document, doc};
+use futures::{StreamExt, TryStreamExt};
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::change_stream::event::ResumeToken;
 use mongodb::{Client, Collection};
 use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger, Recording, Store};
 use tokio_util::sync::CancellationToken;
@@ -23,14 +32,23 @@ use tokio_util::sync::CancellationToken;
 use crate::Settings;
 use crate::daemon::Daemon;
 use crate::increment::run_plain;
-use crate::measure::{Run, bench_options, merge, ms, server, timed};
+use crate::measure::{Run, bench_options, merge, ms, server_with_oplog, timed};
 
 const KEYS: usize = 1000;
 const MANY: usize = 100;
 
+/// The test server's oplog for the ledger's benchmarks: room for every
+/// insert of a run (the folds' 210,000 events, the drain's 50,000 and what
+/// the writers beside them record).
+pub(crate) const OPLOG_ENTRIES: u64 = 2_000_000;
+
+/// How long the test server keeps an oplog entry: longer than a run.
+pub(crate) const OPLOG_RETENTION: Duration = Duration::from_secs(4 * 3600);
+
+/// The `ledger` group: `record` and `record_many` against a plain `$inc`
+/// per event, each beside its floor.
 pub async fn run(settings: &Settings) {
-    let events = events();
-    let (_server, store, db, uri) = connect().await;
+    let (_server, store, db, _uri) = connect("tally_bench_ledger").await;
     let plain: Collection<Document> = db.collection("plain");
     let ledger = Arc::new(Ledger::new(&store, CollectionConfig::new("recorded")));
     ledger.create_indexes().await.expect("indexes");
@@ -46,7 +64,7 @@ pub async fn run(settings: &Settings) {
         "side", "callers", "events/s", "p50 ms", "p99 ms"
     );
     // The floor beside tally: the driver's own insert into a collection
-    // with the same indexes (what any ledger of this shape pays).
+    // with the same index (what any ledger of this shape pays).
     let bare_ledger = Ledger::new(&store, CollectionConfig::new("bare"));
     bare_ledger.create_indexes().await.expect("indexes");
     let bare: Collection<Document> = db.collection("bare_events");
@@ -107,36 +125,38 @@ pub async fn run(settings: &Settings) {
         many.per_second() * MANY as f64 / plain_run.per_second(),
         bare_run.per_second() * MANY as f64 / plain_run.per_second()
     );
-
-    folds(&store, &db, &uri, events, plain_run.per_second(), settings).await;
 }
 
-/// The fold part alone (`ledger-fold`): the folds, peak RSS and the lag,
+/// The `ledger-fold` group: the folds, peak RSS, the drain and the lags,
 /// the lag's rate taken from one writer's plain `$inc` measured here.
 pub async fn run_fold(settings: &Settings) {
     let events = events();
-    let (_server, store, db, uri) = connect().await;
+    let (_server, store, db, uri) = connect("tally_bench_ledger").await;
     let plain: Collection<Document> = db.collection("plain");
     let capacity = run_plain(&plain, 1, settings.run, KEYS, 1)
         .await
         .per_second();
+    println!("one writer's plain $inc alone: {capacity:.0}/s");
     folds(&store, &db, &uri, events, capacity, settings).await;
 }
 
-/// A fresh benchmark database (on a server started for the run unless
-/// `TALLY_BENCH_MONGODB_URI` names one; the guard keeps it alive).
-async fn connect() -> (
+/// A fresh benchmark database `name` (on a server started for the run,
+/// with the oplog the ledger needs, unless `TALLY_BENCH_MONGODB_URI` names
+/// one; the guard keeps it alive).
+pub(crate) async fn connect(
+    name: &str,
+) -> (
     Option<crate::server::TestServer>,
     Store,
     mongodb::Database,
     String,
 ) {
-    let (uri, server) = server();
+    let (uri, server) = server_with_oplog(OPLOG_ENTRIES, OPLOG_RETENTION);
     let options = bench_options(&uri).await;
     let client = Client::with_options(options.clone()).expect("client");
-    let db = client.database("tally_bench_ledger");
+    let db = client.database(name);
     db.drop().await.expect("drop bench database");
-    let store = Store::from_parts(client, &options, "tally_bench_ledger");
+    let store = Store::from_parts(client, &options, name);
     (server, store, db, uri)
 }
 
@@ -156,17 +176,27 @@ async fn folds(
     capacity: f64,
     settings: &Settings,
 ) {
-    for (name, n) in [("fold_small", events / 10), ("fold_large", events)] {
-        let (folded, bare, ranged, rss) = fold_side(store, db, name, n).await;
+    println!(
+        "ledger fold (P8): a log pass of N events over {KEYS} counters vs a bare change-stream \
+         read of the same N inserts from the same position (and the bare $group over them, the \
+         old baseline); the bare read goes first in even rounds, the fold in odd ones"
+    );
+    let sizes = [events / 10, events, events];
+    for (round, n) in sizes.into_iter().enumerate() {
+        let name = format!("fold_{round}");
+        let fold = fold_side(store, db, &name, n, round % 2 == 1).await;
         println!(
-            "fold of {n} events over {KEYS} counters: {:.2}s; bare $group over them: {:.2}s; \
-             ratio = {:.2}x (goal <= 3x); the same $group over the pass's number range at \
-             read concern majority (the fold's read): {:.2}s, fold / that = {:.2}x; the fold's peak RSS above the process's before it {rss} KiB",
-            folded.as_secs_f64(),
-            bare.as_secs_f64(),
-            folded.as_secs_f64() / bare.as_secs_f64(),
-            ranged.as_secs_f64(),
-            folded.as_secs_f64() / ranged.as_secs_f64(),
+            "fold of {n} events over {KEYS} counters (round {round}): {:.2}s; bare change-stream \
+             read of them: {:.2}s, ratio = {:.2}x (goal <= 1.5x); bare $group over them: {:.2}s, \
+             ratio = {:.2}x; the counters' sums as plain $inc upserts, 100 to an update \
+             command: {:.2}s; the fold's peak RSS above the process's before it {} KiB",
+            fold.folded.as_secs_f64(),
+            fold.stream.as_secs_f64(),
+            fold.folded.as_secs_f64() / fold.stream.as_secs_f64(),
+            fold.group.as_secs_f64(),
+            fold.folded.as_secs_f64() / fold.group.as_secs_f64(),
+            fold.writes.as_secs_f64(),
+            fold.rss,
         );
     }
     drain(store, db, uri).await;
@@ -190,26 +220,19 @@ fn backlog_size() -> usize {
         .unwrap_or(50_000)
 }
 
-/// A backlog recorded while no daemon runs, then drained by `tallyd run`
-/// while one writer keeps recording at full speed: the drain's rate
-/// against the writer's, and the daemon's backlog and lag metrics, sampled
-/// twice a second, against the truth (events stored minus the counters'
-/// sum: every event adds 1).
+/// A backlog recorded while no daemon runs — after a first fold gave the
+/// ledger its position in the log, so the daemon drains it from the log as
+/// it would after an outage — then drained by `tallyd run` while one
+/// writer keeps recording at full speed: the drain's rate against the
+/// writer's, and the daemon's backlog and lag metrics, sampled twice a
+/// second, against the truth (events recorded minus the counters' sum:
+/// every event adds 1).
 async fn drain(store: &Store, db: &mongodb::Database, uri: &str) {
     let backlog = backlog_size();
     let name = "drain";
-    let ledger = Arc::new(Ledger::new(store, CollectionConfig::new(name)));
-    ledger.create_indexes().await.expect("indexes");
-    for chunk in 0..backlog.div_ceil(1000) {
-        let batch: Vec<(String, String, i64)> = (chunk * 1000..((chunk + 1) * 1000).min(backlog))
-            .map(|i| (format!("b{i}"), format!("k{}", i % KEYS), 1))
-            .collect();
-        for recording in ledger.record_many(batch).await {
-            assert_eq!(recording.name(), "recorded", "{recording:?}");
-        }
-    }
+    let ledger = Arc::new(placed_ledger(store, name).await.0);
+    record_backlog(&ledger, backlog).await;
     let counters: Collection<Document> = db.collection(name);
-    let events: Collection<Document> = db.collection(&format!("{name}_events"));
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicI64::new(0));
     let writer = {
@@ -261,8 +284,12 @@ async fn drain(store: &Store, db: &mongodb::Database, uri: &str) {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let metric = daemon.metric(&series).await;
         let lag = daemon.metric(&lag_series).await;
+        // Every event recorded is stored: the backlog and what the writer
+        // recorded (counted before the sum, so never more than it saw). A
+        // count of the events collection would cost the test server a scan
+        // of it every sample, which slowed the drain it measures.
+        let stored = backlog as i64 + written.load(Ordering::Relaxed);
         let folded = sum_of(&counters).await;
-        let stored = events.count_documents(doc! {}).await.expect("count") as i64;
         let at = started.elapsed();
         samples.push((at, stored - folded, metric, lag));
         if drained.is_none() && folded >= backlog as i64 {
@@ -314,6 +341,19 @@ async fn drain(store: &Store, db: &mongodb::Database, uri: &str) {
             metric.map_or("-".to_owned(), |m| format!("{m:.0}")),
             lag.map_or("-".to_owned(), |l| format!("{l:.1}s"))
         );
+    }
+}
+
+/// `backlog` events `b<i>` of 1 recorded over [`KEYS`] counters (`k<i %
+/// KEYS>`), 1,000 to a `record_many`, through one handle.
+pub(crate) async fn record_backlog(ledger: &Ledger, backlog: usize) {
+    for chunk in 0..backlog.div_ceil(1000) {
+        let batch: Vec<(String, String, i64)> = (chunk * 1000..((chunk + 1) * 1000).min(backlog))
+            .map(|i| (format!("b{i}"), format!("k{}", i % KEYS), 1))
+            .collect();
+        for recording in ledger.record_many(batch).await {
+            assert_eq!(recording.name(), "recorded", "{recording:?}");
+        }
     }
 }
 
@@ -439,39 +479,64 @@ async fn run_record_many(ledger: &Arc<Ledger>, serial: &Arc<AtomicI64>, duration
     .await
 }
 
-/// Records `events` events over [`KEYS`] counters in `name`'s ledger
-/// through [`SEED_LANES`] handles at once (`record_many` of 1,000: not
-/// timed), then times tally's fold of them — at once, as a running daemon
-/// would — and the bare `$group` aggregate over the same events (each
-/// side's work: read every event, sum per counter).
+/// What one fold of N events and its baselines took.
+struct FoldSides {
+    /// The fold's pass over the N inserts (one `EventFold::fold`).
+    folded: Duration,
+    /// A bare change stream reading the same N inserts from the fold's
+    /// position, with the fold's projection.
+    stream: Duration,
+    /// The bare `$group` by counter over the events collection.
+    group: Duration,
+    /// The counters' sums written as plain `$inc` upserts, 100 to an
+    /// `update` command (the fold's own writes go through the fold lane).
+    writes: Duration,
+    /// The fold's peak RSS above the process's before it, in KiB.
+    rss: u64,
+}
+
+/// `name`'s ledger folded once while empty (its position in the log), then
+/// `events` events recorded over [`KEYS`] counters through [`SEED_LANES`]
+/// handles at once (`record_many` of 1,000: not timed); then, on the same
+/// inserts, the bare change-stream read from the fold's position and
+/// tally's fold of them — one pass, as a running daemon would make it
+/// (`fold_first`: the fold first) — then the bare `$group` and the plain
+/// writes of its sums.
 async fn fold_side(
     store: &Store,
     db: &mongodb::Database,
     name: &str,
     events: usize,
-) -> (Duration, Duration, Duration, u64) {
-    let ledger = Ledger::new(store, CollectionConfig::new(name));
-    ledger.create_indexes().await.expect("indexes");
+    fold_first: bool,
+) -> FoldSides {
+    let (_, fold) = placed_ledger(store, name).await;
+    let stop = CancellationToken::new();
+    let position = position_of(db, name).await;
     seed(store, name, events).await;
-    let fold = EventFold::new(
-        store,
-        CollectionConfig::new(name),
-        EventFoldSettings::default(),
-    );
+    let coll: Collection<Document> = db.collection(&format!("{name}_events"));
+    let all = Bare {
+        key: None,
+        inserts: events,
+        wait: Duration::from_millis(5),
+    };
+    let mut stream = None;
+    if !fold_first {
+        stream = Some(all.read(&coll, &position).await);
+    }
     let resident = rss_kib("VmRSS:");
     reset_peak_rss();
     let started = Instant::now();
-    let run = fold
-        .fold(SystemTime::now(), &CancellationToken::new())
-        .await
-        .expect("fold");
+    let run = fold.fold(SystemTime::now(), &stop).await.expect("fold");
     let folded = started.elapsed();
     let rss = peak_rss_kib().saturating_sub(resident);
     assert_eq!(
         run.events_folded, events as u64,
         "every event folded in one pass"
     );
-    let coll: Collection<Document> = db.collection(&format!("{name}_events"));
+    let stream = match stream {
+        Some(stream) => stream,
+        None => all.read(&coll, &position).await,
+    };
     let started = Instant::now();
     let rows: Vec<Document> = coll
         .aggregate(vec![
@@ -482,26 +547,140 @@ async fn fold_side(
         .try_collect()
         .await
         .expect("bare $group rows");
-    let bare = started.elapsed();
+    let group = started.elapsed();
     assert_eq!(rows.len(), KEYS.min(events));
-    // The fold's read alone: the same `$group` over the pass's number
-    // range (through the `{s: 1}` index), at read concern majority, as the
-    // fold sums it.
+    let writes = plain_sums(db, name, &rows).await;
+    FoldSides {
+        folded,
+        stream,
+        group,
+        writes,
+        rss,
+    }
+}
+
+/// The fold's position in the log of `name`'s ledger, from its state
+/// document: the resume token a bare reader starts after.
+pub(crate) async fn position_of(db: &mongodb::Database, name: &str) -> ResumeToken {
+    let state = db
+        .collection::<Document>(&format!("{name}_events_fold"))
+        .find_one(doc! { "_id": "state" })
+        .await
+        .expect("read the fold state")
+        .expect("a fold state");
+    let token = state
+        .get_document("position")
+        .expect("the fold state has a position")
+        .get("token")
+        .cloned()
+        .expect("a position's token");
+    mongodb::bson::deserialize_from_bson(token).expect("a resume token")
+}
+
+/// A change event as a bare reader reads it: the inserted event's fields.
+#[derive(Debug, serde::Deserialize)]
+struct BareChange {
+    #[serde(rename = "fullDocument")]
+    document: Option<Document>,
+}
+
+/// The pipeline of a bare stream of inserts (of counter `key`, or every
+/// insert), projected to the fields the fold reads.
+fn bare_pipeline(key: Option<&str>) -> Vec<Document> {
+    let mut inserts = doc! { "operationType": "insert" };
+    if let Some(key) = key {
+        inserts.insert("fullDocument.k", key);
+    }
+    vec![
+        doc! { "$match": inserts },
+        doc! { "$project": {
+            "_id": 1, "operationType": 1, "clusterTime": 1, "fullDocument._id": 1,
+            "fullDocument.k": 1, "fullDocument.n": 1, "fullDocument.s": 1,
+        } },
+    ]
+}
+
+/// A bare reader of the log: the driver's change stream of an events
+/// collection's inserts (of counter `key` only, filtered on the server, or
+/// every insert), projected to what the fold reads, each `getMore` waiting
+/// at most `wait`, read until `inserts` came.
+pub(crate) struct Bare<'a> {
+    pub(crate) key: Option<&'a str>,
+    pub(crate) inserts: usize,
+    pub(crate) wait: Duration,
+}
+
+impl Bare<'_> {
+    /// The read of `coll`'s log resumed after `position`: how long it took.
+    pub(crate) async fn read(
+        &self,
+        coll: &Collection<Document>,
+        position: &ResumeToken,
+    ) -> Duration {
+        let started = Instant::now();
+        let mut stream = coll
+            .watch()
+            .pipeline(bare_pipeline(self.key))
+            .max_await_time(self.wait)
+            .resume_after(position.clone())
+            .await
+            .expect("open a bare change stream")
+            .with_type::<BareChange>();
+        let mut seen = 0;
+        while seen < self.inserts {
+            if let Some(change) = stream.next_if_any().await.expect("bare change stream") {
+                assert!(change.document.is_some(), "an insert's event");
+                seen += 1;
+            }
+        }
+        started.elapsed()
+    }
+}
+
+/// `name`'s ledger with its index, folded once while empty: its fold
+/// state holds a position in the log, so what is recorded next reaches
+/// the fold through the log (not a first fold's catch-up of the
+/// collection), as under a running daemon.
+pub(crate) async fn placed_ledger(store: &Store, name: &str) -> (Ledger, EventFold) {
+    let ledger = Ledger::new(store, CollectionConfig::new(name));
+    ledger.create_indexes().await.expect("indexes");
+    let fold = EventFold::new(
+        store,
+        CollectionConfig::new(name),
+        EventFoldSettings::default(),
+    );
+    fold.fold(SystemTime::now(), &CancellationToken::new())
+        .await
+        .expect("the first fold of an empty ledger");
+    (ledger, fold)
+}
+
+/// The `$group`'s sums written to a scratch collection as plain `$inc`
+/// upserts, 100 statements to an unordered `update` command, two commands
+/// at once (as a pass sends its counters): the writes any fold makes.
+async fn plain_sums(db: &mongodb::Database, name: &str, rows: &[Document]) -> Duration {
+    let target = format!("{name}_plain_sums");
     let started = Instant::now();
-    let rows: Vec<Document> = coll
-        .aggregate(vec![
-            doc! { "$match": { "s": { "$gt": 0i64, "$lte": i64::MAX } } },
-            doc! { "$group": { "_id": "$k", "n": { "$sum": "$n" } } },
-        ])
-        .read_concern(mongodb::options::ReadConcern::majority())
-        .await
-        .expect("ranged $group")
-        .try_collect()
-        .await
-        .expect("ranged $group rows");
-    assert_eq!(rows.len(), KEYS.min(events));
-    let ranged = started.elapsed();
-    (folded, bare, ranged, rss)
+    let commands: Vec<Document> = rows
+        .chunks(100)
+        .map(|chunk| {
+            let updates: Vec<Document> = chunk
+                .iter()
+                .map(|row| {
+                    let key = row.get("_id").cloned().unwrap_or(Bson::Null);
+                    let sum = row.get("n").cloned().unwrap_or(Bson::Int64(0));
+                    doc! { "q": { "_id": key }, "u": { "$inc": { "counter": sum } }, "upsert": true }
+                })
+                .collect();
+            doc! { "update": &target, "updates": updates, "ordered": false }
+        })
+        .collect();
+    futures::stream::iter(commands)
+        .map(|command| async move { db.run_command(command).await.expect("plain sums") })
+        .buffer_unordered(2)
+        .collect::<Vec<_>>()
+        .await;
+    started.elapsed()
 }
 
 /// Handles (recorder lanes) the seeded events are recorded through.

@@ -4,7 +4,7 @@
 //! BENCHMARKS.md records.
 //!
 //! ```text
-//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [ledger-recorders] [buckets] [closing] [--seconds S] [--rounds R]
+//! cargo bench --bench tally -- [increment] [sequence] [fold] [daemon] [lanes] [ledger] [ledger-fold] [ledger-reads] [ledger-recorders] [buckets] [closing] [--seconds S] [--rounds R]
 //! ```
 //!
 //! Each side runs `R` slices of `S` seconds, alternating with the other
@@ -30,6 +30,7 @@ mod increment;
 mod lanes;
 mod ledger;
 mod measure;
+mod reads;
 mod recorders;
 mod sequence;
 
@@ -88,10 +89,11 @@ fn main() {
             "lanes" => runtime.block_on(lanes::run(&settings)),
             "ledger" => runtime.block_on(ledger::run(&settings)),
             "ledger-fold" => runtime.block_on(ledger::run_fold(&settings)),
+            "ledger-reads" => runtime.block_on(reads::run(&settings)),
             "ledger-recorders" => runtime.block_on(recorders::run(&settings)),
             other => {
                 eprintln!(
-                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-recorders, buckets, closing"
+                    "unknown section {other:?}; sections: increment, sequence, fold, daemon, lanes, ledger, ledger-fold, ledger-reads, ledger-recorders, buckets, closing"
                 );
                 std::process::exit(2);
             }

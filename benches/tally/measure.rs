@@ -10,13 +10,31 @@ use crate::server::{ServerOptions, TestServer};
 /// The URI of the server to measure against, and the server if we started
 /// it (kept alive by the caller).
 pub fn server() -> (String, Option<TestServer>) {
+    server_with(&ServerOptions::default())
+}
+
+/// [`server`], a server we start being started with `options` (the
+/// ledger's benchmarks give the test server a larger oplog than its
+/// default 100,000 entries and 1 hour: the fold reads the events
+/// collection's change stream).
+pub fn server_with(options: &ServerOptions) -> (String, Option<TestServer>) {
     match std::env::var("TALLY_BENCH_MONGODB_URI") {
         Ok(uri) if !uri.is_empty() => (uri, None),
         _ => {
-            let server = TestServer::start(&ServerOptions::default());
+            let server = TestServer::start(options);
             (server.uri(), Some(server))
         }
     }
+}
+
+/// A server with an oplog of `entries` entries and `retention` (see
+/// [`server_with`]).
+pub fn server_with_oplog(entries: u64, retention: Duration) -> (String, Option<TestServer>) {
+    server_with(&ServerOptions {
+        oplog_max_entries: Some(entries),
+        oplog_retention: Some(retention),
+        ..ServerOptions::default()
+    })
 }
 
 /// Client options for benchmarks against `uri`: retryable writes off (the

@@ -1,22 +1,24 @@
 //! P9, what the ledger costs with one-shot recorders: N events recorded by
 //! N recorder processes of one event each (a `tallyd record` per event, a
-//! `Ledger` per request), spread over the dedupe window (simulated time:
-//! the events are inserted as those recorders would have written them,
-//! numbered by the server's clock over the last six days), against the
-//! same N events recorded by one long-lived recorder. After the fold:
-//! an idle pass, an exact read and the fold state's size, each side against
-//! the other.
+//! `Ledger` per request: a lane each), spread over the dedupe window
+//! (simulated time: the events are inserted as those recorders would have
+//! written them, numbered by the server's clock over the last six days),
+//! against the same N events recorded by one long-lived recorder (one
+//! lane). The ledger is folded once while empty first, so the N events
+//! reach the fold through its log, as they would under a running daemon.
+//! After their fold: an idle pass, an exact read and the fold state's
+//! size, each side against the other.
 //!
 //! `TALLY_BENCH_LEDGER_RECORDERS` sets N (default 100,000).
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mongodb::bson::{Document, doc, oid::ObjectId};
-use tally::{CollectionConfig, EventFold, EventFoldSettings, Ledger};
 use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
-use crate::measure::{bench_options, server};
+use crate::ledger::{OPLOG_ENTRIES, OPLOG_RETENTION, placed_ledger};
+use crate::measure::{bench_options, server_with_oplog};
 
 const KEYS: usize = 1000;
 const SIX_DAYS: u64 = 6 * 24 * 3600;
@@ -41,7 +43,7 @@ struct Cost {
 
 pub async fn run(settings: &Settings) {
     let n = recorders();
-    let (uri, _server) = server();
+    let (uri, _server) = server_with_oplog(OPLOG_ENTRIES, OPLOG_RETENTION);
     let options = bench_options(&uri).await;
     let client = mongodb::Client::with_options(options.clone()).expect("client");
     let db = client.database("tally_bench_recorders");
@@ -55,7 +57,7 @@ pub async fn run(settings: &Settings) {
          idle pass: {:.1} ms vs {:.1} ms (ratio {:.2}x; goal <= 50 ms)\n\
          exact read: {:.1} ms vs {:.1} ms (ratio {:.2}x; goal <= 2x)\n\
          fold state: {} vs {} bytes (goal <= 64 KB)\n\
-         first fold of the {n} events: {:.2} s vs {:.2} s",
+         the fold of the {n} events (from the log): {:.2} s vs {:.2} s",
         ms(one.idle_pass),
         ms(many.idle_pass),
         many.idle_pass.as_secs_f64() / one.idle_pass.as_secs_f64(),
@@ -69,8 +71,9 @@ pub async fn run(settings: &Settings) {
     );
 }
 
-/// Inserts `n` events of collection `name` (one lane, or one lane each),
-/// folds them, then times idle passes and exact reads (medians).
+/// Folds `name`'s empty ledger (its position in the log), inserts `n`
+/// events (one lane, or one lane each), folds them, then times idle passes
+/// and exact reads (medians).
 async fn side(
     store: &tally::Store,
     db: &mongodb::Database,
@@ -79,8 +82,8 @@ async fn side(
     one_shot: bool,
     settings: &Settings,
 ) -> Cost {
-    let ledger = Ledger::new(store, CollectionConfig::new(name));
-    ledger.create_indexes().await.expect("indexes");
+    let (ledger, fold) = placed_ledger(store, name).await;
+    let stop = CancellationToken::new();
     let events = db.collection::<Document>(&format!("{name}_events"));
     let now = SystemTime::now();
     let start = micros(now - Duration::from_secs(SIX_DAYS));
@@ -104,12 +107,6 @@ async fn side(
     if !batch.is_empty() {
         events.insert_many(batch).await.expect("seed");
     }
-    let fold = EventFold::new(
-        store,
-        CollectionConfig::new(name),
-        EventFoldSettings::default(),
-    );
-    let stop = CancellationToken::new();
     let began = Instant::now();
     let run = fold.fold(SystemTime::now(), &stop).await.expect("fold");
     let first_fold = began.elapsed();
