@@ -114,7 +114,7 @@ async fn judge(
     (counters, expected, named)
 }
 
-/// Finding: `tallyd fold-from` after a fold that stopped with a pass in
+/// Review, fixed: `tallyd fold-from` after a fold that stopped with a pass in
 /// progress (a daemon killed between its counter updates and its commit,
 /// then down longer than the oplog's window).
 ///
@@ -245,7 +245,7 @@ async fn stopped_with_a_pass_in_progress(name: &str) -> InProgress {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_fold_from_after_a_pass_left_in_progress_loses_events_it_names_counted() {
+async fn review_fold_from_after_a_pass_left_in_progress_counts_each_event_as_it_names_it() {
     if external() {
         return; // needs a server with a small oplog
     }
@@ -298,14 +298,14 @@ async fn counters_and_events(
     (counters, events)
 }
 
-/// Finding: a fold that stops *during a catch-up* (its boundary left the
+/// Review, fixed: a fold that stops *during a catch-up* (its boundary left the
 /// oplog before the catch-up finished: `tallyd fold-from` interrupted, or
 /// a first fold of a big collection, while the daemon is down) has no
 /// position, so `fold-from` thinks it "had not folded yet": its default
 /// TIME is the epoch and it names no event. Every event the fold had
 /// counted before is counted again, silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_fold_from_after_a_stop_during_a_catch_up_counts_everything_twice_naming_nothing() {
+async fn review_fold_from_after_a_stop_during_a_catch_up_names_every_event_it_counts_again() {
     if external() {
         return; // needs a server with a small oplog
     }
@@ -389,7 +389,7 @@ async fn review_fold_from_after_a_stop_during_a_catch_up_counts_everything_twice
     );
 }
 
-/// Finding: an event inserted without a number (`s` missing or not a
+/// Review, fixed: an event inserted without a number (`s` missing or not a
 /// number: by hand, a shell, a script — the fold takes such events, and
 /// sums `n: 2.0` "what a shell writes") is folded once by the log; every
 /// later catch-up's last chunk folds every unnumbered event in the
@@ -397,7 +397,7 @@ async fn review_fold_from_after_a_stop_during_a_catch_up_counts_everything_twice
 /// (its uncertain window is a range of numbers). The sweep never deletes
 /// them either, so each `fold-from` counts them once more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_fold_from_counts_unnumbered_events_again_naming_none() {
+async fn review_fold_from_names_unnumbered_events_once_a_fold_may_have_counted_them() {
     if external() {
         return; // needs a server with a small oplog
     }
@@ -486,7 +486,7 @@ async fn review_an_exact_read_behind_a_long_filtered_backlog_holds_every_event()
     }
 }
 
-/// Finding: the same stop, and `tallyd fold-from TIME` with a TIME after
+/// Review, fixed: the same stop, and `tallyd fold-from TIME` with a TIME after
 /// the pass's last second (the book: "a later one [TIME counts] fewer").
 /// The unfinished pass's end is then not after TIME, so the catch-up's
 /// first chunk is an ordinary one — numbered `pass + 1`, which is the
@@ -495,7 +495,7 @@ async fn review_an_exact_read_behind_a_long_filtered_backlog_holds_every_event()
 /// ignores the whole first chunk: every event numbered after TIME is
 /// lost, and none is named (they are all after the uncertain window).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn review_fold_from_a_later_time_after_a_pass_left_in_progress_loses_every_event_after_it() {
+async fn review_fold_from_a_later_time_after_a_pass_left_in_progress_counts_every_event_after_it() {
     if external() {
         return; // needs a server with a small oplog
     }
