@@ -532,3 +532,144 @@ async fn review_fold_from_a_later_time_after_a_pass_left_in_progress_counts_ever
         summary(&shown)
     );
 }
+
+/// A ledger folded exactly (a first fold of events `a…`, a log pass of
+/// events `b…`), then stopped: the daemon down while 600 events and 600
+/// other writes push its position out of the small oplog. Returns the
+/// events folded before the stop and a time just before any of them was
+/// recorded (a TIME an operator might pick "to be safe").
+struct Stopped {
+    _server: TestServer,
+    ctx: TestContext,
+    store: Store,
+    before: BTreeSet<String>,
+    time: String,
+}
+
+async fn stopped_after_folding(name: &str) -> Stopped {
+    let server = TestServer::start(&ServerOptions {
+        oplog_max_entries: Some(OPLOG),
+        ..ServerOptions::default()
+    });
+    let ctx = TestContext::on(name, server.uri()).await;
+    let store = ctx.client(false).await.store();
+    let ledger = ledger_on(&store, "views").await;
+    let time = humantime::format_rfc3339_seconds(server_now(&store).await - Duration::from_secs(2))
+        .to_string();
+    let mut before = record_keys(&ledger, "a", 30).await;
+    fold_all(&fold_of(&store, "views")).await;
+    before.extend(record_keys(&ledger, "b", 30).await);
+    fold_all(&fold_of(&store, "views")).await;
+    let (counters, events) = counters_and_events(&store).await;
+    assert_eq!(
+        counters, events,
+        "folded exactly before anything goes wrong"
+    );
+    flood(&ledger, &store, "flood", 600).await;
+    let pass = fold_of(&store, "views")
+        .fold(server_now(&store).await, &Default::default())
+        .await;
+    assert!(matches!(pass, Err(Error::HistoryLost { .. })), "{pass:?}");
+    assert!(fold_state(&store).await.contains_key("stopped"));
+    Stopped {
+        _server: server,
+        ctx,
+        store,
+        before,
+        time,
+    }
+}
+
+/// Every event any of `outputs` (`tallyd fold-from --json`) named, as one
+/// JSON object [`judge`] takes.
+fn named_by(outputs: &[&std::process::Output]) -> serde_json::Value {
+    let mut uncertain = Vec::new();
+    for output in outputs {
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        if let Ok(shown) = serde_json::from_str::<serde_json::Value>(stdout.trim())
+            && let Some(listed) = shown["uncertain"].as_array()
+        {
+            uncertain.extend(listed.iter().cloned());
+        }
+    }
+    serde_json::json!({ "uncertain": uncertain })
+}
+
+/// Review: `fold_from` starts its catch-up with one conditioned write
+/// (`Keeper::catch_up_from`, on the version read). When that write's reply
+/// is lost (a connection cut after the server applied it — a fault the
+/// fold's own intent and commit read back after), the store retries it,
+/// the retry matches nothing (the version moved: our own write), and
+/// `fold_from` reports `FoldPassLost`: "the fold state changed while the
+/// catch-up was being set up; run the command again". It never reads back
+/// whether the write that changed it was its own. Run again, `fold-from`
+/// refuses (`FoldNotStopped`: the catch-up is there) — so the uncertain
+/// events are never named by any run, while the catch-up (folded by the
+/// next pass) counts every event numbered after TIME again: events folded
+/// before the stop are counted twice, silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_whose_catch_up_write_reply_is_lost_names_every_event_it_counts_again() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let Stopped {
+        _server,
+        ctx,
+        store,
+        before,
+        time,
+    } = stopped_after_folding("review_fold_from_lost_reply").await;
+
+    // `tallyd fold-from TIME --json` through a proxy that drops the reply
+    // to the catch-up's write (the server applied it).
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let dir = tempfile::tempdir().unwrap();
+    let through =
+        config(&ctx, "").replace(&ctx.child_uri(false), &ctx.child_uri_through(&proxy, false));
+    let path_through = write_config(dir.path(), &through);
+    let first = {
+        let _lost = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("catch_up")
+                .nth(1)
+                .then(Action::DropReply),
+        );
+        tallyd(
+            &["--config", &path_through, "fold-from", &time, "--json"],
+            &[],
+        )
+        .await
+    };
+    let dropped = proxy
+        .log()
+        .iter()
+        .filter(|e| matches!(e.action, Some(Action::DropReply)))
+        .count();
+    assert_eq!(dropped, 1, "the catch-up write's reply was dropped");
+    // The operator does as told: runs it again (directly).
+    let dir2 = tempfile::tempdir().unwrap();
+    let path = write_config(dir2.path(), &config(&ctx, ""));
+    let second = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
+    // And the daemon folds whatever catch-up there is.
+    for _ in 0..10 {
+        let run = fold_all(&fold_of(&store, "views")).await;
+        if !run.backlog.catching_up && !run.busy {
+            break;
+        }
+    }
+    let shown = named_by(&[&first, &second]);
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    let (_, stored) = counters_and_events(&store).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what the fold-from runs named ({} events named; the distinct \
+         events stored: {stored:?}); the first run (exit {:?}): {}; run again (exit {:?}): {}",
+        named.len(),
+        first.status.code(),
+        text(&first),
+        second.status.code(),
+        text(&second),
+    );
+}
