@@ -673,3 +673,76 @@ async fn review_fold_from_whose_catch_up_write_reply_is_lost_names_every_event_i
         text(&second),
     );
 }
+
+/// Review: `tallyd fold-from --json` prints the uncertain events only once
+/// the catch-up has finished (`as_json` after the fold loop); the text
+/// output names them first. When a step of the catch-up fails after the
+/// catch-up was set up — a transient failure, a connection cut, the
+/// command stopped with Ctrl-C while it waits for the daemon's chunk — the
+/// JSON is the error alone ("it is resumed by the next pass"), and running
+/// the command again refuses (`FoldNotStopped`): the catch-up the next pass
+/// finishes counts every event numbered after TIME, those the fold had
+/// counted before the stop twice, and no run ever named them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_json_whose_catch_up_fails_names_every_event_it_counts_again() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let Stopped {
+        _server,
+        ctx,
+        store,
+        before,
+        time,
+    } = stopped_after_folding("review_fold_from_json_cut").await;
+
+    // `tallyd fold-from TIME --json` through a proxy that cuts every write
+    // of a chunk's intent: the catch-up is set up, its first chunk fails.
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let dir = tempfile::tempdir().unwrap();
+    let through =
+        config(&ctx, "").replace(&ctx.child_uri(false), &ctx.child_uri_through(&proxy, false));
+    let path_through = write_config(dir.path(), &through);
+    let first = {
+        let _cut = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("chunk")
+                .then(Action::CloseBeforeForwarding),
+        );
+        tallyd(
+            &["--config", &path_through, "fold-from", &time, "--json"],
+            &[],
+        )
+        .await
+    };
+    assert!(
+        fold_state(&store).await.contains_key("catch_up"),
+        "the catch-up was set up: {}",
+        text(&first)
+    );
+    // The operator runs it again (directly), then the daemon folds.
+    let dir2 = tempfile::tempdir().unwrap();
+    let path = write_config(dir2.path(), &config(&ctx, ""));
+    let second = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
+    for _ in 0..10 {
+        let run = fold_all(&fold_of(&store, "views")).await;
+        if !run.backlog.catching_up && !run.busy {
+            break;
+        }
+    }
+    let shown = named_by(&[&first, &second]);
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    let (_, stored) = counters_and_events(&store).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what the fold-from runs named ({} events named; the distinct \
+         events stored: {stored:?}); the first run (exit {:?}): {}; run again (exit {:?}): {}",
+        named.len(),
+        first.status.code(),
+        text(&first),
+        second.status.code(),
+        text(&second),
+    );
+}
