@@ -746,3 +746,60 @@ async fn review_fold_from_json_whose_catch_up_fails_names_every_event_it_counts_
         text(&second),
     );
 }
+
+/// Review: an exact read while a catch-up's only chunk (`(None, MAX]`: a
+/// first fold, or any catch-up without progress) is in progress leaves
+/// out, for a counter that has the chunk already, the chunk's events —
+/// but only those with a number (`numbered.is_some_and(|s| s <= upto)`).
+/// An event without one (written by hand: the last chunk folds it, and the
+/// read's scan takes it, having no number filter without progress) is in
+/// the counter *and* read again: the exact read counts it twice.
+/// Interleaving: events `a…` recorded and one event of `a` inserted by
+/// hand without `s`; the ledger's first fold applies its chunk to every
+/// counter and is killed before its commit; `value("a")` meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_an_exact_read_during_a_first_folds_chunk_counts_an_unnumbered_event_once() {
+    let ctx = TestContext::new("review_read_unnumbered_chunk").await;
+    let store = ctx.client(false).await.store();
+    let ledger = ledger_on(&store, "views").await;
+    record_keys(&ledger, "a", 30).await;
+    store
+        .collection("views_events")
+        .insert_one(doc! { "_id": "by_hand", "k": "a", "n": 1i64 })
+        .await
+        .unwrap();
+    // The first fold applies its chunk and is killed before its commit.
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let killed = fold_of(&through, "views");
+    {
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("$unset")
+                .then(Action::CloseBeforeForwarding),
+        );
+        for _ in 0..3 {
+            let pass = killed
+                .fold(server_now(&store).await, &Default::default())
+                .await;
+            if pass.is_err() {
+                break;
+            }
+        }
+    }
+    let state = fold_state(&store).await;
+    assert!(
+        state
+            .get_document("intent")
+            .is_ok_and(|i| i.contains_key("chunk")),
+        "a chunk in progress: {state:?}"
+    );
+    let (counters, stored) = counters_and_events(&store).await;
+    assert_eq!(counters, stored, "the chunk reached every counter");
+    let read = ledger.value("a").await.unwrap();
+    assert_eq!(
+        read.value, stored["a"],
+        "the exact read of `a` against its distinct stored events ({read:?})"
+    );
+}
