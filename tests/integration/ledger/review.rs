@@ -803,3 +803,85 @@ async fn review_an_exact_read_during_a_first_folds_chunk_counts_an_unnumbered_ev
         "the exact read of `a` against its distinct stored events ({read:?})"
     );
 }
+
+/// Review: `fold_from` names the uncertain events from a read of the
+/// collection made *before* it takes the catch-up's boundary
+/// (`uncertain`, then `open_here`). An insert that commits in between,
+/// numbered at or below TIME (a recorder's insert in flight, numbered up to
+/// an uncertainty before it commits — inside the named window), is in no
+/// count: the catch-up folds only events numbered after TIME, the log only
+/// what commits after the boundary — and it is not named.
+/// Interleaving: the fold stopped at the insert of event `b29`; `fold_from`
+/// at its default TIME (that event's number) reads the uncertain events;
+/// an event of `a` numbered a millisecond before TIME commits; `fold_from`
+/// takes its boundary and starts the catch-up; the fold catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_names_an_event_committing_while_it_starts_or_counts_it() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let Stopped {
+        _server,
+        ctx,
+        store,
+        before,
+        ..
+    } = stopped_after_folding("review_fold_from_in_flight").await;
+    let since = fold_of(&store, "views")
+        .stopped_at()
+        .await
+        .unwrap()
+        .expect("it had folded");
+    // `fold_from` through a proxy that holds the reply to its list of the
+    // uncertain events for a moment (the server has answered).
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let _slow = proxy.rule(
+        Rule::command("find")
+            .collection("views_events")
+            .mentions("$or")
+            .nth(1)
+            .then(Action::DelayReply(Duration::from_secs(2))),
+    );
+    let fold = fold_of(&through, "views");
+    let started = tokio::spawn(async move { fold.fold_from(since).await });
+    wait_until(
+        "fold_from's list of uncertain events reached the server",
+        Duration::from_secs(30),
+        || async {
+            proxy
+                .log()
+                .iter()
+                .any(|e| matches!(e.action, Some(Action::DelayReply(_))) && e.server_replied)
+        },
+    )
+    .await;
+    // A recorder's insert in flight, numbered just before TIME, commits.
+    store
+        .collection("views_events")
+        .insert_one(event_by_hand("in_flight", "a", 1, number_of(since) - 1_000))
+        .await
+        .unwrap();
+    let from = started.await.unwrap().expect("fold_from");
+    for _ in 0..10 {
+        let run = fold_all(&fold_of(&store, "views")).await;
+        if !run.backlog.catching_up && !run.busy {
+            break;
+        }
+    }
+    let shown = serde_json::json!({
+        "uncertain": from.uncertain.iter().map(|e| serde_json::json!({
+            "event": e.key.as_str().unwrap(), "counted_now": e.counted,
+        })).collect::<Vec<_>>(),
+    });
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what fold_from named ({} named; `in_flight` named: {:?}; \
+         since {since:?}, boundary {:?})",
+        named.len(),
+        named.get("in_flight"),
+        from.boundary,
+    );
+}
