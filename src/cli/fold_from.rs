@@ -100,10 +100,23 @@ async fn fold_from(
     }
     let mut folded = 0u64;
     let stop = CancellationToken::new();
+    // Once the catch-up is set up, a failure still names the uncertain
+    // events (the text named them already): a run of the command again is
+    // refused, as the fold is no longer stopped.
+    let failed = |err: &crate::Error, folded: u64| {
+        if !json {
+            return fail_with(json, err, store, &secrets);
+        }
+        let mut shown = as_json(fold, &from, buckets, folded);
+        shown["outcome"] = json!("error");
+        shown["error"] = json!(secrets.scrub(&store.explain(err)));
+        out!("{shown}");
+        ExitCode::from(super::exit::exit_code_for(err))
+    };
     let run = loop {
         let now = match crate::reconcile::Reconciler::new(store).server_time().await {
             Ok(now) => now,
-            Err(err) => return fail_with(json, &err, store, &secrets),
+            Err(err) => return failed(&err, folded),
         };
         match fold.fold(now, &stop).await {
             // Another fold (the daemon) holds the catch-up's chunk: it goes
@@ -114,7 +127,7 @@ async fn fold_from(
             }
             Ok(run) if run.backlog.catching_up => folded += run.events_folded,
             Ok(run) => break run,
-            Err(err) => return fail_with(json, &err, store, &secrets),
+            Err(err) => return failed(&err, folded),
         }
     };
     folded += run.events_folded;

@@ -14,25 +14,47 @@ use crate::store::Store;
 /// How many events a read takes per batch (a few megabytes).
 const BATCH: u32 = 10_000;
 
-/// The events of `events` matching `filter`, read in `session` at read
-/// concern `majority` (retried once, as any read; `operation` names it).
+/// Which events a read takes: those matching `filter`, or only the
+/// `first` of them by number.
+pub(crate) struct Matching {
+    pub(crate) filter: Document,
+    pub(crate) first: Option<usize>,
+}
+
+impl From<Document> for Matching {
+    fn from(filter: Document) -> Self {
+        Matching {
+            filter,
+            first: None,
+        }
+    }
+}
+
+/// The events of `events` matching, read in `session` at read concern
+/// `majority` (retried once, as any read; `operation` names it).
 pub(crate) async fn events_matching(
     store: &Store,
     events: &Collection<Document>,
     session: &mut ClientSession,
-    filter: Document,
+    matching: impl Into<Matching>,
     operation: &'static str,
 ) -> Result<Vec<Logged>, Error> {
+    let Matching { filter, first } = matching.into();
     let projection = doc! { field::COUNTER: 1, field::AMOUNT: 1, field::NUMBER: 1 };
     let mut budget = RetryBudget::read_once(operation);
     loop {
         budget.start_attempt();
-        let found = events
+        let mut found = events
             .find(filter.clone())
             .projection(projection.clone())
             .batch_size(BATCH)
-            .read_concern(ReadConcern::majority())
-            .session(&mut *session);
+            .read_concern(ReadConcern::majority());
+        if let Some(first) = first {
+            found = found
+                .sort(doc! { field::NUMBER: 1 })
+                .limit(i64::try_from(first).unwrap_or(i64::MAX));
+        }
+        let found = found.session(&mut *session);
         let mut cursor = match store.attempt(async { found.await }).await {
             Ok(cursor) => cursor,
             Err(err) => match store.after_failure(&mut budget, err) {
@@ -50,6 +72,32 @@ pub(crate) async fn events_matching(
             read.push(logged(document));
         }
         return Ok(read);
+    }
+}
+
+/// How many events of `events` match `filter`, counted in `session` at
+/// read concern `majority` (retried once).
+pub(crate) async fn count_matching(
+    store: &Store,
+    events: &Collection<Document>,
+    session: &mut ClientSession,
+    filter: &Document,
+    operation: &'static str,
+) -> Result<u64, Error> {
+    let mut budget = RetryBudget::read_once(operation);
+    loop {
+        budget.start_attempt();
+        let counted = events
+            .count_documents(filter.clone())
+            .read_concern(ReadConcern::majority())
+            .session(&mut *session);
+        match store.attempt(async { counted.await }).await {
+            Ok(count) => return Ok(count),
+            Err(err) => match store.after_failure(&mut budget, err) {
+                Next::Retry => {}
+                Next::GiveUp(failure) => return Err(Error::Server(failure)),
+            },
+        }
     }
 }
 

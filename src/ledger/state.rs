@@ -140,6 +140,11 @@ pub(crate) struct CatchUp {
     /// `tallyd fold-from`'s (the log counted those that committed before
     /// the stop; they are named instead).
     pub(crate) unnumbered: bool,
+    /// The passes left unfinished that `tallyd fold-from` replaced with
+    /// this catch-up (and with the catch-ups it replaced): their sends may
+    /// have applied, held sums first, so a counter's fold lane may stand at
+    /// their positions (see `fold::held`).
+    pub(crate) dropped: Vec<i64>,
 }
 
 impl CatchUp {
@@ -302,6 +307,7 @@ impl Keeper {
             since: None,
             done: None,
             unnumbered: true,
+            dropped: Vec::new(),
         };
         let document = doc! {
             "_id": STATE_ID,
@@ -337,16 +343,27 @@ impl Keeper {
         since: Option<i64>,
         unnumbered: bool,
     ) -> Result<bool, Error> {
+        let unfinished = state
+            .intent
+            .as_ref()
+            .map(|intent| intent.number)
+            .filter(|&number| number > state.pass);
+        let mut dropped: Vec<i64> = state
+            .catch_up
+            .iter()
+            .flat_map(|c| c.dropped.iter().copied())
+            .chain(unfinished)
+            .collect();
+        dropped.sort_unstable();
+        dropped.dedup();
         let catch_up = CatchUp {
             boundary: boundary.clone(),
             since,
             done: None,
             unnumbered,
+            dropped,
         };
-        let passes = state
-            .intent
-            .as_ref()
-            .map_or(state.pass, |intent| intent.number.max(state.pass));
+        let passes = unfinished.unwrap_or(state.pass);
         let filter = doc! { "_id": STATE_ID, field::VERSION: state.version };
         let update = doc! {
             "$set": { field::CATCH_UP: catch_up.to_document(), field::PASS: passes },

@@ -24,7 +24,7 @@ use super::sums::Shares;
 use super::{APPLY_CONCURRENCY, EventFold};
 use crate::document::CanonicalKey;
 use crate::error::{Error, ErrorClass};
-use crate::ledger::state::{Held, Pass};
+use crate::ledger::state::{FoldState, Held, Pass};
 use crate::write::lane::{LaneId, LaneIncrement};
 
 /// How many `update` commands of new sums a pass sends at once.
@@ -44,13 +44,14 @@ pub(super) struct PassApplied {
 }
 
 impl EventFold {
-    /// Applies `pass`: the `held` sums and `shares`, every counter's in
-    /// order, renewing the pass's lease every third of it; a pass whose
-    /// lease could not be renewed stops sending ([`Error::FoldPassLost`]).
+    /// Applies `pass`: the held sums of `state` and `shares`, every
+    /// counter's in order, renewing the pass's lease every third of it; a
+    /// pass whose lease could not be renewed stops sending
+    /// ([`Error::FoldPassLost`]).
     pub(super) async fn apply(
         &self,
         pass: &Pass,
-        held: &[Held],
+        state: &FoldState,
         shares: Shares,
         clock: &(impl Fn() -> SystemTime + Sync),
     ) -> Result<PassApplied, Error> {
@@ -75,7 +76,15 @@ impl EventFold {
                 }
             }
         };
-        let work = self.apply_all(pass, held, shares, clock(), &sendable_until);
+        // The passes a catch-up replaced unfinished may have sent held sums.
+        let dropped = state.catch_up.as_ref().map_or(&[][..], |c| &c.dropped[..]);
+        let work = self.apply_all(
+            (pass, dropped),
+            &state.held,
+            shares,
+            clock(),
+            &sendable_until,
+        );
         tokio::select! {
             applied = work => applied,
             lost = renew => Err(lost),
@@ -84,7 +93,7 @@ impl EventFold {
 
     async fn apply_all(
         &self,
-        pass: &Pass,
+        (pass, dropped): (&Pass, &[i64]),
         held: &[Held],
         shares: Shares,
         now: SystemTime,
@@ -99,8 +108,11 @@ impl EventFold {
                 let mut sent = batched.remove(&CanonicalKey::of(&key));
                 held::apply(
                     work,
-                    pass.number,
-                    pass.recovered,
+                    held::Sends {
+                        pass: pass.number,
+                        recovered: pass.recovered,
+                        dropped,
+                    },
                     now,
                     move |position, amount, resumed| {
                         let sent = sent.take().filter(|_| position == pass.number);

@@ -66,16 +66,34 @@ pub(super) struct Done {
     pub(super) written: u64,
 }
 
+/// Which sends of a counter's sums may have been made before this pass's.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Sends<'a> {
+    /// The pass's number: the new sum's position.
+    pub(super) pass: i64,
+    /// The pass was taken over or resumed: any of its sends may have
+    /// applied.
+    pub(super) recovered: bool,
+    /// Passes left unfinished that a catch-up replaced (`tallyd
+    /// fold-from`): each sent the held sums older than it, in order, then
+    /// its own, so a fold lane at one of them has every older held sum.
+    pub(super) dropped: &'a [i64],
+}
+
+impl Sends<'_> {
+    /// Whether a send of the held sum at `position` may have applied.
+    fn maybe_before(&self, position: i64) -> bool {
+        self.recovered || self.dropped.iter().any(|&d| d > position)
+    }
+}
+
 /// Sends `work`'s sums in order through `send(position, amount, resumed)`
-/// until one is refused; holds that one and everything after it. `pass` is
-/// the pass's number (the new sum's position); `recovered`: the pass was
-/// taken over or resumed, so any of its sends may have applied. An `Err`
+/// until one is refused; holds that one and everything after it. An `Err`
 /// from `send` (a transient failure: the server, not the counter) ends the
 /// pass, to be resumed.
 pub(super) async fn apply<F, Fut>(
     work: Work,
-    pass: i64,
-    recovered: bool,
+    sends: Sends<'_>,
     now: SystemTime,
     mut send: F,
 ) -> Result<Done, Error>
@@ -83,21 +101,26 @@ where
     F: FnMut(i64, i64, bool) -> Fut,
     Fut: Future<Output = Result<Applied, Error>>,
 {
+    let Sends {
+        pass, recovered, ..
+    } = sends;
     let unusable = crate::document::check_key(&work.key).err();
     let new = work.new.filter(|s| s.amount != 0);
-    // The positions this pass sends the counter, in order: its held sums
-    // (a zero one needs no write), then its new sum.
+    // The positions this pass's sends to the counter may have left on its
+    // fold lane, in order: its held sums (a zero one needs no write), the
+    // unfinished passes a catch-up replaced, then its new sum.
     let positions: Vec<i64> = work
         .held
         .iter()
         .filter(|h| h.amount != 0)
         .map(|h| h.pass)
+        .chain(sends.dropped.iter().copied())
         .chain(new.as_ref().map(|_| pass))
         .collect();
     let mut done = Done::default();
     let mut blocked = false;
     for mut held in work.held {
-        held.maybe_applied |= recovered;
+        held.maybe_applied |= sends.maybe_before(held.pass);
         if !blocked {
             // Merged to zero (a refund after a refused sale; merged only
             // when neither part may have applied): nothing to add, and the
@@ -111,7 +134,7 @@ where
                     done.written += 1;
                     let sent = send(held.pass, amount, held.maybe_applied).await?;
                     let Some((cause, maybe_applied)) =
-                        refusal(sent, held.pass, recovered, &positions)
+                        refusal(sent, held.pass, sends.maybe_before(held.pass), &positions)
                     else {
                         continue;
                     };
@@ -168,13 +191,14 @@ where
 /// The fold lane holding a later position is the only answer that needs
 /// judging. The fold sends a counter's sums in order, each only once the
 /// one before it was counted, and a position above this pass's only once
-/// this pass committed. So in a recovered pass, a lane at a later position
-/// of this very pass's sequence for the counter (`positions`) got there
-/// after this sum applied, in an earlier attempt of the pass: counted.
-/// Anything else — a position this pass never sends the counter, or one
-/// found outside a recovery — means the lane did not come from this fold's
-/// sends (its state was reset, or another ledger folds under the same
-/// name): refused, and nothing was written, so it counts nowhere twice.
+/// this pass committed. So when an earlier send may have applied (a
+/// recovered pass, or an unfinished pass a catch-up replaced), a lane at a
+/// later position of the sequence for the counter (`positions`) got there
+/// after this sum applied: counted. Anything else — a position this fold
+/// never sends the counter, or one found where no earlier send was made —
+/// means the lane did not come from this fold's sends (its state was
+/// reset, or another ledger folds under the same name): refused, and
+/// nothing was written, so it counts nowhere twice.
 fn refusal(
     sent: Applied,
     position: i64,
@@ -309,20 +333,68 @@ mod tests {
             new,
         };
         let sends = std::cell::Cell::new(0);
-        let sent = apply(work, pass, recovered, SystemTime::UNIX_EPOCH, |p, n, _| {
-            let nth = sends.replace(sends.get() + 1);
-            let answer = match crash {
-                Some(crash) if crash.nth == nth => {
-                    if crash.applied {
-                        let _ = counter.borrow_mut().update(p, n);
+        let sent = apply(
+            work,
+            sends_of(pass, recovered),
+            SystemTime::UNIX_EPOCH,
+            |p, n, _| {
+                let nth = sends.replace(sends.get() + 1);
+                let answer = match crash {
+                    Some(crash) if crash.nth == nth => {
+                        if crash.applied {
+                            let _ = counter.borrow_mut().update(p, n);
+                        }
+                        Err(Error::InvalidArgument("the pass stopped".into()))
                     }
-                    Err(Error::InvalidArgument("the pass stopped".into()))
-                }
-                _ => Ok(counter.borrow_mut().update(p, n)),
-            };
-            async move { answer }
-        });
+                    _ => Ok(counter.borrow_mut().update(p, n)),
+                };
+                async move { answer }
+            },
+        );
         block_on(sent)
+    }
+
+    fn sends_of(pass: i64, recovered: bool) -> Sends<'static> {
+        Sends {
+            pass,
+            recovered,
+            dropped: &[],
+        }
+    }
+
+    /// A pass left unfinished after it sent a held sum (position 1) and its
+    /// own (2), replaced by a catch-up (`tallyd fold-from`) whose first
+    /// chunk is pass 3: the lane at 2 says the held sum applied — counted,
+    /// not taken for a reset — and the chunk's own sum goes out.
+    #[test]
+    fn a_held_sum_sent_by_a_pass_a_catch_up_replaced_is_counted() {
+        let counter = RefCell::new(Counter::default());
+        let _ = counter.borrow_mut().update(1, 5);
+        let _ = counter.borrow_mut().update(2, 1);
+        let work = Work {
+            key: Bson::from("c"),
+            held: vec![held(1, 5)],
+            new: Some(share(4, 1)),
+        };
+        let sends = Sends {
+            pass: 3,
+            recovered: false,
+            dropped: &[2],
+        };
+        let sent = apply(work, sends, SystemTime::UNIX_EPOCH, |p, n, _| {
+            let answer = counter.borrow_mut().update(p, n);
+            async move { Ok(answer) }
+        });
+        let done = block_on(sent).unwrap();
+        assert!(done.held.is_empty(), "{done:?}");
+        assert_eq!(counter.borrow().value, 10);
+        assert_eq!(counter.borrow().applied, vec![1, 2, 3]);
+        // Without the replaced pass, the same lane is a reset: held.
+        let counter = RefCell::new(Counter::default());
+        let _ = counter.borrow_mut().update(2, 1);
+        let done = run(&counter, vec![held(1, 5)], Some(share(4, 1)), 3);
+        assert!(done.held[0].cause.contains("reset"), "{done:?}");
+        assert_eq!(counter.borrow().applied, vec![2], "nothing written");
     }
 
     fn held(pass: i64, amount: i128) -> Held {
@@ -432,10 +504,15 @@ mod tests {
             held: Vec::new(),
             new: Some(share(2, 1)),
         };
-        let sent = apply(work, 1, true, SystemTime::UNIX_EPOCH, |p, n, _| {
-            let answer = counter.borrow_mut().update(p, n);
-            async move { Ok(answer) }
-        });
+        let sent = apply(
+            work,
+            sends_of(1, true),
+            SystemTime::UNIX_EPOCH,
+            |p, n, _| {
+                let answer = counter.borrow_mut().update(p, n);
+                async move { Ok(answer) }
+            },
+        );
         let done = block_on(sent).unwrap();
         assert!(done.held[0].maybe_applied);
         let done = run(&counter, done.held, Some(share(3, 1)), 2);
@@ -454,10 +531,15 @@ mod tests {
         };
         let sends = |w: Work| {
             let sent = RefCell::new(Vec::new());
-            block_on(apply(w, 9, false, SystemTime::UNIX_EPOCH, |p, n, _| {
-                sent.borrow_mut().push((p, n));
-                async { Ok(Applied::Counted) }
-            }))
+            block_on(apply(
+                w,
+                sends_of(9, false),
+                SystemTime::UNIX_EPOCH,
+                |p, n, _| {
+                    sent.borrow_mut().push((p, n));
+                    async { Ok(Applied::Counted) }
+                },
+            ))
             .unwrap();
             sent.into_inner()
         };
@@ -495,9 +577,12 @@ mod tests {
                 malformed: 0,
             }),
         };
-        let sent = apply(work, 1, false, SystemTime::UNIX_EPOCH, |_, _, _| async {
-            panic!("never sent")
-        });
+        let sent = apply(
+            work,
+            sends_of(1, false),
+            SystemTime::UNIX_EPOCH,
+            |_, _, _| async { panic!("never sent") },
+        );
         let done = block_on(sent).unwrap();
         assert_eq!(done.held.len(), 1);
         assert!(

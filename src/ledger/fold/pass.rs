@@ -193,7 +193,7 @@ impl EventFold {
                 "events whose amount is not an integer are left out of their counters"
             );
         }
-        let applied = self.apply(pass, &state.held, shares, clock).await?;
+        let applied = self.apply(pass, state, shares, clock).await?;
         self.commit(session, pass, state, &applied.held).await?;
         for held in applied.held.iter().filter(|h| h.pass == pass.number) {
             tracing::warn!(

@@ -27,17 +27,35 @@ impl Ledger {
         boundary: Option<&Position>,
     ) -> Result<Vec<Logged>, Error> {
         let state = &reading.state;
-        let progress = state
-            .catch_up
-            .as_ref()
-            .and_then(crate::ledger::state::CatchUp::next_after);
+        let catch_up = state.catch_up.as_ref();
+        let progress = catch_up.and_then(crate::ledger::state::CatchUp::next_after);
+        // The events without a number are the catch-up's only when its last
+        // chunk takes them (a first fold's, an upgrade's); `fold-from`'s
+        // leaves them to what counted them before.
+        let unnumbered = catch_up.is_some_and(|c| c.unnumbered);
         let chunk = state.intent.as_ref().and_then(|pass| match pass.window {
             Window::Chunk { upto, .. } => Some((pass.number, upto)),
             Window::Log { .. } => None,
         });
         let mut filter = counters.filter(field::COUNTER);
-        if let Some(progress) = progress {
-            filter.insert(field::NUMBER, doc! { "$gt": progress });
+        let not_a_number = doc! { "$not": { "$type": "number" } };
+        match (progress, unnumbered) {
+            (Some(progress), true) => {
+                filter.insert(
+                    "$or",
+                    vec![
+                        doc! { field::NUMBER: { "$gt": progress } },
+                        doc! { field::NUMBER: not_a_number },
+                    ],
+                );
+            }
+            (Some(progress), false) => {
+                filter.insert(field::NUMBER, doc! { "$gt": progress });
+            }
+            (None, true) => {}
+            (None, false) => {
+                filter.insert(field::NUMBER, doc! { "$type": "number" });
+            }
         }
         let mut collected = self.scan(session, filter).await?;
         let after: Vec<Logged> = match boundary {
@@ -64,8 +82,13 @@ impl Ledger {
                 .get(&CanonicalKey::of(&event.counter()))
                 .and_then(|c| c.fold_position)
                 .is_some_and(|p| p >= number);
-            let numbered = event.number.as_ref().and_then(integer_value);
-            !(has_chunk && numbered.is_some_and(|s| s <= upto))
+            // The last chunk of a catch-up that takes the events without a
+            // number has them too.
+            let in_chunk = match event.number.as_ref().and_then(integer_value) {
+                Some(s) => s <= upto,
+                None => unnumbered && upto == i64::MAX,
+            };
+            !(has_chunk && in_chunk)
         });
         collected.extend(after);
         Ok(collected)

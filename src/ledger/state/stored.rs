@@ -128,6 +128,16 @@ fn parse_catch_up(catch_up: &Document) -> Result<CatchUp, String> {
             Some(Bson::Boolean(unnumbered)) => *unnumbered,
             Some(_) => return Err("its catch-up's unnumbered is not a boolean".into()),
         },
+        dropped: match catch_up.get("dropped") {
+            None | Some(Bson::Null) => Vec::new(),
+            Some(Bson::Array(passes)) => passes
+                .iter()
+                .map(|pass| {
+                    integer_value(pass).ok_or("its catch-up's dropped passes are not integers")
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err("its catch-up's dropped passes are not an array".into()),
+        },
     })
 }
 
@@ -255,6 +265,7 @@ impl CatchUp {
             "since": number(self.since),
             "done": number(self.done),
             "unnumbered": self.unnumbered,
+            "dropped": self.dropped.clone(),
         }
     }
 }
@@ -314,6 +325,7 @@ mod tests {
             since: None,
             done: Some(17),
             unnumbered: false,
+            dropped: vec![15, 16],
         };
         let document = doc! {
             "_id": STATE_ID, "pass": 3i64, "v": 7i64,

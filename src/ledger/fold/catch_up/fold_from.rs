@@ -102,13 +102,17 @@ impl EventFold {
         }
         let stop = self.stop_of(&state).await?;
         let since_number = unix_micros(since);
-        let uncertain = self.uncertain(&stop, since_number).await?;
+        // The boundary first, then the events named, read causally after
+        // it: an event that commits before the boundary is named if in
+        // doubt; one that commits after it is the log's.
         let reader = self.open_here().await?;
         let boundary = reader.position()?;
+        session.advance_operation_time(boundary.time);
+        let uncertain = self.uncertain(&mut session, &stop, since_number).await?;
         // The events without a number go with the catch-up only when no
         // fold counted any of them; otherwise they are named.
         let unnumbered = !stop.unnumbered_counted;
-        if !self
+        let started = self
             .keeper
             .catch_up_from(
                 &mut session,
@@ -117,13 +121,19 @@ impl EventFold {
                 Some(since_number),
                 unnumbered,
             )
-            .await?
+            .await?;
+        // A write whose reply was lost and whose retry matched nothing may
+        // have been this one: the state read back tells (its boundary is
+        // this command's own stream's).
+        if !started
+            && !self
+                .started_here(&mut session, &boundary, since_number)
+                .await?
         {
             return Err(Error::FoldPassLost {
                 events: self.events_name.clone(),
                 pass: state.pass + 1,
-                why: "the fold state changed while the catch-up was being set up; run the \
-                      command again"
+                why: "the fold state changed while the catch-up was being set up (another                       `tallyd fold-from`?); `tallyd status` shows where the fold stands"
                     .into(),
             });
         }
@@ -144,6 +154,20 @@ impl EventFold {
             uncertain_after: time_of(uncertain.between.0.max(0)),
             uncertain_until: time_of(uncertain.between.1),
         })
+    }
+
+    /// Whether the fold state holds the catch-up from `since` up to
+    /// `boundary` that this command set up.
+    async fn started_here(
+        &self,
+        session: &mut mongodb::ClientSession,
+        boundary: &crate::ledger::log::Position,
+        since: i64,
+    ) -> Result<bool, Error> {
+        let state = self.keeper.read(session).await?;
+        Ok(state
+            .catch_up
+            .is_some_and(|c| c.since == Some(since) && c.boundary.token == boundary.token))
     }
 
     /// Where a stopped fold stood when it stopped — every event numbered up

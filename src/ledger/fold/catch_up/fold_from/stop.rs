@@ -26,16 +26,16 @@
 
 use std::time::Duration;
 
-use futures::TryStreamExt;
-use mongodb::bson::{Document, doc};
+use mongodb::ClientSession;
+use mongodb::bson::doc;
 
 use super::{UNCERTAIN_LISTED, UncertainEvent};
 use crate::document::integer_value;
-use crate::error::{Error, Failure, RetryBudget};
+use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::catch_up::range;
 use crate::ledger::log::Position;
-use crate::ledger::scan::logged;
+use crate::ledger::scan::{Matching, count_matching, events_matching};
 use crate::ledger::state::{CatchUp, FoldState, Pass, Window};
 use crate::ledger::{field, time_of, unix_micros};
 
@@ -114,8 +114,15 @@ impl EventFold {
     /// The events a fold from `since` (a number) after `stop` cannot be
     /// sure of: those `stop` doubts, those between the stop and `since`
     /// (counted twice when `since` is earlier, not at all when later), and
-    /// the events without a number when they may have been counted.
-    pub(super) async fn uncertain(&self, stop: &Stop, since: i64) -> Result<Uncertain, Error> {
+    /// the events without a number when they may have been counted. Read
+    /// at read concern `majority` in `session` (causally after the
+    /// catch-up's boundary).
+    pub(super) async fn uncertain(
+        &self,
+        session: &mut ClientSession,
+        stop: &Stop,
+        since: i64,
+    ) -> Result<Uncertain, Error> {
         const OPERATION: &str = "ledger.fold_from.uncertain";
         let between = match (stop.doubt, stop.number) {
             (Some((low, high)), Some(_)) => Some((low.min(since), high.max(since))),
@@ -139,29 +146,20 @@ impl EventFold {
             });
         }
         let filter = doc! { "$or": either };
-        let mut budget = RetryBudget::read_once(OPERATION);
-        let total = self
-            .store
-            .with_retry(&mut budget, || self.events.count_documents(filter.clone()))
-            .await
-            .map_err(Error::Server)?;
-        let mut budget = RetryBudget::read_once(OPERATION);
-        let listed: Vec<Document> = self
-            .store
-            .with_retry(&mut budget, || {
-                self.events
-                    .find(filter.clone())
-                    .sort(doc! { field::NUMBER: 1 })
-                    .limit(UNCERTAIN_LISTED as i64)
-            })
-            .await
-            .map_err(Error::Server)?
-            .try_collect()
-            .await
-            .map_err(|err| Error::Server(Failure::once(OPERATION, err)))?;
+        let total = count_matching(&self.store, &self.events, session, &filter, OPERATION).await?;
+        let listed = events_matching(
+            &self.store,
+            &self.events,
+            session,
+            Matching {
+                filter,
+                first: Some(UNCERTAIN_LISTED),
+            },
+            OPERATION,
+        )
+        .await?;
         let listed = listed
             .into_iter()
-            .map(logged)
             .map(|event| {
                 let number = event.number.as_ref().and_then(integer_value);
                 UncertainEvent {
@@ -275,6 +273,7 @@ mod tests {
             since: Some(1_000 * SECOND),
             done: Some(2_000 * SECOND),
             unnumbered: false,
+            dropped: Vec::new(),
         };
         let stop = catching_up(&catch_up, None, REACH);
         assert_eq!(stop.number, Some(2_000 * SECOND));
@@ -292,6 +291,7 @@ mod tests {
             since: None,
             done: Some(9_950 * SECOND),
             unnumbered: true,
+            dropped: Vec::new(),
         };
         let stop = catching_up(&catch_up, None, REACH);
         assert_eq!(stop.doubt, Some((10_000 * SECOND - REACH, 9_950 * SECOND)));
@@ -305,6 +305,7 @@ mod tests {
             since: None,
             done: None,
             unnumbered: true,
+            dropped: Vec::new(),
         };
         let stop = catching_up(&catch_up, Some(&chunk(None, i64::MAX)), REACH);
         assert_eq!(stop.number, None, "nothing certainly counted");
