@@ -346,7 +346,7 @@ pub enum Error {
 
     /// The caller passed a value the operation cannot accept; nothing was
     /// sent.
-    #[error("invalid argument: {0}")]
+    #[error("{0}")]
     InvalidArgument(String),
 
     /// The event's time is further ahead of this writer's clock than
@@ -647,6 +647,14 @@ mod tests {
 
     fn io_with(kind: std::io::ErrorKind, message: &str) -> MongoError {
         ErrorKind::Io(std::sync::Arc::new(std::io::Error::new(kind, message))).into()
+    }
+
+    /// An argument refused says the sentence alone: the variant's name is
+    /// no word for a user (`refused: invalid argument: ticket …` before).
+    #[test]
+    fn an_invalid_argument_says_its_sentence_alone() {
+        let err = Error::InvalidArgument("the event key must not be empty".into());
+        assert_eq!(err.to_string(), "the event key must not be empty");
     }
 
     #[test]

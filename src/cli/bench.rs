@@ -176,11 +176,15 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         Ok(found) if found.is_empty() => {}
         Ok(found) => {
             store.shutdown().await;
-            let message = format!(
-                "the collection {} exists already: name a new one with --collection (the bench \
-                 drops what it creates, and touches nothing else)",
-                found.join(" and ")
-            );
+            let message = match found.as_slice() {
+                [one] => format!("the collection {one} exists already"),
+                [rest @ .., last] => format!(
+                    "the collections {} and {last} exist already",
+                    rest.join(", ")
+                ),
+                [] => unreachable!("found is not empty"),
+            } + ": name a new one with --collection (the bench drops what it creates, and \
+                 touches nothing else)";
             return fail(args.json, &message, &secrets, EXIT_USAGE);
         }
         Err(err) => {

@@ -125,6 +125,16 @@ pub(crate) fn exit_code_for(err: &Error) -> u8 {
     }
 }
 
+/// The exit code of a read that left an increment pending (a settle's
+/// look-up): 75, to be tried again later — unless waiting cannot help (the
+/// credentials, the configuration), then its class's.
+pub(crate) fn exit_code_for_pending(err: &Error) -> u8 {
+    match exit_code_for(err) {
+        code @ (EXIT_NOPERM | EXIT_CONFIG) => code,
+        _ => EXIT_TEMPFAIL,
+    }
+}
+
 /// The exit code of a write that failed with `err`: 75 when the write may
 /// have been applied (a lost reply: sending it again is the remedy), else
 /// as [`exit_code_for`].

@@ -55,7 +55,8 @@ pub(super) async fn resume(
         }
         Err(err) => {
             let text = "unknown: could not read the counter, nothing was written; resume later";
-            return print_failure(target, &shown, "unknown", &err, text, EXIT_TEMPFAIL);
+            let code = super::exit::exit_code_for_pending(&err);
+            return print_failure(target, &shown, "unknown", &err, text, code);
         }
     }
     let ticket = match LaneTicket::new(

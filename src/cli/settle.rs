@@ -20,9 +20,7 @@ use serde_json::json;
 use super::increment::{
     Shown, Target, Timed, by_option, open_at, print, print_failure, report_increment, shell_word,
 };
-use super::{
-    EXIT_FAILED, EXIT_OK, EXIT_TEMPFAIL, EXIT_USAGE, TargetArgs, fail, lane, shown_command,
-};
+use super::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, TargetArgs, fail, lane, shown_command};
 use crate::config::Config;
 use crate::error::Error;
 use crate::token::Token;
@@ -216,7 +214,8 @@ pub(super) async fn complete(args: CompleteArgs, config: &Config) -> ExitCode {
             }
             Err(err) => {
                 let text = "pending: could not look the token up, it stays pending";
-                print_failure(&target, &shown, "pending", &err, text, EXIT_TEMPFAIL)
+                let code = super::exit::exit_code_for_pending(&err);
+                print_failure(&target, &shown, "pending", &err, text, code)
             }
         }
     };

@@ -65,11 +65,22 @@ impl IndexDone {
 }
 
 /// Whether a failure of one collection ends the command: a server that
-/// cannot be reached (or a connection string naming another replica set)
-/// fails every other collection the same way, each after a full server
-/// selection, so they are not tried.
-fn stops_the_rest(code: u8) -> bool {
-    code == EXIT_UNAVAILABLE || code == EXIT_CONFIG
+/// cannot be reached (or a connection string naming another replica set),
+/// or credentials it refuses, fail every other collection the same way,
+/// so they are not tried. (A missing privilege may be one collection's.)
+fn stops_the_rest(err: &Error) -> bool {
+    let code = exit_code_for(err);
+    let authentication = match err {
+        Error::Server(failure) => {
+            matches!(
+                failure.source.kind.as_ref(),
+                mongodb::error::ErrorKind::Authentication { .. }
+            ) || crate::error::server_code(&failure.source)
+                == Some(crate::error::code::AUTHENTICATION_FAILED)
+        }
+        _ => false,
+    };
+    code == EXIT_UNAVAILABLE || code == EXIT_CONFIG || authentication
 }
 
 /// What `setup` says of the indexes of `collection` it found or made.
@@ -109,8 +120,12 @@ pub(super) async fn run(args: SetupArgs, config: &Config) -> ExitCode {
             if code == EXIT_OK {
                 code = exit_code_for(err);
             }
-            failed.push((name.to_owned(), secrets.scrub(&store.explain(err))));
-            stops_the_rest(exit_code_for(err))
+            let said = (name.to_owned(), secrets.scrub(&store.explain(err)));
+            // One collection's two indexes refused alike: said once.
+            if failed.last() != Some(&said) {
+                failed.push(said);
+            }
+            stops_the_rest(err)
         };
         for field in [&spec.pending_field, &spec.settled_field] {
             match sparse_index(&store, spec, field).await {

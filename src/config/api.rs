@@ -244,11 +244,13 @@ pub(super) fn validate_api(
 
 /// `[api] listen` must not be `[http] listen`: each is a socket of its own.
 pub(super) fn check_listen(api: &ApiConfig, http: &super::HttpConfig, issues: &mut Issues) {
-    if api.enabled && api.listen == http.listen {
+    // Port 0 is any free port: two of them never collide.
+    if api.enabled && api.listen == http.listen && api.listen.port() != 0 {
         issues.push(
             "api.listen",
             format!(
-                "{} is also [http] listen: the API needs an address of its own; choose                  another port",
+                "{} is also [http] listen: the API needs an address of its own; choose \
+                 another port",
                 api.listen
             ),
         );
@@ -504,6 +506,26 @@ mod tests {
 
     fn stored(token: &str, scopes: &str) -> String {
         format!("sha256:{} {scopes}", hash_hex(&token_hash(token)))
+    }
+
+    /// The API and `/metrics` on one address: one sentence, no run of
+    /// spaces from a broken string; port 0 (any free port) twice is two
+    /// sockets, never the same address.
+    #[test]
+    fn the_api_and_metrics_on_one_address_are_refused_in_one_sentence() {
+        let same = format!(
+            "{BASE}[http]\nlisten = \"127.0.0.1:9100\"\n[api]\nenabled = true\n\
+             listen = \"127.0.0.1:9100\"\n"
+        );
+        let text = Config::from_toml(&same, []).unwrap_err().to_string();
+        assert!(text.contains("is also [http] listen"), "{text}");
+        let said = text.split("api.listen: ").nth(1).unwrap_or_default();
+        assert!(!said.contains("  "), "{text:?}");
+        let any = format!(
+            "{BASE}[http]\nlisten = \"127.0.0.1:0\"\n[api]\nenabled = true\n\
+             listen = \"127.0.0.1:0\"\n"
+        );
+        assert!(Config::from_toml(&any, []).is_ok());
     }
 
     #[test]

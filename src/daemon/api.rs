@@ -136,15 +136,16 @@ impl Api {
             .with_state(self.clone())
     }
 
-    /// The ledger a request may use: after its token (401, 403), that the
-    /// collection has a ledger here (404) and that MongoDB answers (503).
+    /// The ledger a request may use: after its token (401), that the
+    /// collection has a ledger here (404: no scope could make it one), that
+    /// the token's scopes allow it (403) and that MongoDB answers (503).
     fn ledger(
         &self,
         headers: &HeaderMap,
         verb: Verb,
         collection: &str,
     ) -> Result<&Ledger, Problem> {
-        self.inner.access.check(headers, verb, collection)?;
+        let token = self.inner.access.identify(headers)?;
         let ledger = self.inner.ledgers.get(collection).ok_or_else(|| {
             let mut names: Vec<&str> = self.inner.ledgers.keys().map(String::as_str).collect();
             names.sort_unstable();
@@ -161,6 +162,7 @@ impl Api {
                 ),
             )
         })?;
+        Access::authorize(token, verb, collection)?;
         if !self.inner.readiness.is_ready() {
             return Err(Problem::new(
                 Kind::Unavailable,

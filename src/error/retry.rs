@@ -121,7 +121,18 @@ impl RetryBudget {
             }
             ErrorClass::DuplicateKey | ErrorClass::Command => false,
         };
-        if retry {
+        if retry && class == ErrorClass::DuplicateKey {
+            // A concurrent upsert made the document first: routine, and the
+            // next attempt updates it (a warning here alarmed operators on
+            // a successful resume).
+            tracing::debug!(
+                operation = self.operation,
+                attempt = self.attempts,
+                cause = %Readable { err: &err, reach: self.reach.as_deref() },
+                "the document was made by another write meanwhile; updating it"
+            );
+            Next::Retry
+        } else if retry {
             tracing::warn!(
                 operation = self.operation,
                 class = %class,

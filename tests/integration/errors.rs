@@ -141,11 +141,15 @@ async fn a_wrong_password_and_a_missing_privilege_exit_77() {
     .await;
 
     let wrong = quick(&server.uri("reader", "Wr0ng-pw", "app"), "app", "");
+    // A settle's look-up too: waiting would not help (it said 75, "try
+    // later", before).
+    let token = mongodb::bson::oid::ObjectId::new().to_hex();
     for args in [
         &["incr", "k"][..],
         &["status"],
         &["check-config", "--connect"],
         &["doctor"],
+        &["complete", "k", &token],
     ] {
         let output = run(&wrong, args).await;
         let shown = readable(&output);
@@ -157,6 +161,18 @@ async fn a_wrong_password_and_a_missing_privilege_exit_77() {
         assert!(shown.contains("password"), "what to check: {shown}");
         assert!(!shown.contains("Wr0ng-pw"), "{args:?}: {shown}");
     }
+
+    // setup says it once, not once a collection and index.
+    let output = run(&wrong, &["setup"]).await;
+    let shown = readable(&output);
+    assert_eq!(output.status.code(), Some(77), "{shown}");
+    assert_eq!(
+        shown
+            .matches("authentication failed for reader on app")
+            .count(),
+        1,
+        "{shown}"
+    );
 
     // No user at all in the URI: no role would help, a user would.
     let nobody = quick(

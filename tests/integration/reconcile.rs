@@ -963,15 +963,15 @@ async fn a_document_the_server_refuses_is_reported_and_every_other_one_folded() 
     assert_eq!(json["refused_sample"][0]["code"], 121);
 }
 
-/// Large arrays (issue 11, item 4): twenty documents holding 60,000 stale
-/// entries each make a batch of ~25 MB — more than the 16 MiB a command may
+/// Large arrays (issue 11, item 4): fourteen documents holding 60,000 stale
+/// entries each make a batch of ~17.5 MB — more than the 16 MiB a command may
 /// carry — and fold exactly, in several commands each under the limit (as
 /// the proxy saw them).
 #[tokio::test]
 async fn documents_with_large_pending_arrays_fold_in_commands_under_the_size_limit() {
     use crate::common::proxy::{Proxy, upstream_of};
 
-    const DOCS: i32 = 20;
+    const DOCS: i32 = 14;
     const ENTRIES: usize = 60_000;
     const MAX_COMMAND: usize = 16 * 1024 * 1024;
     let ctx = TestContext::new("fold_large_arrays").await;

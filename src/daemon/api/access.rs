@@ -29,13 +29,25 @@ impl Access {
     /// Whether the request with `headers` may use `verb` on `collection`:
     /// the token's name (`None` when the API is open), or the refusal —
     /// 401 without a token the daemon knows, 403 for one without the scope.
+    #[cfg(test)]
     pub(crate) fn check(
         &self,
         headers: &HeaderMap,
         verb: Verb,
         collection: &str,
     ) -> Result<Option<String>, Problem> {
-        let Some(token) = self.identify(headers)? else {
+        let token = self.identify(headers)?;
+        Self::authorize(token, verb, collection)
+    }
+
+    /// Whether `token` (from [`Access::identify`]) may use `verb` on
+    /// `collection`: its name, or 403.
+    pub(crate) fn authorize(
+        token: Option<&ApiToken>,
+        verb: Verb,
+        collection: &str,
+    ) -> Result<Option<String>, Problem> {
+        let Some(token) = token else {
             return Ok(None);
         };
         if token.allows(verb, collection) {
@@ -57,7 +69,7 @@ impl Access {
     /// The stored token the request presents: `None` when the API is open;
     /// 401 without an `Authorization: Bearer` header or with a token no
     /// stored hash matches.
-    fn identify(&self, headers: &HeaderMap) -> Result<Option<&ApiToken>, Problem> {
+    pub(crate) fn identify(&self, headers: &HeaderMap) -> Result<Option<&ApiToken>, Problem> {
         if self.tokens.is_empty() {
             return Ok(None);
         }

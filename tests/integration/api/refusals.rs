@@ -63,6 +63,14 @@ fn rows() -> Vec<Row> {
             ..Row::json("a token without the collection", &event, 403)
         },
         Row {
+            path: "/v1/nothing/events",
+            ..Row::json(
+                "no such collection (a token without it: no scope would help)",
+                &event,
+                404,
+            )
+        },
+        Row {
             token: Some(READER),
             path: "/v1/nothing/counters/home",
             ..Row::json(

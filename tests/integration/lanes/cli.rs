@@ -149,6 +149,13 @@ async fn an_unknown_lane_incr_by_5_says_5_and_its_hint_counts_5_once() {
             "run {run}: {}",
             text(&output)
         );
+        // A resume that finds its number counted is a success: no warning,
+        // no server text (the counter's upsert meeting the document).
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !stderr.contains("WARN") && !stderr.contains("E11000"),
+            "run {run}: {stderr}"
+        );
     }
     let client = ctx.client(false).await;
     assert_eq!(counter(&client.collection("views"), "k").await, 5);
