@@ -176,15 +176,12 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         Ok(found) if found.is_empty() => {}
         Ok(found) => {
             store.shutdown().await;
-            let message = match found.as_slice() {
-                [one] => format!("the collection {one} exists already"),
-                [rest @ .., last] => format!(
-                    "the collections {} and {last} exist already",
-                    rest.join(", ")
-                ),
-                [] => unreachable!("found is not empty"),
-            } + ": name a new one with --collection (the bench drops what it creates, and \
-                 touches nothing else)";
+            let exist = if found.len() == 1 { "exists" } else { "exist" };
+            let message = format!(
+                "{} {exist} already: name a new one with --collection (the bench drops what it \
+                 creates, and touches nothing else)",
+                words(&found)
+            );
             return fail(args.json, &message, &secrets, EXIT_USAGE);
         }
         Err(err) => {

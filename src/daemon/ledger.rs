@@ -223,7 +223,8 @@ impl LedgerFolder {
     }
 
     /// One fold pass while this instance is active, then the metrics and
-    /// alerts of what is left; whether events wait to be folded.
+    /// alerts of what is left; whether events wait to be folded (or a pass
+    /// another fold holds).
     async fn pass(&self, window: &mut Window, down_since: &mut Option<Instant>) -> bool {
         let name = self.collection.as_str();
         if !self.active() {
@@ -237,8 +238,20 @@ impl LedgerFolder {
             }
         };
         window.refresh(&self.store, &self.metrics, now).await;
+        let mut held_elsewhere = false;
         let (backlog, refused) = match self.fold.fold(now, &self.shutdown).await {
             Ok(run) => {
+                // Another fold holds a pass (or a daemon killed mid-pass
+                // left it until its lease runs out): try again soon, not at
+                // the scan interval — no insert may come to wake this one.
+                held_elsewhere = run.busy;
+                tracing::debug!(
+                    collection = name,
+                    busy = run.busy,
+                    folded = run.events_folded,
+                    waiting = run.backlog.events,
+                    "fold pass"
+                );
                 self.metrics
                     .events_folded
                     .with_label_values(&[name])
@@ -279,10 +292,16 @@ impl LedgerFolder {
         self.alert_stopped(stopped.then_some(refused.as_ref()).flatten());
         if let Some(backlog) = &backlog {
             self.account(backlog);
-            self.alert_behind(backlog, window.seconds);
+            // A pass an outage stopped says nothing of the fold's pace: its
+            // position aged with the outage, and the next pass moves it (a
+            // young oplog's window — its life so far — made a short outage
+            // look like a fold at risk). The alert stays as it was.
+            if !refused.as_ref().is_some_and(outage) {
+                self.alert_behind(backlog, window.seconds);
+            }
         }
         self.alert_stuck(backlog.as_ref(), refused.as_ref());
-        refused.is_none() && backlog.is_some_and(|b| b.events > 0)
+        held_elsewhere || (refused.is_none() && backlog.is_some_and(|b| b.events > 0))
     }
 
     /// `events_stuck`: events waiting longer than `stuck_after`, or a
@@ -444,5 +463,15 @@ impl Window {
                 tracing::debug!(cause = %err, "cannot read the oplog's window");
             }
         }
+    }
+}
+
+/// Whether a fold pass failed for an outage: the server unreachable (or
+/// not primary), or its lease run out while it waited.
+fn outage(err: &Error) -> bool {
+    match err {
+        Error::Server(failure) => failure.trouble() == crate::error::Trouble::Unavailable,
+        Error::FoldPassLost { .. } => true,
+        _ => false,
     }
 }

@@ -79,6 +79,13 @@ impl EventFold {
                 if pass.owner != self.owner
                     && clock() < pass.deadline + self.store.attempt_timeout() =>
             {
+                tracing::debug!(
+                    events = %self.events_name,
+                    pass = pass.number,
+                    owner = %pass.owner,
+                    until = %humantime::format_rfc3339_millis(pass.deadline + self.store.attempt_timeout()),
+                    "a fold pass is another fold's until its lease and one attempt run out"
+                );
                 Ok(PassRun {
                     busy: true,
                     ..PassRun::default()

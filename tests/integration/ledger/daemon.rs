@@ -189,3 +189,98 @@ async fn the_backlog_metrics_are_current_after_every_pass_while_a_writer_keeps_r
     )
     .await;
 }
+
+/// A daemon started while a pass another fold left (killed before its
+/// commit) still holds its lease, and no insert comes after: it takes the
+/// pass over once the lease runs out, within seconds — not at the next
+/// periodic scan (an hour here). Found by the soak (one run in four): a
+/// daemon started just before a killed one's lease ran out found the pass
+/// busy, counted no backlog (it had no log open yet to count it from) and
+/// so waited for the scan interval, with no open stream to wake it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_takes_over_a_pass_left_in_progress_once_its_lease_runs_out() {
+    let ctx = TestContext::new("ledger_busy_at_start").await;
+    let client = ctx.client(false).await;
+    let store = client.store();
+    let ledger = ledger_on(&store, "views").await;
+    // A first fold caught up: the pass left is a pass of the log (whose
+    // backlog a new daemon, with no log open yet, cannot count).
+    record_spread(&ledger, 20, 4).await;
+    fold_all(&fold_of(&store, "views")).await;
+    let more: Vec<(String, String, i64)> = (0..20)
+        .map(|i| (format!("more{i}"), format!("c{}", i % 4), 1))
+        .collect();
+    for recording in ledger.record_many(more).await {
+        assert_outcome(&recording, "recorded");
+    }
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let killed = tally::EventFold::new(
+        &through,
+        CollectionConfig::new("views"),
+        tally::EventFoldSettings {
+            lease: Duration::from_secs(4),
+            ..tally::EventFoldSettings::default()
+        },
+    );
+    {
+        let _crash = proxy.rule(
+            Rule::command("update")
+                .collection("views_events_fold")
+                .mentions("$unset")
+                .then(Action::CloseBeforeForwarding),
+        );
+        let mut failed = false;
+        for _ in 0..5 {
+            let now = server_now(&store).await;
+            if killed.fold(now, &CancellationToken::new()).await.is_err() {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed, "a pass stopped before its commit");
+    }
+    drop(killed);
+    let started = Instant::now();
+    // A pass is another's until its lease and one attempt ran out.
+    let daemon = Tallyd::start(
+        &config(&ctx, ""),
+        &[
+            ("RUST_LOG", "info,tally=debug"),
+            ("TALLYD__MONGODB__SERVER_SELECTION_TIMEOUT", "2s"),
+            ("TALLYD__MONGODB__ATTEMPT_TIMEOUT", "3s"),
+        ],
+    );
+    let state = client.collection("views_events_fold");
+    assert!(
+        state
+            .find_one(doc! { "intent": { "$exists": true } })
+            .await
+            .unwrap()
+            .is_some(),
+        "the pass is left in progress"
+    );
+    wait_until(
+        "the daemon takes the pass over and commits it",
+        Duration::from_secs(20),
+        || async {
+            state
+                .find_one(doc! { "intent": { "$exists": false } })
+                .await
+                .unwrap()
+                .is_some()
+        },
+    )
+    .await;
+    eprintln!(
+        "taken over {:?} after the daemon started",
+        started.elapsed()
+    );
+    let views = client.collection("views");
+    let mut sum = 0;
+    for c in 0..4 {
+        sum += counter(&views, &format!("c{c}")).await;
+    }
+    assert_eq!(sum, 40, "every event once");
+    drop(daemon);
+}
