@@ -176,10 +176,10 @@ pub(crate) async fn run(args: BenchArgs, config: &Config) -> ExitCode {
         Ok(found) if found.is_empty() => {}
         Ok(found) => {
             store.shutdown().await;
-            let exist = if found.len() == 1 { "exists" } else { "exist" };
+            let (s, es) = [("s", ""), ("", "s")][usize::from(found.len() == 1)];
             let message = format!(
-                "{} {exist} already: name a new one with --collection (the bench drops what it \
-                 creates, and touches nothing else)",
+                "the collection{s} {} exist{es} already: name a new one with --collection (the \
+                 bench drops what it creates, and touches nothing else)",
                 words(&found)
             );
             return fail(args.json, &message, &secrets, EXIT_USAGE);

@@ -105,6 +105,19 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
         text(&output)
     );
     assert_eq!(scratch.count_documents(doc! {}).await.unwrap(), before);
+    // Two of its scratch collections there: named in one phrase.
+    client
+        .collection("scratch_events")
+        .insert_one(doc! { "_id": 1 })
+        .await
+        .unwrap();
+    let output = tallyd(&args, &[]).await;
+    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
+    assert!(
+        text(&output).contains("the collections scratch and scratch_events exist already"),
+        "{}",
+        text(&output)
+    );
 }
 
 /// `--bucket minute`: every side writes now's minute of a bucketed scratch
