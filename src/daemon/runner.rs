@@ -223,11 +223,6 @@ impl Runner {
         retry_at: &mut BTreeMap<String, Instant>,
     ) {
         self.busy.store(true, Ordering::Relaxed);
-        // A collection's run that found MongoDB unreachable: the others
-        // would each wait out a server selection the same way (a stop
-        // during an outage would then abandon them), so they fail with it
-        // and are retried with it.
-        let mut unreachable: Option<Error> = None;
         for name in names {
             if self.shutdown.is_cancelled() {
                 break;
@@ -236,12 +231,6 @@ impl Runner {
             let Some(target) = self.targets.iter().find(|t| &t.spec.name == name) else {
                 continue;
             };
-            if let Some(err) = &unreachable {
-                let run = CollectionRun::failed(name, err.clone());
-                self.account(&run, SystemTime::now(), failures, retry_at)
-                    .await;
-                continue;
-            }
             let (run, now) = match self.store.server_time().await {
                 Ok(now) => {
                     let run = self
@@ -252,9 +241,6 @@ impl Runner {
                 }
                 Err(err) => (CollectionRun::failed(name, err), SystemTime::now()),
             };
-            if let Some(err) = run.error.as_ref().filter(|err| err.is_unavailable()) {
-                unreachable = Some(err.clone());
-            }
             self.account(&run, now, failures, retry_at).await;
         }
         self.busy.store(false, Ordering::Relaxed);

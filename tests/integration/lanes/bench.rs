@@ -97,13 +97,15 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
     assert!(lanes.get_document("lanes").is_ok(), "{lanes}");
     // Again: it exists now, and is left as it is.
     let before = scratch.count_documents(doc! {}).await.unwrap();
-    let output = tallyd(&args, &[]).await;
-    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
-    assert!(
-        text(&output).contains("the collection scratch exists already"),
-        "{}",
-        text(&output)
-    );
+    let refused = |said: &'static str| {
+        let args = args;
+        async move {
+            let output = tallyd(&args, &[]).await;
+            assert_eq!(output.status.code(), Some(64), "{}", text(&output));
+            assert!(text(&output).contains(said), "{}", text(&output));
+        }
+    };
+    refused("the collection scratch exists already").await;
     assert_eq!(scratch.count_documents(doc! {}).await.unwrap(), before);
     // Two of its scratch collections there: named in one phrase.
     client
@@ -111,13 +113,7 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
         .insert_one(doc! { "_id": 1 })
         .await
         .unwrap();
-    let output = tallyd(&args, &[]).await;
-    assert_eq!(output.status.code(), Some(64), "{}", text(&output));
-    assert!(
-        text(&output).contains("the collections scratch and scratch_events exist already"),
-        "{}",
-        text(&output)
-    );
+    refused("the collections scratch and scratch_events exist already").await;
 }
 
 /// `--bucket minute`: every side writes now's minute of a bucketed scratch
