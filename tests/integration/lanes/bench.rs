@@ -97,13 +97,10 @@ async fn bench_keeps_a_named_collection_and_refuses_one_that_exists() {
     assert!(lanes.get_document("lanes").is_ok(), "{lanes}");
     // Again: it exists now, and is left as it is.
     let before = scratch.count_documents(doc! {}).await.unwrap();
-    let refused = |said: &'static str| {
-        let args = args;
-        async move {
-            let output = tallyd(&args, &[]).await;
-            assert_eq!(output.status.code(), Some(64), "{}", text(&output));
-            assert!(text(&output).contains(said), "{}", text(&output));
-        }
+    let refused = |said: &'static str| async move {
+        let output = tallyd(&args, &[]).await;
+        assert_eq!(output.status.code(), Some(64), "{}", text(&output));
+        assert!(text(&output).contains(said), "{}", text(&output));
     };
     refused("the collection scratch exists already").await;
     assert_eq!(scratch.count_documents(doc! {}).await.unwrap(), before);
