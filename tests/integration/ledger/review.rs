@@ -989,3 +989,97 @@ async fn review_fold_from_after_a_pass_that_sent_a_held_sum_counts_every_event_o
         summary(&shown)
     );
 }
+
+/// Review: `fold_from` now takes its boundary first and reads the uncertain
+/// events causally *after* it. That read also sees inserts that committed
+/// after the boundary — the log's, which its tail (opened at the boundary)
+/// folds whatever their number — and names those numbered at or below TIME
+/// `counted_now: false`. The log counts such an event once; the contract
+/// (counted before the stop + counted now) says 0: a named event counted
+/// once more than fold-from says. Realistic with a TIME close to now: a
+/// recorder's insert numbered a millisecond before TIME, in flight as the
+/// command starts. Interleaving: the fold stopped; `fold_from(now)` opens
+/// its stream (the boundary; the server has answered, the reply is held a
+/// moment); the in-flight insert (numbered 1 ms before TIME) commits;
+/// `fold_from` reads the uncertain events (naming it "not counted now")
+/// and starts the catch-up; the fold catches up and follows the log, which
+/// counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_counts_no_event_it_names_not_counted_that_commits_after_its_boundary() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let Stopped {
+        _server,
+        ctx,
+        store,
+        before,
+        ..
+    } = stopped_after_folding("review_fold_from_after_boundary").await;
+    // An operator's TIME: now.
+    let since = server_now(&store).await;
+    // `fold_from` through a proxy that holds the reply to its stream's
+    // opening (the boundary) for a moment (the server has answered).
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let _slow = proxy.rule(
+        Rule::command("aggregate")
+            .collection("views_events")
+            .mentions("$changeStream")
+            .nth(1)
+            .then(Action::DelayReply(Duration::from_secs(2))),
+    );
+    let fold = fold_of(&through, "views");
+    let started = tokio::spawn(async move {
+        let from = fold.fold_from(since).await;
+        (fold, from)
+    });
+    wait_until(
+        "fold_from's stream (its boundary) was opened on the server",
+        Duration::from_secs(30),
+        || async {
+            proxy
+                .log()
+                .iter()
+                .any(|e| matches!(e.action, Some(Action::DelayReply(_))) && e.server_replied)
+        },
+    )
+    .await;
+    // A recorder's insert in flight, numbered just before TIME, commits.
+    store
+        .collection("views_events")
+        .insert_one(event_by_hand("in_flight", "a", 1, number_of(since) - 1_000))
+        .await
+        .unwrap();
+    let (_fold, from) = started.await.unwrap();
+    let from = from.expect("fold_from");
+    // The fold catches up, then follows the log until nothing is left.
+    let fold = fold_of(&store, "views");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let run = fold_all(&fold).await;
+        if !run.backlog.catching_up && !run.busy && unfolded(&fold).await == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fold catches up: {run:?}"
+        );
+    }
+    let shown = serde_json::json!({
+        "uncertain": from.uncertain.iter().map(|e| serde_json::json!({
+            "event": e.key.as_str().unwrap(), "counted_now": e.counted,
+        })).collect::<Vec<_>>(),
+    });
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what fold_from named ({} named of {}; `in_flight` named with \
+         counted_now {:?}; since {since:?}, boundary {:?})",
+        named.len(),
+        from.uncertain_total,
+        named.get("in_flight"),
+        from.boundary,
+    );
+}
