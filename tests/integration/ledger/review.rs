@@ -1083,3 +1083,106 @@ async fn review_fold_from_counts_no_event_it_names_not_counted_that_commits_afte
         from.boundary,
     );
 }
+
+/// Review: `fold_from`'s catch-up write whose reply is lost, retried, the
+/// retry matching nothing: `started_here` reads the state back and accepts
+/// it only if a catch-up with this command's boundary is *still there*. A
+/// daemon that resumes meanwhile (the fold is no longer stopped: its next
+/// pass folds the catch-up) may finish the catch-up before the read-back —
+/// then there is no catch-up to recognise, and `fold_from` fails
+/// ("the fold state changed while the catch-up was being set up (another
+/// `tallyd fold-from`?)") without naming any uncertain event; run again it
+/// is refused (not stopped). The catch-up it started counted every event
+/// numbered after TIME again — those folded before the stop twice — and no
+/// run named them. Interleaving: the fold stopped; `fold_from(TIME)` writes
+/// the catch-up (applied, reply lost); its retry matches nothing (reply
+/// held a moment); the daemon folds the whole catch-up; `fold_from` reads
+/// the state back: no catch-up; error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_fold_from_whose_lost_write_a_daemon_finished_names_every_event_it_counts_again() {
+    if external() {
+        return; // needs a server with a small oplog
+    }
+    let Stopped {
+        _server,
+        ctx,
+        store,
+        before,
+        time,
+    } = stopped_after_folding("review_fold_from_lost_finished").await;
+    let since = humantime::parse_rfc3339(&time).unwrap();
+    let proxy = Proxy::start(&upstream_of(&ctx.uri).await).await;
+    let through = ctx.client_through(&proxy, false).await.store();
+    let _lost = proxy.rule(
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions("catch_up")
+            .nth(1)
+            .then(Action::DropReply),
+    );
+    let _slow_retry = proxy.rule(
+        Rule::command("update")
+            .collection("views_events_fold")
+            .mentions("catch_up")
+            .nth(2)
+            .then(Action::DelayReply(Duration::from_secs(20))),
+    );
+    let fold = fold_of(&through, "views");
+    let started = tokio::spawn(async move {
+        let from = fold.fold_from(since).await;
+        (fold, from)
+    });
+    wait_until(
+        "the retry of fold_from's catch-up write reached the server",
+        Duration::from_secs(30),
+        || async {
+            proxy
+                .log()
+                .iter()
+                .any(|e| matches!(e.action, Some(Action::DelayReply(_))) && e.server_replied)
+        },
+    )
+    .await;
+    assert!(
+        fold_state(&store).await.contains_key("catch_up"),
+        "the first write applied: the catch-up is there"
+    );
+    // The daemon, resuming meanwhile, folds the catch-up to its end.
+    let daemon = fold_of(&store, "views");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while fold_state(&store).await.contains_key("catch_up") {
+        let run = fold_all(&daemon).await;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon finishes the catch-up: {run:?}"
+        );
+    }
+    let (_fold, from) = started.await.unwrap();
+    // Run again, as the error says — refused, the fold is not stopped.
+    let again = fold_of(&store, "views").fold_from(since).await;
+    let named: Vec<serde_json::Value> = [&from, &again]
+        .into_iter()
+        .filter_map(|from| from.as_ref().ok())
+        .flat_map(|from| from.uncertain.iter())
+        .map(|e| serde_json::json!({ "event": e.key.as_str().unwrap(), "counted_now": e.counted }))
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let run = fold_all(&daemon).await;
+        if !run.backlog.catching_up && !run.busy && unfolded(&daemon).await == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "folded: {run:?}");
+    }
+    let shown = serde_json::json!({ "uncertain": named });
+    let (counters, expected, named) = judge(&store, &shown, &before).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what the fold_from runs named ({} named); the first run: \
+         {:?}; run again: {:?}",
+        named.len(),
+        from.as_ref().map(|f| f.uncertain_total),
+        again.as_ref().map(|f| f.uncertain_total),
+    );
+}
