@@ -62,6 +62,11 @@ pub(crate) fn collection_name(events: &str) -> String {
     format!("{events}_fold")
 }
 
+/// What [`Keeper::catch_up_from`] keeps of the catch-up it starts.
+pub(crate) fn catch_up_started(boundary: &Position, since: Option<i64>) -> Document {
+    doc! { "to": boundary.to_document(), "since": since }
+}
+
 /// The state document's fields.
 mod field {
     pub(super) const PASS: &str = "pass";
@@ -70,6 +75,8 @@ mod field {
     pub(super) const INTENT: &str = "intent";
     pub(super) const CATCH_UP: &str = "catch_up";
     pub(super) const CATCH_UP_DONE: &str = "catch_up.done";
+    /// The last catch-up started (`{to, since}`), kept once it is done.
+    pub(super) const CATCH_UP_STARTED: &str = "catch_up_started";
     pub(super) const HELD: &str = "held";
     pub(super) const STOPPED: &str = "stopped";
     pub(super) const INTENT_PASS: &str = "intent.pass";
@@ -217,6 +224,10 @@ pub(crate) struct FoldState {
     pub(crate) held: Vec<Held>,
     /// The fold cannot go on from its position.
     pub(crate) stopped: Option<Stopped>,
+    /// The boundary's token and `since` of the last catch-up started by
+    /// [`Keeper::catch_up_from`], kept after it is done: how a command
+    /// whose write's reply was lost knows the catch-up was its own.
+    pub(crate) catch_up_started: Option<Document>,
     /// What an earlier version left, not converted yet.
     pub(crate) earlier: Option<Earlier>,
     /// The document's size in bytes (0 without one).
@@ -365,8 +376,13 @@ impl Keeper {
         };
         let passes = unfinished.unwrap_or(state.pass);
         let filter = doc! { "_id": STATE_ID, field::VERSION: state.version };
+        let started = catch_up_started(boundary, since);
         let update = doc! {
-            "$set": { field::CATCH_UP: catch_up.to_document(), field::PASS: passes },
+            "$set": {
+                field::CATCH_UP: catch_up.to_document(),
+                field::PASS: passes,
+                field::CATCH_UP_STARTED: started,
+            },
             "$unset": {
                 field::POSITION: "", field::STOPPED: "", field::INTENT: "",
                 field::EARLIER_LANES: "", field::EARLIER_WATERMARK: "",

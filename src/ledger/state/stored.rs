@@ -26,6 +26,7 @@ pub(super) fn parse(document: &Document) -> Result<FoldState, String> {
     if let Some(position) = document.get(field::POSITION) {
         state.position = Some(position_of(position, "position")?);
     }
+    state.catch_up_started = document.get_document(field::CATCH_UP_STARTED).ok().cloned();
     if let Some(catch_up) = document.get(field::CATCH_UP) {
         let Bson::Document(catch_up) = catch_up else {
             return Err("its catch-up is not a document".into());

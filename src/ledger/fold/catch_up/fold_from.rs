@@ -4,13 +4,17 @@
 
 mod stop;
 
-use std::time::SystemTime;
+use std::collections::HashSet;
+use std::time::{Instant, SystemTime};
 
 use mongodb::bson::Bson;
 
+use super::LOG_READ_FOR;
+use crate::document::CanonicalKey;
 use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::tail::Tail;
+use crate::ledger::log::check_history_kept;
 use crate::ledger::{time_of, unix_micros};
 
 /// The most uncertain events [`EventFold::fold_from`] names one by one.
@@ -108,7 +112,22 @@ impl EventFold {
         let reader = self.open_here().await?;
         let boundary = reader.position()?;
         session.advance_operation_time(boundary.time);
-        let uncertain = self.uncertain(&mut session, &stop, since_number).await?;
+        let mut uncertain = self.uncertain(&mut session, &stop, since_number).await?;
+        // That read may see inserts that committed after the boundary: the
+        // log's, which counts them whatever their number — certain, so not
+        // named. The log up to a time after the read names every one
+        // (guarantee 5), as for a chunk.
+        let read_by = self.store.cluster_time().await?;
+        let mut tail = Tail::over(reader, boundary.clone());
+        tail.fill_until(&self.store, read_by, Instant::now() + LOG_READ_FOR)
+            .await?;
+        check_history_kept(&self.store, &self.events_name, &boundary).await?;
+        let later: HashSet<CanonicalKey> = tail
+            .read()
+            .iter()
+            .map(|inserted| CanonicalKey::of(&inserted.event.key))
+            .collect();
+        uncertain.leave_out(&later);
         // The events without a number go with the catch-up only when no
         // fold counted any of them; otherwise they are named.
         let unnumbered = !stop.unnumbered_counted;
@@ -133,12 +152,13 @@ impl EventFold {
             return Err(Error::FoldPassLost {
                 events: self.events_name.clone(),
                 pass: state.pass + 1,
-                why: "the fold state changed while the catch-up was being set up (another                       `tallyd fold-from`?); `tallyd status` shows where the fold stands"
+                why: "the fold state changed while the catch-up was being set up (another \
+                      `tallyd fold-from`?); `tallyd status` shows where the fold stands"
                     .into(),
             });
         }
         self.saw(&session);
-        running.tail = Some(Tail::over(reader, boundary.clone()));
+        running.tail = Some(tail);
         tracing::warn!(
             events = %self.events_name,
             since = %humantime::format_rfc3339_micros(since),
@@ -164,10 +184,11 @@ impl EventFold {
         boundary: &crate::ledger::log::Position,
         since: i64,
     ) -> Result<bool, Error> {
+        // Its record stays once the catch-up is done (a daemon may have
+        // folded it to its end meanwhile).
         let state = self.keeper.read(session).await?;
-        Ok(state
-            .catch_up
-            .is_some_and(|c| c.since == Some(since) && c.boundary.token == boundary.token))
+        let ours = crate::ledger::state::catch_up_started(boundary, Some(since));
+        Ok(state.catch_up_started.as_ref() == Some(&ours))
     }
 
     /// Where a stopped fold stood when it stopped — every event numbered up

@@ -24,13 +24,14 @@
 //! log or a last chunk took them, which only a state that never counted
 //! them rules out.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use mongodb::ClientSession;
 use mongodb::bson::doc;
 
 use super::{UNCERTAIN_LISTED, UncertainEvent};
-use crate::document::integer_value;
+use crate::document::{CanonicalKey, integer_value};
 use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::catch_up::range;
@@ -58,6 +59,19 @@ pub(super) struct Uncertain {
     pub(super) listed: Vec<UncertainEvent>,
     pub(super) total: u64,
     pub(super) between: (i64, i64),
+}
+
+impl Uncertain {
+    /// Leaves out the listed events among `later` (inserts the log counts
+    /// whatever their number), and from the total.
+    pub(super) fn leave_out(&mut self, later: &HashSet<CanonicalKey>) {
+        let listed = self.listed.len();
+        self.listed
+            .retain(|event| !later.contains(&CanonicalKey::of(&event.key)));
+        self.total = self
+            .total
+            .saturating_sub((listed - self.listed.len()) as u64);
+    }
 }
 
 impl EventFold {
