@@ -563,12 +563,21 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
     let (mut kills_mid_batch, mut recoveries) = (0, 0);
     for kill in 0..kills {
         tokio::time::sleep(Duration::from_millis(rng.u64(800..3000))).await;
-        // Half the kills — the first always — wait for a pass between its
-        // intent and its commit (its counters updated or not): a moment
-        // rarely hit at random.
-        let wait_for_a_pass = rng.bool() || kill == 0;
-        let mid_batch = wait_for_a_pass && intent_soon(&state).await;
+        // Half the kills — and every one until a kill has left a pass
+        // behind — wait for a pass between its intent and its commit (its
+        // counters updated or not): a moment rarely hit at random. Whether
+        // the kill left one is read after it (a pass seen may commit before
+        // the signal lands); a pass left is taken over by a later daemon.
+        let wait_for_a_pass = rng.bool() || kills_mid_batch == 0;
+        if wait_for_a_pass {
+            intent_soon(&state).await;
+        }
         daemon.kill();
+        let mid_batch = state
+            .find_one(doc! { "_id": "state", "intent": { "$exists": true } })
+            .await
+            .unwrap()
+            .is_some();
         kills_mid_batch += u32::from(mid_batch);
         recoveries += daemon.log().matches("taking over a fold pass").count();
         eprintln!(
@@ -678,7 +687,7 @@ async fn soak_recorder_processes_sending_twice_while_the_daemon_is_killed_again_
     recoveries += daemon.log().matches("taking over a fold pass").count();
     daemon.terminate();
     eprintln!(
-        "{kills_mid_batch} of {kills} daemon kills with a pass in progress, {recoveries} passes \
+        "{kills_mid_batch} of {kills} daemon kills left a pass in progress, {recoveries} passes \
          taken over; the soak took {:?}",
         began.elapsed()
     );
