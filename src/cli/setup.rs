@@ -70,17 +70,7 @@ impl IndexDone {
 /// so they are not tried. (A missing privilege may be one collection's.)
 fn stops_the_rest(err: &Error) -> bool {
     let code = exit_code_for(err);
-    let authentication = match err {
-        Error::Server(failure) => {
-            matches!(
-                failure.source.kind.as_ref(),
-                mongodb::error::ErrorKind::Authentication { .. }
-            ) || crate::error::server_code(&failure.source)
-                == Some(crate::error::code::AUTHENTICATION_FAILED)
-        }
-        _ => false,
-    };
-    code == EXIT_UNAVAILABLE || code == EXIT_CONFIG || authentication
+    code == EXIT_UNAVAILABLE || code == EXIT_CONFIG || err.is_authentication_failure()
 }
 
 /// What `setup` says of the indexes of `collection` it found or made.

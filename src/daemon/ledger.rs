@@ -469,9 +469,5 @@ impl Window {
 /// Whether a fold pass failed for an outage: the server unreachable (or
 /// not primary), or its lease run out while it waited.
 fn outage(err: &Error) -> bool {
-    match err {
-        Error::Server(failure) => failure.trouble() == crate::error::Trouble::Unavailable,
-        Error::FoldPassLost { .. } => true,
-        _ => false,
-    }
+    err.is_unavailable() || matches!(err, Error::FoldPassLost { .. })
 }

@@ -75,32 +75,6 @@ pub(crate) async fn events_matching(
     }
 }
 
-/// How many events of `events` match `filter`, counted in `session` at
-/// read concern `majority` (retried once).
-pub(crate) async fn count_matching(
-    store: &Store,
-    events: &Collection<Document>,
-    session: &mut ClientSession,
-    filter: &Document,
-    operation: &'static str,
-) -> Result<u64, Error> {
-    let mut budget = RetryBudget::read_once(operation);
-    loop {
-        budget.start_attempt();
-        let counted = events
-            .count_documents(filter.clone())
-            .read_concern(ReadConcern::majority())
-            .session(&mut *session);
-        match store.attempt(async { counted.await }).await {
-            Ok(count) => return Ok(count),
-            Err(err) => match store.after_failure(&mut budget, err) {
-                Next::Retry => {}
-                Next::GiveUp(failure) => return Err(Error::Server(failure)),
-            },
-        }
-    }
-}
-
 /// An event document as the fold reads it.
 pub(crate) fn logged(document: Document) -> Logged {
     Logged {

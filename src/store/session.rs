@@ -64,6 +64,33 @@ impl Store {
         }
     }
 
+    /// One `countDocuments` in `session` at `read_concern`, retried once on
+    /// a transient failure.
+    pub(crate) async fn count_in(
+        &self,
+        session: &mut ClientSession,
+        collection: &Collection<Document>,
+        filter: &Document,
+        read_concern: ReadConcern,
+        operation: &'static str,
+    ) -> Result<u64, Error> {
+        let mut budget = RetryBudget::read_once(operation);
+        loop {
+            budget.start_attempt();
+            let counted = collection
+                .count_documents(filter.clone())
+                .read_concern(read_concern.clone())
+                .session(&mut *session);
+            match self.attempt(async { counted.await }).await {
+                Ok(count) => return Ok(count),
+                Err(err) => match self.after_failure(&mut budget, err) {
+                    Next::Retry => {}
+                    Next::GiveUp(failure) => return Err(Error::Server(failure)),
+                },
+            }
+        }
+    }
+
     /// One idempotent `updateOne` in `session`, retried once on a
     /// transient failure.
     pub(crate) async fn update_one_in(

@@ -47,7 +47,7 @@ use super::tail::{self, Tail};
 use super::{Backlog, EventFold, PassRun, Running};
 use crate::document::{CanonicalKey, integer_value};
 use crate::error::{Error, Failure};
-use crate::ledger::log::{Logged, Reader, Scope, check_history_kept};
+use crate::ledger::log::{Logged, Position, Reader, Scope, check_history_kept};
 use crate::ledger::state::{CatchUp, Earlier, FoldState, Pass, Window};
 use crate::ledger::{field, time_of};
 
@@ -257,18 +257,30 @@ impl EventFold {
             _ => self.scan(session, range(after, upto)).await?,
         };
         let mut read = read;
-        let read_by = self.store.cluster_time().await?;
         let tail = self.tail_at(running, &catch_up.boundary).await?;
+        let later = self.inserted_since_read(tail, &catch_up.boundary).await?;
+        read.retain(|event| !later.contains(&CanonicalKey::of(&event.key)));
+        Ok(read)
+    }
+
+    /// The inserts after `boundary` up to now, by `tail` (standing at
+    /// `boundary`): every event a read of the collection just made saw
+    /// that committed after the boundary — the log's, whatever its number
+    /// (guarantee 5).
+    pub(super) async fn inserted_since_read(
+        &self,
+        tail: &mut Tail,
+        boundary: &Position,
+    ) -> Result<HashSet<CanonicalKey>, Error> {
+        let read_by = self.store.cluster_time().await?;
         tail.fill_until(&self.store, read_by, Instant::now() + LOG_READ_FOR)
             .await?;
-        check_history_kept(&self.store, &self.events_name, &catch_up.boundary).await?;
-        let later: HashSet<CanonicalKey> = tail
+        check_history_kept(&self.store, &self.events_name, boundary).await?;
+        Ok(tail
             .read()
             .iter()
             .map(|inserted| CanonicalKey::of(&inserted.event.key))
-            .collect();
-        read.retain(|event| !later.contains(&CanonicalKey::of(&event.key)));
-        Ok(read)
+            .collect())
     }
 
     /// The events matching `filter`, read at read concern `majority` in

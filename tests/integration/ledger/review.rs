@@ -595,6 +595,57 @@ fn named_by(outputs: &[&std::process::Output]) -> serde_json::Value {
     serde_json::json!({ "uncertain": uncertain })
 }
 
+/// Folds until no catch-up is left (at most ten folds, as the daemon's
+/// passes would).
+async fn fold_until_caught_up(store: &Store) {
+    for _ in 0..10 {
+        let run = fold_all(&fold_of(store, "views")).await;
+        if !run.backlog.catching_up && !run.busy {
+            break;
+        }
+    }
+}
+
+/// The operator runs `tallyd fold-from TIME --json` again after `first`,
+/// then the folds go on until caught up: the counters judged against what
+/// both runs named.
+async fn run_again_and_judge(
+    ctx: &TestContext,
+    store: &Store,
+    time: &str,
+    before: &BTreeSet<String>,
+    first: &std::process::Output,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(dir.path(), &config(ctx, ""));
+    let second = tallyd(&["--config", &path, "fold-from", time, "--json"], &[]).await;
+    fold_until_caught_up(store).await;
+    let shown = named_by(&[first, &second]);
+    let (counters, expected, named) = judge(store, &shown, before).await;
+    let (_, stored) = counters_and_events(store).await;
+    assert_eq!(
+        counters,
+        expected,
+        "the counters against what the fold-from runs named ({} events named; the distinct \
+         events stored: {stored:?}); the first run (exit {:?}): {}; run again (exit {:?}): {}",
+        named.len(),
+        first.status.code(),
+        text(first),
+        second.status.code(),
+        text(&second),
+    );
+}
+
+/// What `EventFold::fold_from` runs named, as `judge` reads `--json`.
+fn named_in<'a>(runs: impl IntoIterator<Item = &'a tally::FoldFrom>) -> serde_json::Value {
+    let uncertain: Vec<serde_json::Value> = runs
+        .into_iter()
+        .flat_map(|from| from.uncertain.iter())
+        .map(|e| serde_json::json!({ "event": e.key.as_str().unwrap(), "counted_now": e.counted }))
+        .collect();
+    serde_json::json!({ "uncertain": uncertain })
+}
+
 /// Review: `fold_from` starts its catch-up with one conditioned write
 /// (`Keeper::catch_up_from`, on the version read). When that write's reply
 /// is lost (a connection cut after the server applied it — a fault the
@@ -647,31 +698,8 @@ async fn review_fold_from_whose_catch_up_write_reply_is_lost_names_every_event_i
         .filter(|e| matches!(e.action, Some(Action::DropReply)))
         .count();
     assert_eq!(dropped, 1, "the catch-up write's reply was dropped");
-    // The operator does as told: runs it again (directly).
-    let dir2 = tempfile::tempdir().unwrap();
-    let path = write_config(dir2.path(), &config(&ctx, ""));
-    let second = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
-    // And the daemon folds whatever catch-up there is.
-    for _ in 0..10 {
-        let run = fold_all(&fold_of(&store, "views")).await;
-        if !run.backlog.catching_up && !run.busy {
-            break;
-        }
-    }
-    let shown = named_by(&[&first, &second]);
-    let (counters, expected, named) = judge(&store, &shown, &before).await;
-    let (_, stored) = counters_and_events(&store).await;
-    assert_eq!(
-        counters,
-        expected,
-        "the counters against what the fold-from runs named ({} events named; the distinct \
-         events stored: {stored:?}); the first run (exit {:?}): {}; run again (exit {:?}): {}",
-        named.len(),
-        first.status.code(),
-        text(&first),
-        second.status.code(),
-        text(&second),
-    );
+    // The operator runs it again (directly), then the daemon folds.
+    run_again_and_judge(&ctx, &store, &time, &before, &first).await;
 }
 
 /// Review: `tallyd fold-from --json` prints the uncertain events only once
@@ -722,29 +750,7 @@ async fn review_fold_from_json_whose_catch_up_fails_names_every_event_it_counts_
         text(&first)
     );
     // The operator runs it again (directly), then the daemon folds.
-    let dir2 = tempfile::tempdir().unwrap();
-    let path = write_config(dir2.path(), &config(&ctx, ""));
-    let second = tallyd(&["--config", &path, "fold-from", &time, "--json"], &[]).await;
-    for _ in 0..10 {
-        let run = fold_all(&fold_of(&store, "views")).await;
-        if !run.backlog.catching_up && !run.busy {
-            break;
-        }
-    }
-    let shown = named_by(&[&first, &second]);
-    let (counters, expected, named) = judge(&store, &shown, &before).await;
-    let (_, stored) = counters_and_events(&store).await;
-    assert_eq!(
-        counters,
-        expected,
-        "the counters against what the fold-from runs named ({} events named; the distinct \
-         events stored: {stored:?}); the first run (exit {:?}): {}; run again (exit {:?}): {}",
-        named.len(),
-        first.status.code(),
-        text(&first),
-        second.status.code(),
-        text(&second),
-    );
+    run_again_and_judge(&ctx, &store, &time, &before, &first).await;
 }
 
 /// Review: an exact read while a catch-up's only chunk (`(None, MAX]`: a
@@ -863,17 +869,8 @@ async fn review_fold_from_names_an_event_committing_while_it_starts_or_counts_it
         .await
         .unwrap();
     let from = started.await.unwrap().expect("fold_from");
-    for _ in 0..10 {
-        let run = fold_all(&fold_of(&store, "views")).await;
-        if !run.backlog.catching_up && !run.busy {
-            break;
-        }
-    }
-    let shown = serde_json::json!({
-        "uncertain": from.uncertain.iter().map(|e| serde_json::json!({
-            "event": e.key.as_str().unwrap(), "counted_now": e.counted,
-        })).collect::<Vec<_>>(),
-    });
+    fold_until_caught_up(&store).await;
+    let shown = named_in([&from]);
     let (counters, expected, named) = judge(&store, &shown, &before).await;
     assert_eq!(
         counters,
@@ -1160,12 +1157,11 @@ async fn review_fold_from_whose_lost_write_a_daemon_finished_names_every_event_i
     let (_fold, from) = started.await.unwrap();
     // Run again, as the error says — refused, the fold is not stopped.
     let again = fold_of(&store, "views").fold_from(since).await;
-    let named: Vec<serde_json::Value> = [&from, &again]
-        .into_iter()
-        .filter_map(|from| from.as_ref().ok())
-        .flat_map(|from| from.uncertain.iter())
-        .map(|e| serde_json::json!({ "event": e.key.as_str().unwrap(), "counted_now": e.counted }))
-        .collect();
+    let shown = named_in(
+        [&from, &again]
+            .into_iter()
+            .filter_map(|from| from.as_ref().ok()),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let run = fold_all(&daemon).await;
@@ -1174,7 +1170,6 @@ async fn review_fold_from_whose_lost_write_a_daemon_finished_names_every_event_i
         }
         assert!(std::time::Instant::now() < deadline, "folded: {run:?}");
     }
-    let shown = serde_json::json!({ "uncertain": named });
     let (counters, expected, named) = judge(&store, &shown, &before).await;
     assert_eq!(
         counters,

@@ -4,17 +4,13 @@
 
 mod stop;
 
-use std::collections::HashSet;
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 
 use mongodb::bson::Bson;
 
-use super::LOG_READ_FOR;
-use crate::document::CanonicalKey;
 use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::tail::Tail;
-use crate::ledger::log::check_history_kept;
 use crate::ledger::{time_of, unix_micros};
 
 /// The most uncertain events [`EventFold::fold_from`] names one by one.
@@ -117,16 +113,8 @@ impl EventFold {
         // log's, which counts them whatever their number — certain, so not
         // named. The log up to a time after the read names every one
         // (guarantee 5), as for a chunk.
-        let read_by = self.store.cluster_time().await?;
         let mut tail = Tail::over(reader, boundary.clone());
-        tail.fill_until(&self.store, read_by, Instant::now() + LOG_READ_FOR)
-            .await?;
-        check_history_kept(&self.store, &self.events_name, &boundary).await?;
-        let later: HashSet<CanonicalKey> = tail
-            .read()
-            .iter()
-            .map(|inserted| CanonicalKey::of(&inserted.event.key))
-            .collect();
+        let later = self.inserted_since_read(&mut tail, &boundary).await?;
         uncertain.leave_out(&later);
         // The events without a number go with the catch-up only when no
         // fold counted any of them; otherwise they are named.

@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use mongodb::ClientSession;
 use mongodb::bson::doc;
+use mongodb::options::ReadConcern;
 
 use super::{UNCERTAIN_LISTED, UncertainEvent};
 use crate::document::{CanonicalKey, integer_value};
@@ -36,7 +37,7 @@ use crate::error::Error;
 use crate::ledger::fold::EventFold;
 use crate::ledger::fold::catch_up::range;
 use crate::ledger::log::Position;
-use crate::ledger::scan::{Matching, count_matching, events_matching};
+use crate::ledger::scan::{Matching, events_matching};
 use crate::ledger::state::{CatchUp, FoldState, Pass, Window};
 use crate::ledger::{field, time_of, unix_micros};
 
@@ -160,7 +161,16 @@ impl EventFold {
             });
         }
         let filter = doc! { "$or": either };
-        let total = count_matching(&self.store, &self.events, session, &filter, OPERATION).await?;
+        let total = self
+            .store
+            .count_in(
+                session,
+                &self.events,
+                &filter,
+                ReadConcern::majority(),
+                OPERATION,
+            )
+            .await?;
         let listed = events_matching(
             &self.store,
             &self.events,
