@@ -594,15 +594,6 @@ impl Error {
     pub(crate) fn is_unavailable(&self) -> bool {
         matches!(self, Self::Server(failure) if failure.trouble() == Trouble::Unavailable)
     }
-
-    /// Whether the server refused the credentials (every operation on
-    /// it fails the same way; a missing privilege may be one collection's).
-    #[cfg(feature = "daemon")]
-    pub(crate) fn is_authentication_failure(&self) -> bool {
-        matches!(self, Self::Server(failure) if
-            matches!(failure.source.kind.as_ref(), mongodb::error::ErrorKind::Authentication { .. })
-                || server_code(&failure.source) == Some(code::AUTHENTICATION_FAILED))
-    }
 }
 
 #[cfg(test)]

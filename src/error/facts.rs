@@ -161,3 +161,14 @@ pub(crate) fn duplicate_on_id(err: &MongoError) -> Option<bool> {
     };
     Some(pattern.keys().eq(["_id"]))
 }
+
+impl super::Error {
+    /// Whether the server refused the credentials (every operation on
+    /// it fails the same way; a missing privilege may be one collection's).
+    #[cfg(feature = "daemon")]
+    pub(crate) fn is_authentication_failure(&self) -> bool {
+        matches!(self, Self::Server(failure) if
+            matches!(failure.source.kind.as_ref(), mongodb::error::ErrorKind::Authentication { .. })
+                || server_code(&failure.source) == Some(super::code::AUTHENTICATION_FAILED))
+    }
+}
