@@ -361,14 +361,17 @@ impl LedgerFolder {
 
     /// `events_fold_behind`: the fold's position is older than half the
     /// oplog's window (`window`, in seconds, when the daemon may read it)
-    /// and than `stuck_after`: a fold a moment behind a young oplog (a new
-    /// deployment's, whose window is only as long as its life so far) is
-    /// not at risk.
+    /// and than `stuck_after` and the idle advance: a fold a moment behind
+    /// a young oplog (a new deployment's, whose window is only as long as
+    /// its life so far) is not at risk.
     fn alert_behind(&self, backlog: &Backlog, window: Option<f64>) {
         let (Some(age), Some(window)) = (backlog.position_age, window) else {
             return;
         };
-        let behind = age.as_secs_f64() > window / 2.0 && age > self.timing.stuck_after;
+        // A position younger than the idle advance is where an idle fold
+        // keeps it by design, whatever the window.
+        let floor = self.timing.stuck_after.max(self.fold.idle_advance());
+        let behind = age.as_secs_f64() > window / 2.0 && age > floor;
         let observation = behind.then(|| Observation {
             count: backlog.events,
             oldest_age: Some(age),

@@ -513,6 +513,12 @@ impl EventFold {
         Ok(run)
     }
 
+    /// How far behind the log an idle ledger's position may stand before a
+    /// pass moves it up (`advance_after`).
+    pub(crate) fn idle_advance(&self) -> Duration {
+        self.settings.advance_after
+    }
+
     /// Reads the log into the fold's read-ahead for at most `wait`, and says
     /// how many inserts wait to be folded: for a daemon that folds as soon
     /// as inserts come. `None` (at once) while the fold has no log open:
