@@ -515,6 +515,7 @@ impl EventFold {
 
     /// How far behind the log an idle ledger's position may stand before a
     /// pass moves it up (`advance_after`).
+    #[cfg(feature = "daemon")]
     pub(crate) fn idle_advance(&self) -> Duration {
         self.settings.advance_after
     }
